@@ -1,0 +1,126 @@
+"""Kimi Delta Attention: short causal conv and the gated delta rule (spec/model.md §3).
+
+Packed varlen layout: tokens of B sequences concatenated, `cu_seqlens` (host list, B+1 entries)
+delimits them. Per-sequence state lives in slots (`state_slots[b]`) of the state tensors and is
+updated in place; `is_fresh[b]` means the sequence starts here (zero history).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                      cu_seqlens: list[int], state_slots: list[int], is_fresh: list[bool]
+                      ) -> torch.Tensor:
+    """Depthwise causal conv + SiLU in fp32, cast to x's dtype.
+
+    x `[T, C]`, weight `[C, K]`, conv_state `[S, C, K-1]` (the last K-1 inputs per slot).
+    """
+    num_tokens, channels = x.shape
+    kernel = weight.shape[-1]
+    hist_len = kernel - 1
+    slots = torch.tensor(state_slots, dtype=torch.long, device=x.device)
+    fresh = torch.tensor(is_fresh, dtype=torch.bool, device=x.device)
+    hist = conv_state[slots].transpose(1, 2)  # [B, K-1, C]
+    hist = hist.masked_fill(fresh[:, None, None], 0).to(x.dtype)
+    # One buffer holding [history_b | tokens_b] for every sequence, so windows are plain gathers.
+    parts, token_rows, new_state_rows = [], [], []
+    offset = 0
+    for b in range(len(state_slots)):
+        start, end = cu_seqlens[b], cu_seqlens[b + 1]
+        parts += [hist[b], x[start:end]]
+        n = end - start
+        token_rows.append(torch.arange(offset + hist_len, offset + hist_len + n))
+        new_state_rows.append(torch.arange(offset + n, offset + n + hist_len))
+        offset += hist_len + n
+    ext = torch.cat(parts)  # [T + B*(K-1), C]
+    rows = torch.cat(token_rows).to(x.device)
+    window = rows[:, None] + torch.arange(-hist_len, 1, device=x.device)  # [T, K]
+    out = (ext[window].float() * weight.float().t()).sum(1)  # [T, C]
+    conv_state[slots] = ext[torch.cat(new_state_rows).to(x.device)].view(
+        len(state_slots), hist_len, channels).transpose(1, 2).to(conv_state.dtype)
+    return F.silu(out).to(x.dtype)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`x / sqrt(sum x^2 + eps)` (eps inside the root, as the reference)."""
+    return x / torch.sqrt(x.square().sum(-1, keepdim=True) + eps)
+
+
+def kda_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            state: torch.Tensor, cu_seqlens: list[int], state_slots: list[int],
+            is_fresh: list[bool], *, chunk_size: int = 64) -> torch.Tensor:
+    """Gated delta rule with per-channel decay. Returns o `[T, H, dv]` in q's dtype.
+
+    q, k `[T, H, dk]`, v `[T, H, dv]`, g `[T, H, dk]` log-decay (fp32), beta `[T, H]`,
+    state `[S, H, dk, dv]` fp32, updated in place. Single-token sequences take the recurrent
+    form, longer ones the chunked form (the reference's split).
+    """
+    out_dtype = q.dtype
+    q = l2_normalize(q.float()) * q.shape[-1] ** -0.5
+    k, v, g, beta = l2_normalize(k.float()), v.float(), g.float(), beta.float()
+    out = torch.empty_like(v)
+    lens = [cu_seqlens[b + 1] - cu_seqlens[b] for b in range(len(state_slots))]
+    decode = [b for b, n in enumerate(lens) if n == 1]
+    if decode:
+        tok = torch.tensor([cu_seqlens[b] for b in decode], device=q.device)
+        slots = torch.tensor([state_slots[b] for b in decode], device=q.device)
+        fresh = torch.tensor([is_fresh[b] for b in decode], device=q.device)
+        s0 = state[slots].masked_fill(fresh[:, None, None, None], 0)
+        out[tok], state[slots] = recurrent_step(s0, q[tok], k[tok], v[tok], g[tok], beta[tok])
+    for b, n in enumerate(lens):
+        if n <= 1:
+            continue
+        s0 = torch.zeros_like(state[0]) if is_fresh[b] else state[state_slots[b]]
+        sl = slice(cu_seqlens[b], cu_seqlens[b + 1])
+        out[sl], state[state_slots[b]] = chunked_sequence(
+            q[sl], k[sl], v[sl], g[sl], beta[sl], s0, chunk_size)
+    return out.to(out_dtype)
+
+
+def recurrent_step(s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for a batch: s `[B, H, dk, dv]`; decay, read, correct, write, output."""
+    s = s * g.exp().unsqueeze(-1)
+    read = torch.einsum("bhkv,bhk->bhv", s, k)
+    delta = beta.unsqueeze(-1) * (v - read)
+    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    return torch.einsum("bhkv,bhk->bhv", s, q), s
+
+
+def chunked_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, s0: torch.Tensor, chunk_size: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence `[n, H, d]` in chunks; derivation in kernels/kda/README.md."""
+    n = q.shape[0]
+    pad = -n % chunk_size
+    q, k, v, g = (F.pad(t, (0, 0, 0, 0, 0, pad)).transpose(0, 1) for t in (q, k, v, g))
+    beta = F.pad(beta, (0, 0, 0, pad)).transpose(0, 1)  # [H, n+pad]
+    outs, s = [], s0
+    for c0 in range(0, n + pad, chunk_size):
+        c = slice(c0, c0 + chunk_size)
+        o, s = _chunk(q[:, c], k[:, c], v[:, c], g[:, c], beta[:, c], s)
+        outs.append(o)
+    return torch.cat(outs, dim=1)[:, :n].transpose(0, 1), s
+
+
+def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+           s0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk for all heads: q, k, g `[H, C, dk]`, v `[H, C, dv]`, beta `[H, C]`, s0 `[H, dk, dv]`."""
+    size = q.shape[1]
+    cum = g.cumsum(dim=1)
+    causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+    # decay[h, t, s, c] = exp(cum_t - cum_s) for s <= t; masked before exp so it never overflows.
+    diff = (cum.unsqueeze(2) - cum.unsqueeze(1)).masked_fill(~causal[None, :, :, None], float("-inf"))
+    decay = diff.exp()
+    kk = torch.einsum("htc,hsc,htsc->hts", k, k, decay).tril(-1)
+    qk = torch.einsum("htc,hsc,htsc->hts", q, k, decay)
+    rhs = beta.unsqueeze(-1) * (v - (k * cum.exp()) @ s0)
+    system = torch.eye(size, device=q.device) + beta.unsqueeze(-1) * kk
+    delta = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    out = (q * cum.exp()) @ s0 + qk @ delta
+    last = cum[:, -1:]
+    s_new = last.transpose(1, 2).exp() * s0 + (k * (last - cum).exp()).transpose(1, 2) @ delta
+    return out, s_new

@@ -1,0 +1,70 @@
+"""Building blocks: RMSNorm, (block-FP8) Linear, clamped SwiGLU MLP (spec/model.md §2.4, §5.1)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from glmflash.kernels.fp8_gemm import FP8_DTYPE, block_scale_shape, fp8_linear
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Normalise in fp32, cast back to x's dtype, then scale by the weight in the model dtype."""
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y if weight is None else weight * y
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Linear(nn.Module):
+    """`y = x W^T (+ b)`; with `fp8_block` the weight is FP8 e4m3 plus `weight_scale_inv`."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, *,
+                 bias: bool = False, fp8_block: int | None = None) -> None:
+        super().__init__()
+        self.fp8_block = fp8_block
+        weight_dtype = FP8_DTYPE if fp8_block else dtype
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=weight_dtype),
+                                   requires_grad=False)
+        if fp8_block:
+            scale_shape = block_scale_shape((out_features, in_features), fp8_block)
+            self.weight_scale_inv = nn.Parameter(torch.empty(scale_shape, dtype=torch.float32),
+                                                 requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) \
+            if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_block:
+            y = fp8_linear(x, self.weight, self.weight_scale_inv, block=self.fp8_block)
+        else:
+            y = nn.functional.linear(x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """`silu(min(gate, L)) * clip(up, -L, L)`: the clamp acts on the pre-activations."""
+    return nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+class MLP(nn.Module):
+    """SwiGLU with the GLM clamp: dense layers and the shared expert."""
+
+    def __init__(self, hidden: int, width: int, limit: float, dtype: torch.dtype,
+                 fp8_block: int | None) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden, width, dtype, fp8_block=fp8_block)
+        self.up_proj = Linear(hidden, width, dtype, fp8_block=fp8_block)
+        self.down_proj = Linear(width, hidden, dtype, fp8_block=fp8_block)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))

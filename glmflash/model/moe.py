@@ -1,0 +1,97 @@
+"""Routed experts with a shared expert (spec/model.md §5.2-5.3)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from glmflash.config import ModelConfig
+from glmflash.kernels.fp8_gemm import FP8_DTYPE, block_scale_shape, dequantize_block_fp8
+from glmflash.model.layers import MLP, clamped_swiglu
+
+
+class Router(nn.Module):
+    """Sigmoid scores; bias-corrected, group-limited top-k choice; renormalised, scaled weights."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        e = config.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(e, config.hidden_size, dtype=dtype),
+                                   requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(e, dtype=torch.float32),
+                                                    requires_grad=False)
+        self.top_k, self.num_groups, self.topk_groups = (config.num_experts_per_tok,
+                                                         config.n_group, config.topk_group)
+        self.renormalize, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (expert ids `[T, k]`, fp32 weights `[T, k]`)."""
+        scores = torch.sigmoid(x.float() @ self.weight.float().t())
+        choice = scores + self.e_score_correction_bias
+        num_tokens = x.shape[0]
+        grouped = choice.view(num_tokens, self.num_groups, -1)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        kept = group_scores.topk(self.topk_groups, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).view(num_tokens, -1)
+        ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return ids, weights * self.scaling
+
+
+class StackedWeight(nn.Module):
+    """One projection of all experts: `[E, N, K]` (FP8 with `[E, N/b, K/b]` scales, or plain)."""
+
+    def __init__(self, num_experts: int, n: int, k: int, dtype: torch.dtype,
+                 fp8_block: int | None) -> None:
+        super().__init__()
+        self.fp8_block = fp8_block
+        self.weight = nn.Parameter(torch.empty(num_experts, n, k,
+                                               dtype=FP8_DTYPE if fp8_block else dtype),
+                                   requires_grad=False)
+        if fp8_block:
+            self.weight_scale_inv = nn.Parameter(
+                torch.empty(block_scale_shape((num_experts, n, k), fp8_block),
+                            dtype=torch.float32), requires_grad=False)
+
+    def expert(self, e: int, dtype: torch.dtype) -> torch.Tensor:
+        if not self.fp8_block:
+            return self.weight[e].to(dtype)
+        return dequantize_block_fp8(self.weight[e], self.weight_scale_inv[e],
+                                    block=self.fp8_block, dtype=dtype)
+
+
+class Experts(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, fp8_block: int | None) -> None:
+        super().__init__()
+        e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_proj = StackedWeight(e, i, d, dtype, fp8_block)
+        self.up_proj = StackedWeight(e, i, d, dtype, fp8_block)
+        self.down_proj = StackedWeight(e, d, i, dtype, fp8_block)
+        self.limit = config.swiglu_limit
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            token_idx, slot = torch.where(ids == e)
+            h = x[token_idx]
+            act = clamped_swiglu(h @ self.gate_proj.expert(e, x.dtype).t(),
+                                 h @ self.up_proj.expert(e, x.dtype).t(), self.limit)
+            y = act @ self.down_proj.expert(e, x.dtype).t()
+            out.index_add_(0, token_idx, (y * weights[token_idx, slot, None]).to(x.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, fp8_block: int | None) -> None:
+        super().__init__()
+        self.gate = Router(config, dtype)
+        self.experts = Experts(config, dtype, fp8_block)
+        width = config.moe_intermediate_size * config.n_shared_experts
+        self.shared_experts = MLP(config.hidden_size, width, config.swiglu_limit, dtype, fp8_block)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x)
+        return self.experts(x, ids, weights) + self.shared_experts(x)
