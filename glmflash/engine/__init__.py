@@ -1,0 +1,1 @@
+"""The serving engine: sequences, scheduling, the model runner, sampling."""

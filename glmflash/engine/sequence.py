@@ -1,0 +1,54 @@
+"""A request's mutable state as it flows through the engine (no torch here)."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from glmflash.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Token ids grow as tokens are sampled; prefill vs decode is derived from the counters."""
+
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("a prompt needs at least one token")
+        self.seq_id = seq_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.logprobs: list[dict[int, float]] = []
+        self.state_slot: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def finish(self, reason: str) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
