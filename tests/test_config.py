@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
+from pathlib import Path
 
 import pytest
 
 from glmflash.config import KDA, MLA, ConfigError, ModelConfig
-
-ORACLE_RECIPE = "../shared/spec/oracle_recipe"
 
 
 def _write(tmp_path, config: dict):
@@ -18,16 +16,8 @@ def _write(tmp_path, config: dict):
 
 
 def _release_config() -> dict:
-    sys.path.insert(0, ORACLE_RECIPE)
-    try:
-        from real_config import FULL
-    except ImportError:
-        pytest.skip("shared/spec/oracle_recipe is not next to the checkout")
-    finally:
-        sys.path.remove(ORACLE_RECIPE)
-    return dict(FULL, quantization_config={"quant_method": "fp8", "fmt": "e4m3",
-                                           "activation_scheme": "dynamic",
-                                           "weight_block_size": [128, 128]})
+    """The released config.json as reconstructed in spec/model.md (oracle_recipe/real_config.py)."""
+    return json.loads((Path(__file__).parent / "data" / "release_config.json").read_text())
 
 
 def test_release_config(tmp_path):
