@@ -53,3 +53,19 @@ def oracle_logits(model, token_ids: list[int]) -> torch.Tensor:
     """Full-sequence logits `[T, V]` of one sequence alone, no cache."""
     ids = torch.tensor([token_ids])
     return model(input_ids=ids, use_cache=False).logits[0].float()
+
+
+NEAR_TIE = 1e-4
+
+
+def assert_greedy_matches(model, prompt: list[int], produced: list[int]) -> None:
+    """Each produced token is the oracle's argmax, or its runner-up at a near-tie (< 1e-4).
+
+    One causal forward over prompt + produced gives the next-token logits of every step.
+    """
+    logits = oracle_logits(model, list(prompt) + list(produced))
+    for i, token in enumerate(produced):
+        top2 = logits[len(prompt) - 1 + i].topk(2)
+        near_tie = float(top2.values[0] - top2.values[1]) < NEAR_TIE
+        assert token == int(top2.indices[0]) or (near_tie and token == int(top2.indices[1])), \
+            f"step {i}: got {token}, oracle {top2.indices.tolist()} {top2.values.tolist()}"

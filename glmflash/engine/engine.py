@@ -1,45 +1,58 @@
-"""`glmflash.Engine`: the embedded library. One step = schedule, run, sample, update."""
+"""`glmflash.Engine`: one step = schedule, run, sample, update, emit; a loop thread drives it."""
 
 from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, field
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from glmflash.config import ModelConfig
-from glmflash.engine.model_runner import ModelRunner, load_model
+from glmflash.engine.api import EngineApiMixin
+from glmflash.engine.cache import CacheManager
+from glmflash.engine.detokenizer import SequenceDetokenizer
+from glmflash.engine.model_runner import ModelRunner, load_model, plan_cache
+from glmflash.engine.options import EngineConfig
+from glmflash.engine.outputs import Result, StreamDelta
 from glmflash.engine.sampler import Sampler
-from glmflash.engine.sequence import Sequence, SequenceStatus
+from glmflash.engine.scheduler import Scheduler, SchedulerConfig, TokenDelta
+from glmflash.engine.sequence import Sequence
 from glmflash.sampling_params import SamplingParams
 from glmflash.tokenizer import Tokenizer
 from glmflash.utils.logging import setup_logging
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["Engine", "EngineOverloaded", "Result"]
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+Sink = Callable[[StreamDelta], None]
+
+
+class EngineOverloaded(RuntimeError):
+    """More choices are in flight (queued or running) than max_queued_requests allows."""
 
 
 @dataclass
-class Result:
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    logprobs: list[dict[int, float]] | None = None
-    """Per generated token: token id -> logprob for the top-k and the sampled token."""
-    extra: dict = field(default_factory=dict)
+class _Choice:
+    request_id: str
+    index: int
+    sink: Sink
+    detok: SequenceDetokenizer
 
 
-class Engine:
-    """Loads a checkpoint (the embedded tiny one when `model_path` is None) and generates."""
+class Engine(EngineApiMixin):
+    """Loads a checkpoint (the embedded tiny one when `model_path` is None) and serves requests."""
 
     def __init__(self, model_path: str | Path | None = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, **options) -> None:
         setup_logging(options.pop("log_level", None))
+        self.options = EngineConfig.from_options(options)
         if model_path is None:
             from glmflash.tiny.embedded import embedded_checkpoint
             model_path = embedded_checkpoint()
@@ -48,88 +61,171 @@ class Engine:
         self.dtype = resolve_dtype(dtype, self.device)
         self.config = ModelConfig.from_hf(self.model_path)
         self.tokenizer = Tokenizer.from_dir(self.model_path)
-        self.max_seq_len = int(options.pop("context_length", None) or 4096)
-        max_num_seqs = int(options.pop("max_running_requests", None) or 16)
-        self.sampler = Sampler(options.pop("seed", None))
-        if options:
-            raise TypeError(f"unknown Engine options: {sorted(options)}")
+        self.max_seq_len = self.options.context_length or min(self.config.max_position_embeddings,
+                                                              8192)
         model = load_model(self.model_path, self.config, self.device, self.dtype)
-        self.runner = ModelRunner(model, max_num_seqs=max_num_seqs, max_seq_len=self.max_seq_len)
-        self.eos_token_ids = set(self.config.eos_token_id) | set(self.tokenizer.eos_token_ids)
-        self._ids = itertools.count()
-        logger.info("engine ready: %s on %s (%s)", self.model_path, self.device, self.dtype)
+        plan = plan_cache(self.config, self.options, self.max_seq_len, self.device, self.dtype)
+        self.cache = CacheManager(plan)
+        self.runner = ModelRunner(model, plan)
+        self.eos_token_ids = frozenset(self.config.eos_token_id) | set(self.tokenizer.eos_token_ids)
+        self.scheduler = Scheduler(
+            SchedulerConfig(self.options.max_running_requests, self.options.chunked_prefill_size,
+                            self.max_seq_len), self.cache, self.eos_token_ids)
+        self.sampler = Sampler(self.options.seed)
+        self._choices: dict[int, _Choice] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._stopping = False
+        self.num_pending = 0
+        logger.info("engine ready: %s on %s (%s), context %d", self.model_path, self.device,
+                    self.dtype, self.max_seq_len)
 
-    def generate(self, prompts: str | list[str] | None = None,
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
-                 prompt_token_ids: list[int] | list[list[int]] | None = None) -> list[Result]:
-        """Generate for every prompt (text, or token ids); results in prompt order."""
-        token_lists = self._prompt_token_lists(prompts, prompt_token_ids)
-        params = _per_prompt(sampling_params, len(token_lists))
-        seqs = [self._new_sequence(ids, p) for ids, p in zip(token_lists, params)]
-        waiting, running = list(seqs), []
-        while waiting or running:
-            while waiting and self.runner.can_allocate():
-                seq = waiting.pop(0)
-                self.runner.allocate(seq)
-                seq.status = SequenceStatus.RUNNING
-                running.append(seq)
-            self.step(running)
-            running = [s for s in running if not s.is_finished]
-        return [self._result(s) for s in seqs]
+    # Submission, from any thread.
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, sink: Sink, *,
+                    request_id: str | None = None, n: int = 1) -> str:
+        """Queue a request of `n` choices; `sink` receives its StreamDeltas on the engine thread."""
+        self._validate_prompt(prompt_token_ids)
+        limit = self.options.max_queued_requests
+        if limit is not None and self.num_pending >= limit:
+            raise EngineOverloaded("the engine is overloaded; try again later")
+        request_id = request_id or f"req-{next(self._request_ids)}"
+        seqs = []
+        for index in range(n):
+            choice_params = params if params.seed is None or index == 0 else \
+                _with_seed(params, params.seed + index)
+            seq = Sequence(next(self._seq_ids), prompt_token_ids, choice_params)
+            self._choices[seq.seq_id] = _Choice(request_id, index, sink,
+                                                SequenceDetokenizer(self.tokenizer, seq))
+            seqs.append(seq)
+        with self._lock:
+            self.num_pending += n
+        self._inbox.put(("add", seqs))
+        if self.options.background_loop:
+            self._ensure_thread()
+        return request_id
 
-    def step(self, running: list[Sequence]) -> None:
-        logits = self.runner.run(running)
-        for seq, token in zip(running, self.sampler.sample(logits, running)):
-            seq.token_ids.append(token)
-            self._check_stop(seq)
-            if seq.is_finished:
-                self.runner.free(seq)
-                self.sampler.release(seq)
+    def abort(self, request_id: str) -> None:
+        """Stop a request at any moment; its pages and slots are freed on the engine thread."""
+        self._inbox.put(("abort", request_id))
 
-    def _new_sequence(self, token_ids: list[int], params: SamplingParams) -> Sequence:
-        if len(token_ids) >= self.runner.max_seq_len:
-            raise ValueError(f"prompt of {len(token_ids)} tokens does not fit the context length "
-                             f"{self.runner.max_seq_len}")
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._inbox.put(("stop", None))
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def step(self) -> None:
+        """Take in submissions and aborts, then run one scheduled batch (if any)."""
+        self._drain_inbox(block=False)
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return
+        logits = self.runner.run(batch)
+        sampled = [s for s, need in zip(batch.seqs, batch.needs_sample) if need]
+        self._emit(self.scheduler.update(batch, self.sampler.sample(logits, sampled)))
+        if self.options.check_integrity:
+            self.cache.check_integrity()
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity()
+
+    # The engine thread.
+    def _ensure_thread(self) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._stopping = False
+                self._thread = threading.Thread(target=self._loop, name="glmflash-engine",
+                                                daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            if not self.scheduler.has_work:
+                self._drain_inbox(block=True)
+            if self._stopping:
+                continue
+            try:
+                self.step()
+            except Exception as exc:  # a failed step ends its requests, not the engine
+                logger.exception("engine step failed")
+                self._fail_all(f"{type(exc).__name__}: {exc}")
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            message = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = message
+            if kind == "add":
+                for seq in payload:
+                    self.scheduler.add(seq)
+            elif kind == "abort":
+                self._abort(payload)
+            elif kind == "stop":
+                return
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _abort(self, request_id: str) -> None:
+        for seq_id, choice in list(self._choices.items()):
+            if choice.request_id == request_id:
+                seq = self.scheduler.abort(seq_id)
+                if seq is not None:
+                    self._finish(seq, choice, StreamDelta(request_id, choice.index, "", [],
+                                                          "abort"))
+
+    def _fail_all(self, error: str) -> None:
+        for seq_id, choice in list(self._choices.items()):
+            seq = self.scheduler.abort(seq_id)
+            if seq is not None:
+                self._finish(seq, choice, StreamDelta(choice.request_id, choice.index, "", [],
+                                                      "error", error=error))
+
+    def _emit(self, deltas: list[TokenDelta]) -> None:
+        for delta in deltas:
+            seq, choice = delta.seq, self._choices[delta.seq.seq_id]
+            visible = delta.token_ids
+            if delta.finish_reason == "stop" and visible[-1] in (
+                    self.eos_token_ids | set(seq.params.stop_token_ids)):
+                visible = visible[:-1]
+            text = choice.detok.add(visible, is_last=delta.finish_reason is not None)
+            reason = delta.finish_reason
+            if text.hit_stop_string and reason is None:
+                self.scheduler.finish(seq, "stop")
+                reason = "stop"
+            logprobs = seq.logprobs[-len(delta.token_ids):] if seq.params.logprobs is not None \
+                else None
+            out = StreamDelta(choice.request_id, choice.index, text.text, delta.token_ids, reason,
+                              logprobs, seq.num_prompt_tokens, seq.num_output_tokens)
+            if reason:
+                self._finish(seq, choice, out)
+            else:
+                choice.sink(out)
+
+    def _finish(self, seq: Sequence, choice: _Choice, delta: StreamDelta) -> None:
+        del self._choices[seq.seq_id]
+        self.sampler.release(seq)
+        with self._lock:
+            self.num_pending -= 1
+        delta.num_prompt_tokens = seq.num_prompt_tokens
+        delta.num_output_tokens = seq.num_output_tokens
+        choice.sink(delta)
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("a prompt needs at least one token")
         if any(not 0 <= t < self.config.vocab_size for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size})")
-        return Sequence(next(self._ids), token_ids, params)
-
-    def _prompt_token_lists(self, prompts, prompt_token_ids) -> list[list[int]]:
-        if (prompts is None) == (prompt_token_ids is None):
-            raise ValueError("pass exactly one of prompts and prompt_token_ids")
-        if prompts is not None:
-            prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-            return [self.tokenizer.encode(p) for p in prompts]
-        if prompt_token_ids and isinstance(prompt_token_ids[0], int):
-            return [list(prompt_token_ids)]
-        return [list(ids) for ids in prompt_token_ids]
-
-    def _check_stop(self, seq: Sequence) -> None:
-        params, token = seq.params, seq.token_ids[-1]
-        if token in params.stop_token_ids or (token in self.eos_token_ids
-                                              and not params.ignore_eos):
-            seq.finish("stop")
-        elif params.stop and any(s in self._text(seq) for s in params.stop):
-            seq.finish("stop")
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.runner.max_seq_len:
-            seq.finish("length")
-
-    def _text(self, seq: Sequence) -> str:
-        ids = seq.output_token_ids
-        if seq.finish_reason == "stop" and ids and (ids[-1] in self.eos_token_ids
-                                                    or ids[-1] in seq.params.stop_token_ids):
-            ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
-
-    def _result(self, seq: Sequence) -> Result:
-        text = self._text(seq)
-        for stop in seq.params.stop:
-            cut = text.find(stop)
-            if cut >= 0:
-                text = text[:cut]
-        return Result(prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-                      token_ids=seq.output_token_ids, text=text, finish_reason=seq.finish_reason,
-                      logprobs=seq.logprobs if seq.params.logprobs is not None else None)
+        if len(token_ids) >= self.max_seq_len:
+            raise ValueError(f"prompt of {len(token_ids)} tokens does not fit the context length "
+                             f"of {self.max_seq_len} tokens")
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -142,11 +238,5 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return _DTYPES[dtype]
 
 
-def _per_prompt(params, count: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams() for _ in range(count)]
-    if isinstance(params, SamplingParams):
-        return [params] * count
-    if len(params) != count:
-        raise ValueError(f"{len(params)} sampling params for {count} prompts")
-    return list(params)
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    return replace(params, seed=seed)

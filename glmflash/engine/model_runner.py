@@ -1,4 +1,4 @@
-"""Owns the model, its cache tensors and the device inputs: sequences in, last-token logits out."""
+"""Owns the model, its cache tensors and the device inputs: ScheduledBatch -> logits to sample."""
 
 from __future__ import annotations
 
@@ -8,13 +8,16 @@ from pathlib import Path
 import torch
 
 from glmflash.config import ModelConfig
-from glmflash.engine.sequence import Sequence
+from glmflash.engine.cache import CachePlan
+from glmflash.engine.options import EngineConfig
+from glmflash.engine.scheduler import ScheduledBatch
 from glmflash.model.forward_batch import ForwardBatch
 from glmflash.model.glm import GlmForCausalLM
-from glmflash.model.state import ModelState
+from glmflash.model.state import ModelState, cache_bytes
 from glmflash.model.weights import load_checkpoint
 
 logger = logging.getLogger(__name__)
+GIB = 1 << 30
 
 
 def load_model(path: Path, config: ModelConfig, device: torch.device,
@@ -25,54 +28,74 @@ def load_model(path: Path, config: ModelConfig, device: torch.device,
     return model.eval()
 
 
-class ModelRunner:
-    """Each sequence owns one state slot and a contiguous range of `max_seq_len` token slots."""
+def plan_cache(model_config: ModelConfig, config: EngineConfig, max_seq_len: int,
+               device: torch.device, dtype: torch.dtype) -> CachePlan:
+    """Pages and state slots that fit the memory budget; refuses a budget below one sequence."""
+    page = -(-config.page_size // model_config.index_kpool) * model_config.index_kpool
+    per_token, per_slot = cache_bytes(model_config, dtype)
+    if device.type == "cuda":
+        _, total = torch.cuda.mem_get_info(device)
+        budget = total * config.mem_fraction_static - torch.cuda.memory_allocated(device)
+    else:
+        budget = config.cache_budget_gb * GIB
+    slots = config.max_running_requests
+    pages_per_seq = -(-max_seq_len // page)
+    pages = int((budget - slots * per_slot) // (page * per_token))
+    pages = min(pages, slots * pages_per_seq)
+    if pages < pages_per_seq:
+        raise ValueError(f"cache budget of {budget / GIB:.2f} GiB cannot hold one sequence of "
+                         f"{max_seq_len} tokens plus {slots} state slots of "
+                         f"{per_slot / 2**20:.1f} MiB; raise the budget or lower "
+                         f"context_length / max_running_requests")
+    plan = CachePlan(num_pages=pages, page_size=page, num_state_slots=slots)
+    logger.info("cache plan: %d pages x %d tokens = %d tokens (%.2f GiB), %d sequence slots "
+                "(%.1f MiB each)", pages, page, plan.num_token_slots,
+                plan.num_token_slots * per_token / GIB, slots, per_slot / 2**20)
+    return plan
 
-    def __init__(self, model: GlmForCausalLM, *, max_num_seqs: int, max_seq_len: int) -> None:
-        config = model.config
+
+class ModelRunner:
+    def __init__(self, model: GlmForCausalLM, plan: CachePlan) -> None:
         self.model = model
         self.device = next(model.parameters()).device
-        kpool = config.index_kpool
-        self.max_seq_len = -(-max_seq_len // kpool) * kpool
-        self.state = ModelState(config, num_token_slots=max_num_seqs * self.max_seq_len,
-                                num_state_slots=max_num_seqs, dtype=model.dtype,
+        self.page_size = plan.page_size
+        self.state = ModelState(model.config, num_token_slots=plan.num_token_slots,
+                                num_state_slots=plan.num_state_slots, dtype=model.dtype,
                                 device=self.device)
-        self.free_slots = list(range(max_num_seqs - 1, -1, -1))
-        logger.info("cache: %d sequences x %d tokens", max_num_seqs, self.max_seq_len)
 
-    def can_allocate(self) -> bool:
-        return bool(self.free_slots)
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits `[num sampled, V]` of the sequences whose chunk reaches their last token."""
+        forward_batch = self.prepare(batch)
+        logits = self.model(forward_batch, self.state)
+        rows = [i for i, need in enumerate(batch.needs_sample) if need]
+        return logits[rows]
 
-    def allocate(self, seq: Sequence) -> None:
-        seq.state_slot = self.free_slots.pop()
-
-    def free(self, seq: Sequence) -> None:
-        if seq.state_slot is not None:
-            self.free_slots.append(seq.state_slot)
-            seq.state_slot = None
-
-    def run(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Forward every uncomputed token of `seqs` in one packed batch; `[B, V]` logits."""
-        batch = self.prepare(seqs)
-        logits = self.model(batch, self.state)
-        for seq in seqs:
-            seq.num_computed_tokens = seq.num_tokens
-        return logits
-
-    def prepare(self, seqs: list[Sequence]) -> ForwardBatch:
-        ids, token_slots, context_slots = [], [], []
+    def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
+        ids = []
         cu_seqlens, cu_context, prefix_lens = [0], [0], []
-        for seq in seqs:
-            base = seq.state_slot * self.max_seq_len
-            start, end = seq.num_computed_tokens, seq.num_tokens
-            ids += seq.token_ids[start:end]
-            token_slots += range(base + start, base + end)
-            context_slots += range(base, base + end)
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            start = seq.num_computed_tokens
+            ids += seq.token_ids[start:start + n]
             cu_seqlens.append(len(ids))
-            cu_context.append(len(context_slots))
+            cu_context.append(cu_context[-1] + start + n)
             prefix_lens.append(start)
-        as_tensor = lambda v: torch.tensor(v, dtype=torch.long, device=self.device)  # noqa: E731
-        return ForwardBatch(input_ids=as_tensor(ids), cu_seqlens=cu_seqlens,
-                            prefix_lens=prefix_lens, state_slots=[s.state_slot for s in seqs],
-                            token_slots=as_tensor(token_slots),
-                            context_slots=as_tensor(context_slots), cu_context=cu_context)
+        tables = [seq.page_ids for seq in batch.seqs]
+        seq_index = torch.repeat_interleave(torch.arange(len(tables)),
+                                            torch.tensor(cu_context).diff())
+        context_pos = torch.arange(cu_context[-1]) - torch.tensor(cu_context[:-1])[seq_index]
+        context_slots = self._slots(tables, seq_index, context_pos)
+        new_rows = torch.cat([torch.arange(cu_context[b] + prefix_lens[b], cu_context[b + 1])
+                              for b in range(len(tables))])
+        to_device = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
+        return ForwardBatch(input_ids=to_device(torch.tensor(ids)), cu_seqlens=cu_seqlens,
+                            prefix_lens=prefix_lens,
+                            state_slots=[seq.state_slot for seq in batch.seqs],
+                            token_slots=to_device(context_slots[new_rows]),
+                            context_slots=to_device(context_slots), cu_context=cu_context)
+
+    def _slots(self, tables: list[list[int]], seq_index: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        return table[seq_index, positions // self.page_size] * self.page_size + \
+            positions % self.page_size

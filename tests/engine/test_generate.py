@@ -7,26 +7,12 @@ import torch
 
 from glmflash import Engine, SamplingParams
 from glmflash.engine.sampler import filtered_probs
-from tests.oracle import oracle_logits
-
-NEAR_TIE = 1e-4
+from tests.oracle import assert_greedy_matches
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_dirs):
     return Engine(tiny_dirs["embedded"], device="cpu", dtype="float32", max_running_requests=3)
-
-
-def _oracle_greedy(oracle, prompt: list[int], steps: int, produced: list[int]) -> None:
-    """Check `produced` step by step; at a near-tie of the oracle either token is accepted.
-
-    One causal forward over prompt + produced gives the oracle's next-token logits at every step.
-    """
-    logits = oracle_logits(oracle, list(prompt) + list(produced[:steps]))
-    for i, token in enumerate(produced[:steps]):
-        top2 = logits[len(prompt) - 1 + i].topk(2)
-        near_tie = float(top2.values[0] - top2.values[1]) < NEAR_TIE
-        assert token == int(top2.indices[0]) or (near_tie and token == int(top2.indices[1]))
 
 
 def test_greedy_matches_oracle_for_concurrent_prompts(engine, oracles):
@@ -36,7 +22,7 @@ def test_greedy_matches_oracle_for_concurrent_prompts(engine, oracles):
     results = engine.generate(prompt_token_ids=prompts, sampling_params=params)
     for prompt, result in zip(prompts, results):
         assert len(result.token_ids) == 6 and result.finish_reason == "length"
-        _oracle_greedy(oracles["embedded"], prompt, 6, result.token_ids)
+        assert_greedy_matches(oracles["embedded"], prompt, result.token_ids)
 
 
 def test_text_prompt_and_logprobs(engine):

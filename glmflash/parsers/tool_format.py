@@ -28,7 +28,7 @@ from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
-from glmflash.server.tags import (
+from glmflash.parsers.tags import (
     ARG_KEY_END,
     ARG_KEY_START,
     ARG_VALUE_END,
@@ -36,7 +36,7 @@ from glmflash.server.tags import (
     TOOL_CALL_END,
     TOOL_CALL_START,
 )
-from glmflash.server.tool_schema import ToolRegistry
+from glmflash.parsers.tool_schema import ToolRegistry
 
 
 class CallState(enum.Enum):

@@ -22,8 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from glmflash.server.reasoning_parser import ReasoningDelta, ReasoningParser, split_reasoning
-from glmflash.server.tags import (
+from glmflash.parsers.reasoning_parser import ReasoningDelta, ReasoningParser, split_reasoning
+from glmflash.parsers.tags import (
     ARG_KEY_END,
     ARG_KEY_START,
     ARG_VALUE_END,
@@ -33,7 +33,7 @@ from glmflash.server.tags import (
     WhitespaceGate,
     none_if_blank,
 )
-from glmflash.server.tool_format import (
+from glmflash.parsers.tool_format import (
     TERMINATORS,
     CallState,
     ToolCall,
@@ -42,8 +42,8 @@ from glmflash.server.tool_format import (
     split_key_value,
     split_name_region,
 )
-from glmflash.server.tool_schema import ToolRegistry
-from glmflash.server.tool_stream import StreamEvent, ToolCallStreamParser
+from glmflash.parsers.tool_schema import ToolRegistry
+from glmflash.parsers.tool_stream import StreamEvent, ToolCallStreamParser
 
 __all__ = [
     "ChatDelta",

@@ -14,15 +14,15 @@ from typing import Any
 
 import pytest
 
-from glmflash.server.reasoning_parser import ReasoningParser, split_reasoning
-from glmflash.server.tags import THINK_END, THINK_START, TOOL_CALL_START
-from glmflash.server.tool_parser import (
+from glmflash.parsers.reasoning_parser import ReasoningParser, split_reasoning
+from glmflash.parsers.tags import THINK_END, THINK_START, TOOL_CALL_START
+from glmflash.parsers.tool_parser import (
     ChatDelta,
     ChatOutputParser,
     ToolCallStreamParser,
     parse_tool_calls,
 )
-from glmflash.server.tool_schema import coerce_value
+from glmflash.parsers.tool_schema import coerce_value
 
 from .parser_cases import CASES, TOOLS, WEATHER_PARIS, Case
 

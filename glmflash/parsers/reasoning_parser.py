@@ -20,7 +20,7 @@ import enum
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from glmflash.server.tags import (
+from glmflash.parsers.tags import (
     THINK_END,
     THINK_START,
     TOOL_CALL_START,

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from glmflash.server.tags import (
+from glmflash.parsers.tags import (
     ARG_KEY_END,
     ARG_KEY_START,
     ARG_VALUE_START,
@@ -33,7 +33,7 @@ from glmflash.server.tags import (
     find_first_tag,
     partial_tag_len,
 )
-from glmflash.server.tool_format import (
+from glmflash.parsers.tool_format import (
     TERMINATORS,
     CallState,
     dumps,
@@ -42,7 +42,7 @@ from glmflash.server.tool_format import (
     split_key_value,
     split_name_region,
 )
-from glmflash.server.tool_schema import ToolRegistry
+from glmflash.parsers.tool_schema import ToolRegistry
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,159 @@
+"""The Engine's public calls on top of `add_request`: offline, streaming, chat and async."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from glmflash.engine.outputs import Result, ResultCollector, StreamDelta
+from glmflash.sampling_params import SamplingParams
+from glmflash.parsers.tool_parser import ChatOutputParser, ToolCall
+
+if TYPE_CHECKING:
+    from glmflash.tokenizer import Tokenizer
+
+
+@dataclass
+class ChatResult:
+    text: str
+    """The raw generated text (reasoning, content and tool-call markup)."""
+    content: str | None
+    reasoning_content: str | None
+    tool_calls: list[ToolCall]
+    finish_reason: str
+    result: Result
+
+
+class EngineApiMixin:
+    tokenizer: Tokenizer
+    options: Any
+
+    def generate(self, prompts: str | list[str] | None = None,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+                 prompt_token_ids: list[int] | list[list[int]] | None = None,
+                 n: int = 1) -> list[Result]:
+        """Generate for every prompt (text, or token ids); results in prompt order."""
+        token_lists = self._prompt_token_lists(prompts, prompt_token_ids)
+        params = _per_prompt(sampling_params, len(token_lists))
+        collectors, done, lock = [], threading.Event(), threading.Lock()
+        remaining = [len(token_lists)]
+
+        def make_sink(collector: ResultCollector):
+            def sink(delta: StreamDelta) -> None:
+                collector.add(delta)
+                if delta.finish_reason and collector.is_done:
+                    with lock:
+                        remaining[0] -= 1
+                        if remaining[0] == 0:
+                            done.set()
+            return sink
+
+        for ids, p in zip(token_lists, params):
+            self._validate_prompt(ids)
+        for ids, p in zip(token_lists, params):
+            collector = ResultCollector("", ids, n)
+            collector.request_id = self.add_request(ids, p, make_sink(collector), n=n)
+            collectors.append(collector)
+        while not done.is_set():
+            if self.options.background_loop:
+                done.wait()
+            else:
+                self.step()
+        return [c.result() for c in collectors]
+
+    def stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None, *,
+               prompt_token_ids: list[int] | None = None, request_id: str | None = None,
+               n: int = 1) -> Iterator[StreamDelta]:
+        """Yield StreamDeltas as tokens are produced; leaving the loop early aborts the request."""
+        (ids,) = self._prompt_token_lists(prompt, prompt_token_ids)
+        deltas: queue.SimpleQueue = queue.SimpleQueue()
+        rid = self.add_request(ids, sampling_params or SamplingParams(), deltas.put,
+                               request_id=request_id, n=n)
+        step = None if self.options.background_loop else self.step
+        yield from _drain(deltas, n, lambda: self.abort(rid), step)
+
+    async def astream(self, prompt: str | None = None,
+                      sampling_params: SamplingParams | None = None, *,
+                      prompt_token_ids: list[int] | None = None, request_id: str | None = None,
+                      n: int = 1) -> AsyncIterator[StreamDelta]:
+        """Async StreamDeltas; cancelling the consumer aborts the request and frees its cache."""
+        (ids,) = self._prompt_token_lists(prompt, prompt_token_ids)
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue = asyncio.Queue()
+        rid = self.add_request(ids, sampling_params or SamplingParams(),
+                               lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d),
+                               request_id=request_id, n=n)
+        finished = 0
+        try:
+            while finished < n:
+                delta = await deltas.get()
+                finished += delta.finish_reason is not None
+                yield delta
+        finally:
+            if finished < n:
+                self.abort(rid)
+
+    async def agenerate(self, prompt: str | None = None,
+                        sampling_params: SamplingParams | None = None, *,
+                        prompt_token_ids: list[int] | None = None, n: int = 1) -> Result:
+        (ids,) = self._prompt_token_lists(prompt, prompt_token_ids)
+        collector = ResultCollector("", ids, n)
+        async for delta in self.astream(prompt_token_ids=ids, sampling_params=sampling_params,
+                                        n=n):
+            collector.request_id = delta.request_id
+            collector.add(delta)
+        return collector.result()
+
+    def chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
+             sampling_params: SamplingParams | None = None, **template_kwargs) -> ChatResult:
+        """Render with the chat template, generate, split reasoning and parse glm47 tool calls."""
+        prompt = self.tokenizer.apply_chat_template(messages, tools=tools,
+                                                    add_generation_prompt=True, **template_kwargs)
+        params = sampling_params or SamplingParams()
+        (result,) = self.generate(prompt_token_ids=[self.tokenizer.encode(prompt)],
+                                  sampling_params=params)
+        parsed = ChatOutputParser(tools).parse(result.text)
+        reason = result.finish_reason
+        if parsed.tool_calls and reason == "stop":
+            reason = "tool_calls"
+        return ChatResult(result.text, parsed.content, parsed.reasoning_content,
+                          parsed.tool_calls, reason, result)
+
+    def _prompt_token_lists(self, prompts, prompt_token_ids) -> list[list[int]]:
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("pass exactly one of prompts and prompt_token_ids")
+        if prompts is not None:
+            prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+            return [self.tokenizer.encode(p) for p in prompts]
+        if prompt_token_ids and isinstance(prompt_token_ids[0], int):
+            return [list(prompt_token_ids)]
+        return [list(ids) for ids in prompt_token_ids]
+
+
+def _drain(deltas: queue.SimpleQueue, n: int, abort, step) -> Iterator[StreamDelta]:
+    """Yield until n choices finished; `step` drives the engine when it has no thread."""
+    finished = 0
+    try:
+        while finished < n:
+            while step is not None and deltas.empty():
+                step()
+            delta = deltas.get()
+            finished += delta.finish_reason is not None
+            yield delta
+    finally:
+        if finished < n:
+            abort()
+
+
+def _per_prompt(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise ValueError(f"{len(params)} sampling params for {count} prompts")
+    return list(params)

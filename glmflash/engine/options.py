@@ -1,0 +1,46 @@
+"""EngineConfig: every engine option, validated once (the CLI and server flags map onto it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    context_length: int | None = None
+    """Longest sequence (prompt + output); default min(model maximum, 8192)."""
+    max_running_requests: int = 16
+    chunked_prefill_size: int = 2048
+    page_size: int = 64
+    mem_fraction_static: float = 0.85
+    """GPU: fraction of device memory for weights plus cache."""
+    cache_budget_gb: float = 2.0
+    """CPU: bytes for the cache (MLA pages and per-sequence state slots)."""
+    max_queued_requests: int | None = None
+    """Choices in flight (queued or running) beyond this are refused (the server answers 503)."""
+    seed: int | None = None
+    background_loop: bool = True
+    """Drive steps from an engine thread; False: the caller drives `step()` (tests, offline)."""
+    check_integrity: bool = False
+    """Debug: verify cache ownership after every step."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.context_length is None or self.context_length >= 2, "context_length must be >= 2"),
+            (self.max_running_requests >= 1, "max_running_requests must be >= 1"),
+            (self.chunked_prefill_size >= 1, "chunked_prefill_size must be >= 1"),
+            (self.page_size >= 1, "page_size must be >= 1"),
+            (0 < self.mem_fraction_static <= 1, "mem_fraction_static must be in (0, 1]"),
+            (self.cache_budget_gb > 0, "cache_budget_gb must be > 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @classmethod
+    def from_options(cls, options: dict) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown Engine options {unknown}; known: {sorted(known)}")
+        return cls(**{k: v for k, v in options.items() if v is not None})

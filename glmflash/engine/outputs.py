@@ -1,0 +1,86 @@
+"""What the engine hands back: streamed deltas per choice, and finished results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class StreamDelta:
+    """New output of one choice of one request since the previous delta."""
+
+    request_id: str
+    index: int
+    """Choice index (0..n-1)."""
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    """stop, length, abort or error once the choice has ended."""
+    logprobs: list[dict[int, float]] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Choice:
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class Result:
+    """One prompt's output; the top-level fields are those of choice 0."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    choices: list[Choice]
+    error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.choices[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def finish_reason(self) -> str:
+        return self.choices[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        return self.choices[0].logprobs
+
+
+class ResultCollector:
+    """Folds a request's deltas into a Result."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], n: int) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.choices = [Choice(i, [], "", "") for i in range(n)]
+        self.error: str | None = None
+
+    def add(self, delta: StreamDelta) -> None:
+        choice = self.choices[delta.index]
+        choice.token_ids += delta.token_ids
+        choice.text += delta.text
+        if delta.logprobs is not None:
+            choice.logprobs = (choice.logprobs or []) + delta.logprobs
+        if delta.finish_reason:
+            choice.finish_reason = delta.finish_reason
+        if delta.error:
+            self.error = delta.error
+
+    @property
+    def is_done(self) -> bool:
+        return all(c.finish_reason for c in self.choices)
+
+    def result(self) -> Result:
+        return Result(self.request_id, self.prompt_token_ids, self.choices, self.error)

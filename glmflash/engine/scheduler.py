@@ -1,0 +1,177 @@
+"""Continuous batching: admission, chunked prefill under a token budget, decode first, preemption.
+
+No torch here: the scheduler moves `Sequence` objects and counts pages through the CacheManager.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from glmflash.engine.cache import CacheManager
+from glmflash.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 2048
+    """Most new tokens per step (decodes always get theirs)."""
+    max_seq_len: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.max_running_requests < 1 or self.chunked_prefill_size < 1:
+            raise ValueError("max_running_requests and chunked_prefill_size must be >= 1")
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_tokens: list[int]
+    """New tokens scheduled per sequence."""
+    needs_sample: list[bool]
+    """Whether the sequence's chunk reaches its last known token (so its logits are sampled)."""
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    seq: Sequence
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: CacheManager,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+        self.config = config
+        self.cache = cache
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.seq_id == seq_id:
+                    queue.remove(seq)
+                    self._release(seq, "abort")
+                    return seq
+        return None
+
+    def schedule(self) -> ScheduledBatch | None:
+        """Pick this step's work.
+
+        Prefill vs decode is derived from the counters, never stored: a sequence's uncomputed
+        tokens are `token_ids[num_computed_tokens:]`; a decode has exactly one (the last sampled
+        token), a prefill more (a new prompt, or everything again after preemption). Running
+        decodes go first, one token each; then running prefills continue and waiting sequences
+        are admitted in FIFO order while the token budget, the running limit, state slots and
+        pages allow. A running sequence that cannot get a page preempts the most recently
+        admitted one (freed and later recomputed), or itself if it is the newest.
+        """
+        plan: dict[int, int] = {}
+        budget = self.config.chunked_prefill_size
+        for seq in list(self.running):
+            if seq.num_uncomputed_tokens == 1 and seq in self.running:
+                if self._reserve(seq, 1):
+                    plan[seq.seq_id] = 1
+                    budget -= 1
+        for seq in list(self.running):
+            if seq.num_uncomputed_tokens > 1 and budget > 0 and seq in self.running:
+                chunk = self._fit(seq, min(seq.num_uncomputed_tokens, budget))
+                if not chunk and self._reserve(seq, 1):
+                    # No free page: newer sequences were preempted so this one can progress.
+                    chunk = self._fit(seq, min(seq.num_uncomputed_tokens, budget))
+                if chunk:
+                    self.cache.append(seq, chunk)
+                    plan[seq.seq_id] = chunk
+                    budget -= chunk
+        self._admit(plan, budget)
+        if not plan:
+            return None
+        seqs = [s for s in self.running if s.seq_id in plan]
+        num_tokens = [plan[s.seq_id] for s in seqs]
+        needs_sample = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, num_tokens)]
+        return ScheduledBatch(seqs, num_tokens, needs_sample)
+
+    def _admit(self, plan: dict[int, int], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+            seq = self.waiting[0]
+            chunk = min(seq.num_uncomputed_tokens, budget)
+            chunk = min(chunk, self.cache.num_free_pages * self.cache.page_size)
+            if chunk <= 0 or not self.cache.can_allocate(seq, chunk):
+                break
+            self.waiting.popleft()
+            self.cache.allocate(seq, chunk)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            plan[seq.seq_id] = chunk
+            budget -= chunk
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make room for `seq`'s next tokens, preempting newer sequences if needed."""
+        while not self.cache.can_append(seq, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.cache.append(seq, num_tokens)
+        return True
+
+    def _fit(self, seq: Sequence, chunk: int) -> int:
+        """Largest prefix of `chunk` new tokens that fits the sequence's pages plus free ones."""
+        room = (len(seq.page_ids) + self.cache.num_free_pages) * self.cache.page_size
+        return max(0, min(chunk, room - seq.num_computed_tokens))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.cache.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def update(self, batch: ScheduledBatch, sampled: list[int]) -> list[TokenDelta]:
+        """Advance counters; append the sampled tokens (one per `needs_sample` row, in order)."""
+        deltas, tokens = [], iter(sampled)
+        for seq, n, sample in zip(batch.seqs, batch.num_tokens, batch.needs_sample):
+            seq.num_computed_tokens += n
+            if not sample or seq.is_finished:
+                continue
+            token = next(tokens)
+            seq.token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason:
+                self.finish(seq, reason)
+            deltas.append(TokenDelta(seq, [token], reason))
+        return deltas
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a running sequence (stop condition found here or by the detokenizer)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        self._release(seq, reason)
+
+    def _release(self, seq: Sequence, reason: str) -> None:
+        self.cache.free(seq)
+        seq.finish(reason)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_seq_len:
+            return "length"
+        return None
