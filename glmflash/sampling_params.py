@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -26,6 +28,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
+    logits_processors: list[Callable[[list[int], Any], Any]] = field(default_factory=list)
+    """Each maps (output token ids so far, fp32 logits row `[V]`) to a new row, in order."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

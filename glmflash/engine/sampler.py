@@ -30,6 +30,8 @@ class Sampler:
 
     def _sample_one(self, row: torch.Tensor, seq: Sequence) -> int:
         params = seq.params
+        for processor in params.logits_processors:
+            row = processor(seq.output_token_ids, row)
         row = apply_penalties(row, seq)
         if params.is_greedy:
             return int(row.argmax())
