@@ -63,6 +63,9 @@ class EngineApiMixin:
                 done.wait()
             else:
                 self.step()
+        errors = [c.error for c in collectors if c.error]
+        if errors:
+            raise RuntimeError(f"generation failed: {errors[0]}")
         return [c.result() for c in collectors]
 
     def stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None, *,

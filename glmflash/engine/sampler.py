@@ -17,9 +17,11 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """One token per sequence; records top logprobs on the sequence when asked."""
         logits = logits.float().cpu()
+        # Plain greedy rows (the common serving case) take one batched argmax.
+        greedy = logits.argmax(dim=-1).tolist()
         tokens = []
-        for row, seq in zip(logits, seqs):
-            token = self._sample_one(row, seq)
+        for i, (row, seq) in enumerate(zip(logits, seqs)):
+            token = greedy[i] if _is_plain_greedy(seq.params) else self._sample_one(row, seq)
             if seq.params.logprobs is not None:
                 seq.logprobs.append(top_logprobs(row, token, seq.params.logprobs))
             tokens.append(token)
@@ -44,6 +46,11 @@ class Sampler:
         if seq.seq_id not in self.generators:
             self.generators[seq.seq_id] = torch.Generator().manual_seed(seq.params.seed)
         return self.generators[seq.seq_id]
+
+
+def _is_plain_greedy(params) -> bool:
+    return params.is_greedy and not params.logits_processors and params.repetition_penalty == 1.0 \
+        and not params.presence_penalty and not params.frequency_penalty
 
 
 def apply_penalties(row: torch.Tensor, seq: Sequence) -> torch.Tensor:

@@ -29,7 +29,6 @@ class Sequence:
         self.logprobs: list[dict[int, float]] = []
         self.state_slot: int | None = None
         self.page_ids: list[int] = []
-        self.num_scheduled_tokens = 0
 
     @property
     def num_tokens(self) -> int:
@@ -50,11 +49,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
-
-    @property
-    def is_prefill(self) -> bool:
-        """More than the last sampled token is uncomputed (a new or preempted sequence)."""
-        return self.num_uncomputed_tokens > 1 or self.num_output_tokens == 0
 
     def finish(self, reason: str) -> None:
         self.status = SequenceStatus.FINISHED

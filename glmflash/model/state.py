@@ -44,14 +44,20 @@ class ModelState:
                                            config.linear_conv_kernel_dim - 1, dtype=dtype,
                                            device=device)
 
-    def nbytes_per_token(self) -> int:
-        """Cache bytes one token costs across all MLA layers (latent + its share of a pooled key)."""
-        per = sum(t[0].numel() * t.element_size() for t in self.latent.values())
-        per_pool = sum(t[0].numel() * t.element_size() for t in self.pool_keys.values())
-        kpool = self.num_token_slots // max(1, next(iter(self.pool_keys.values())).shape[0]) \
-            if self.pool_keys else 1
-        return per + per_pool // kpool
 
-    def nbytes_per_state_slot(self) -> int:
-        tensors = [*self.recurrent.values(), *self.conv.values(), *self.index_tail.values()]
-        return sum(t[0].numel() * t.element_size() for t in tensors)
+def cache_bytes(config: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes per token slot, bytes per state slot) of a ModelState, from the config alone."""
+    item = torch.empty(0, dtype=dtype).element_size()
+    per_token = per_slot = 0
+    for i, kind in enumerate(config.layer_types):
+        if kind == MLA:
+            per_token += config.kv_lora_rank * item
+            if config.indexer_types[i] == "full":
+                # One pooled key per kpool token slots, plus the raw tail per sequence.
+                per_token += -(-config.index_head_dim * item // config.index_kpool)
+                per_slot += (config.index_kpool - 1) * 2 * config.index_head_dim * item
+        else:
+            d = config.linear_head_dim
+            per_slot += config.linear_num_heads * d * d * 4
+            per_slot += 3 * config.linear_dim * (config.linear_conv_kernel_dim - 1) * item
+    return per_token, per_slot

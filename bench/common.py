@@ -1,0 +1,48 @@
+"""Shared bits of the benchmarks: device description, git commit, appending to RESULTS.md."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=Path(__file__).parent, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def cpu_description() -> str:
+    model = platform.processor() or "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def device_description() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} (+ {cpu_description()})"
+    return cpu_description()
+
+
+def append_results(title: str, table: str) -> None:
+    """Append a dated section (device, commit) with a markdown table to bench/RESULTS.md."""
+    stamp = datetime.date.today().isoformat()
+    header = f"\n## {title}\n\n{stamp} · {device_description()} · commit {git_commit()}\n\n"
+    with RESULTS.open("a") as f:
+        f.write(header + table.rstrip() + "\n")

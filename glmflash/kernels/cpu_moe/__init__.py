@@ -1,0 +1,65 @@
+"""Routed experts on CPU: `create_cpu_experts(...)` picks numba (default) or ref.
+
+`GLMFLASH_KERNEL_CPU_MOE=ref|numba` overrides the choice. `NumbaMoeExperts` is imported lazily,
+so `import glmflash` works without numba.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from glmflash.kernels.cpu_moe.ref import routed_experts_ref
+from glmflash.utils.env import kernel_override
+
+if TYPE_CHECKING:
+    from glmflash.kernels.cpu_moe.numba_impl import NumbaMoeExperts
+
+IMPLS = ("numba", "ref")
+
+
+class RefMoeExperts:
+    """`routed_experts_ref` behind the same `forward` interface as `NumbaMoeExperts`."""
+
+    def __init__(self, gate_w: torch.Tensor, gate_s: torch.Tensor, up_w: torch.Tensor,
+                 up_s: torch.Tensor, down_w: torch.Tensor, down_s: torch.Tensor, *,
+                 swiglu_limit: float):
+        self.weights = (gate_w, gate_s, up_w, up_s, down_w, down_s)
+        self.swiglu_limit = swiglu_limit
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        return routed_experts_ref(x, topk_ids, topk_weights, *self.weights,
+                                  swiglu_limit=self.swiglu_limit)
+
+    def warmup(self) -> None:
+        """Nothing to compile."""
+
+
+def create_cpu_experts(gate_w: torch.Tensor, gate_s: torch.Tensor, up_w: torch.Tensor,
+                       up_s: torch.Tensor, down_w: torch.Tensor, down_s: torch.Tensor, *,
+                       swiglu_limit: float, impl: str | None = None,
+                       **kwargs: Any) -> NumbaMoeExperts | RefMoeExperts:
+    """Build the CPU expert runner; `impl` (or the env override) is "numba" or "ref".
+
+    Extra keyword arguments (e.g. `num_threads`) go to `NumbaMoeExperts`.
+    """
+    impl = impl or kernel_override("cpu_moe") or "numba"
+    if impl not in IMPLS:
+        raise ValueError(f"unknown cpu_moe impl {impl!r}; expected one of {IMPLS}")
+    weights = (gate_w, gate_s, up_w, up_s, down_w, down_s)
+    if impl == "ref":
+        return RefMoeExperts(*weights, swiglu_limit=swiglu_limit)
+    from glmflash.kernels.cpu_moe.numba_impl import NumbaMoeExperts
+    return NumbaMoeExperts(*weights, swiglu_limit=swiglu_limit, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "NumbaMoeExperts":
+        from glmflash.kernels.cpu_moe.numba_impl import NumbaMoeExperts
+        return NumbaMoeExperts
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["NumbaMoeExperts", "RefMoeExperts", "create_cpu_experts", "routed_experts_ref"]
