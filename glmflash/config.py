@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from glmflash.utils.validation import require
+
 SUPPORTED_MODEL_TYPES = ("glm5_next", "glm5_next_text")
 KDA = "linear_attention"
 MLA = "indexed_attention"
@@ -276,9 +278,7 @@ def _validate(cfg: ModelConfig) -> None:
         (cfg.vision is None or cfg.vision.out_hidden_size == cfg.hidden_size,
          "vision_config.out_hidden_size must equal hidden_size"),
     ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
+    require(checks, ConfigError)
     for i, kind in enumerate(cfg.indexer_types):
         shared_ok = i > 0 and cfg.layer_types[i - 1] == MLA and cfg.indexer_types[i - 1] == "full"
         if cfg.layer_types[i] == MLA and kind == "shared" and not shared_ok:

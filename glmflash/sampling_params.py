@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from glmflash.utils.validation import require
+
 
 @dataclass
 class SamplingParams:
@@ -50,9 +52,7 @@ class SamplingParams:
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+        require(checks)
 
     @property
     def is_greedy(self) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from glmflash.utils.validation import require
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -33,9 +35,7 @@ class EngineConfig:
             (0 < self.mem_fraction_static <= 1, "mem_fraction_static must be in (0, 1]"),
             (self.cache_budget_gb > 0, "cache_budget_gb must be > 0"),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+        require(checks)
 
     @classmethod
     def from_options(cls, options: dict) -> EngineConfig:
