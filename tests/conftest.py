@@ -62,10 +62,11 @@ def load_tiny(path: Path, dtype: torch.dtype = torch.float32) -> GlmForCausalLM:
 class PackedRunner:
     """Drives a model with explicit state: each sequence owns a state slot and token range."""
 
-    def __init__(self, model: GlmForCausalLM, num_seqs: int, max_len: int = 512) -> None:
-        self.model, self.max_len = model, max_len
+    def __init__(self, model: GlmForCausalLM, num_seqs: int, max_len: int = 512,
+                 device: str = "cpu") -> None:
+        self.model, self.max_len, self.device = model.to(device), max_len, device
         self.state = ModelState(model.config, num_token_slots=num_seqs * max_len,
-                                num_state_slots=num_seqs, dtype=model.dtype, device="cpu")
+                                num_state_slots=num_seqs, dtype=model.dtype, device=device)
         self.done = [0] * num_seqs
 
     def forward(self, chunks: dict[int, list[int]], history: dict[int, list[int]] | None = None,
@@ -83,9 +84,10 @@ class PackedRunner:
             prefix.append(start)
             slots.append(s)
             self.done[s] += len(toks)
-        batch = ForwardBatch(input_ids=torch.tensor(ids), cu_seqlens=cu, prefix_lens=prefix,
-                             state_slots=slots, token_slots=torch.tensor(token_slots),
-                             context_slots=torch.tensor(context_slots), cu_context=cu_ctx)
+        dev = lambda v: torch.tensor(v, device=self.device)  # noqa: E731
+        batch = ForwardBatch(input_ids=dev(ids), cu_seqlens=cu, prefix_lens=prefix,
+                             state_slots=slots, token_slots=dev(token_slots),
+                             context_slots=dev(context_slots), cu_context=cu_ctx)
         return self.model(batch, self.state, all_logits=all_logits, layer_outputs=layer_outputs)
 
 
