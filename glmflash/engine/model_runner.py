@@ -13,6 +13,7 @@ from glmflash.engine.options import EngineConfig
 from glmflash.engine.scheduler import ScheduledBatch
 from glmflash.model.forward_batch import ForwardBatch
 from glmflash.model.glm import GlmForCausalLM
+from glmflash.model.moe import Experts
 from glmflash.model.state import ModelState, cache_bytes
 from glmflash.model.weights import load_checkpoint
 
@@ -25,7 +26,16 @@ def load_model(path: Path, config: ModelConfig, device: torch.device,
     with torch.device(device):
         model = GlmForCausalLM(config, dtype)
     load_checkpoint(model, path, num_layers=config.num_hidden_layers)
+    warm_up_cpu_experts(model)
     return model.eval()
+
+
+def warm_up_cpu_experts(model: GlmForCausalLM) -> None:
+    """Build and compile the CPU expert kernels at start, not on the first request."""
+    for module in model.modules():
+        if isinstance(module, Experts) and module.gate_proj.fp8_block and \
+                module.gate_proj.weight.device.type == "cpu":
+            module.cpu_experts().warmup()
 
 
 def plan_cache(model_config: ModelConfig, config: EngineConfig, max_seq_len: int,

@@ -64,6 +64,9 @@ class StackedWeight(nn.Module):
 
 
 class Experts(nn.Module):
+    """The routed experts. FP8 experts on the CPU run on the CPU MoE kernel (numba, or its ref
+    under GLMFLASH_KERNEL_CPU_MOE=ref); otherwise a loop over the experts hit."""
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, fp8_block: int | None) -> None:
         super().__init__()
         e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
@@ -71,8 +74,25 @@ class Experts(nn.Module):
         self.up_proj = StackedWeight(e, i, d, dtype, fp8_block)
         self.down_proj = StackedWeight(e, d, i, dtype, fp8_block)
         self.limit = config.swiglu_limit
+        self.cpu_kernel = None
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.gate_proj.fp8_block and x.device.type == "cpu":
+            return self.cpu_experts().forward(x, ids, weights).to(x.dtype)
+        return self.loop_forward(x, ids, weights)
+
+    def cpu_experts(self):
+        """The CPU kernel over these weights (zero-copy), built on first use."""
+        if self.cpu_kernel is None:
+            from glmflash.kernels.cpu_moe import create_cpu_experts
+
+            projections = (self.gate_proj, self.up_proj, self.down_proj)
+            tensors = [t for p in projections for t in (p.weight.data, p.weight_scale_inv.data)]
+            self.cpu_kernel = create_cpu_experts(*tensors, swiglu_limit=self.limit)
+        return self.cpu_kernel
+
+    def loop_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+                     ) -> torch.Tensor:
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             token_idx, slot = torch.where(ids == e)

@@ -14,6 +14,7 @@ from glmflash.config import ModelConfig
 from glmflash.model.glm import GlmForCausalLM
 from glmflash.model.weights import CheckpointError, load_checkpoint
 from tests.conftest import PackedRunner, load_tiny
+from tests.model.test_cpu_experts import NUMBA_VS_REF_ATOL
 
 L0 = "model.language_model.layers.0."
 L3 = "model.language_model.layers.3."
@@ -131,4 +132,5 @@ def test_unquantised_save_pretrained_layout_loads(ckpt, oracles, tmp_path):
     fp8_logits = PackedRunner(load_tiny(ckpt), 1).forward({0: prompt})
     plain_logits = PackedRunner(load_tiny(saved), 1).forward({0: prompt})
     assert ModelConfig.from_hf(saved).quant is None
-    assert torch.allclose(fp8_logits, plain_logits, rtol=0, atol=1e-5)
+    # FP8 experts run on the numba kernel, plain ones on the loop: summation order only.
+    assert (fp8_logits - plain_logits).abs().max().item() < NUMBA_VS_REF_ATOL
