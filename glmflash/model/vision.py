@@ -1,4 +1,4 @@
-"""Vision tower: tubelet embedding -> ViT blocks with 2-D RoPE -> 2x2 merge -> merger (spec §6.1-6.4).
+"""Vision tower: tubelets -> ViT blocks with 2-D RoPE -> 2x2 merge -> merger (spec §6.1-6.4).
 
 Parameter names follow the checkpoint after the `model.visual.` prefix (spec §7.1); the two
 convolutions keep their checkpoint shapes and run as linears on flattened inputs.
@@ -16,7 +16,8 @@ from glmflash.model.layers import Linear, RMSNorm, clamped_swiglu
 class FlatConv(nn.Module):
     """A convolution whose kernel equals its stride and its input: a linear on the flattening."""
 
-    def __init__(self, out_channels: int, kernel_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    def __init__(self, out_channels: int, kernel_shape: tuple[int, ...],
+                 dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_channels, *kernel_shape, dtype=dtype),
                                    requires_grad=False)

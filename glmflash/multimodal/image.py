@@ -86,11 +86,11 @@ def _fit_budget(frames: int, height: int, width: int, factor: int,
     return best
 
 
-def content_size(num_frames: int, height: int, width: int, canvas: tuple[int, int], *,
-                 pixels_per_token: int, min_pixels: float) -> tuple[int, int]:
+def content_size(num_frames: int, height: int, width: int, canvas: tuple[int, int],
+                 min_pixels: float) -> tuple[int, int]:
     """Size the content is resized to inside the canvas (no upscaling above the minimum)."""
     scale = min(canvas[0] / height, canvas[1] / width)
-    if num_frames * height * width >= pixels_per_token * (min_pixels / pixels_per_token):
+    if num_frames * height * width >= min_pixels:
         scale = min(1.0, scale)
     return (max(1, min(canvas[0], math.floor(height * scale))),
             max(1, min(canvas[1], math.floor(width * scale))))
@@ -111,18 +111,18 @@ def normalize_numpy(pixels: np.ndarray) -> np.ndarray:
     return (x - np.array(CLIP_MEAN, dtype=np.float32)) / np.array(CLIP_STD, dtype=np.float32)
 
 
-def patchify(frames: torch.Tensor, patch: int, merge: int) -> torch.Tensor:
-    """`[T, C, H, W]` (T a multiple of the temporal patch) -> `[T/tp * H/p * W/p, C*tp*p*p]`.
+def patchify(frames: torch.Tensor, patch: int, merge: int, temporal: int) -> torch.Tensor:
+    """`[T, C, H, W]` (T a multiple of `temporal`) -> `[T/temporal * H/p * W/p, C*temporal*p*p]`.
 
     Rows: (time slice, block-row, block-col, in-block row, in-block col); row content:
     (channel, frame in slice, pixel row, pixel col).
     """
     t, c, h, w = frames.shape
-    tp = t if t < 2 else 2
     gh, gw = h // patch, w // patch
-    x = frames.reshape(t // tp, tp, c, gh // merge, merge, patch, gw // merge, merge, patch)
+    x = frames.reshape(t // temporal, temporal, c, gh // merge, merge, patch, gw // merge, merge,
+                       patch)
     x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return x.reshape((t // tp) * gh * gw, c * tp * patch * patch)
+    return x.reshape((t // temporal) * gh * gw, c * temporal * patch * patch)
 
 
 def process_image(image: Image.Image, config: ImageProcessConfig,
@@ -131,18 +131,16 @@ def process_image(image: Image.Image, config: ImageProcessConfig,
     rgb = to_rgb(image)
     width, height = rgb.size
     p, m, tp = vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size
-    factor, per_token = p * m, tp * (p * m) ** 2
-    canvas = smart_resize(tp, height, width, factor=factor, temporal_factor=tp,
+    canvas = smart_resize(tp, height, width, factor=p * m, temporal_factor=tp,
                           min_pixels=config.min_pixels, max_pixels=config.max_pixels)
-    content = content_size(tp, height, width, canvas, pixels_per_token=per_token,
-                           min_pixels=config.min_pixels)
+    content = content_size(tp, height, width, canvas, config.min_pixels)
     if content != (height, width):
         rgb = rgb.resize((content[1], content[0]), Image.BICUBIC)
     pixels = np.zeros((*canvas, 3), dtype=np.uint8)
     pixels[:content[0], :content[1]] = np.asarray(rgb)
     chw = torch.from_numpy(normalize_numpy(pixels)).permute(2, 0, 1)
     frames = chw.unsqueeze(0).expand(tp, -1, -1, -1)
-    return patchify(frames, p, m), (1, canvas[0] // p, canvas[1] // p)
+    return patchify(frames, p, m, tp), (1, canvas[0] // p, canvas[1] // p)
 
 
 def process_images(images: list[Image.Image], config: ImageProcessConfig,
@@ -150,6 +148,6 @@ def process_images(images: list[Image.Image], config: ImageProcessConfig,
     """All images of a prompt -> concatenated patch rows and their grids."""
     if not images:
         raise ValueError("process_images needs at least one image")
-    rows, grids = zip(*(process_image(image, config, vision) for image in images))
+    rows, grids = zip(*(process_image(image, config, vision) for image in images), strict=True)
     return ImageInputs(pixel_values=torch.cat(rows), grid_thw=torch.tensor(grids),
                        merge_size=vision.spatial_merge_size)

@@ -1,0 +1,33 @@
+"""Images and video: loading, preprocessing as the reference processors, prompt expansion and
+the merge of vision features into the token embeddings (spec/model.md §6)."""
+
+from glmflash.multimodal.image import ImageInputs, ImageProcessConfig, process_images
+from glmflash.multimodal.media import (
+    FetchConfig,
+    MediaError,
+    MediaLimits,
+    MultimodalProcessConfig,
+    load_image,
+    load_video,
+)
+from glmflash.multimodal.prompt import (
+    MediaTokenIds,
+    MultimodalPrompt,
+    embed_multimodal,
+    expand_media_tokens,
+    prepare_multimodal_prompt,
+)
+from glmflash.multimodal.video import (
+    VideoFrames,
+    VideoInputs,
+    VideoProcessConfig,
+    decode_video,
+    process_videos,
+)
+
+__all__ = [
+    "FetchConfig", "ImageInputs", "ImageProcessConfig", "MediaError", "MediaLimits",
+    "MediaTokenIds", "MultimodalProcessConfig", "MultimodalPrompt", "VideoFrames", "VideoInputs",
+    "VideoProcessConfig", "decode_video", "embed_multimodal", "expand_media_tokens",
+    "load_image", "load_video", "prepare_multimodal_prompt", "process_images", "process_videos",
+]

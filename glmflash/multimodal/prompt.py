@@ -1,0 +1,167 @@
+"""Media placeholders in a prompt: expansion to the model's token layout and the embedding merge.
+
+The chat template writes `<|begin_of_image|><|image|><|end_of_image|>` per image and
+`<|begin_of_video|><|video|><|end_of_video|>` per video. Expansion (spec/model.md §6.5):
+`<|image|>` -> `<|image|>` x t*h*w/4; `<|video|>` -> per temporal slice `<|begin_of_image|>` +
+`<|image|>` x h*w/4 + `<|end_of_image|>` + the text "{ts:.1f} seconds". The model then sees
+`<|image|>` for both kinds; a token is a video token iff it lies inside a video span.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from glmflash.config import ModelConfig
+from glmflash.multimodal.image import ImageInputs, process_images
+from glmflash.multimodal.media import MultimodalProcessConfig
+from glmflash.multimodal.video import VideoFrames, VideoInputs, process_videos
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from glmflash.model.vision import VisionTower
+
+
+class TextEncoder(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class MediaTokenIds:
+    image: int
+    video: int
+    image_start: int
+    image_end: int
+    video_start: int
+    video_end: int
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> MediaTokenIds:
+        return cls(image=config.image_token_id, video=config.video_token_id,
+                   image_start=config.image_start_token_id, image_end=config.image_end_token_id,
+                   video_start=config.video_start_token_id, video_end=config.video_end_token_id)
+
+
+@dataclass
+class MultimodalPrompt:
+    token_ids: list[int]
+    """The prompt with every placeholder expanded."""
+    image_inputs: ImageInputs | None
+    video_inputs: VideoInputs | None
+
+
+def prepare_multimodal_prompt(token_ids: Sequence[int], *, config: ModelConfig,
+                              tokenizer: TextEncoder, images: Sequence[Image.Image] = (),
+                              videos: Sequence[VideoFrames] = (),
+                              process: MultimodalProcessConfig | None = None) -> MultimodalPrompt:
+    """Preprocess the media of one prompt and expand its placeholders."""
+    if (images or videos) and config.vision is None:
+        raise ValueError("this model has no vision tower; images and videos are not supported")
+    process = process or MultimodalProcessConfig()
+    image_inputs = process_images(list(images), process.image, config.vision) if images else None
+    video_inputs = process_videos(list(videos), process.video, config.vision) if videos else None
+    expanded = expand_media_tokens(token_ids, MediaTokenIds.from_config(config), tokenizer,
+                                   image_inputs, video_inputs)
+    return MultimodalPrompt(expanded, image_inputs, video_inputs)
+
+
+def expand_media_tokens(token_ids: Sequence[int], media: MediaTokenIds, tokenizer: TextEncoder,
+                        images: ImageInputs | None = None,
+                        videos: VideoInputs | None = None) -> list[int]:
+    """Replace each `<|image|>` / `<|video|>` placeholder, in order, by its full token layout."""
+    image_blocks = _image_blocks(media, images)
+    video_blocks = _video_blocks(media, tokenizer, videos)
+    out: list[int] = []
+    for token in token_ids:
+        if token == media.image:
+            out += _next_block(image_blocks, "image", images)
+        elif token == media.video:
+            out += _next_block(video_blocks, "video", videos)
+        else:
+            out.append(token)
+    for blocks, kind, inputs in ((image_blocks, "image", images), (video_blocks, "video", videos)):
+        left = sum(1 for _ in blocks)
+        if left:
+            raise ValueError(f"the prompt has {_num_items(inputs) - left} {kind} placeholders "
+                             f"but {_num_items(inputs)} {kind}s were given")
+    return out
+
+
+def _image_blocks(media: MediaTokenIds, images: ImageInputs | None) -> Iterator[list[int]]:
+    for num_tokens in images.num_tokens if images is not None else []:
+        yield [media.image] * num_tokens
+
+
+def _video_blocks(media: MediaTokenIds, tokenizer: TextEncoder,
+                  videos: VideoInputs | None) -> Iterator[list[int]]:
+    if videos is None:
+        return
+    for num_tokens, times in zip(videos.num_slice_tokens, videos.timestamps, strict=True):
+        block: list[int] = []
+        for seconds in times:
+            block += [media.image_start, *[media.image] * num_tokens, media.image_end]
+            block += tokenizer.encode(f"{seconds:.1f} seconds")
+        yield block
+
+
+def _next_block(blocks: Iterator[list[int]], kind: str,
+                inputs: ImageInputs | VideoInputs | None) -> list[int]:
+    block = next(blocks, None)
+    if block is None:
+        raise ValueError(f"the prompt has more {kind} placeholders than the "
+                         f"{_num_items(inputs)} {kind}s given")
+    return block
+
+
+def _num_items(inputs: ImageInputs | VideoInputs | None) -> int:
+    return 0 if inputs is None else inputs.grid_thw.shape[0]
+
+
+def media_masks(token_ids: torch.Tensor, media: MediaTokenIds
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(image mask, video mask) `[T]`: `<|image|>` outside / inside a video span."""
+    is_media = token_ids == media.image
+    in_video = (token_ids == media.video_start).cumsum(0) > (token_ids == media.video_end).cumsum(0)
+    return is_media & ~in_video, is_media & in_video
+
+
+def embed_multimodal(model_embed_fn: Callable[[torch.Tensor], torch.Tensor],
+                     vision_tower: VisionTower, token_ids: Sequence[int] | torch.Tensor,
+                     image_inputs: ImageInputs | None, video_inputs: VideoInputs | None, *,
+                     media: MediaTokenIds) -> torch.Tensor:
+    """Token embeddings `[T, D]` with visual features on the expanded placeholder tokens.
+
+    The tower runs once over all images and videos; image features go, in order, to the
+    `<|image|>` tokens outside video spans, video features to those inside.
+    """
+    device = next(vision_tower.parameters()).device
+    ids = torch.as_tensor(token_ids, dtype=torch.long, device=device)
+    embeds = model_embed_fn(ids)
+    image_mask, video_mask = media_masks(ids, media)
+    num_image = sum(image_inputs.num_tokens) if image_inputs is not None else 0
+    num_video = _num_video_tokens(video_inputs)
+    checks = (("image", image_mask, num_image), ("video", video_mask, num_video))
+    for kind, mask, expected in checks:
+        if int(mask.sum()) != expected:
+            raise ValueError(f"{kind} features and {kind} tokens do not match: "
+                             f"{int(mask.sum())} tokens, {expected} features")
+    parts = [x for x in (image_inputs, video_inputs) if x is not None]
+    if not parts:
+        return embeds
+    features = vision_tower(torch.cat([x.pixel_values for x in parts]).to(device),
+                            torch.cat([x.grid_thw for x in parts])).to(embeds.dtype)
+    embeds = embeds.clone()
+    embeds[image_mask] = features[:num_image]
+    embeds[video_mask] = features[num_image:]
+    return embeds
+
+
+def _num_video_tokens(videos: VideoInputs | None) -> int:
+    if videos is None:
+        return 0
+    return sum(t * n for (t, _, _), n in zip(videos.grid_thw.tolist(), videos.num_slice_tokens,
+                                                 strict=True))
