@@ -35,9 +35,14 @@ class EngineApiMixin:
     def generate(self, prompts: str | list[str] | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  prompt_token_ids: list[int] | list[list[int]] | None = None,
-                 n: int = 1) -> list[Result]:
-        """Generate for every prompt (text, or token ids); results in prompt order."""
+                 n: int = 1, mm: list | None = None) -> list[Result]:
+        """Generate for every prompt (text, or token ids); results in prompt order.
+
+        `mm` gives each prompt's MultimodalPrompt (or None), from `prepare_multimodal`.
+        """
         token_lists = self._prompt_token_lists(prompts, prompt_token_ids)
+        mms = mm or [None] * len(token_lists)
+        token_lists = [m.token_ids if m is not None else ids for ids, m in zip(token_lists, mms)]
         params = _per_prompt(sampling_params, len(token_lists))
         collectors, done, lock = [], threading.Event(), threading.Lock()
         remaining = [len(token_lists)]
@@ -54,9 +59,9 @@ class EngineApiMixin:
 
         for ids, p in zip(token_lists, params):
             self._validate_prompt(ids)
-        for ids, p in zip(token_lists, params):
+        for ids, p, m in zip(token_lists, params, mms):
             collector = ResultCollector("", ids, n)
-            collector.request_id = self.add_request(ids, p, make_sink(collector), n=n)
+            collector.request_id = self.add_request(ids, p, make_sink(collector), n=n, mm=m)
             collectors.append(collector)
         while not done.is_set():
             if self.options.background_loop:
@@ -116,9 +121,10 @@ class EngineApiMixin:
         """Render with the chat template, generate, split reasoning and parse glm47 tool calls."""
         prompt = self.tokenizer.apply_chat_template(messages, tools=tools,
                                                     add_generation_prompt=True, **template_kwargs)
+        token_ids = self.tokenizer.encode(prompt)
+        mm = self.prepare_multimodal(token_ids, messages)
         params = sampling_params or SamplingParams()
-        (result,) = self.generate(prompt_token_ids=[self.tokenizer.encode(prompt)],
-                                  sampling_params=params)
+        (result,) = self.generate(prompt_token_ids=[token_ids], sampling_params=params, mm=[mm])
         parsed = ChatOutputParser(tools).parse(result.text)
         reason = result.finish_reason
         if parsed.tool_calls and reason == "stop":

@@ -16,7 +16,8 @@ from glmflash.config import ModelConfig
 from glmflash.engine.api import EngineApiMixin
 from glmflash.engine.cache import CacheManager
 from glmflash.engine.detokenizer import SequenceDetokenizer
-from glmflash.engine.model_runner import ModelRunner, load_model, plan_cache
+from glmflash.engine.model_runner import ModelRunner, embed_prompt, load_model, plan_cache
+from glmflash.engine.multimodal import MediaPreparer, collect_media
 from glmflash.engine.options import EngineConfig
 from glmflash.engine.outputs import Result, StreamDelta
 from glmflash.engine.sampler import Sampler
@@ -72,6 +73,10 @@ class Engine(EngineApiMixin):
             SchedulerConfig(self.options.max_running_requests, self.options.chunked_prefill_size,
                             self.max_seq_len), self.cache, self.eos_token_ids)
         self.sampler = Sampler(self.options.seed)
+        self.media = MediaPreparer(self.config, self.tokenizer,
+                                   limits=self.options.limit_mm_data_per_request,
+                                   process=self.options.mm_process_config,
+                                   local_root=self.options.media_local_root)
         self._choices: dict[int, _Choice] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -85,8 +90,14 @@ class Engine(EngineApiMixin):
 
     # Submission, from any thread.
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, sink: Sink, *,
-                    request_id: str | None = None, n: int = 1) -> str:
-        """Queue a request of `n` choices; `sink` receives its StreamDeltas on the engine thread."""
+                    request_id: str | None = None, n: int = 1, mm=None) -> str:
+        """Queue a request of `n` choices; `sink` receives its StreamDeltas on the engine thread.
+
+        `mm` (a MultimodalPrompt from `prepare_multimodal`) carries the expanded prompt's pixels;
+        its visual features are computed once, on the engine thread, before the first prefill.
+        """
+        if mm is not None:
+            prompt_token_ids = mm.token_ids
         self._validate_prompt(prompt_token_ids)
         limit = self.options.max_queued_requests
         if limit is not None and self.num_pending >= limit:
@@ -102,7 +113,7 @@ class Engine(EngineApiMixin):
             seqs.append(seq)
         with self._lock:
             self.num_pending += n
-        self._inbox.put(("add", seqs))
+        self._inbox.put(("add", (seqs, mm)))
         if self.options.background_loop:
             self._ensure_thread()
         return request_id
@@ -162,8 +173,7 @@ class Engine(EngineApiMixin):
         while True:
             kind, payload = message
             if kind == "add":
-                for seq in payload:
-                    self.scheduler.add(seq)
+                self._admit(*payload)
             elif kind == "abort":
                 self._abort(payload)
             elif kind == "stop":
@@ -172,6 +182,31 @@ class Engine(EngineApiMixin):
                 message = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _admit(self, seqs: list[Sequence], mm) -> None:
+        if mm is not None:
+            try:
+                embeds = embed_prompt(self.runner.model, self.config, mm)
+            except Exception as exc:  # bad media ends this request only
+                logger.exception("vision features failed")
+                for seq in seqs:
+                    choice = self._choices[seq.seq_id]
+                    seq.finish("error")
+                    self._finish(seq, choice, StreamDelta(choice.request_id, choice.index, "",
+                                                          [], "error", error=str(exc)))
+                return
+            for seq in seqs:
+                seq.prompt_embeds = embeds
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def prepare_multimodal(self, token_ids: list[int], messages: list[dict]):
+        """Load and preprocess the media of chat `messages`; None for a text-only request.
+
+        Raises ValueError (MediaError) for limits, bad sources and undecodable media.
+        """
+        sources = collect_media(messages)
+        return self.media.prepare(token_ids, sources) if sources else None
 
     def _abort(self, request_id: str) -> None:
         for seq_id, choice in list(self._choices.items()):

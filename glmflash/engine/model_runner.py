@@ -30,6 +30,16 @@ def load_model(path: Path, config: ModelConfig, device: torch.device,
     return model.eval()
 
 
+def embed_prompt(model: GlmForCausalLM, config: ModelConfig, mm) -> torch.Tensor:
+    """Prompt embeddings with the vision tower's features, computed once per request."""
+    from glmflash.multimodal.prompt import MediaTokenIds, embed_multimodal
+
+    with torch.inference_mode():
+        return embed_multimodal(model.text.embed_tokens, model.visual, mm.token_ids,
+                                mm.image_inputs, mm.video_inputs,
+                                media=MediaTokenIds.from_config(config))
+
+
 def warm_up_cpu_experts(model: GlmForCausalLM) -> None:
     """Build and compile the CPU expert kernels at start, not on the first request."""
     for module in model.modules():
@@ -97,11 +107,26 @@ class ModelRunner:
         new_rows = torch.cat([torch.arange(cu_context[b] + prefix_lens[b], cu_context[b + 1])
                               for b in range(len(tables))])
         to_device = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
-        return ForwardBatch(input_ids=to_device(torch.tensor(ids)), cu_seqlens=cu_seqlens,
-                            prefix_lens=prefix_lens,
+        input_ids = to_device(torch.tensor(ids))
+        return ForwardBatch(input_ids=input_ids, cu_seqlens=cu_seqlens, prefix_lens=prefix_lens,
                             state_slots=[seq.state_slot for seq in batch.seqs],
                             token_slots=to_device(context_slots[new_rows]),
-                            context_slots=to_device(context_slots), cu_context=cu_context)
+                            context_slots=to_device(context_slots), cu_context=cu_context,
+                            input_embeds=self._input_embeds(batch, input_ids, cu_seqlens))
+
+    def _input_embeds(self, batch: ScheduledBatch, input_ids: torch.Tensor,
+                      cu_seqlens: list[int]) -> torch.Tensor | None:
+        """Token embeddings with the stored visual rows of multimodal prompts spliced in."""
+        if all(seq.prompt_embeds is None for seq in batch.seqs):
+            return None
+        embeds = self.model.text.embed_tokens(input_ids)
+        for b, seq in enumerate(batch.seqs):
+            start = seq.num_computed_tokens
+            end = min(start + batch.num_tokens[b], seq.num_prompt_tokens)
+            if seq.prompt_embeds is not None and start < end:
+                row = cu_seqlens[b]
+                embeds[row: row + end - start] = seq.prompt_embeds[start:end]
+        return embeds
 
     def _slots(self, tables: list[list[int]], seq_index: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,12 @@ class EngineConfig:
     max_queued_requests: int | None = None
     """Choices in flight (queued or running) beyond this are refused (the server answers 503)."""
     seed: int | None = None
+    limit_mm_data_per_request: dict | None = None
+    """`{"image": 8, "video": 1}`: media per request (images and a video never together)."""
+    mm_process_config: dict | None = None
+    """`{"image": {"max_pixels": ...}, "video": {"fps": ..., "max_frames": ...}}`."""
+    media_local_root: str | None = None
+    """Local image/video paths are read only under this folder (None: refused)."""
     background_loop: bool = True
     """Drive steps from an engine thread; False: the caller drives `step()` (tests, offline)."""
     check_integrity: bool = False

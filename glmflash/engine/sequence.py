@@ -29,6 +29,8 @@ class Sequence:
         self.logprobs: list[dict[int, float]] = []
         self.state_slot: int | None = None
         self.page_ids: list[int] = []
+        self.prompt_embeds = None
+        """`[num_prompt_tokens, D]` input embeddings with visual features (multimodal prompts)."""
 
     @property
     def num_tokens(self) -> int:

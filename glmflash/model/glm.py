@@ -13,6 +13,7 @@ from glmflash.model.layers import MLP, Linear, RMSNorm
 from glmflash.model.mla import MultiLatentAttention
 from glmflash.model.moe import MoE
 from glmflash.model.state import ModelState
+from glmflash.model.vision import VisionTower
 
 
 class DecoderLayer(nn.Module):
@@ -75,11 +76,17 @@ class GlmForCausalLM(nn.Module):
         self.dtype = dtype
         self.model = nn.Module()
         self.model.language_model = TextModel(config, dtype)
+        if config.vision is not None:
+            self.model.visual = VisionTower(config.vision, config.hidden_size, dtype)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype)
 
     @property
     def text(self) -> TextModel:
         return self.model.language_model
+
+    @property
+    def visual(self) -> VisionTower | None:
+        return getattr(self.model, "visual", None)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, state: ModelState, *,
