@@ -1,4 +1,4 @@
-"""`glmflash generate | make-tiny`: the command line."""
+"""`glmflash serve | generate | make-tiny`: the command line."""
 
 from __future__ import annotations
 
@@ -14,6 +14,11 @@ from glmflash.utils.logging import setup_logging
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="glmflash", description="GLM-5.3-Flash inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
+    from glmflash.server.args import add_server_args
+
+    add_server_args(sub.add_parser("serve", help="run the OpenAI-compatible server",
+                                   description="OpenAI-compatible GLM-5.3-Flash server",
+                                   allow_abbrev=False))
     gen = sub.add_parser("generate", help="generate text from a prompt")
     gen.add_argument("--model-path", default=None,
                      help="checkpoint folder (default: the embedded tiny checkpoint)")
@@ -37,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from glmflash.server.launch import run_server
+
+        return run_server(args)
     setup_logging()
     from glmflash.model.weights import CheckpointError
 

@@ -64,7 +64,9 @@ class PackedRunner:
 
     def __init__(self, model: GlmForCausalLM, num_seqs: int, max_len: int = 512,
                  device: str = "cpu") -> None:
-        self.model, self.max_len, self.device = model.to(device), max_len, device
+        if next(model.parameters()).device.type != device:
+            model = model.to(device)
+        self.model, self.max_len, self.device = model, max_len, device
         self.state = ModelState(model.config, num_token_slots=num_seqs * max_len,
                                 num_state_slots=num_seqs, dtype=model.dtype, device=device)
         self.done = [0] * num_seqs

@@ -64,7 +64,7 @@ class Engine(EngineApiMixin):
         self.tokenizer = Tokenizer.from_dir(self.model_path)
         self.max_seq_len = self.options.context_length or min(self.config.max_position_embeddings,
                                                               8192)
-        model = load_model(self.model_path, self.config, self.device, self.dtype)
+        model = load_model(self.model_path, self.config, self.device, self.dtype, self.options)
         plan = plan_cache(self.config, self.options, self.max_seq_len, self.device, self.dtype)
         self.cache = CacheManager(plan)
         self.runner = ModelRunner(model, plan)

@@ -21,13 +21,34 @@ logger = logging.getLogger(__name__)
 GIB = 1 << 30
 
 
-def load_model(path: Path, config: ModelConfig, device: torch.device,
-               dtype: torch.dtype) -> GlmForCausalLM:
-    with torch.device(device):
+def load_model(path: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+               options: EngineConfig | None = None) -> GlmForCausalLM:
+    """Load the checkpoint; on a GPU with `kt_num_gpu_experts` set, routed experts stay on the
+    CPU (all but the first N per layer are computed there)."""
+    options = options or EngineConfig()
+    hybrid = device.type == "cuda" and options.kt_num_gpu_experts is not None
+    with torch.device("cpu" if hybrid else device):
         model = GlmForCausalLM(config, dtype)
     load_checkpoint(model, path, num_layers=config.num_hidden_layers)
+    for module in model.modules():
+        if isinstance(module, Experts):
+            module.cpu_threads = options.kt_cpuinfer
+    if hybrid:
+        from glmflash.engine.experts import ExpertPlacement, place_experts
+
+        move_all_but_experts(model, device)
+        place_experts(model, ExpertPlacement(options.kt_num_gpu_experts,
+                                             options.kt_gpu_prefill_token_threshold), device)
     warm_up_cpu_experts(model)
     return model.eval()
+
+
+def move_all_but_experts(model: GlmForCausalLM, device: torch.device) -> None:
+    """Everything but the routed experts goes to the GPU; the experts stay in host RAM."""
+    keep = {id(p) for m in model.modules() if isinstance(m, Experts) for p in m.parameters()}
+    for param in model.parameters():
+        if id(param) not in keep:
+            param.data = param.data.to(device)
 
 
 def embed_prompt(model: GlmForCausalLM, config: ModelConfig, mm) -> torch.Tensor:

@@ -27,6 +27,15 @@ class EngineConfig:
     """`{"image": {"max_pixels": ...}, "video": {"fps": ..., "max_frames": ...}}`."""
     media_local_root: str | None = None
     """Local image/video paths are read only under this folder (None: refused)."""
+    kt_method: str = "FP8"
+    """CPU expert format: FP8 (the checkpoint's own), the only one that honours swiglu_limit."""
+    kt_num_gpu_experts: int | None = None
+    """GPU machine: experts per layer resident on the GPU, the rest on the CPU (None: all GPU)."""
+    kt_gpu_prefill_token_threshold: int | None = None
+    """Hybrid mode: prefill chunks of at least this many tokens stream experts to the GPU."""
+    kt_cpuinfer: int | None = None
+    """Threads of the CPU expert kernel (default: numba's, i.e. all cores)."""
+    kt_threadpool_count: int = 1
     background_loop: bool = True
     """Drive steps from an engine thread; False: the caller drives `step()` (tests, offline)."""
     check_integrity: bool = False
@@ -40,6 +49,14 @@ class EngineConfig:
             (self.page_size >= 1, "page_size must be >= 1"),
             (0 < self.mem_fraction_static <= 1, "mem_fraction_static must be in (0, 1]"),
             (self.cache_budget_gb > 0, "cache_budget_gb must be > 0"),
+            (self.kt_method.upper() == "FP8", f"kt_method {self.kt_method!r} is not supported "
+             "(only FP8: other CPU formats ignore the SwiGLU clamp)"),
+            (self.kt_num_gpu_experts is None or self.kt_num_gpu_experts >= 0,
+             "kt_num_gpu_experts must be >= 0"),
+            (self.kt_gpu_prefill_token_threshold is None or self.kt_gpu_prefill_token_threshold >= 1,
+             "kt_gpu_prefill_token_threshold must be >= 1"),
+            (self.kt_cpuinfer is None or self.kt_cpuinfer >= 1, "kt_cpuinfer must be >= 1"),
+            (self.kt_threadpool_count >= 1, "kt_threadpool_count must be >= 1"),
         ]
         require(checks)
 

@@ -75,8 +75,13 @@ class Experts(nn.Module):
         self.down_proj = StackedWeight(e, d, i, dtype, fp8_block)
         self.limit = config.swiglu_limit
         self.cpu_kernel = None
+        self.cpu_threads: int | None = None
+        self.backend = None
+        """Set from outside to place experts elsewhere (engine/experts.py: CPU + GPU hybrid)."""
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.backend is not None:
+            return self.backend(x, ids, weights)
         if self.gate_proj.fp8_block and x.device.type == "cpu":
             return self.cpu_experts().forward(x, ids, weights).to(x.dtype)
         return self.loop_forward(x, ids, weights)
@@ -88,20 +93,33 @@ class Experts(nn.Module):
 
             projections = (self.gate_proj, self.up_proj, self.down_proj)
             tensors = [t for p in projections for t in (p.weight.data, p.weight_scale_inv.data)]
-            self.cpu_kernel = create_cpu_experts(*tensors, swiglu_limit=self.limit)
+            threads = {"num_threads": self.cpu_threads} if self.cpu_threads else {}
+            self.cpu_kernel = create_cpu_experts(*tensors, swiglu_limit=self.limit, **threads)
         return self.cpu_kernel
 
     def loop_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
                      ) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for e in ids.unique().tolist():
-            token_idx, slot = torch.where(ids == e)
-            h = x[token_idx]
-            act = clamped_swiglu(h @ self.gate_proj.expert(e, x.dtype).t(),
-                                 h @ self.up_proj.expert(e, x.dtype).t(), self.limit)
-            y = act @ self.down_proj.expert(e, x.dtype).t()
-            out.index_add_(0, token_idx, (y * weights[token_idx, slot, None]).to(x.dtype))
-        return out
+        return experts_loop(x, ids, weights, (self.gate_proj, self.up_proj, self.down_proj),
+                            self.limit)
+
+
+def experts_loop(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 projections: tuple, limit: float) -> torch.Tensor:
+    """Sum over the experts hit (ascending, as the reference) of weight * SwiGLU expert(x).
+
+    `projections` are (gate, up, down) objects with `expert(e, dtype) -> [N, K]`; ids < 0 skip.
+    """
+    out = torch.zeros_like(x)
+    gate, up, down = projections
+    for e in ids.unique().tolist():
+        if e < 0:
+            continue
+        token_idx, slot = torch.where(ids == e)
+        h = x[token_idx]
+        act = clamped_swiglu(h @ gate.expert(e, x.dtype).t(), h @ up.expert(e, x.dtype).t(), limit)
+        y = act @ down.expert(e, x.dtype).t()
+        out.index_add_(0, token_idx, (y * weights[token_idx, slot, None]).to(x.dtype))
+    return out
 
 
 class MoE(nn.Module):
@@ -114,4 +132,6 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
-        return self.experts(x, ids, weights) + self.shared_experts(x)
+        # The shared expert is queued first so the GPU runs it while CPU experts compute.
+        shared = self.shared_experts(x)
+        return self.experts(x, ids, weights) + shared

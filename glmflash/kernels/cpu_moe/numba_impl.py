@@ -1,13 +1,16 @@
 """CPU routed experts on block-FP8 weights, streamed by Numba kernels (derivation in README.md).
 
 Weights stay in their checkpoint layout (`[E, I, D]`, `[E, D, I]`, FP8 = 1 byte each, zero-copy
-views of the torch tensors): every 128-row block of one expert is already contiguous, so a worker
-that owns a run of rows streams one contiguous range per matrix.
+views of the torch tensors): every row block of one expert is already contiguous. Workers claim
+TASK_ROWS-row chunks from a shared atomic counter, so a stalled or busy core does not hold up
+the others, and each chunk is one contiguous run of bytes per matrix.
 
-An e4m3 byte `q` decodes in three integer ops: `(int32(int8 q) << 20) & 0x87F00000`, read as fp32 bits,
-is exactly `e4m3(q) * 2**-120` (subnormals included). The block scale and `2**64` are folded into a
-per-(expert, row-block) copy of the activations, so the inner loop is one FMA per weight and the
-row sum is multiplied by `2**56` once.
+`(int32(int8 q) << 20) & 0x87F00000`, read as fp32 bits, is exactly `e4m3(q) * 2**-120`
+(subnormals included). The block scale and `2**64` are folded into a per-(expert, row-block) copy
+of the activations, so the inner loop is one FMA per weight and a row sum is scaled by `2**56`
+once. The inner loop is LLVM IR (`_make_dot_ir`): 512-bit vectors, four rows per pass, 32 bytes
+decoded by one sign-extension to words and two shift+mask pairs, and a software prefetch into L2
+that keeps enough DRAM reads in flight (auto-vectorised Numba code cannot issue prefetches).
 
 This module imports numba at the top; the package imports it lazily (`cpu_moe.__init__`).
 """
@@ -19,18 +22,35 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
+from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 BLOCK = 128
-# NOTE: fp32 bits of (sign-extended byte << 20) & mask = sign | 0000 eeee | mmm 0...0 = e4m3 * 2^-120.
+# tokens of one expert per pass over a row group; weight rows per pass
+TOKEN_GROUP = 8
+ROW_GROUP = 4
+# rows of one work item taken by a worker from the shared task counter
+TASK_ROWS = 64
+# distance of the software prefetch ahead of each row's read position
+PREFETCH_BYTES = 16384
+# NOTE: fp32 bits of (sign-extended byte << 20) & mask = sign|0000eeee|mmm0.. = e4m3 * 2^-120
 _E4M3_MASK = np.int32(-2014314496)  # 0x87F00000
 _X_SCALE = np.float32(2.0**64)
 _OUT_SCALE = np.float32(2.0**56)
-# tokens of one expert whose dot products share one pass over a weight row
-TOKEN_GROUP = 8
-# NOTE: per-worker accumulators are padded to 128 bytes so two workers never share a cache line.
-_ACC_PAD = 32
+# NOTE: per-worker accumulator rows are 128 bytes wide (TOKEN_GROUP floats used) so two workers
+# never write one cache line.
+_ACC_WIDTH = 32
 _FAST = {"reassoc", "contract"}
+
+_I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
+_LANES = 16
+_V_I32, _V_F32 = ir.VectorType(_I32, _LANES), ir.VectorType(_F32, _LANES)
+_V32_I8, _V32_I16 = ir.VectorType(_I8, 2 * _LANES), ir.VectorType(ir.IntType(16), 2 * _LANES)
+# weight bytes of one row consumed per loop iteration: two 32-byte pairs of 16-lane vectors
+_STEP = 64
+# llvm.prefetch locality 2 = prefetcht1 (into L2): measured 2x the DRAM rate of t0 or nta here
+_PREFETCH_LOCALITY = 2
 
 
 @intrinsic
@@ -39,9 +59,24 @@ def _bits_as_f32(typingctx, bits):
     def codegen(context, builder, signature, args):
         value = args[0]
         if value.type.width != 32:
-            value = builder.trunc(value, ir.IntType(32))
-        return builder.bitcast(value, ir.FloatType())
+            value = builder.trunc(value, _I32)
+        return builder.bitcast(value, _F32)
     return types.float32(bits), codegen
+
+
+@intrinsic
+def _fetch_add_ir(typingctx, counter, index, value):
+    """Atomic `old = counter[index]; counter[index] += value; return old` on an int64 array."""
+    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
+        raise TypingError(f"fetch-add wants an int64 array, got {counter}")
+
+    def codegen(context, builder, sig, args):
+        arr = context.make_array(sig.args[0])(context, builder, args[0])
+        index = context.cast(builder, args[1], sig.args[1], types.int64)
+        value = context.cast(builder, args[2], sig.args[2], types.int64)
+        ptr = builder.gep(arr.data, [index])
+        return builder.atomic_rmw("add", ptr, value, "monotonic")
+    return types.int64(counter, index, value), codegen
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
@@ -49,83 +84,185 @@ def _e4m3_nb(q):
     return _bits_as_f32((np.int32(q) << 20) & _E4M3_MASK)
 
 
-@njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
-def _dot1_nb(w, x0):
-    a0 = np.float32(0.0)
-    for k in range(w.size):
-        a0 += _e4m3_nb(w[k]) * x0[k]
-    return a0
+def _ir_decode_pair(builder, ptr):
+    """32 e4m3 bytes at `ptr` -> (even, odd) <16 x float> of e4m3 * 2^-120.
+
+    One sign-extension to 16-bit words gives dwords holding bytes 2i (low word) and 2i + 1 (high
+    word); `<< 20` lines up the low byte and `<< 4` the high byte under the same mask.
+    """
+    raw = builder.load(builder.bitcast(ptr, _V32_I8.as_pointer()), align=1)
+    words = builder.bitcast(builder.sext(raw, _V32_I16), _V_I32)
+    mask = ir.Constant(_V_I32, [int(_E4M3_MASK)] * _LANES)
+    even = builder.and_(builder.shl(words, ir.Constant(_V_I32, [20] * _LANES)), mask)
+    odd = builder.and_(builder.shl(words, ir.Constant(_V_I32, [4] * _LANES)), mask)
+    return builder.bitcast(even, _V_F32), builder.bitcast(odd, _V_F32)
+
+
+def _ir_hsum(builder, vec):
+    """Sum of the lanes of a <16 x float> by halving."""
+    width = _LANES
+    while width > 1:
+        width //= 2
+        lo = ir.Constant(ir.VectorType(_I32, width), list(range(width)))
+        hi = ir.Constant(ir.VectorType(_I32, width), list(range(width, 2 * width)))
+        vec = builder.fadd(builder.shuffle_vector(vec, vec, lo),
+                           builder.shuffle_vector(vec, vec, hi))
+    return builder.extract_element(vec, ir.Constant(_I32, 0))
+
+
+def _ir_dot(context, builder, sig, args, num_rows, num_tokens):
+    """Emit the loop of `_make_dot_ir`; returns the num_rows * num_tokens sums, row-major."""
+    w_arr = context.make_array(sig.args[0])(context, builder, args[0])
+    xs_arr = context.make_array(sig.args[2])(context, builder, args[2])
+    row = context.cast(builder, args[1], sig.args[1], types.int64)
+    dist = context.cast(builder, args[3], sig.args[3], types.int64)
+    k_len = builder.extract_value(w_arr.shape, 1)
+    x_len = builder.extract_value(xs_arr.shape, 1)
+    k_end = builder.and_(k_len, ir.Constant(_I64, -_STEP))
+    w_rows = [builder.gep(w_arr.data, [builder.mul(builder.add(row, ir.Constant(_I64, r)), k_len)])
+              for r in range(num_rows)]
+    x_rows = [builder.gep(xs_arr.data, [builder.mul(ir.Constant(_I64, t), x_len)])
+              for t in range(num_tokens)]
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V_F32, [_V_F32] * 3),
+                                         "llvm.fma.v16f32")
+    prefetch = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]),
+        "llvm.prefetch.p0i8")
+    pf_args = [ir.Constant(_I32, v) for v in (0, _PREFETCH_LOCALITY, 1)]
+    # independent FMA chains: at least four, so the FMA latency never bounds a 1x1 dot
+    num_sets = max(1, 4 // (num_rows * num_tokens))
+    zero = ir.Constant(_V_F32, [0.0] * _LANES)
+    entry = builder.block
+    loop = builder.append_basic_block("fp8dot.loop")
+    done = builder.append_basic_block("fp8dot.done")
+    builder.cbranch(builder.icmp_signed(">", k_end, ir.Constant(_I64, 0)), loop, done)
+
+    builder.position_at_end(loop)
+    k = builder.phi(_I64)
+    accs = [[[builder.phi(_V_F32) for _ in range(num_sets)] for _ in range(num_tokens)]
+            for _ in range(num_rows)]
+    new = [[list(a) for a in acc_r] for acc_r in accs]
+    for w_row in w_rows:
+        builder.call(prefetch, [builder.gep(w_row, [builder.add(k, dist)]), *pf_args])
+    for step in range(0, _STEP // _LANES, 2):
+        k_s = builder.add(k, ir.Constant(_I64, step * _LANES))
+        k_odd = builder.add(k_s, ir.Constant(_I64, _LANES))
+        xvs = [[builder.load(builder.bitcast(builder.gep(x_row, [k_i]), _V_F32.as_pointer()),
+                             align=4) for k_i in (k_s, k_odd)] for x_row in x_rows]
+        for r, w_row in enumerate(w_rows):
+            for half, wv in enumerate(_ir_decode_pair(builder, builder.gep(w_row, [k_s]))):
+                i = (step + half) % num_sets
+                for t in range(num_tokens):
+                    new[r][t][i] = builder.call(fma, [wv, xvs[t][half], new[r][t][i]])
+    k_next = builder.add(k, ir.Constant(_I64, _STEP))
+    builder.cbranch(builder.icmp_signed("<", k_next, k_end), loop, done)
+    k.add_incoming(ir.Constant(_I64, 0), entry)
+    k.add_incoming(k_next, loop)
+
+    builder.position_at_end(done)
+    finals = []
+    for r in range(num_rows):
+        for t in range(num_tokens):
+            sets = []
+            for acc, acc_new in zip(accs[r][t], new[r][t], strict=True):
+                acc.add_incoming(zero, entry)
+                acc.add_incoming(acc_new, loop)
+                final = builder.phi(_V_F32)
+                final.add_incoming(zero, entry)
+                final.add_incoming(acc_new, loop)
+                sets.append(final)
+            finals.append(sets)
+    sums = []
+    for sets in finals:
+        total = sets[0]
+        for other in sets[1:]:
+            total = builder.fadd(total, other)
+        sums.append(_ir_hsum(builder, total))
+    return sums
+
+
+def _make_dot_ir(num_rows, num_tokens):
+    """Intrinsic `(w [N, K] int8 C, row, xs [T, >=K] f32 C, prefetch_bytes) -> tuple of sums`.
+
+    Sum r * num_tokens + t is `sum_k e4m3(w[row + r, k]) * x_t[k] * 2^-120` over the first
+    `K - K % 64` columns (the caller adds the tail), where xs holds each activation row in the
+    even/odd layout of `_scale_row_nb`. Each of the num_rows streams prefetches `prefetch_bytes`
+    ahead of its read position.
+    """
+    ret = types.UniTuple(types.float32, num_rows * num_tokens)
+
+    def typer(typingctx, w, row, xs, prefetch_bytes):
+        is_w = isinstance(w, types.Array) and w.dtype == types.int8 and w.ndim == 2
+        is_xs = isinstance(xs, types.Array) and xs.dtype == types.float32 and xs.ndim == 2
+        if not (is_w and is_xs and w.layout == "C" and xs.layout == "C"):
+            raise TypingError(f"fp8 dot wants C-contiguous int8 [N, K], f32 [T, K]: {w}, {xs}")
+
+        def codegen(context, builder, sig, args):
+            sums = _ir_dot(context, builder, sig, args, num_rows, num_tokens)
+            return context.make_tuple(builder, ret, sums)
+        return ret(w, row, xs, prefetch_bytes), codegen
+
+    typer.__name__ = f"_dot_{num_rows}x{num_tokens}_ir"
+    return intrinsic(typer)
+
+
+_dot_4x4_ir = _make_dot_ir(4, 4)
+_dot_4x2_ir = _make_dot_ir(4, 2)
+_dot_4x1_ir = _make_dot_ir(4, 1)
+_dot_1x1_ir = _make_dot_ir(1, 1)
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
-def _dot2_nb(w, x0, x1):
-    a0 = np.float32(0.0)
-    a1 = np.float32(0.0)
-    for k in range(w.size):
-        v = _e4m3_nb(w[k])
-        a0 += v * x0[k]
-        a1 += v * x1[k]
-    return a0, a1
+def _rows_dot_nb(w, n, num_rows, xs, num_tokens, acc):
+    """acc[r, t] = sum_k e4m3(w[n + r, k]) * x_t[k] * 2^-120 for r < num_rows, t < num_tokens.
 
-
-@njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
-def _dot4_nb(w, x0, x1, x2, x3):
-    a0 = np.float32(0.0)
-    a1 = np.float32(0.0)
-    a2 = np.float32(0.0)
-    a3 = np.float32(0.0)
-    for k in range(w.size):
-        v = _e4m3_nb(w[k])
-        a0 += v * x0[k]
-        a1 += v * x1[k]
-        a2 += v * x2[k]
-        a3 += v * x3[k]
-    return a0, a1, a2, a3
-
-
-@njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
-def _dot_rows4_nb(w, n, x):
-    """Sums of rows n..n+3 of w [N, K] against x [>=K] in one pass (four streams, one x load)."""
-    w0 = w[n]
-    w1 = w[n + 1]
-    w2 = w[n + 2]
-    w3 = w[n + 3]
-    a0 = np.float32(0.0)
-    a1 = np.float32(0.0)
-    a2 = np.float32(0.0)
-    a3 = np.float32(0.0)
-    for k in range(w0.size):
-        xk = x[k]
-        a0 += _e4m3_nb(w0[k]) * xk
-        a1 += _e4m3_nb(w1[k]) * xk
-        a2 += _e4m3_nb(w2[k]) * xk
-        a3 += _e4m3_nb(w3[k]) * xk
-    return a0, a1, a2, a3
-
-
-@njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
-def _row_dots_nb(w, xs, num_tokens, out):
-    """out[j] = sum_k e4m3(w[k]) * xs[j, k] * 2^-120 for j < num_tokens; w [K] int8, xs [TB, >=K]."""
-    j = 0
-    while j + 4 <= num_tokens:
-        out[j], out[j + 1], out[j + 2], out[j + 3] = _dot4_nb(w, xs[j], xs[j + 1], xs[j + 2],
-                                                               xs[j + 3])
-        j += 4
-    if j + 2 <= num_tokens:
-        out[j], out[j + 1] = _dot2_nb(w, xs[j], xs[j + 1])
-        j += 2
-    if j < num_tokens:
-        out[j] = _dot1_nb(w, xs[j])
+    w [N, K] int8; xs [TB, >=K] f32 (rows from `_scale_row_nb`); acc [ROW_GROUP, >=TB] f32.
+    """
+    if num_rows == ROW_GROUP:
+        t = 0
+        while t < num_tokens:
+            if num_tokens - t >= 4:
+                sums = _dot_4x4_ir(w, n, xs[t:], PREFETCH_BYTES)
+                for i in range(16):
+                    acc[i // 4, t + i % 4] = sums[i]
+                t += 4
+            elif num_tokens - t >= 2:
+                sums2 = _dot_4x2_ir(w, n, xs[t:], PREFETCH_BYTES)
+                for i in range(8):
+                    acc[i // 2, t + i % 2] = sums2[i]
+                t += 2
+            else:
+                sums1 = _dot_4x1_ir(w, n, xs[t:], PREFETCH_BYTES)
+                for i in range(4):
+                    acc[i, t] = sums1[i]
+                t += 1
+    else:
+        for r in range(num_rows):
+            for t in range(num_tokens):
+                acc[r, t] = _dot_1x1_ir(w, n + r, xs[t:], PREFETCH_BYTES)[0]
+    k_len = w.shape[1]
+    for r in range(num_rows):
+        for t in range(num_tokens):
+            tail = np.float32(0.0)
+            for k in range(k_len - k_len % 64, k_len):
+                tail += _e4m3_nb(w[n + r, k]) * xs[t, k]
+            acc[r, t] += tail
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
 def _scale_row_nb(x, scales, block, out):
-    """out[k] = x[k] * scales[k // block] * 2^64 for k < x.size; x [K], scales [ceil(K/block)]."""
+    """out = x[k] * scales[k // block] * 2^64 in the layout the fp8 dot reads; x [K].
+
+    Below K - K % 64, each 32-wide chunk holds its even elements, then its odd ones (the order in
+    which `_ir_decode_pair` yields weights); the tail keeps the natural order.
+    """
     size = x.size
-    for kb in range(scales.size):
-        s = scales[kb] * _X_SCALE
-        for k in range(kb * block, min(kb * block + block, size)):
-            out[k] = x[k] * s
+    k_end = size - size % 64
+    for k in range(size):
+        pos = k
+        if k < k_end:
+            pos = (k & ~31) | ((k & 1) << 4) | ((k & 31) >> 1)
+        out[pos] = x[k] * (scales[k // block] * _X_SCALE)
 
 
 @njit(cache=True, nogil=True)
@@ -174,22 +311,6 @@ def _swiglu_nb(a, b, swiglu_limit):
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
-def _gate_up_one_token_nb(gw, uw, row0, row1, xg, xu, swiglu_limit, h_row):
-    """h_row[row0:row1] for one token, four gate rows and four up rows per pass."""
-    n = row0
-    while n + 4 <= row1:
-        g0, g1, g2, g3 = _dot_rows4_nb(gw, n, xg)
-        u0, u1, u2, u3 = _dot_rows4_nb(uw, n, xu)
-        h_row[n] = _swiglu_nb(g0, u0, swiglu_limit)
-        h_row[n + 1] = _swiglu_nb(g1, u1, swiglu_limit)
-        h_row[n + 2] = _swiglu_nb(g2, u2, swiglu_limit)
-        h_row[n + 3] = _swiglu_nb(g3, u3, swiglu_limit)
-        n += 4
-    for m in range(n, row1):
-        h_row[m] = _swiglu_nb(_dot1_nb(gw[m], xg), _dot1_nb(uw[m], xu), swiglu_limit)
-
-
-@njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
 def _gate_up_rows_nb(x, gate_w, gate_s, up_w, up_s, e, row0, row1, p0, p1, pair_token_ids,
                      swiglu_limit, block, xs, acc, h):
     """h[p, row0:row1] for pairs p0..p1 of expert e; rows lie in one row block."""
@@ -202,54 +323,42 @@ def _gate_up_rows_nb(x, gate_w, gate_s, up_w, up_s, e, row0, row1, p0, p1, pair_
             xt = x[pair_token_ids[c + j]]
             _scale_row_nb(xt, gate_s[e, rb], block, xs[0, j])
             _scale_row_nb(xt, up_s[e, rb], block, xs[1, j])
-        if num_tokens == 1:
-            _gate_up_one_token_nb(gw, uw, row0, row1, xs[0, 0], xs[1, 0], swiglu_limit, h[c])
-            continue
-        for n in range(row0, row1):
-            _row_dots_nb(gw[n], xs[0], num_tokens, acc[0])
-            _row_dots_nb(uw[n], xs[1], num_tokens, acc[1])
-            for j in range(num_tokens):
-                h[c + j, n] = _swiglu_nb(acc[0, j], acc[1, j], swiglu_limit)
+        for n in range(row0, row1, ROW_GROUP):
+            num_rows = min(ROW_GROUP, row1 - n)
+            _rows_dot_nb(gw, n, num_rows, xs[0], num_tokens, acc[0])
+            _rows_dot_nb(uw, n, num_rows, xs[1], num_tokens, acc[1])
+            for r in range(num_rows):
+                for j in range(num_tokens):
+                    h[c + j, n + r] = _swiglu_nb(acc[0, r, j], acc[1, r, j], swiglu_limit)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
 def _gate_up_nb(x, gate_w, gate_s, up_w, up_s, hit_ids, pair_offsets, pair_token_ids,
-                swiglu_limit, block, scratch, acc, h):
+                swiglu_limit, block, scratch, acc, task_counter, h):
     """h[p] = silu(min(a, L)) * clip(b, -L, L) for every pair p, a/b = x W_gate/up^T of its expert.
 
     x [T, D] f32; *_w [E, I, D] int8 (e4m3 bytes); *_s [E, ceil(I/b), ceil(D/b)] f32;
-    scratch [workers, 2, TB, >=D] f32; acc [workers, 2, >=TB] f32; h [pairs, I] f32 (output).
-    Worker `wid` owns a contiguous run of the (hit expert, row) space.
+    scratch [workers, 2, TB, >=D] f32; acc [workers, 2, ROW_GROUP, >=TB] f32;
+    task_counter [>=1] int64; h [pairs, I] f32 (output).
+    Tasks are TASK_ROWS-row chunks of one hit expert, in memory order; workers take the next one.
     """
-    num_workers = scratch.shape[0]
     inter = gate_w.shape[1]
-    num_rows = hit_ids.size * inter
-    for wid in prange(num_workers):
-        f = wid * num_rows // num_workers
-        f_end = (wid + 1) * num_rows // num_workers
-        while f < f_end:
-            i = f // inter
-            row0 = f - i * inter
-            row1 = min(row0 // block * block + block, inter, row0 + f_end - f)
-            _gate_up_rows_nb(x, gate_w, gate_s, up_w, up_s, hit_ids[i], row0, row1,
-                             pair_offsets[i], pair_offsets[i + 1], pair_token_ids,
-                             swiglu_limit, block, scratch[wid], acc[wid], h)
-            f += row1 - row0
-
-
-@njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
-def _down_one_token_nb(dw, row0, row1, x, scale, out_row):
-    """out_row[row0:row1] += scale * (dw x)[row0:row1], four rows per pass."""
-    n = row0
-    while n + 4 <= row1:
-        a0, a1, a2, a3 = _dot_rows4_nb(dw, n, x)
-        out_row[n] += scale * a0
-        out_row[n + 1] += scale * a1
-        out_row[n + 2] += scale * a2
-        out_row[n + 3] += scale * a3
-        n += 4
-    for m in range(n, row1):
-        out_row[m] += scale * _dot1_nb(dw[m], x)
+    chunks = (inter + TASK_ROWS - 1) // TASK_ROWS
+    num_tasks = hit_ids.size * chunks
+    task_counter[0] = 0
+    for wid in prange(scratch.shape[0]):
+        task = _fetch_add_ir(task_counter, 0, 1)
+        while task < num_tasks:
+            i = task // chunks
+            row0 = (task - i * chunks) * TASK_ROWS
+            row_end = min(row0 + TASK_ROWS, inter)
+            while row0 < row_end:
+                row1 = min(row0 // block * block + block, row_end)
+                _gate_up_rows_nb(x, gate_w, gate_s, up_w, up_s, hit_ids[i], row0, row1,
+                                 pair_offsets[i], pair_offsets[i + 1], pair_token_ids,
+                                 swiglu_limit, block, scratch[wid], acc[wid], h)
+                row0 = row1
+            task = _fetch_add_ir(task_counter, 0, 1)
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
@@ -262,38 +371,43 @@ def _down_rows_nb(h, down_w, down_s, e, row0, row1, p0, p1, pair_token_ids, pair
         num_tokens = min(TOKEN_GROUP, p1 - c)
         for j in range(num_tokens):
             _scale_row_nb(h[c + j], down_s[e, rb], block, xs[j])
-        if num_tokens == 1:
-            _down_one_token_nb(dw, row0, row1, xs[0], pair_weights[c] * _OUT_SCALE,
-                               out[pair_token_ids[c]])
-            continue
-        for n in range(row0, row1):
-            _row_dots_nb(dw[n], xs, num_tokens, acc)
-            for j in range(num_tokens):
-                out[pair_token_ids[c + j], n] += pair_weights[c + j] * _OUT_SCALE * acc[j]
+        for n in range(row0, row1, ROW_GROUP):
+            num_rows = min(ROW_GROUP, row1 - n)
+            _rows_dot_nb(dw, n, num_rows, xs, num_tokens, acc)
+            for r in range(num_rows):
+                for j in range(num_tokens):
+                    scale = pair_weights[c + j] * _OUT_SCALE
+                    out[pair_token_ids[c + j], n + r] += scale * acc[r, j]
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
 def _down_nb(h, down_w, down_s, hit_ids, pair_offsets, pair_token_ids, pair_weights, block,
-             scratch, acc, out):
+             scratch, acc, task_counter, out):
     """out[t] += sum over t's pairs p of weight_p * h[p] W_down[e_p]^T.
 
     h [pairs, I] f32; down_w [E, D, I] int8; down_s [E, ceil(D/b), ceil(I/b)] f32;
-    scratch [workers, 2, TB, >=I] f32; acc [workers, 2, >=TB] f32; out [T, D] f32 (accumulated).
-    Worker `wid` owns a contiguous run of output rows, so no two workers write one element.
+    scratch [workers, 2, TB, >=I] f32; acc [workers, 2, ROW_GROUP, >=TB] f32;
+    task_counter [>=1] int64; out [T, D] f32 (accumulated).
+    A task is a TASK_ROWS-row chunk of the output over every hit expert, so no two workers write
+    one element.
     """
-    num_workers = scratch.shape[0]
     hidden = down_w.shape[1]
-    for wid in prange(num_workers):
-        r_begin = wid * hidden // num_workers
-        r_end = (wid + 1) * hidden // num_workers
-        for i in range(hit_ids.size):
-            row0 = r_begin
-            while row0 < r_end:
-                row1 = min(row0 // block * block + block, r_end)
-                _down_rows_nb(h, down_w, down_s, hit_ids[i], row0, row1, pair_offsets[i],
-                              pair_offsets[i + 1], pair_token_ids, pair_weights, block,
-                              scratch[wid, 0], acc[wid, 0], out)
-                row0 = row1
+    num_tasks = (hidden + TASK_ROWS - 1) // TASK_ROWS
+    task_counter[0] = 0
+    for wid in prange(scratch.shape[0]):
+        task = _fetch_add_ir(task_counter, 0, 1)
+        while task < num_tasks:
+            row_begin = task * TASK_ROWS
+            row_end = min(row_begin + TASK_ROWS, hidden)
+            for i in range(hit_ids.size):
+                row0 = row_begin
+                while row0 < row_end:
+                    row1 = min(row0 // block * block + block, row_end)
+                    _down_rows_nb(h, down_w, down_s, hit_ids[i], row0, row1, pair_offsets[i],
+                                  pair_offsets[i + 1], pair_token_ids, pair_weights, block,
+                                  scratch[wid, 0], acc[wid, 0], out)
+                    row0 = row1
+            task = _fetch_add_ir(task_counter, 0, 1)
 
 
 def _fp8_bytes(weight: torch.Tensor) -> np.ndarray:
@@ -303,7 +417,10 @@ def _fp8_bytes(weight: torch.Tensor) -> np.ndarray:
 
 
 class NumbaMoeExperts:
-    """Routed experts of one MoE layer on CPU; weights are borrowed (zero-copy), not copied."""
+    """Routed experts of one MoE layer on CPU; weights are borrowed (zero-copy), not copied.
+
+    NOTE: the scratch buffers are per instance, so one forward at a time per instance.
+    """
 
     def __init__(self, gate_w: torch.Tensor, gate_s: torch.Tensor, up_w: torch.Tensor,
                  up_s: torch.Tensor, down_w: torch.Tensor, down_s: torch.Tensor, *,
@@ -311,7 +428,8 @@ class NumbaMoeExperts:
         self.num_experts, self.inter, self.hidden = gate_w.shape
         shape_gu = (self.num_experts, -(-self.inter // block), -(-self.hidden // block))
         shape_down = (self.num_experts, -(-self.hidden // block), -(-self.inter // block))
-        if up_w.shape != gate_w.shape or down_w.shape != (self.num_experts, self.hidden, self.inter):
+        down_shape = (self.num_experts, self.hidden, self.inter)
+        if up_w.shape != gate_w.shape or down_w.shape != down_shape:
             raise ValueError(f"expert shapes differ: {gate_w.shape}, {up_w.shape}, {down_w.shape}")
         if gate_s.shape != shape_gu or up_s.shape != shape_gu or down_s.shape != shape_down:
             raise ValueError(f"scale shapes {gate_s.shape}, {up_s.shape}, {down_s.shape} do not "
@@ -327,8 +445,10 @@ class NumbaMoeExperts:
             np.ascontiguousarray(s.float().numpy()) for s in (gate_s, up_s, down_s))
         width = max(self.hidden, self.inter)
         self._scratch = np.zeros((self.num_threads, 2, TOKEN_GROUP, width), np.float32)
-        self._acc = np.zeros((self.num_threads, 2, _ACC_PAD), np.float32)
+        self._acc = np.zeros((self.num_threads, 2, ROW_GROUP, _ACC_WIDTH), np.float32)
         self._counts = np.zeros(self.num_experts, np.int64)
+        # NOTE: 16 int64 = one cache line of its own for the task counter the workers share
+        self._task_counter = np.zeros(16, np.int64)
         self._reserve(8)
 
     def _reserve(self, num_pairs: int) -> None:
@@ -366,10 +486,10 @@ class NumbaMoeExperts:
         hit_ids = self._hit_ids[:num_hit]
         _gate_up_nb(x_np, self.gate_w, self.gate_s, self.up_w, self.up_s, hit_ids,
                     self._pair_offsets, self._pair_token_ids, np.float32(self.swiglu_limit),
-                    self.block, self._scratch, self._acc, self._h)
+                    self.block, self._scratch, self._acc, self._task_counter, self._h)
         _down_nb(self._h, self.down_w, self.down_s, hit_ids, self._pair_offsets,
                  self._pair_token_ids, self._pair_weights, self.block, self._scratch, self._acc,
-                 out.numpy())
+                 self._task_counter, out.numpy())
         return out
 
     def warmup(self) -> None:

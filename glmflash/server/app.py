@@ -1,0 +1,106 @@
+"""The OpenAI-compatible HTTP surface: Starlette routes only (the work lives in chat.py,
+chat_stream.py, completions.py; plumbing in routing.py, streaming.py, middleware.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from glmflash.server.chat import chat_completion
+from glmflash.server.chat_stream import chat_completion_stream
+from glmflash.server.completions import completion, completion_stream
+from glmflash.server.errors import model_not_found
+from glmflash.server.metrics import CONTENT_TYPE
+from glmflash.server.middleware import ApiMiddleware
+from glmflash.server.protocol import parse_chat_request, parse_completion_request
+from glmflash.server.routing import api_route, http_exception, read_json
+from glmflash.server.state import RequestHook, ServerConfig, ServerState
+from glmflash.server.streaming import sse_response, until_disconnected
+
+if TYPE_CHECKING:
+    from glmflash.engine.engine import Engine
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def _model_card(state: ServerState, name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "glmflash",
+            "root": str(state.engine.model_path), "max_model_len": state.engine.max_seq_len}
+
+
+@api_route
+async def list_models(request: Request) -> Response:
+    state = _state(request)
+    cards = [_model_card(state, name) for name in state.config.served_model_names]
+    return JSONResponse({"object": "list", "data": cards})
+
+
+@api_route
+async def retrieve_model(request: Request) -> Response:
+    state, name = _state(request), request.path_params["model_id"]
+    if name not in state.config.served_model_names:
+        raise model_not_found(name)
+    return JSONResponse(_model_card(state, name))
+
+
+@api_route
+async def chat_completions(request: Request) -> Response:
+    state = _state(request)
+    body = parse_chat_request(await read_json(request), supports_media=state.bridge.supports_media)
+    model = state.resolve_model(body.model)
+    if body.stream:
+        events, group = await chat_completion_stream(state, body, model)
+        return sse_response(events, group.close)
+    return JSONResponse(await until_disconnected(request, chat_completion(state, body, model)))
+
+
+@api_route
+async def completions(request: Request) -> Response:
+    state = _state(request)
+    body = parse_completion_request(await read_json(request))
+    model = state.resolve_model(body.model)
+    if body.stream:
+        events, group = await completion_stream(state, body, model)
+        return sse_response(events, group.close)
+    return JSONResponse(await until_disconnected(request, completion(state, body, model)))
+
+
+@api_route
+async def health(request: Request) -> Response:
+    if _state(request).bridge.is_closed:
+        return JSONResponse({"status": "shutting down"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@api_route
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).bridge.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def create_app(engine: Engine, config: ServerConfig, *,
+               request_hook: RequestHook | None = None) -> Starlette:
+    """The server app for `engine`. `request_hook` is for tests only (it is never reachable from
+    HTTP): it sees each validated request and its PreparedRequest before submission."""
+    state = ServerState(engine, config, request_hook)
+    routes = [
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    middleware = [Middleware(ApiMiddleware, api_key=config.api_key,
+                             metrics=state.bridge.metrics)]
+    app = Starlette(routes=routes, middleware=middleware,
+                    exception_handlers={HTTPException: http_exception})
+    app.state.server = state
+    return app

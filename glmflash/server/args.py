@@ -1,0 +1,181 @@
+"""The server's command line (`glmflash serve` and `python -m glmflash.launch_server`), built by
+one function, `add_server_args`. Flags keep the names of the seed's launch command; those that
+do not apply on this machine or build are accepted and reported at start-up (one line each)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+DEFAULT_PORT = 30000
+_KT_FLAGS = ("kt_weight_path", "kt_method", "kt_cpuinfer", "kt_threadpool_count",
+             "kt_num_gpu_experts", "kt_gpu_prefill_token_threshold")
+_MEDIA_FLAGS = ("limit_mm_data_per_request", "mm_process_config")
+# EngineConfig option <- flag destination.
+_ENGINE_OPTIONS = ("context_length", "max_running_requests", "chunked_prefill_size",
+                   "mem_fraction_static", "cache_budget_gb", "max_queued_requests", "seed",
+                   "page_size")
+# chunked prefill off (SGLang's -1): one chunk as large as any prompt.
+_UNCHUNKED = 2**31 - 1
+
+
+def _positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _chunk_size(text: str) -> int:
+    value = _int(text)
+    if value == -1 or value == 0:
+        return _UNCHUNKED
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (or -1 for no chunking), got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Every server flag (the one place the server CLI is defined)."""
+    model = parser.add_argument_group("model")
+    model.add_argument("--model-path", default=None,
+                       help="checkpoint folder (default: the embedded tiny checkpoint)")
+    model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="model name(s) clients use (default: the model path, or "
+                            "glmflash-tiny for the embedded checkpoint)")
+    model.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    model.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: by device)")
+    model.add_argument("--tool-call-parser", default="glm47", choices=("glm47", "none"))
+    model.add_argument("--reasoning-parser", default="glm45", choices=("glm45", "none"))
+
+    http = parser.add_argument_group("HTTP")
+    http.add_argument("--host", default="127.0.0.1")
+    http.add_argument("--port", type=_positive_int, default=DEFAULT_PORT)
+    http.add_argument("--api-key", default=None,
+                      help="require `Authorization: Bearer KEY` on /v1 routes")
+    http.add_argument("--log-level", default="info",
+                      choices=("debug", "info", "warning", "error"))
+
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--context-length", type=_positive_int, default=None)
+    engine.add_argument("--max-running-requests", type=_positive_int, default=None)
+    engine.add_argument("--max-queued-requests", type=_positive_int, default=None,
+                        help="choices in flight beyond this are answered 503 (default: no limit)")
+    engine.add_argument("--chunked-prefill-size", type=_chunk_size, default=None,
+                        help="most prompt tokens per step (-1: no chunking)")
+    engine.add_argument("--page-size", type=_positive_int, default=None)
+    engine.add_argument("--mem-fraction-static", type=_fraction, default=None,
+                        help="GPU: fraction of device memory for weights plus cache")
+    engine.add_argument("--cache-budget-gb", type=_positive_float, default=None,
+                        help="CPU: GiB for the cache")
+    engine.add_argument("--seed", type=int, default=None, help="default sampling seed")
+    engine.add_argument("--tp-size", type=_positive_int, default=1)
+    engine.add_argument("--cuda-graph-bs", type=_positive_int, nargs="+", default=None,
+                        metavar="BS")
+
+    kt = parser.add_argument_group("CPU experts (accepted; not implemented yet)")
+    kt.add_argument("--kt-weight-path", default=None)
+    kt.add_argument("--kt-method", default=None)
+    kt.add_argument("--kt-cpuinfer", type=_positive_int, default=None)
+    kt.add_argument("--kt-threadpool-count", type=_positive_int, default=None)
+    kt.add_argument("--kt-num-gpu-experts", type=_non_negative_int, default=None)
+    kt.add_argument("--kt-gpu-prefill-token-threshold", type=_non_negative_int, default=None)
+
+    media = parser.add_argument_group("images and video")
+    media.add_argument("--limit-mm-data-per-request", type=_json_object, default=None,
+                       metavar="JSON", help='e.g. \'{"image": 4, "video": 1}\'')
+    media.add_argument("--mm-process-config", type=_json_object, default=None, metavar="JSON",
+                       help='e.g. \'{"image": {"max_pixels": 1003520}}\'')
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m glmflash.launch_server",
+                                     description="OpenAI-compatible GLM-5.3-Flash server",
+                                     allow_abbrev=False)
+    return add_server_args(parser)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine(**options) keyword arguments from the flags (unset flags keep engine defaults)."""
+    return {name: getattr(args, name) for name in _ENGINE_OPTIONS
+            if getattr(args, name) is not None}
+
+
+def _shown(args: argparse.Namespace, dest: str) -> str:
+    value = getattr(args, dest)
+    text = " ".join(map(str, value)) if isinstance(value, list) else \
+        json.dumps(value) if isinstance(value, dict) else str(value)
+    return f"--{dest.replace('_', '-')} {text}"
+
+
+def inapplicable_flags(args: argparse.Namespace, device_type: str, num_gpus: int,
+                       supports_media: bool) -> list[str]:
+    """One line per flag that is accepted but has no effect here, saying why."""
+    lines = []
+    if args.cuda_graph_bs:
+        why = "CUDA graphs need a CUDA device" if device_type != "cuda" else \
+            "decode CUDA graphs are not implemented yet; decoding runs eagerly"
+        lines.append(f"{_shown(args, 'cuda_graph_bs')}: ignored: {why}")
+    if args.tp_size > 1:
+        why = f"only {num_gpus} CUDA device(s) visible" if num_gpus < args.tp_size else \
+            "tensor parallelism is not implemented yet"
+        lines.append(f"{_shown(args, 'tp_size')}: ignored: {why}; serving on one device")
+    lines += [f"{_shown(args, dest)}: ignored: CPU-expert offload is not implemented yet; all "
+              f"experts run on {device_type}" for dest in _KT_FLAGS
+              if getattr(args, dest) is not None]
+    if not supports_media:
+        lines += [f"{_shown(args, dest)}: ignored: this build has no image or video input"
+                  for dest in _MEDIA_FLAGS if getattr(args, dest) is not None]
+    if device_type == "cuda" and args.cache_budget_gb is not None:
+        lines.append(f"{_shown(args, 'cache_budget_gb')}: ignored on cuda: the cache size "
+                     f"comes from --mem-fraction-static")
+    if device_type != "cuda" and args.mem_fraction_static is not None:
+        lines.append(f"{_shown(args, 'mem_fraction_static')}: ignored on {device_type}: the "
+                     f"cache size comes from --cache-budget-gb")
+    return lines

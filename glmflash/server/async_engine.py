@@ -1,0 +1,138 @@
+"""The bridge between the event loop and the engine thread.
+
+`AsyncEngine.submit` hands a request's prompts to `Engine.add_request` (so a full queue or a bad
+prompt fails before any response header is sent) and returns a `RequestGroup`: an async iterator
+over the choices' StreamDeltas, fed through one asyncio.Queue by the engine thread. Leaving the
+group's `async with` block early (client disconnect, error, cancellation) aborts every request
+still running, which frees its cache pages and state slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from glmflash.engine.engine import EngineOverloaded
+from glmflash.engine.outputs import StreamDelta
+from glmflash.sampling_params import SamplingParams
+from glmflash.server.errors import bad_request, internal_error, overloaded
+from glmflash.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from glmflash.engine.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+
+class EngineFailure(Exception):
+    """The engine ended a choice with an error (a failed step)."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.metrics = ServerMetrics(engine)
+        self.is_closed = False
+        self._ids = itertools.count()
+
+    @property
+    def supports_media(self) -> bool:
+        return hasattr(self.engine, "prepare_multimodal")
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, n: int,
+               prefix: str) -> RequestGroup:
+        """Queue one engine request of `n` choices per prompt."""
+        group = RequestGroup(self, asyncio.get_running_loop(), len(prompts) * n)
+        base = f"{prefix}-{next(self._ids)}"
+        try:
+            for index, prompt in enumerate(prompts):
+                rid = self.engine.add_request(prompt, params, group.sink(index),
+                                              request_id=f"{base}-{index}", n=n)
+                group.request_ids.append(rid)
+        except EngineOverloaded as exc:
+            group.abort()
+            raise overloaded() from exc
+        except ValueError as exc:
+            group.abort()
+            raise bad_request(str(exc), param="prompt") from exc
+        return group
+
+    def shutdown(self) -> None:
+        self.is_closed = True
+        self.engine.shutdown()
+
+
+class RequestGroup:
+    """The StreamDeltas of one HTTP request's choices, as `(prompt_index, delta)` pairs."""
+
+    def __init__(self, bridge: AsyncEngine, loop: asyncio.AbstractEventLoop,
+                 num_choices: int) -> None:
+        self.bridge = bridge
+        self.loop = loop
+        self.request_ids: list[str] = []
+        self.num_open = num_choices
+        self._queue: asyncio.Queue[tuple[int, StreamDelta]] = asyncio.Queue()
+        self._submitted_at = time.perf_counter()
+        self._last_token_at: dict[tuple[int, int], float] = {}
+
+    def sink(self, prompt_index: int):
+        """The callback the engine thread calls with each delta of this prompt's choices."""
+        def put(delta: StreamDelta) -> None:
+            try:
+                self.loop.call_soon_threadsafe(self._queue.put_nowait, (prompt_index, delta))
+            except RuntimeError:
+                # The event loop is closed (server shutdown): nobody is listening any more.
+                logger.debug("dropping a delta of %s: event loop closed", delta.request_id)
+        return put
+
+    async def __aenter__(self) -> RequestGroup:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Abort whatever is still running (a no-op once every choice has finished)."""
+        if self.num_open:
+            self.abort()
+
+    def abort(self) -> None:
+        for request_id in self.request_ids:
+            self.bridge.engine.abort(request_id)
+        if self.request_ids:
+            logger.debug("aborted %s", self.request_ids)
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, StreamDelta]]:
+        while self.num_open:
+            prompt_index, delta = await self._queue.get()
+            self._observe(prompt_index, delta)
+            if delta.finish_reason == "error":
+                raise EngineFailure(delta.error or "generation failed")
+            yield prompt_index, delta
+
+    def _observe(self, prompt_index: int, delta: StreamDelta) -> None:
+        metrics, now = self.bridge.metrics, time.perf_counter()
+        key = (prompt_index, delta.index)
+        if delta.token_ids:
+            last = self._last_token_at.get(key)
+            if last is None:
+                metrics.time_to_first_token.observe(now - self._submitted_at)
+            else:
+                metrics.inter_token_latency.observe((now - last) / len(delta.token_ids))
+            self._last_token_at[key] = now
+        if delta.finish_reason is not None:
+            self.num_open -= 1
+            metrics.completion_tokens.inc(delta.num_output_tokens)
+            if delta.index == 0:
+                metrics.prompt_tokens.inc(delta.num_prompt_tokens)
+            if not self.num_open:
+                metrics.e2e_latency.observe(now - self._submitted_at)
+
+
+def failure_error(exc: EngineFailure):
+    logger.error("generation failed: %s", exc)
+    return internal_error(f"generation failed: {exc}")

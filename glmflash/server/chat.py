@@ -1,0 +1,175 @@
+"""/v1/chat/completions: template rendering, engine inputs, and the non-streaming response.
+
+Output handling (spec/chat_api.md §3, §2): the glm45 parser splits `reasoning_content` from
+`content` and the glm47 parser turns `<tool_call>` markup into OpenAI tool calls, through
+`ChatOutputParser`. finish_reason becomes `tool_calls` when calls were parsed and generation
+stopped normally (`length` is kept when truncated).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+
+from glmflash.engine.outputs import Choice
+from glmflash.parsers.tags import THINK_END, THINK_START
+from glmflash.parsers.tool_parser import ChatOutputParser, ToolCall
+from glmflash.server.errors import bad_request
+from glmflash.server.logprobs import chat_logprobs
+from glmflash.server.processors import ForcedToolCall, ToolTokenIds
+from glmflash.server.protocol import ChatCompletionRequest
+from glmflash.server.state import PreparedRequest, ServerState
+from glmflash.server.streaming import collect
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """How the output of one chat request is parsed."""
+
+    tools: list[dict[str, Any]] | None
+    """Tools the glm47 parser accepts; None: tool parsing off."""
+    use_reasoning: bool
+    starts_in_reasoning: bool
+    """False when the prompt already closed its think block."""
+    parallel_tool_calls: bool
+    reasoning_token_ids: tuple[int, ...]
+    """Token ids that end the reasoning (`</think>`, `<tool_call>`)."""
+
+    def new_parser(self) -> ChatOutputParser:
+        return ChatOutputParser(self.tools, reasoning=self.use_reasoning,
+                                starts_in_reasoning=self.starts_in_reasoning)
+
+    def finish_reason(self, engine_reason: str, has_tool_calls: bool) -> str:
+        return "tool_calls" if has_tool_calls and engine_reason == "stop" else engine_reason
+
+    def num_reasoning_tokens(self, token_ids: list[int]) -> int:
+        if not (self.use_reasoning and self.starts_in_reasoning):
+            return 0
+        ends = [token_ids.index(t) for t in self.reasoning_token_ids if t in token_ids]
+        return min(ends, default=len(token_ids))
+
+
+def render_prompt(state: ServerState, request: ChatCompletionRequest) -> str:
+    tools = request.tools if request.tool_choice.uses_tools else None
+    try:
+        return state.engine.tokenizer.apply_chat_template(
+            request.messages, tools=tools, add_generation_prompt=True, **request.template_kwargs)
+    except (ValueError, TypeError, jinja2.TemplateError) as exc:
+        raise bad_request(f"the chat template could not render the messages: {exc}",
+                          param="messages") from exc
+
+
+def prepare_chat(state: ServerState, request: ChatCompletionRequest,
+                 ) -> tuple[PreparedRequest, ChatPlan]:
+    text = render_prompt(state, request)
+    ids = state.engine.tokenizer.encode(text)
+    if request.media:
+        ids = _prepare_media(state, ids, request)
+    max_tokens = state.max_tokens_for(len(ids), request.max_tokens, "messages")
+    plan = _plan(state, request, text)
+    params = state.sampling_params(request, max_tokens, _tool_choice_processors(state, request,
+                                                                                plan))
+    if plan.tools is not None or plan.use_reasoning:
+        # The parsers need the tag tokens in the text, whatever the tokenizer marks special.
+        params.skip_special_tokens = False
+    prepared = PreparedRequest([ids], params, text)
+    state.run_hook(request, prepared)
+    return prepared, plan
+
+
+def _prepare_media(state: ServerState, ids: list[int],
+                   request: ChatCompletionRequest) -> list[int]:
+    """The engine's multimodal hook (present only in builds with media support) expands the
+    placeholders of `ids` for `request.media`, in order, and returns the final prompt ids."""
+    try:
+        return state.engine.prepare_multimodal(ids, request.media)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="messages", code="invalid_media") from exc
+
+
+def _plan(state: ServerState, request: ChatCompletionRequest, prompt: str) -> ChatPlan:
+    config, tokenizer = state.config, state.engine.tokenizer
+    use_tools = config.tool_call_parser != "none" and request.tool_choice.uses_tools
+    ends = tuple(i for i in (tokenizer.token_to_id(THINK_END), tokenizer.token_to_id("<tool_call>"))
+                 if i is not None)
+    return ChatPlan(tools=request.tools if use_tools else None,
+                    use_reasoning=config.reasoning_parser != "none",
+                    starts_in_reasoning=prompt.rfind(THINK_START) > prompt.rfind(THINK_END),
+                    parallel_tool_calls=request.parallel_tool_calls, reasoning_token_ids=ends)
+
+
+def _tool_choice_processors(state: ServerState, request: ChatCompletionRequest,
+                            plan: ChatPlan) -> list:
+    """tool_choice required / named: force a call after the reasoning (see ForcedToolCall)."""
+    choice = request.tool_choice
+    if plan.tools is None or choice.mode not in ("required", "function"):
+        return []
+    tokenizer = state.engine.tokenizer
+    ids = ToolTokenIds.from_tokenizer(tokenizer)
+    if ids is None:
+        raise bad_request("tool_choice 'required' and named functions need the GLM tool tags in "
+                          "the tokenizer", param="tool_choice")
+    name_ids = tokenizer.encode(choice.name) if choice.mode == "function" else None
+    return [ForcedToolCall(ids, list(state.engine.eos_token_ids), name_ids,
+                           starts_in_reasoning=plan.use_reasoning and plan.starts_in_reasoning)]
+
+
+def keep_tool_call(plan: ChatPlan, index: int) -> bool:
+    """parallel_tool_calls=false keeps only the first call (as vLLM does)."""
+    return plan.parallel_tool_calls or index == 0
+
+
+async def chat_completion(state: ServerState, request: ChatCompletionRequest,
+                          model: str) -> dict[str, Any]:
+    prepared, plan = await asyncio.to_thread(prepare_chat, state, request)
+    group = state.bridge.submit(prepared.prompt_token_ids, prepared.params, request.n, "chatcmpl")
+    (result,) = await collect(group, 1, request.n)
+    choices = [_choice(state, request, plan, c) for c in result.choices]
+    num_prompt = len(prepared.prompt_token_ids[0])
+    num_output = sum(len(c.token_ids) for c in result.choices)
+    usage = {"prompt_tokens": num_prompt, "completion_tokens": num_output,
+             "total_tokens": num_prompt + num_output,
+             "completion_tokens_details": {"reasoning_tokens": sum(
+                 plan.num_reasoning_tokens(c.token_ids) for c in result.choices)}}
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+            "created": int(time.time()), "model": model, "system_fingerprint": None,
+            "choices": choices, "usage": usage}
+
+
+def _choice(state: ServerState, request: ChatCompletionRequest, plan: ChatPlan,
+            choice: Choice) -> dict[str, Any]:
+    parsed = plan.new_parser().parse(choice.text)
+    calls = [c for i, c in enumerate(parsed.tool_calls) if keep_tool_call(plan, i)]
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content,
+                               "reasoning_content": parsed.reasoning_content}
+    if calls:
+        message["tool_calls"] = [c.to_openai() for c in calls]
+    _check_json(request, parsed.content, calls)
+    logprobs = None
+    if request.logprobs is not None:
+        logprobs = {"content": chat_logprobs(state.token_text, choice.token_ids,
+                                             choice.logprobs or [], request.logprobs),
+                    "refusal": None}
+    return {"index": choice.index, "message": message, "logprobs": logprobs,
+            "finish_reason": plan.finish_reason(choice.finish_reason, bool(calls))}
+
+
+def _check_json(request: ChatCompletionRequest, content: str | None,
+                calls: list[ToolCall]) -> None:
+    """response_format json_*: no constrained decoding here; the output is returned unchanged."""
+    if request.response_format == "text" or calls:
+        return
+    try:
+        json.loads(content or "")
+    except json.JSONDecodeError:
+        logger.debug("response_format %s: the content is not valid JSON",
+                     request.response_format)

@@ -1,0 +1,114 @@
+"""Server metrics in the Prometheus text exposition format (version 0.0.4), no dependency.
+
+Counters and histograms are updated on the event loop thread only; gauges are read from the
+engine when /metrics is scraped.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from glmflash.engine.engine import Engine
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
+                     2.5, 5.0, 7.5, 10.0, 30.0, 60.0)
+
+
+def _labels(names: tuple[str, ...], values: tuple[str, ...], extra: str = "") -> str:
+    pairs = [f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=True)]
+    pairs += [extra] if extra else []
+    return "{" + ",".join(pairs) + "}" if pairs else ""
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value)) if not float(value).is_integer() else str(int(value))
+
+
+class Counter:
+    def __init__(self, name: str, help: str, label_names: tuple[str, ...] = ()) -> None:
+        self.name, self.help, self.label_names = name, help, label_names
+        self.values: dict[tuple[str, ...], float] = {} if label_names else {(): 0.0}
+
+    def inc(self, amount: float = 1.0, *label_values: str) -> None:
+        self.values[label_values] = self.values.get(label_values, 0.0) + amount
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
+        for values, total in sorted(self.values.items()):
+            lines.append(f"{self.name}{_labels(self.label_names, values)} {_number(total)}")
+        return lines
+
+
+class Gauge:
+    def __init__(self, name: str, help: str, read: Callable[[], float]) -> None:
+        self.name, self.help, self.read = name, help, read
+
+    def render(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} gauge",
+                f"{self.name} {_number(self.read())}"]
+
+
+class Histogram:
+    def __init__(self, name: str, help: str, buckets: tuple[float, ...] = LATENCY_BUCKETS_S):
+        self.name, self.help, self.buckets = name, help, buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        cumulative = 0
+        for bound, count in zip((*self.buckets, math.inf), self.counts, strict=True):
+            cumulative += count
+            lines.append(f'{self.name}_bucket{{le="{_number(bound)}"}} {cumulative}')
+        lines += [f"{self.name}_sum {_number(self.sum)}", f"{self.name}_count {self.count}"]
+        return lines
+
+
+class ServerMetrics:
+    """Everything /metrics reports."""
+
+    def __init__(self, engine: Engine) -> None:
+        cache = engine.cache
+        self.requests = Counter("glmflash_requests_total", "HTTP requests by route and status.",
+                                ("route", "status"))
+        self.prompt_tokens = Counter("glmflash_prompt_tokens_total", "Prompt tokens processed.")
+        self.completion_tokens = Counter("glmflash_completion_tokens_total",
+                                         "Completion tokens generated.")
+        self.time_to_first_token = Histogram("glmflash_time_to_first_token_seconds",
+                                             "Submission to first output token, per choice.")
+        self.inter_token_latency = Histogram("glmflash_inter_token_latency_seconds",
+                                             "Time between output tokens of one choice.")
+        self.e2e_latency = Histogram("glmflash_e2e_request_latency_seconds",
+                                     "Submission to the end of the last choice.")
+        gauges = [
+            Gauge("glmflash_num_queued_requests", "Choices waiting for admission.",
+                  lambda: len(engine.scheduler.waiting)),
+            Gauge("glmflash_num_running_requests", "Choices being generated.",
+                  lambda: len(engine.scheduler.running)),
+            Gauge("glmflash_cache_usage_fraction", "Fraction of cache pages in use.",
+                  lambda: 1.0 - cache.num_free_pages / cache.plan.num_pages),
+        ]
+        self._all = [self.requests, self.prompt_tokens, self.completion_tokens, *gauges,
+                     self.time_to_first_token, self.inter_token_latency, self.e2e_latency]
+
+    def render(self) -> str:
+        return "\n".join(line for metric in self._all for line in metric.render()) + "\n"

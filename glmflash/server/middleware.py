@@ -1,0 +1,53 @@
+"""ASGI middleware: the Bearer API key on /v1 routes, and counting responses by route and status.
+
+Pure ASGI (not BaseHTTPMiddleware) so streaming responses and disconnects pass through untouched.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from glmflash.server.errors import unauthorized
+from glmflash.server.metrics import ServerMetrics
+from glmflash.server.routing import error_response
+
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+def route_label(path: str) -> str:
+    """A bounded label for /metrics (unknown paths are `other`)."""
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model_id}"
+    return path if path in _ROUTES else "other"
+
+
+class ApiMiddleware:
+    def __init__(self, app: ASGIApp, *, api_key: str | None, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = route_label(scope["path"])
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.inc(1, route, str(message["status"]))
+            await send(message)
+
+        if self.api_key and scope["path"].startswith("/v1") and not self._is_authorized(scope):
+            await error_response(unauthorized())(scope, receive, counting_send)
+            return
+        await self.app(scope, receive, counting_send)
+
+    def _is_authorized(self, scope: Scope) -> bool:
+        headers = dict(scope["headers"])
+        value = headers.get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = value.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                                  self.api_key.encode())

@@ -1,0 +1,233 @@
+"""OpenAI request objects for /v1/chat/completions and /v1/completions, validated from JSON.
+
+Fields OpenAI defines but this server does not act on (`user`, `metadata`, `store`, ...) and
+unknown fields are ignored (logged at DEBUG), as vLLM and SGLang do; every field that is read is
+type- and range-checked and a bad one is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from glmflash.server.errors import bad_request
+from glmflash.server.fields import Fields
+from glmflash.server.messages import ToolChoice, parse_messages, parse_tool_choice, parse_tools
+
+logger = logging.getLogger(__name__)
+
+MAX_N = 128
+MAX_STOP_STRINGS = 4
+MAX_CHAT_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+_SAMPLING_FIELDS = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
+                    "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "logit_bias",
+                    "stream", "stream_options", "logprobs"}
+_CHAT_FIELDS = _SAMPLING_FIELDS | {
+    "messages", "tools", "tool_choice", "parallel_tool_calls", "response_format",
+    "reasoning_effort", "chat_template_kwargs", "max_completion_tokens", "top_logprobs"}
+_COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "suffix"}
+
+
+@dataclass
+class SamplingRequest:
+    """Fields both endpoints share. Sampling values left None take the server's defaults."""
+
+    model: str | None = None
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None
+    """Number of top alternatives per token; None: no log-probabilities."""
+
+
+@dataclass
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    parallel_tool_calls: bool = True
+    response_format: str = "text"
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """chat_template_kwargs with the top-level reasoning_effort folded in."""
+    media: list[dict[str, Any]] = field(default_factory=list)
+    """image_url / video_url parts, in order (only when the engine supports media)."""
+
+
+@dataclass
+class CompletionRequest(SamplingRequest):
+    prompts: list[str | list[int]] = field(default_factory=list)
+    echo: bool = False
+
+
+def parse_chat_request(raw: Any, *, supports_media: bool = False) -> ChatCompletionRequest:
+    body = Fields(raw)
+    _log_ignored(body, _CHAT_FIELDS)
+    request = ChatCompletionRequest(**_sampling_fields(body))
+    request.max_tokens = body.integer("max_completion_tokens", request.max_tokens, lo=1)
+    request.logprobs = _chat_logprobs(body)
+    request.messages, request.media = parse_messages(body.array("messages", required=True),
+                                                     supports_media=supports_media)
+    request.tools = parse_tools(body.array("tools"))
+    request.tool_choice = parse_tool_choice(body.raw.get("tool_choice"), request.tools)
+    request.parallel_tool_calls = body.boolean("parallel_tool_calls", True)
+    request.response_format = _response_format(body)
+    request.template_kwargs = _template_kwargs(body)
+    return request
+
+
+def parse_completion_request(raw: Any) -> CompletionRequest:
+    body = Fields(raw)
+    _log_ignored(body, _COMPLETION_FIELDS)
+    if body.raw.get("suffix"):
+        raise bad_request("'suffix' is not supported by this server", param="suffix")
+    request = CompletionRequest(**_sampling_fields(body))
+    if request.max_tokens is None:
+        request.max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
+    request.logprobs = body.integer("logprobs", lo=0, hi=MAX_COMPLETION_LOGPROBS)
+    request.echo = body.boolean("echo")
+    if request.echo and request.logprobs is not None:
+        raise bad_request("'echo' together with 'logprobs' is not supported: this server does "
+                          "not compute prompt log-probabilities", param="echo")
+    request.prompts = _prompts(body)
+    return request
+
+
+def _sampling_fields(body: Fields) -> dict[str, Any]:
+    stream = body.boolean("stream")
+    options = body.object("stream_options")
+    return {
+        "model": body.string("model"),
+        "n": body.integer("n", 1, lo=1, hi=MAX_N),
+        "max_tokens": body.integer("max_tokens", lo=1),
+        "temperature": body.number("temperature", lo=0, hi=2),
+        "top_p": _positive(body, "top_p", body.number("top_p", lo=0, hi=1)),
+        "top_k": body.integer("top_k", lo=-1),
+        "min_p": body.number("min_p", lo=0, hi=1),
+        "presence_penalty": body.number("presence_penalty", 0.0, lo=-2, hi=2),
+        "frequency_penalty": body.number("frequency_penalty", 0.0, lo=-2, hi=2),
+        "repetition_penalty": _positive(body, "repetition_penalty",
+                                        body.number("repetition_penalty", 1.0, lo=0, hi=2)),
+        "seed": body.integer("seed"),
+        "stop": _stop(body),
+        "stop_token_ids": _int_list(body, "stop_token_ids"),
+        "ignore_eos": body.boolean("ignore_eos"),
+        "skip_special_tokens": body.boolean("skip_special_tokens", True),
+        "logit_bias": _logit_bias(body),
+        "stream": stream,
+        "include_usage": stream and options is not None and options.boolean("include_usage"),
+    }
+
+
+def _positive(body: Fields, name: str, value: float | None) -> float | None:
+    if value is not None and value <= 0:
+        raise body.fail(name, f"must be > 0, got {value}")
+    return value
+
+
+def _stop(body: Fields) -> list[str]:
+    value = body.get("stop", (str, list), "a string or an array of strings", [])
+    stops = [value] if isinstance(value, str) else value
+    if len(stops) > MAX_STOP_STRINGS:
+        raise body.fail("stop", f"may hold at most {MAX_STOP_STRINGS} strings")
+    if not all(isinstance(s, str) and s for s in stops):
+        raise body.fail("stop", "must hold non-empty strings")
+    return stops
+
+
+def _int_list(body: Fields, name: str) -> list[int]:
+    values = body.array(name, [])
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise body.fail(name, "must be an array of non-negative integers")
+    return values
+
+
+def _logit_bias(body: Fields) -> dict[int, float]:
+    bias = body.object("logit_bias")
+    if bias is None:
+        return {}
+    out = {}
+    for key in bias.raw:
+        if not key.isdigit():
+            raise body.fail("logit_bias", f"keys must be token ids, got {key!r}")
+        out[int(key)] = bias.number(key, lo=-100, hi=100)
+    return out
+
+
+def _chat_logprobs(body: Fields) -> int | None:
+    wanted = body.boolean("logprobs")
+    top = body.integer("top_logprobs", lo=0, hi=MAX_CHAT_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise body.fail("top_logprobs", "needs 'logprobs' set to true")
+    return (top or 0) if wanted else None
+
+
+def _response_format(body: Fields) -> str:
+    fmt = body.object("response_format")
+    if fmt is None:
+        return "text"
+    kind = fmt.string("type", required=True, choices=RESPONSE_FORMATS)
+    if kind == "json_schema":
+        schema = fmt.object("json_schema", required=True)
+        schema.string("name", required=True)
+        schema.object("schema")
+        schema.boolean("strict")
+    return kind
+
+
+def _template_kwargs(body: Fields) -> dict[str, Any]:
+    kwargs = body.object("chat_template_kwargs")
+    merged = dict(kwargs.raw) if kwargs is not None else {}
+    reserved = sorted({"messages", "tools", "add_generation_prompt"} & set(merged))
+    if reserved:
+        raise body.fail("chat_template_kwargs", f"may not set {reserved}")
+    effort = body.string("reasoning_effort", choices=REASONING_EFFORTS)
+    # NOTE: an explicit chat_template_kwargs value wins over the top-level field (as in vLLM).
+    if effort is not None:
+        merged.setdefault("reasoning_effort", effort)
+    return merged
+
+
+def _prompts(body: Fields) -> list[str | list[int]]:
+    prompt = body.get("prompt", (str, list), "a string, an array of strings, an array of token "
+                      "ids or an array of token-id arrays", required=True)
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(_is_token_id(t) for t in prompt):
+        return [prompt]
+    if prompt and all(isinstance(p, str) for p in prompt):
+        return prompt
+    if prompt and all(isinstance(p, list) and p and all(_is_token_id(t) for t in p)
+                      for p in prompt):
+        return prompt
+    raise body.fail("prompt", "must be a non-empty string, array of strings, array of token ids "
+                    "or array of non-empty token-id arrays")
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _log_ignored(body: Fields, known: set[str]) -> None:
+    ignored = sorted(set(body.raw) - known)
+    if ignored:
+        logger.debug("ignoring request fields %s", ignored)

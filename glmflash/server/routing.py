@@ -1,0 +1,63 @@
+"""Helpers every route uses: the JSON body, OpenAI-shaped error responses, and one decorator
+that turns any failure into one (bad input never takes the server down)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from glmflash.server.async_engine import EngineFailure, failure_error
+from glmflash.server.errors import ApiError, bad_request, internal_error, not_found
+from glmflash.server.streaming import ClientDisconnected
+
+logger = logging.getLogger(__name__)
+# nginx's "client closed request"; only /metrics ever sees it.
+CLIENT_CLOSED_STATUS = 499
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+async def read_json(request: Request) -> Any:
+    body = await request.body()
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"We could not parse the JSON body of your request: {exc}") from exc
+
+
+def api_route(handler: Handler) -> Handler:
+    @functools.wraps(handler)
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return error_response(exc)
+        except ClientDisconnected:
+            logger.debug("client disconnected from %s; request aborted", request.url.path)
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        except EngineFailure as exc:
+            return error_response(failure_error(exc))
+        except Exception:
+            logger.exception("request to %s failed", request.url.path)
+            return error_response(internal_error())
+    return wrapped
+
+
+async def http_exception(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404 / 405 in OpenAI's shape."""
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return error_response(not_found(f"Unknown route {request.method} {request.url.path}"))
+    error = ApiError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
+                     headers=dict(exc.headers or {}))
+    return error_response(error)

@@ -1,0 +1,125 @@
+"""What every route shares: the engine bridge, served names, parser switches, sampling defaults,
+and turning a validated request into engine inputs (`PreparedRequest`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from glmflash.sampling_params import SamplingParams
+from glmflash.server.async_engine import AsyncEngine
+from glmflash.server.errors import bad_request, context_length_exceeded, model_not_found
+from glmflash.server.logprobs import TokenText
+from glmflash.server.processors import LogitBias
+from glmflash.server.protocol import SamplingRequest
+
+if TYPE_CHECKING:
+    from glmflash.engine.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+# generation_config.json keys a request that omits them inherits (as vLLM does).
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_names: tuple[str, ...]
+    """The first name is the primary one (reported when a request omits `model`)."""
+    api_key: str | None = None
+    tool_call_parser: str = "glm47"
+    """glm47, or none (tool-call markup stays in `content`)."""
+    reasoning_parser: str = "glm45"
+    """glm45, or none (reasoning stays in `content`)."""
+
+
+@dataclass
+class PreparedRequest:
+    """Engine inputs for one HTTP request; the test-only request hook may replace `params`."""
+
+    prompt_token_ids: list[list[int]]
+    params: SamplingParams
+    prompt_text: str | None = None
+    """The rendered chat prompt (chat requests only)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+RequestHook = Callable[[Any, PreparedRequest], None]
+
+
+class ServerState:
+    def __init__(self, engine: Engine, config: ServerConfig,
+                 request_hook: RequestHook | None = None) -> None:
+        self.engine = engine
+        self.bridge = AsyncEngine(engine)
+        self.config = config
+        self.request_hook = request_hook
+        self.created = int(time.time())
+        self.token_text = TokenText(engine.tokenizer)
+        self.sampling_defaults = read_generation_defaults(engine.model_path)
+
+    def resolve_model(self, name: str | None) -> str:
+        if name is None:
+            return self.config.served_model_names[0]
+        if name not in self.config.served_model_names:
+            raise model_not_found(name)
+        return name
+
+    def max_tokens_for(self, num_prompt_tokens: int, requested: int | None, param: str) -> int:
+        """The request's output budget; 400 context_length_exceeded when it cannot fit."""
+        max_len = self.engine.max_seq_len
+        if num_prompt_tokens >= max_len:
+            raise context_length_exceeded(max_len, num_prompt_tokens, requested, param)
+        if requested is None:
+            return max_len - num_prompt_tokens
+        if num_prompt_tokens + requested > max_len:
+            raise context_length_exceeded(max_len, num_prompt_tokens, requested, param)
+        return requested
+
+    def sampling_params(self, request: SamplingRequest, max_tokens: int,
+                        processors: list | None = None) -> SamplingParams:
+        vocab_size = self.engine.config.vocab_size
+        for name, ids in (("stop_token_ids", request.stop_token_ids),
+                          ("logit_bias", list(request.logit_bias))):
+            if any(i >= vocab_size for i in ids):
+                raise bad_request(f"'{name}' holds token ids outside [0, {vocab_size})", name)
+        processors = list(processors or [])
+        if request.logit_bias:
+            processors.insert(0, LogitBias(request.logit_bias))
+        defaults = self.sampling_defaults
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_pick(request.temperature, defaults.get("temperature"), 1.0),
+            top_p=_pick(request.top_p, defaults.get("top_p"), 1.0),
+            top_k=_pick(request.top_k, defaults.get("top_k"), 0),
+            min_p=_pick(request.min_p, defaults.get("min_p"), 0.0),
+            seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
+            ignore_eos=request.ignore_eos, logprobs=request.logprobs,
+            repetition_penalty=request.repetition_penalty,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            skip_special_tokens=request.skip_special_tokens, logits_processors=processors)
+
+    def run_hook(self, request: Any, prepared: PreparedRequest) -> None:
+        if self.request_hook is not None:
+            self.request_hook(request, prepared)
+
+
+def _pick(*values: Any) -> Any:
+    return next(v for v in values if v is not None)
+
+
+def read_generation_defaults(model_path: Path) -> dict[str, Any]:
+    path = Path(model_path) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text(encoding="utf-8"))
+    defaults = {k: config[k] for k in _GENERATION_DEFAULTS if config.get(k) is not None}
+    if defaults:
+        logger.info("sampling defaults from generation_config.json: %s", defaults)
+    return defaults
