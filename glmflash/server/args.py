@@ -9,13 +9,13 @@ import json
 from typing import Any
 
 DEFAULT_PORT = 30000
-_KT_FLAGS = ("kt_weight_path", "kt_method", "kt_cpuinfer", "kt_threadpool_count",
-             "kt_num_gpu_experts", "kt_gpu_prefill_token_threshold")
-_MEDIA_FLAGS = ("limit_mm_data_per_request", "mm_process_config")
-# EngineConfig option <- flag destination.
+_GPU_EXPERT_FLAGS = ("kt_num_gpu_experts", "kt_gpu_prefill_token_threshold")
+_MEDIA_FLAGS = ("limit_mm_data_per_request", "mm_process_config", "media_local_root")
+# Flags passed to Engine(**options) under their own names (EngineConfig fields).
 _ENGINE_OPTIONS = ("context_length", "max_running_requests", "chunked_prefill_size",
                    "mem_fraction_static", "cache_budget_gb", "max_queued_requests", "seed",
-                   "page_size")
+                   "page_size", "kt_method", "kt_num_gpu_experts", "kt_gpu_prefill_token_threshold",
+                   "kt_cpuinfer", "kt_threadpool_count", *_MEDIA_FLAGS)
 # chunked prefill off (SGLang's -1): one chunk as large as any prompt.
 _UNCHUNKED = 2**31 - 1
 
@@ -118,19 +118,25 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     engine.add_argument("--cuda-graph-bs", type=_positive_int, nargs="+", default=None,
                         metavar="BS")
 
-    kt = parser.add_argument_group("CPU experts (accepted; not implemented yet)")
-    kt.add_argument("--kt-weight-path", default=None)
-    kt.add_argument("--kt-method", default=None)
-    kt.add_argument("--kt-cpuinfer", type=_positive_int, default=None)
+    kt = parser.add_argument_group("routed experts on the CPU (GPU machines: hybrid)")
+    kt.add_argument("--kt-weight-path", default=None,
+                    help="accepted for compatibility; experts are read from --model-path")
+    kt.add_argument("--kt-method", default=None, help="CPU expert format (only FP8)")
+    kt.add_argument("--kt-cpuinfer", type=_positive_int, default=None,
+                    help="threads of the CPU expert kernel (default: all cores)")
     kt.add_argument("--kt-threadpool-count", type=_positive_int, default=None)
-    kt.add_argument("--kt-num-gpu-experts", type=_non_negative_int, default=None)
-    kt.add_argument("--kt-gpu-prefill-token-threshold", type=_non_negative_int, default=None)
+    kt.add_argument("--kt-num-gpu-experts", type=_non_negative_int, default=None,
+                    help="GPU: experts per layer resident on the GPU, the rest on the CPU")
+    kt.add_argument("--kt-gpu-prefill-token-threshold", type=_positive_int, default=None,
+                    help="GPU: prefill chunks this long stream each layer's experts to the GPU")
 
     media = parser.add_argument_group("images and video")
     media.add_argument("--limit-mm-data-per-request", type=_json_object, default=None,
                        metavar="JSON", help='e.g. \'{"image": 4, "video": 1}\'')
     media.add_argument("--mm-process-config", type=_json_object, default=None, metavar="JSON",
                        help='e.g. \'{"image": {"max_pixels": 1003520}}\'')
+    media.add_argument("--media-local-root", default=None, metavar="DIR",
+                       help="allow local image/video paths under DIR (default: refused)")
     return parser
 
 
@@ -157,25 +163,41 @@ def _shown(args: argparse.Namespace, dest: str) -> str:
 def inapplicable_flags(args: argparse.Namespace, device_type: str, num_gpus: int,
                        supports_media: bool) -> list[str]:
     """One line per flag that is accepted but has no effect here, saying why."""
-    lines = []
+    on_gpu = device_type == "cuda"
+    reasons: dict[str, str] = {}
     if args.cuda_graph_bs:
-        why = "CUDA graphs need a CUDA device" if device_type != "cuda" else \
-            "decode CUDA graphs are not implemented yet; decoding runs eagerly"
-        lines.append(f"{_shown(args, 'cuda_graph_bs')}: ignored: {why}")
+        reasons["cuda_graph_bs"] = "decode CUDA graphs are not implemented yet" if on_gpu \
+            else "CUDA graphs need a CUDA device"
     if args.tp_size > 1:
-        why = f"only {num_gpus} CUDA device(s) visible" if num_gpus < args.tp_size else \
-            "tensor parallelism is not implemented yet"
-        lines.append(f"{_shown(args, 'tp_size')}: ignored: {why}; serving on one device")
-    lines += [f"{_shown(args, dest)}: ignored: CPU-expert offload is not implemented yet; all "
-              f"experts run on {device_type}" for dest in _KT_FLAGS
-              if getattr(args, dest) is not None]
+        why = f"only {num_gpus} CUDA device(s) visible" if num_gpus < args.tp_size \
+            else "tensor parallelism is not implemented yet"
+        reasons["tp_size"] = f"{why}; serving on one device"
+    reasons.update(_expert_reasons(args, device_type))
     if not supports_media:
-        lines += [f"{_shown(args, dest)}: ignored: this build has no image or video input"
-                  for dest in _MEDIA_FLAGS if getattr(args, dest) is not None]
-    if device_type == "cuda" and args.cache_budget_gb is not None:
-        lines.append(f"{_shown(args, 'cache_budget_gb')}: ignored on cuda: the cache size "
-                     f"comes from --mem-fraction-static")
-    if device_type != "cuda" and args.mem_fraction_static is not None:
-        lines.append(f"{_shown(args, 'mem_fraction_static')}: ignored on {device_type}: the "
-                     f"cache size comes from --cache-budget-gb")
-    return lines
+        reasons.update({dest: "this build has no image or video input" for dest in _MEDIA_FLAGS
+                        if getattr(args, dest) is not None})
+    if on_gpu and args.cache_budget_gb is not None:
+        reasons["cache_budget_gb"] = "on cuda the cache size comes from --mem-fraction-static"
+    if not on_gpu and args.mem_fraction_static is not None:
+        reasons["mem_fraction_static"] = f"on {device_type} the cache size comes from " \
+            "--cache-budget-gb"
+    return [f"{_shown(args, dest)}: ignored: {why}" for dest, why in reasons.items()]
+
+
+def _expert_reasons(args: argparse.Namespace, device_type: str) -> dict[str, str]:
+    on_gpu = device_type == "cuda"
+    reasons: dict[str, str] = {}
+    if args.kt_weight_path is not None:
+        reasons["kt_weight_path"] = "experts are read from --model-path (FP8, as on disk)"
+    if not on_gpu:
+        reasons.update({dest: f"every expert runs on the {device_type}"
+                        for dest in _GPU_EXPERT_FLAGS if getattr(args, dest) is not None})
+    elif args.kt_num_gpu_experts is None:
+        if args.kt_gpu_prefill_token_threshold is not None:
+            reasons["kt_gpu_prefill_token_threshold"] = "layerwise prefill needs " \
+                "--kt-num-gpu-experts (all experts are on the GPU)"
+        if args.kt_cpuinfer is not None:
+            reasons["kt_cpuinfer"] = "no expert runs on the CPU without --kt-num-gpu-experts"
+    if (args.kt_threadpool_count or 1) > 1:
+        reasons["kt_threadpool_count"] = "the CPU expert kernel uses one thread pool"
+    return reasons

@@ -43,15 +43,16 @@ class AsyncEngine:
     def supports_media(self) -> bool:
         return hasattr(self.engine, "prepare_multimodal")
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, n: int,
-               prefix: str) -> RequestGroup:
-        """Queue one engine request of `n` choices per prompt."""
+    def submit(self, prompts: list[list[int]], params: SamplingParams, n: int, prefix: str,
+               mm: list | None = None) -> RequestGroup:
+        """Queue one engine request of `n` choices per prompt (`mm`: their media inputs)."""
         group = RequestGroup(self, asyncio.get_running_loop(), len(prompts) * n)
         base = f"{prefix}-{next(self._ids)}"
         try:
             for index, prompt in enumerate(prompts):
                 rid = self.engine.add_request(prompt, params, group.sink(index),
-                                              request_id=f"{base}-{index}", n=n)
+                                              request_id=f"{base}-{index}", n=n,
+                                              mm=mm[index] if mm else None)
                 group.request_ids.append(rid)
         except EngineOverloaded as exc:
             group.abort()

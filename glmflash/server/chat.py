@@ -19,7 +19,7 @@ from typing import Any
 import jinja2
 
 from glmflash.engine.outputs import Choice
-from glmflash.parsers.tags import THINK_END, THINK_START
+from glmflash.parsers.tags import THINK_END, THINK_START, TOOL_CALL_START
 from glmflash.parsers.tool_parser import ChatOutputParser, ToolCall
 from glmflash.server.errors import bad_request
 from glmflash.server.logprobs import chat_logprobs
@@ -72,8 +72,9 @@ def prepare_chat(state: ServerState, request: ChatCompletionRequest,
                  ) -> tuple[PreparedRequest, ChatPlan]:
     text = render_prompt(state, request)
     ids = state.engine.tokenizer.encode(text)
-    if request.media:
-        ids = _prepare_media(state, ids, request)
+    mm = _prepare_media(state, ids, request) if request.media else None
+    if mm is not None:
+        ids = mm.token_ids
     max_tokens = state.max_tokens_for(len(ids), request.max_tokens, "messages")
     plan = _plan(state, request, text)
     params = state.sampling_params(request, max_tokens, _tool_choice_processors(state, request,
@@ -81,17 +82,16 @@ def prepare_chat(state: ServerState, request: ChatCompletionRequest,
     if plan.tools is not None or plan.use_reasoning:
         # The parsers need the tag tokens in the text, whatever the tokenizer marks special.
         params.skip_special_tokens = False
-    prepared = PreparedRequest([ids], params, text)
+    prepared = PreparedRequest([ids], params, text, mm=None if mm is None else [mm])
     state.run_hook(request, prepared)
     return prepared, plan
 
 
-def _prepare_media(state: ServerState, ids: list[int],
-                   request: ChatCompletionRequest) -> list[int]:
-    """The engine's multimodal hook (present only in builds with media support) expands the
-    placeholders of `ids` for `request.media`, in order, and returns the final prompt ids."""
+def _prepare_media(state: ServerState, ids: list[int], request: ChatCompletionRequest) -> Any:
+    """Fetch, check and preprocess the request's images or video (the engine's MultimodalPrompt:
+    the expanded prompt ids plus pixels); blocking, so it runs off the event loop."""
     try:
-        return state.engine.prepare_multimodal(ids, request.media)
+        return state.engine.prepare_multimodal(ids, request.messages)
     except ValueError as exc:
         raise bad_request(str(exc), param="messages", code="invalid_media") from exc
 
@@ -99,7 +99,7 @@ def _prepare_media(state: ServerState, ids: list[int],
 def _plan(state: ServerState, request: ChatCompletionRequest, prompt: str) -> ChatPlan:
     config, tokenizer = state.config, state.engine.tokenizer
     use_tools = config.tool_call_parser != "none" and request.tool_choice.uses_tools
-    ends = tuple(i for i in (tokenizer.token_to_id(THINK_END), tokenizer.token_to_id("<tool_call>"))
+    ends = tuple(i for i in map(tokenizer.token_to_id, (THINK_END, TOOL_CALL_START))
                  if i is not None)
     return ChatPlan(tools=request.tools if use_tools else None,
                     use_reasoning=config.reasoning_parser != "none",
@@ -120,7 +120,7 @@ def _tool_choice_processors(state: ServerState, request: ChatCompletionRequest,
                           "the tokenizer", param="tool_choice")
     name_ids = tokenizer.encode(choice.name) if choice.mode == "function" else None
     return [ForcedToolCall(ids, list(state.engine.eos_token_ids), name_ids,
-                           starts_in_reasoning=plan.use_reasoning and plan.starts_in_reasoning)]
+                           starts_in_reasoning=plan.starts_in_reasoning)]
 
 
 def keep_tool_call(plan: ChatPlan, index: int) -> bool:
@@ -131,7 +131,8 @@ def keep_tool_call(plan: ChatPlan, index: int) -> bool:
 async def chat_completion(state: ServerState, request: ChatCompletionRequest,
                           model: str) -> dict[str, Any]:
     prepared, plan = await asyncio.to_thread(prepare_chat, state, request)
-    group = state.bridge.submit(prepared.prompt_token_ids, prepared.params, request.n, "chatcmpl")
+    group = state.bridge.submit(prepared.prompt_token_ids, prepared.params, request.n, "chatcmpl",
+                                prepared.mm)
     (result,) = await collect(group, 1, request.n)
     choices = [_choice(state, request, plan, c) for c in result.choices]
     num_prompt = len(prepared.prompt_token_ids[0])

@@ -100,7 +100,8 @@ async def chat_completion_stream(state: ServerState, request: ChatCompletionRequ
     """Submits before returning (so errors are plain HTTP errors); returns the chunk iterator and
     the request group (whose `close` aborts it)."""
     prepared, plan = await asyncio.to_thread(prepare_chat, state, request)
-    group = state.bridge.submit(prepared.prompt_token_ids, prepared.params, request.n, "chatcmpl")
+    group = state.bridge.submit(prepared.prompt_token_ids, prepared.params, request.n, "chatcmpl",
+                                prepared.mm)
     stream = ChatStream(state, request, plan, model)
 
     async def events() -> AsyncIterator[dict[str, Any]]:

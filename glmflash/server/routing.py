@@ -31,7 +31,7 @@ async def read_json(request: Request) -> Any:
     body = await request.body()
     try:
         return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise bad_request(f"We could not parse the JSON body of your request: {exc}") from exc
 
 

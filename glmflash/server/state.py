@@ -7,7 +7,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +46,8 @@ class PreparedRequest:
     params: SamplingParams
     prompt_text: str | None = None
     """The rendered chat prompt (chat requests only)."""
-    extra: dict[str, Any] = field(default_factory=dict)
+    mm: list[Any] | None = None
+    """Per prompt, the engine's MultimodalPrompt (chat requests with images or video)."""
 
 
 RequestHook = Callable[[Any, PreparedRequest], None]
