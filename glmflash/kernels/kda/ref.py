@@ -19,28 +19,27 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.T
     x `[T, C]`, weight `[C, K]`, conv_state `[S, C, K-1]` (the last K-1 inputs per slot).
     """
     num_tokens, channels = x.shape
-    kernel = weight.shape[-1]
-    hist_len = kernel - 1
-    slots = torch.tensor(state_slots, dtype=torch.long, device=x.device)
-    fresh = torch.tensor(is_fresh, dtype=torch.bool, device=x.device)
-    hist = conv_state[slots].transpose(1, 2)  # [B, K-1, C]
-    hist = hist.masked_fill(fresh[:, None, None], 0).to(x.dtype)
-    # One buffer holding [history_b | tokens_b] for every sequence, so windows are plain gathers.
-    parts, token_rows, new_state_rows = [], [], []
-    offset = 0
-    for b in range(len(state_slots)):
-        start, end = cu_seqlens[b], cu_seqlens[b + 1]
-        parts += [hist[b], x[start:end]]
-        n = end - start
-        token_rows.append(torch.arange(offset + hist_len, offset + hist_len + n))
-        new_state_rows.append(torch.arange(offset + n, offset + n + hist_len))
-        offset += hist_len + n
-    ext = torch.cat(parts)  # [T + B*(K-1), C]
-    rows = torch.cat(token_rows).to(x.device)
-    window = rows[:, None] + torch.arange(-hist_len, 1, device=x.device)  # [T, K]
+    hist_len = weight.shape[-1] - 1
+    device = x.device
+    num_seqs = len(state_slots)
+    slots = torch.tensor(state_slots, dtype=torch.long, device=device)
+    fresh = torch.tensor(is_fresh, dtype=torch.bool, device=device)
+    hist = conv_state[slots].transpose(1, 2).masked_fill(fresh[:, None, None], 0)  # [B, K-1, C]
+    # One buffer holding [history_b | tokens_b] per sequence, so every window is a gather.
+    lens = torch.tensor(cu_seqlens, device=device).diff()
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), lens)
+    token_pos = torch.arange(num_tokens, device=device) + (seq_of_token + 1) * hist_len
+    starts = torch.tensor(cu_seqlens[:-1], device=device) + torch.arange(num_seqs,
+                                                                       device=device) * hist_len
+    hist_pos = (starts[:, None] + torch.arange(hist_len, device=device)).flatten()
+    ext = torch.empty(num_tokens + num_seqs * hist_len, channels, dtype=x.dtype, device=device)
+    ext[token_pos] = x
+    ext[hist_pos] = hist.reshape(-1, channels).to(x.dtype)
+    window = token_pos[:, None] + torch.arange(-hist_len, 1, device=device)  # [T, K]
     out = (ext[window].float() * weight.float().t()).sum(1)  # [T, C]
-    conv_state[slots] = ext[torch.cat(new_state_rows).to(x.device)].view(
-        len(state_slots), hist_len, channels).transpose(1, 2).to(conv_state.dtype)
+    last = starts + lens + hist_len - 1  # ext row of each sequence's newest input
+    keep = last[:, None] + torch.arange(-hist_len + 1, 1, device=device)  # [B, K-1]
+    conv_state[slots] = ext[keep].transpose(1, 2).to(conv_state.dtype)
     return F.silu(out).to(x.dtype)
 
 
