@@ -89,7 +89,8 @@ class LayerwiseStreamer:
         module, slot = self.modules[index], self.slots[index % 2]
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(slot_free)
-            for dst, src, res in zip(slot, _projections(module), self.resident[index]):
+            resident = self.resident[index] or (None, None, None)
+            for dst, src, res in zip(slot, _projections(module), resident):
                 count = res.weight.shape[0] if res is not None else 0
                 if count:
                     dst.weight[:count].copy_(res.weight, non_blocking=True)
