@@ -17,7 +17,7 @@ def git_commit() -> str:
                              text=True, cwd=Path(__file__).parent, check=True)
         return out.stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ.get("GLMFLASH_COMMIT", "unknown")
 
 
 def cpu_description() -> str:
