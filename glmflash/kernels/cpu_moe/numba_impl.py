@@ -31,7 +31,7 @@ BLOCK = 128
 TOKEN_GROUP = 8
 ROW_GROUP = 4
 # rows of one work item taken by a worker from the shared task counter
-TASK_ROWS = 64
+TASK_ROWS = 128
 # distance of the software prefetch ahead of each row's read position
 PREFETCH_BYTES = 16384
 # NOTE: fp32 bits of (sign-extended byte << 20) & mask = sign|0000eeee|mmm0.. = e4m3 * 2^-120
@@ -254,15 +254,19 @@ def _scale_row_nb(x, scales, block, out):
     """out = x[k] * scales[k // block] * 2^64 in the layout the fp8 dot reads; x [K].
 
     Below K - K % 64, each 32-wide chunk holds its even elements, then its odd ones (the order in
-    which `_ir_decode_pair` yields weights); the tail keeps the natural order.
+    which `_ir_decode_pair` yields weights); the tail keeps the natural order. block % 32 == 0.
     """
     size = x.size
     k_end = size - size % 64
-    for k in range(size):
-        pos = k
-        if k < k_end:
-            pos = (k & ~31) | ((k & 1) << 4) | ((k & 31) >> 1)
-        out[pos] = x[k] * (scales[k // block] * _X_SCALE)
+    for c in range(0, k_end, 32):
+        s = scales[c // block] * _X_SCALE
+        xc = x[c:c + 32]
+        oc = out[c:c + 32]
+        for i in range(16):
+            oc[i] = xc[2 * i] * s
+            oc[16 + i] = xc[2 * i + 1] * s
+    for k in range(k_end, size):
+        out[k] = x[k] * (scales[k // block] * _X_SCALE)
 
 
 @njit(cache=True, nogil=True)
@@ -434,6 +438,8 @@ class NumbaMoeExperts:
         if gate_s.shape != shape_gu or up_s.shape != shape_gu or down_s.shape != shape_down:
             raise ValueError(f"scale shapes {gate_s.shape}, {up_s.shape}, {down_s.shape} do not "
                              f"fit block {block}")
+        if block % 32:
+            raise ValueError(f"block {block} must be a multiple of 32")
         self.num_threads = num_threads or numba.config.NUMBA_NUM_THREADS
         numba.set_num_threads(self.num_threads)
         self.swiglu_limit = float(swiglu_limit)
