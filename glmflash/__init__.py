@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from glmflash.utils.env import configure_openmp
+
 __version__ = "0.1.0"
+# Before torch is imported by glmflash (a user who imported torch first gets it only for numba).
+configure_openmp()
 
 __all__ = ["Engine", "Result", "SamplingParams", "__version__"]
 

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from glmflash.utils.env import configure_openmp
 from glmflash.utils.logging import setup_logging
 
 
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    configure_openmp()
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         from glmflash.server.launch import run_server

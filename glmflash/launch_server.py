@@ -7,6 +7,9 @@ from collections.abc import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from glmflash.utils.env import configure_openmp
+
+    configure_openmp()
     from glmflash.server.args import build_parser
     from glmflash.server.launch import run_server
 
