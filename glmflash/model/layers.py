@@ -56,14 +56,14 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 
 class MLP(nn.Module):
-    """SwiGLU with the GLM clamp: dense layers and the shared expert."""
+    """SwiGLU with the GLM clamp: dense layers, the shared expert, the vision MLPs (biased)."""
 
     def __init__(self, hidden: int, width: int, limit: float, dtype: torch.dtype,
-                 fp8_block: int | None) -> None:
+                 fp8_block: int | None, *, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden, width, dtype, fp8_block=fp8_block)
-        self.up_proj = Linear(hidden, width, dtype, fp8_block=fp8_block)
-        self.down_proj = Linear(width, hidden, dtype, fp8_block=fp8_block)
+        self.gate_proj = Linear(hidden, width, dtype, bias=bias, fp8_block=fp8_block)
+        self.up_proj = Linear(hidden, width, dtype, bias=bias, fp8_block=fp8_block)
+        self.down_proj = Linear(width, hidden, dtype, bias=bias, fp8_block=fp8_block)
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

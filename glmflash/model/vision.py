@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from glmflash.config import VisionConfig
-from glmflash.model.layers import Linear, RMSNorm, clamped_swiglu
+from glmflash.model.layers import MLP, Linear, RMSNorm
 
 
 class FlatConv(nn.Module):
@@ -58,19 +58,6 @@ class VisionAttention(nn.Module):
         return self.proj(torch.cat(out))
 
 
-class VisionMLP(nn.Module):
-    def __init__(self, hidden: int, width: int, limit: float, dtype: torch.dtype,
-                 bias: bool) -> None:
-        super().__init__()
-        self.gate_proj = Linear(hidden, width, dtype, bias=bias)
-        self.up_proj = Linear(hidden, width, dtype, bias=bias)
-        self.down_proj = Linear(width, hidden, dtype, bias=bias)
-        self.limit = limit
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
-
-
 class VisionBlock(nn.Module):
     def __init__(self, config: VisionConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -78,8 +65,8 @@ class VisionBlock(nn.Module):
         self.norm1 = RMSNorm(h, config.rms_norm_eps, dtype)
         self.norm2 = RMSNorm(h, config.rms_norm_eps, dtype)
         self.attn = VisionAttention(config, dtype)
-        self.mlp = VisionMLP(h, config.intermediate_size, config.swiglu_limit, dtype,
-                             config.attention_bias)
+        self.mlp = MLP(h, config.intermediate_size, config.swiglu_limit, dtype, None,
+                       bias=config.attention_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 segments: list[tuple[int, int]]) -> torch.Tensor:
@@ -87,22 +74,17 @@ class VisionBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class PatchMerger(nn.Module):
+class PatchMerger(MLP):
     """Linear -> LayerNorm -> exact GELU -> clamped SwiGLU, all without biases but the norm's."""
 
     def __init__(self, dim: int, width: int, limit: float, dtype: torch.dtype) -> None:
-        super().__init__()
+        super().__init__(dim, width, limit, dtype, None)
         self.proj = Linear(dim, dim, dtype)
         self.post_projection_norm = nn.LayerNorm(dim, eps=1e-5, dtype=dtype)
         self.post_projection_norm.requires_grad_(False)
-        self.gate_proj = Linear(dim, width, dtype)
-        self.up_proj = Linear(dim, width, dtype)
-        self.down_proj = Linear(width, dim, dtype)
-        self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = nn.functional.gelu(self.post_projection_norm(self.proj(x)))
-        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        return super().forward(nn.functional.gelu(self.post_projection_norm(self.proj(x))))
 
 
 class VisionTower(nn.Module):

@@ -173,3 +173,15 @@ def random_image(seed: int, height: int, width: int, mode: str = "RGB"):
     noisy = np.clip(base + noise, 0, 255).astype(np.uint8)
     image = Image.fromarray(noisy, "RGBA")
     return image if mode == "RGBA" else image.convert(mode)
+
+
+def oracle_media_kwargs(prompt) -> dict:
+    """The reference model's pixel arguments for a MultimodalPrompt."""
+    kwargs = {}
+    if prompt.image_inputs is not None:
+        kwargs.update(pixel_values=prompt.image_inputs.pixel_values,
+                      image_grid_thw=prompt.image_inputs.grid_thw)
+    if prompt.video_inputs is not None:
+        kwargs.update(pixel_values_videos=prompt.video_inputs.pixel_values,
+                      video_grid_thw=prompt.video_inputs.grid_thw)
+    return kwargs

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from glmflash import Engine, SamplingParams
-from tests.multimodal.conftest import make_video, random_image
+from tests.multimodal.conftest import make_video, oracle_media_kwargs, random_image
 from tests.oracle import NEAR_TIE
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -29,13 +29,7 @@ def engine(tiny_dirs, tmp_path_factory):
 
 
 def _assert_oracle_greedy(oracle, mm, produced: list[int]) -> None:
-    kwargs = {}
-    if mm.image_inputs is not None:
-        kwargs.update(pixel_values=mm.image_inputs.pixel_values,
-                      image_grid_thw=mm.image_inputs.grid_thw)
-    if mm.video_inputs is not None:
-        kwargs.update(pixel_values_videos=mm.video_inputs.pixel_values,
-                      video_grid_thw=mm.video_inputs.grid_thw)
+    kwargs = oracle_media_kwargs(mm)
     ids = torch.tensor([mm.token_ids + produced])
     with torch.no_grad():
         logits = oracle(input_ids=ids, use_cache=False, **kwargs).logits[0]

@@ -24,7 +24,7 @@ from glmflash.multimodal import (
 from glmflash.tiny.checkpoint import vision_tensor_shapes
 from glmflash.tokenizer import Tokenizer
 from tests.conftest import LOGIT_ATOL, load_tiny
-from tests.multimodal.conftest import make_video, random_image
+from tests.multimodal.conftest import make_video, oracle_media_kwargs, random_image
 
 VARIANT = "embedded"
 PREFIX = "model.visual."
@@ -121,13 +121,7 @@ def _compare_end_to_end(tiny, text_model, oracle, text: str, **media) -> None:
                               prompt.image_inputs, prompt.video_inputs,
                               media=MediaTokenIds.from_config(config))
     ours = _our_logits(text_model, prompt.token_ids, embeds)
-    kwargs = {}
-    if prompt.image_inputs is not None:
-        kwargs.update(pixel_values=prompt.image_inputs.pixel_values,
-                      image_grid_thw=prompt.image_inputs.grid_thw)
-    if prompt.video_inputs is not None:
-        kwargs.update(pixel_values_videos=prompt.video_inputs.pixel_values,
-                      video_grid_thw=prompt.video_inputs.grid_thw)
+    kwargs = oracle_media_kwargs(prompt)
     with torch.no_grad():
         ref = oracle(input_ids=torch.tensor([prompt.token_ids]), use_cache=False, **kwargs)
         same_embeds = oracle(inputs_embeds=embeds[None], use_cache=False).logits[0]
