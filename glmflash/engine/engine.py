@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from importlib import resources
 import logging
 import queue
 import threading
@@ -30,6 +31,7 @@ from glmflash.utils.logging import setup_logging
 logger = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineOverloaded", "Result"]
+WARMUP_TOKENS = 1024
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 Sink = Callable[[StreamDelta], None]
@@ -64,7 +66,10 @@ class Engine(EngineApiMixin):
         self.tokenizer = Tokenizer.from_dir(self.model_path)
         self.max_seq_len = self.options.context_length or min(self.config.max_position_embeddings,
                                                               8192)
-        model = load_model(self.model_path, self.config, self.device, self.dtype, self.options)
+        warmup_ids = self.tokenizer.encode(warmup_text())[:WARMUP_TOKENS] \
+            if self.options.kt_expert_placement == "frequency" else None
+        model = load_model(self.model_path, self.config, self.device, self.dtype, self.options,
+                           warmup_ids=warmup_ids)
         plan = plan_cache(self.config, self.options, self.max_seq_len, self.device, self.dtype)
         self.cache = CacheManager(plan)
         self.runner = ModelRunner(model, plan)
@@ -261,6 +266,11 @@ class Engine(EngineApiMixin):
         if len(token_ids) >= self.max_seq_len:
             raise ValueError(f"prompt of {len(token_ids)} tokens does not fit the context length "
                              f"of {self.max_seq_len} tokens")
+
+
+def warmup_text() -> str:
+    """Generic prose to route through the model at start (expert placement by frequency)."""
+    return resources.files("glmflash.assets").joinpath("tiny_corpus.txt").read_text()[:8000]
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:

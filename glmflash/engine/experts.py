@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from glmflash.kernels.fp8_gemm import dequantize_block_fp8
+from glmflash.model.forward_batch import ForwardBatch
 from glmflash.model.glm import GlmForCausalLM
-from glmflash.model.moe import Experts, StackedWeight, experts_loop
+from glmflash.model.moe import Experts, Router, StackedWeight, experts_loop
+from glmflash.model.state import ModelState
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +28,9 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ExpertPlacement:
     num_gpu_experts: int = 0
-    """Experts per layer resident on the GPU (the first N)."""
+    """Experts per layer resident on the GPU."""
+    resident_ids: tuple[tuple[int, ...], ...] | None = None
+    """Which experts, per MoE layer (e.g. the most frequently routed); None: the first N."""
     prefill_token_threshold: int | None = None
     """Chunks of at least this many tokens take the layerwise path (None: never)."""
     pin_host_memory: bool = True
@@ -34,7 +38,8 @@ class ExpertPlacement:
 
 
 class DeviceWeights:
-    """Some experts' weights of one projection on a device, with `expert(e, dtype)`."""
+    """Some experts' weights of one projection on a device, with `expert(e, dtype)`
+    (e indexes the held experts)."""
 
     def __init__(self, source: StackedWeight, count: int, device: torch.device) -> None:
         self.block = source.fp8_block
@@ -49,10 +54,18 @@ class DeviceWeights:
         return dequantize_block_fp8(self.weight[e], self.scale[e], block=self.block, dtype=dtype)
 
     def fill(self, source: StackedWeight, start: int, end: int, non_blocking: bool) -> None:
+        """Experts start..end of `source` into the same rows here."""
         self.weight[start:end].copy_(source.weight[start:end], non_blocking=non_blocking)
         if self.scale is not None:
             self.scale[start:end].copy_(source.weight_scale_inv[start:end],
                                         non_blocking=non_blocking)
+
+    def gather(self, source: StackedWeight, ids: list[int]) -> None:
+        """Experts `ids` of `source` into rows 0..len(ids)-1 here."""
+        for row, e in enumerate(ids):
+            self.weight[row].copy_(source.weight[e])
+            if self.scale is not None:
+                self.scale[row].copy_(source.weight_scale_inv[e])
 
 
 def _projections(module: Experts) -> tuple[StackedWeight, StackedWeight, StackedWeight]:
@@ -62,8 +75,10 @@ def _projections(module: Experts) -> tuple[StackedWeight, StackedWeight, Stacked
 class LayerwiseStreamer:
     """Two full-layer GPU slots shared by all MoE layers, filled one layer ahead."""
 
-    def __init__(self, modules: list[Experts], resident: list[tuple], device: torch.device) -> None:
+    def __init__(self, modules: list[Experts], resident: list[tuple], resident_ids: list[list[int]],
+                 device: torch.device) -> None:
         self.modules, self.resident, self.device = modules, resident, device
+        self.resident_ids = resident_ids
         self.slots = [tuple(DeviceWeights(p, p.weight.shape[0], device)
                             for p in _projections(modules[0])) for _ in range(2)]
         self.copy_stream = torch.cuda.Stream(device)
@@ -87,49 +102,68 @@ class LayerwiseStreamer:
 
     def _copy(self, index: int, slot_free: torch.cuda.Event) -> torch.cuda.Event:
         module, slot = self.modules[index], self.slots[index % 2]
+        ids = self.resident_ids[index]
+        rows = torch.tensor(ids, device=self.device)
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(slot_free)
             resident = self.resident[index] or (None, None, None)
             for dst, src, res in zip(slot, _projections(module), resident):
-                count = res.weight.shape[0] if res is not None else 0
-                if count:
-                    dst.weight[:count].copy_(res.weight, non_blocking=True)
+                if res is not None:
+                    # Resident experts come device-to-device, the others from host memory.
+                    dst.weight.index_copy_(0, rows, res.weight)
                     if dst.scale is not None:
-                        dst.scale[:count].copy_(res.scale, non_blocking=True)
-                dst.fill(src, count, src.weight.shape[0], non_blocking=True)
-                self.bytes_copied += src.weight[count:].numel() * src.weight.element_size()
+                        dst.scale.index_copy_(0, rows, res.scale)
+                for start, end in _runs_without(ids, src.weight.shape[0]):
+                    dst.fill(src, start, end, non_blocking=True)
+                    self.bytes_copied += src.weight[start:end].numel() * src.weight.element_size()
             return self.copy_stream.record_event()
 
 
+def _runs_without(ids: list[int], total: int) -> list[tuple[int, int]]:
+    """Contiguous ranges of 0..total-1 that avoid `ids`."""
+    runs, start = [], 0
+    for e in sorted(ids) + [total]:
+        if e > start:
+            runs.append((start, e))
+        start = e + 1
+    return runs
+
+
 class HybridExperts:
-    """A MoE layer's routed experts split between the GPU (first N) and the CPU kernel."""
+    """A MoE layer's routed experts split between resident GPU experts and the CPU kernel."""
 
     def __init__(self, module: Experts, index: int, placement: ExpertPlacement,
                  device: torch.device, streamer: LayerwiseStreamer | None,
-                 resident: tuple | None, executor: ThreadPoolExecutor) -> None:
+                 resident: tuple | None, resident_ids: list[int],
+                 executor: ThreadPoolExecutor) -> None:
         self.module, self.index, self.device = module, index, device
-        self.num_gpu = placement.num_gpu_experts
+        self.num_gpu = len(resident_ids)
         self.threshold = placement.prefill_token_threshold
         self.streamer, self.resident, self.executor = streamer, resident, executor
+        # Expert id -> row in the resident weights, or -1 for a CPU expert.
+        self.local = torch.full((module.gate_proj.weight.shape[0],), -1, dtype=torch.long,
+                                device=device)
+        self.local[torch.tensor(resident_ids, dtype=torch.long, device=device)] = \
+            torch.arange(self.num_gpu, device=device)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.streamer is not None and x.shape[0] >= self.threshold:
             slot = self.streamer.acquire(self.index)
             return experts_loop(x, ids, weights, slot, self.module.limit)
-        cpu = self._start_cpu(x, ids, weights)
+        local = self.local[ids]
+        cpu = self._start_cpu(x, ids, weights, local < 0)
         if self.num_gpu:
-            out = experts_loop(x, torch.where(ids < self.num_gpu, ids, -1), weights,
-                               self.resident, self.module.limit)
+            out = experts_loop(x, local, weights, self.resident, self.module.limit)
         else:
             out = torch.zeros_like(x)
         if cpu is not None:
             out = out + cpu.result().to(self.device, non_blocking=True).to(x.dtype)
         return out
 
-    def _start_cpu(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
-                   ) -> Future | None:
+    def _start_cpu(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                   on_cpu: torch.Tensor) -> Future | None:
         """Run the CPU experts' (token, expert) pairs on the worker thread."""
-        token_idx, slot = torch.where(ids >= self.num_gpu)
+        token_idx, slot = torch.where(on_cpu)
         if token_idx.numel() == 0:
             return None
         x_pairs = x[token_idx].float().cpu()
@@ -153,28 +187,61 @@ def place_experts(model: GlmForCausalLM, placement: ExpertPlacement, device: tor
     num_experts = modules[0].gate_proj.weight.shape[0]
     if not 0 <= placement.num_gpu_experts <= num_experts:
         raise ValueError(f"kt_num_gpu_experts must be in [0, {num_experts}]")
-    resident = [_resident(m, placement.num_gpu_experts, device) for m in modules]
+    resident_ids = [list(ids) for ids in placement.resident_ids] if placement.resident_ids \
+        else [list(range(placement.num_gpu_experts))] * len(modules)
+    assert len(resident_ids) == len(modules)
+    resident = [_resident(m, ids, device) for m, ids in zip(modules, resident_ids)]
     if placement.pin_host_memory and placement.prefill_token_threshold is not None:
         for m in modules:
             _pin(m)
-    streamer = LayerwiseStreamer(modules, resident, device) \
+    streamer = LayerwiseStreamer(modules, resident, resident_ids, device) \
         if placement.prefill_token_threshold is not None else None
     executor = ThreadPoolExecutor(1, thread_name_prefix="glmflash-cpu-experts")
     for i, m in enumerate(modules):
-        m.backend = HybridExperts(m, i, placement, device, streamer, resident[i], executor)
+        m.backend = HybridExperts(m, i, placement, device, streamer, resident[i],
+                                  resident_ids[i], executor)
     logger.info("experts: %d of %d per layer on the GPU, the rest on the CPU; layerwise prefill %s",
                 placement.num_gpu_experts, num_experts,
                 f"from {placement.prefill_token_threshold} tokens"
                 if streamer is not None else "off")
 
 
-def _resident(module: Experts, count: int, device: torch.device) -> tuple | None:
-    if count == 0:
+def _resident(module: Experts, ids: list[int], device: torch.device) -> tuple | None:
+    if not ids:
         return None
-    weights = tuple(DeviceWeights(p, count, device) for p in _projections(module))
+    weights = tuple(DeviceWeights(p, len(ids), device) for p in _projections(module))
     for dst, src in zip(weights, _projections(module)):
-        dst.fill(src, 0, count, non_blocking=False)
+        dst.gather(src, ids)
     return weights
+
+
+@torch.inference_mode()
+def place_by_frequency(model: GlmForCausalLM, placement: ExpertPlacement, device: torch.device,
+                       warmup_ids: list[int]) -> None:
+    """Count routing over one warm-up prompt, then make each layer's most used experts resident."""
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    for router in routers:
+        router.counts = torch.zeros(router.weight.shape[0], dtype=torch.long, device=device)
+    n = len(warmup_ids)
+    kpool = model.config.index_kpool
+    state = ModelState(model.config, num_token_slots=-(-n // kpool) * kpool, num_state_slots=1,
+                       dtype=model.dtype, device=device)
+    slots = torch.arange(n, device=device)
+    model(ForwardBatch(input_ids=torch.tensor(warmup_ids, device=device), cu_seqlens=[0, n],
+                       prefix_lens=[0], state_slots=[0], token_slots=slots,
+                       context_slots=slots, cu_context=[0, n]), state)
+    counts = [router.counts.cpu() for router in routers]
+    for router in routers:
+        router.counts = None
+    chosen = most_routed(counts, placement.num_gpu_experts)
+    place_experts(model, replace(placement, resident_ids=chosen), device)
+    logger.info("resident experts chosen by routing frequency over %d warm-up tokens", n)
+
+
+def most_routed(counts: list[torch.Tensor], num_gpu: int) -> tuple[tuple[int, ...], ...]:
+    """Per layer, the `num_gpu` experts chosen most often (ties: lower id first)."""
+    return tuple(tuple(sorted(torch.argsort(c, descending=True, stable=True)[:num_gpu].tolist()))
+                 for c in counts)
 
 
 def _pin(module: Experts) -> None:

@@ -22,9 +22,10 @@ GIB = 1 << 30
 
 
 def load_model(path: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
-               options: EngineConfig | None = None) -> GlmForCausalLM:
+               options: EngineConfig | None = None,
+               warmup_ids: list[int] | None = None) -> GlmForCausalLM:
     """Load the checkpoint; on a GPU with `kt_num_gpu_experts` set, routed experts stay on the
-    CPU (all but the first N per layer are computed there)."""
+    CPU (all but N per layer are computed there; `warmup_ids` feed frequency placement)."""
     options = options or EngineConfig()
     hybrid = device.type == "cuda" and options.kt_num_gpu_experts is not None
     with torch.device("cpu" if hybrid else device):
@@ -34,11 +35,14 @@ def load_model(path: Path, config: ModelConfig, device: torch.device, dtype: tor
         if isinstance(module, Experts):
             module.cpu_threads = options.kt_cpuinfer
     if hybrid:
-        from glmflash.engine.experts import ExpertPlacement, place_experts
+        from glmflash.engine.experts import ExpertPlacement, place_by_frequency, place_experts
 
         move_all_but_experts(model, device)
-        place_experts(model, ExpertPlacement(options.kt_num_gpu_experts,
-                                             options.kt_gpu_prefill_token_threshold), device)
+        placement = ExpertPlacement(options.kt_num_gpu_experts,
+                                    prefill_token_threshold=options.kt_gpu_prefill_token_threshold)
+        place_experts(model, placement, device)
+        if options.kt_expert_placement == "frequency" and warmup_ids:
+            place_by_frequency(model, placement, device, warmup_ids)
     warm_up_cpu_experts(model)
     return model.eval()
 

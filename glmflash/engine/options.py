@@ -31,6 +31,9 @@ class EngineConfig:
     """CPU expert format: FP8 (the checkpoint's own), the only one that honours swiglu_limit."""
     kt_num_gpu_experts: int | None = None
     """GPU machine: experts per layer resident on the GPU, the rest on the CPU (None: all GPU)."""
+    kt_expert_placement: str = "front"
+    """Which experts are resident: "front" (the first N) or "frequency" (most routed over a
+    warm-up prompt at start)."""
     kt_gpu_prefill_token_threshold: int | None = None
     """Hybrid mode: prefill chunks of at least this many tokens stream experts to the GPU."""
     kt_cpuinfer: int | None = None
@@ -51,6 +54,8 @@ class EngineConfig:
             (self.cache_budget_gb > 0, "cache_budget_gb must be > 0"),
             (self.kt_method.upper() == "FP8", f"kt_method {self.kt_method!r} is not supported "
              "(only FP8: other CPU formats ignore the SwiGLU clamp)"),
+            (self.kt_expert_placement in ("front", "frequency"),
+             f"kt_expert_placement {self.kt_expert_placement!r} must be 'front' or 'frequency'"),
             (self.kt_num_gpu_experts is None or self.kt_num_gpu_experts >= 0,
              "kt_num_gpu_experts must be >= 0"),
             (self.kt_gpu_prefill_token_threshold is None or self.kt_gpu_prefill_token_threshold >= 1,

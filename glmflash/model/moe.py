@@ -23,6 +23,8 @@ class Router(nn.Module):
         self.top_k, self.num_groups, self.topk_groups = (config.num_experts_per_tok,
                                                          config.n_group, config.topk_group)
         self.renormalize, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
+        self.counts: torch.Tensor | None = None
+        """When set (a `[E]` tensor), every routing choice is counted into it."""
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (expert ids `[T, k]`, fp32 weights `[T, k]`)."""
@@ -35,6 +37,8 @@ class Router(nn.Module):
         group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
         choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).view(num_tokens, -1)
         ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        if self.counts is not None:
+            self.counts += torch.bincount(ids.flatten(), minlength=self.counts.numel())
         weights = scores.gather(1, ids)
         if self.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

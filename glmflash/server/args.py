@@ -9,13 +9,15 @@ import json
 from typing import Any
 
 DEFAULT_PORT = 30000
-_GPU_EXPERT_FLAGS = ("kt_num_gpu_experts", "kt_gpu_prefill_token_threshold")
+_GPU_EXPERT_FLAGS = ("kt_num_gpu_experts", "kt_gpu_prefill_token_threshold",
+                     "kt_expert_placement")
 _MEDIA_FLAGS = ("limit_mm_data_per_request", "mm_process_config", "media_local_root")
 # Flags passed to Engine(**options) under their own names (EngineConfig fields).
 _ENGINE_OPTIONS = ("context_length", "max_running_requests", "chunked_prefill_size",
                    "mem_fraction_static", "cache_budget_gb", "max_queued_requests", "seed",
                    "page_size", "kt_method", "kt_num_gpu_experts", "kt_gpu_prefill_token_threshold",
-                   "kt_cpuinfer", "kt_threadpool_count", *_MEDIA_FLAGS)
+                   "kt_cpuinfer", "kt_threadpool_count", "kt_expert_placement",
+                   *_MEDIA_FLAGS)
 # chunked prefill off (SGLang's -1): one chunk as large as any prompt.
 _UNCHUNKED = 2**31 - 1
 
@@ -127,6 +129,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     kt.add_argument("--kt-threadpool-count", type=_positive_int, default=None)
     kt.add_argument("--kt-num-gpu-experts", type=_non_negative_int, default=None,
                     help="GPU: experts per layer resident on the GPU, the rest on the CPU")
+    kt.add_argument("--kt-expert-placement", choices=("front", "frequency"), default=None,
+                    help="resident GPU experts: the first N, or the most routed over a warm-up "
+                         "prompt at start")
     kt.add_argument("--kt-gpu-prefill-token-threshold", type=_positive_int, default=None,
                     help="GPU: prefill chunks this long stream each layer's experts to the GPU")
 

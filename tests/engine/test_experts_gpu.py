@@ -49,3 +49,20 @@ def test_layerwise_prefill_matches_regular_prefill(case, num_gpu):
     options = EngineConfig(kt_num_gpu_experts=num_gpu, kt_gpu_prefill_token_threshold=5)
     got = _logits(path, options, prompts, steps)
     assert (got - want).abs().max().item() < HYBRID_ATOL
+
+
+def test_frequency_placement_keeps_the_most_routed_experts(case):
+    path, prompts, steps, want = case
+    from glmflash.engine.experts import HybridExperts
+
+    config = ModelConfig.from_hf(path)
+    options = EngineConfig(kt_num_gpu_experts=3, kt_expert_placement="frequency")
+    model = load_model(path, config, torch.device("cuda"), torch.float32, options,
+                       warmup_ids=list(range(100, 400)))
+    layers = [m.backend for m in model.modules() if isinstance(m, HybridExperts)]
+    resident = [sorted(torch.nonzero(b.local >= 0).flatten().tolist()) for b in layers]
+    assert all(len(r) == 3 for r in resident) and any(r != [0, 1, 2] for r in resident)
+    runner = PackedRunner(model, len(prompts), device="cuda")
+    got = torch.cat([runner.forward(dict(enumerate(prompts))).cpu()] +
+                    [runner.forward(step).cpu() for step in steps])
+    assert (got - want).abs().max().item() < HYBRID_ATOL
