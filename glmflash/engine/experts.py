@@ -109,14 +109,19 @@ class LayerwiseStreamer:
             resident = self.resident[index] or (None, None, None)
             for dst, src, res in zip(slot, _projections(module), resident):
                 if res is not None:
-                    # Resident experts come device-to-device, the others from host memory.
-                    dst.weight.index_copy_(0, rows, res.weight)
+                    # Resident experts come device-to-device (as bytes: CUDA has no FP8
+                    # index_copy), the others from host memory.
+                    _bytes(dst.weight).index_copy_(0, rows, _bytes(res.weight))
                     if dst.scale is not None:
                         dst.scale.index_copy_(0, rows, res.scale)
                 for start, end in _runs_without(ids, src.weight.shape[0]):
                     dst.fill(src, start, end, non_blocking=True)
                     self.bytes_copied += src.weight[start:end].numel() * src.weight.element_size()
             return self.copy_stream.record_event()
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
 def _runs_without(ids: list[int], total: int) -> list[tuple[int, int]]:
@@ -244,10 +249,14 @@ def most_routed(counts: list[torch.Tensor], num_gpu: int) -> tuple[tuple[int, ..
                  for c in counts)
 
 
+_REGISTERED: set[int] = set()
+
+
 def _pin(module: Experts) -> None:
-    """Page-lock the expert tensors where they are (no copy)."""
+    """Page-lock the expert tensors where they are (no copy), once per allocation."""
     cudart = torch.cuda.cudart()
     for p in _projections(module):
         for t in (p.weight.data, getattr(p, "weight_scale_inv", None)):
-            if t is not None and not t.is_pinned():
+            if t is not None and t.data_ptr() not in _REGISTERED and not t.is_pinned():
                 cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+                _REGISTERED.add(t.data_ptr())
