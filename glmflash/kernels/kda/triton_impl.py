@@ -7,6 +7,7 @@ int32 tensor per distinct batch and cached, so the 34 KDA layers of a forward sh
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -19,9 +20,21 @@ except ImportError:  # the package must import without triton; the launchers nee
 
 # Chunk length of the prefill kernels (sub-chunks of 16 rows inside).
 CHUNK = 64
-# Diagonal sub-blocks use exp(G_t - a) * exp(a - G_s) around the block's mid-decay a; safe while
-# the block's total decay stays under this (natural log units, factors below e^42).
+# Rows of a 16-row sub-chunk use exp(G_t - a) * exp(a - G_s) around its mid-decay a; safe while
+# its total decay stays under this (natural log units, factors within e^+-42), else the
+# diagonal block is computed column by column.
 SAFE_SPAN = tl.constexpr(84.0) if triton is not None else 84.0
+# Launch shapes (bench/kernels.py sweeps them).
+DECODE_BV = 32
+PREP_WARPS = 4
+PREP_BKC = 16
+# Tensor cores for the prep kernel's A products and (I + A)^-1 products: "bf16" (both),
+# "bf16-accum", "bf16-inverse", or "ieee" (fp32 FMA, neither). NOTE: only "ieee" gave correct
+# results on the H200 (Triton 3.6); "bf16" was wrong there (rel err 0.7) although it passes
+# under the interpreter - README.md, "Open problems". fp32 models use fp32 products anyway.
+PREP_PRODUCTS = "ieee"
+STATE_BV = 64
+STATE_WARPS = 4
 
 
 class KdaPlan(NamedTuple):
@@ -103,53 +116,11 @@ def _row(x, o_r, r):
 
 
 @_jit
-def _diag(b_q, b_k, b_gl, b_tot, PREC: tl.constexpr, BC: tl.constexpr):
-    """Aqk (s <= t) and Akk (s < t) inside one sub-chunk; b_gl is its local cumulative decay."""
-    o_r = tl.arange(0, BC)
-    causal = o_r[:, None] >= o_r[None, :]
-    strict = o_r[:, None] > o_r[None, :]
-    span = tl.max(-b_tot, 0)
-    if span <= SAFE_SPAN:
-        b_c = b_gl - 0.5 * b_tot[None, :]
-        b_up = tl.exp(b_c)
-        b_kt = tl.trans(b_k * tl.exp(-b_c))
-        b_aqk = tl.where(causal, tl.dot(b_q * b_up, b_kt, input_precision=PREC), 0.0)
-        b_akk = tl.where(strict, tl.dot(b_k * b_up, b_kt, input_precision=PREC), 0.0)
-    else:
-        # NOTE: steep decays overflow the factored form; fall back to one column at a time.
-        b_aqk = tl.zeros([BC, BC], dtype=tl.float32)
-        b_akk = tl.zeros([BC, BC], dtype=tl.float32)
-        for j in range(BC):
-            b_kj = _row(b_k, o_r, j)
-            b_gj = _row(b_gl, o_r, j)
-            b_e = tl.exp(tl.where(o_r[:, None] >= j, b_gl - b_gj[None, :], float("-inf")))
-            b_ke = b_e * b_kj[None, :]
-            col_qk = tl.sum(b_q * b_ke, 1)
-            col_kk = tl.sum(b_k * b_ke, 1)
-            b_aqk = tl.where(o_r[None, :] == j, col_qk[:, None], b_aqk)
-            b_akk = tl.where((o_r[None, :] == j) & strict, col_kk[:, None], b_akk)
-    return b_aqk, b_akk
-
-
-@_jit
-def _tril_inverse(b_a, BC: tl.constexpr):
-    """(I + A)^-1 for strictly lower-triangular A [BC, BC], by forward substitution."""
-    o_r = tl.arange(0, BC)
-    eye = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
-    b_t = eye
-    for r in range(1, BC):
-        b_n = _row(b_a, o_r, r)
-        b_tr = tl.where(o_r == r, 1.0, 0.0) - tl.sum(b_n[:, None] * b_t, 0)
-        b_t = tl.where(o_r[:, None] == r, b_tr[None, :], b_t)
-    return b_t
-
-
-@_jit
 def _store_rows(ptr, b_x, t0, t_end, stride_t, col0, NCOL: tl.constexpr, BCOL: tl.constexpr,
                 BR: tl.constexpr):
     o_t = t0 + tl.arange(0, BR)
     o_c = tl.arange(0, BCOL)
-    m = (o_t < t_end)[:, None] & (o_c < NCOL)[None, :]
+    m = (o_t < t_end)[:, None] & (col0 + o_c < NCOL)[None, :]
     p = ptr + o_t.to(tl.int64)[:, None] * stride_t + col0 + o_c[None, :]
     tl.store(p, b_x.to(ptr.dtype.element_ty), mask=m)
 
@@ -157,153 +128,168 @@ def _store_rows(ptr, b_x, t0, t_end, stride_t, col0, NCOL: tl.constexpr, BCOL: t
 @_jit
 def _load_rows(ptr, t0, t_end, stride_t, col0, NCOL: tl.constexpr, BCOL: tl.constexpr,
                BR: tl.constexpr):
+    """Rows [t0, t0 + BR) x columns [col0, col0 + BCOL) of a row-major matrix, zero past
+    t_end or NCOL, as fp32."""
     o_t = t0 + tl.arange(0, BR)
     o_c = tl.arange(0, BCOL)
-    m = (o_t < t_end)[:, None] & (o_c < NCOL)[None, :]
+    m = (o_t < t_end)[:, None] & (col0 + o_c < NCOL)[None, :]
     p = ptr + o_t.to(tl.int64)[:, None] * stride_t + col0 + o_c[None, :]
     return tl.load(p, mask=m, other=0.0).to(tl.float32)
 
 
 @_jit
-def _l2norm_rows(b_x):
-    return b_x / tl.sqrt(tl.sum(b_x * b_x, 1) + 1e-6)[:, None]
+def _diag_fallback(b_aq, b_ak, b_q, b_k, b_G, i, BT: tl.constexpr):
+    """Diagonal sub-block i one column at a time, for decays too steep for the factored form."""
+    o_t = tl.arange(0, BT)
+    in_blk = (o_t // 16) == i
+    for j in range(16):
+        s = i * 16 + j
+        b_ks = _row(b_k, o_t, s)
+        b_gs = _row(b_G, o_t, s)
+        m = (in_blk & (o_t >= s))[:, None]
+        b_e = tl.exp(tl.where(m, b_G - b_gs[None, :], float("-inf"))) * b_ks[None, :]
+        b_aq = tl.where(o_t[None, :] == s, b_aq + tl.sum(b_q * b_e, 1)[:, None], b_aq)
+        b_ak = tl.where(o_t[None, :] == s, b_ak + tl.sum(b_k * b_e, 1)[:, None], b_ak)
+    return b_aq, b_ak
 
 
 @_jit
-def _row_block(q, k, g, beta, aqk, t_i, t_end, c_i, i_h, t0, stride_q, stride_k,
-               stride_g, stride_b, scale, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-               PREC: tl.constexpr, NJ: tl.constexpr):
-    """Rows of sub-chunk NJ: store its Aqk row blocks; return its Akk blocks against sub-chunks
-    0..NJ (beta applied; unused ones zero) and beta."""
-    BC: tl.constexpr = 16
-    BT: tl.constexpr = 64
-    b_q = _l2norm_rows(_load_rows(q, t_i, t_end, stride_q, i_h * K, K, BK, BC)) * scale
-    b_k = _l2norm_rows(_load_rows(k, t_i, t_end, stride_k, i_h * K, K, BK, BC))
-    b_g = _load_rows(g, t_i, t_end, stride_g, i_h * K, K, BK, BC)
-    o_r = t_i + tl.arange(0, BC)
-    b_b = tl.load(beta + o_r.to(tl.int64) * stride_b + i_h, mask=o_r < t_end, other=0.0)
-    b_b = b_b.to(tl.float32)
-    b_l = tl.cumsum(b_g, 0)
-    aq_d, ak_d = _diag(b_q, b_k, b_l, tl.sum(b_g, 0), PREC, BC)
-    stride_a = H * BT
-    _store_rows(aqk + i_h * BT, aq_d, t_i, t_end, stride_a, NJ * BC, BC, BC, BC)
-    ak_0 = tl.zeros([BC, BC], dtype=tl.float32)
-    ak_1 = tl.zeros([BC, BC], dtype=tl.float32)
-    ak_2 = tl.zeros([BC, BC], dtype=tl.float32)
-    if NJ > 0:
-        # Earlier sub-chunks j, anchored at the decay c_i carried into this one.
-        b_up = tl.exp(b_l)
-        b_qu, b_ku = b_q * b_up, b_k * b_up
-        c_j = tl.zeros([BK], dtype=tl.float32)
-        for j in tl.static_range(NJ):
-            t_j = t0 + j * BC
-            b_kj = _l2norm_rows(_load_rows(k, t_j, t_end, stride_k, i_h * K, K, BK, BC))
-            b_gj = _load_rows(g, t_j, t_end, stride_g, i_h * K, K, BK, BC)
-            b_kt = tl.trans(b_kj * tl.exp(c_i[None, :] - c_j[None, :] - tl.cumsum(b_gj, 0)))
-            c_j += tl.sum(b_gj, 0)
-            aq = tl.dot(b_qu, b_kt, input_precision=PREC)
-            ak = tl.dot(b_ku, b_kt, input_precision=PREC) * b_b[:, None]
-            _store_rows(aqk + i_h * BT, aq, t_i, t_end, stride_a, j * BC, BC, BC, BC)
-            if j == 0:
-                ak_0 = ak
-            elif j == 1:
-                ak_1 = ak
-            else:
-                ak_2 = ak
-    return ak_0, ak_1, ak_2, ak_d * b_b[:, None]
+def _unit_tril_inverse(b_a, PREC: tl.constexpr, ADOT: tl.constexpr, BT: tl.constexpr):
+    """(I + A)^-1 for strictly lower-triangular A [64, 64]: A^64 = 0, so the Neumann series
+    sum (-A)^n equals (I - A)(I + A^2)(I + A^4)...(I + A^32): ten products, no row loop."""
+    o_t = tl.arange(0, BT)
+    eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
+    b_p = b_a
+    b_t = eye - b_a
+    for _ in tl.static_range(5):
+        b_p = tl.dot(b_p.to(ADOT), b_p.to(ADOT), input_precision=PREC)
+        b_t = tl.dot(b_t.to(ADOT), (eye + b_p).to(ADOT), input_precision=PREC)
+    return b_t
 
 
 @_jit
-def kda_chunk_prep_kernel(q, k, v, g, beta, w, u, qg, kd, aqk, tinv, gl, meta, scale,
+def kda_chunk_prep_kernel(q, k, v, g, beta, w, u, qg, kd, aqk, gl, meta, scale,
                           stride_q, stride_k, stride_v, stride_g, stride_b,
                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                          BK: tl.constexpr, BVF: tl.constexpr, PREC: tl.constexpr, PH: tl.constexpr = 3):
-    """Intra-chunk part of one (chunk, head). Phase 1, in 16-row sub-chunks: Aqk and
-    T = (I + diag(beta) Akk)^-1 (to the tinv scratch). Phase 2, on whole 64-row tiles:
-    w = T (beta k exp(G)), u = T (beta v), qg = q exp(G), kd = k exp(G_last - G), exp(G_last)."""
-    BC: tl.constexpr = 16
+                          BK: tl.constexpr, BVF: tl.constexpr, BKC: tl.constexpr,
+                          PREC_A: tl.constexpr, ADOT: tl.constexpr, PREC_I: tl.constexpr,
+                          IDOT: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr):
+    """Intra-chunk part of one (chunk, head) of 64 rows, for the sequential state kernel:
+    Aqk, T = (I + diag(beta) Akk)^-1, w = T (beta k exp(G)), u = T (beta v), qg = q exp(G),
+    kd = k exp(G_last - G) and exp(G_last). Derivation and anchoring in README.md."""
     BT: tl.constexpr = 64
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0 = tl.load(meta + i_c * 3)
     t_end = tl.load(meta + i_c * 3 + 1)
-    t1, t2, t3 = t0 + BC, t0 + 2 * BC, t0 + 3 * BC
-    p_t = tinv + i_h * BT
-    stride_a = H * BT
-    if PH != 2:
-        # Decay carried into each sub-chunk (cumulative log-decay before its first row).
-        c1 = tl.sum(_load_rows(g, t0, t_end, stride_g, i_h * K, K, BK, BC), 0)
-        c2 = c1 + tl.sum(_load_rows(g, t1, t_end, stride_g, i_h * K, K, BK, BC), 0)
-        c3 = c2 + tl.sum(_load_rows(g, t2, t_end, stride_g, i_h * K, K, BK, BC), 0)
-        strides = stride_q, stride_k, stride_g, stride_b
-        c0 = tl.zeros([BK], dtype=tl.float32)
-        _, _, _, a00 = _row_block(q, k, g, beta, aqk, t0, t_end, c0, i_h, t0, *strides, scale,
-                                  H, K, BK, PREC, 0)
-        a10, _, _, a11 = _row_block(q, k, g, beta, aqk, t1, t_end, c1, i_h, t0, *strides, scale,
-                                    H, K, BK, PREC, 1)
-        a20, a21, _, a22 = _row_block(q, k, g, beta, aqk, t2, t_end, c2, i_h, t0, *strides, scale,
-                                      H, K, BK, PREC, 2)
-        a30, a31, a32, a33 = _row_block(q, k, g, beta, aqk, t3, t_end, c3, i_h, t0, *strides,
-                                        scale, H, K, BK, PREC, 3)
-        # T by blocks: invert the diagonal blocks, then T_ij = -T_ii sum_{j <= m < i} A_im T_mj.
-        t00 = _tril_inverse(a00, BC)
-        t11 = _tril_inverse(a11, BC)
-        t22 = _tril_inverse(a22, BC)
-        t33 = _tril_inverse(a33, BC)
-        t10 = -tl.dot(t11, tl.dot(a10, t00, input_precision=PREC), input_precision=PREC)
-        t21 = -tl.dot(t22, tl.dot(a21, t11, input_precision=PREC), input_precision=PREC)
-        t20 = -tl.dot(t22, tl.dot(a20, t00, input_precision=PREC)
-                      + tl.dot(a21, t10, input_precision=PREC), input_precision=PREC)
-        t32 = -tl.dot(t33, tl.dot(a32, t22, input_precision=PREC), input_precision=PREC)
-        t31 = -tl.dot(t33, tl.dot(a31, t11, input_precision=PREC)
-                      + tl.dot(a32, t21, input_precision=PREC), input_precision=PREC)
-        t30 = -tl.dot(t33, tl.dot(a30, t00, input_precision=PREC)
-                      + tl.dot(a31, t10, input_precision=PREC)
-                      + tl.dot(a32, t20, input_precision=PREC), input_precision=PREC)
-        p_t = tinv + i_h * BT
-        stride_a = H * BT
-        _store_rows(p_t, t00, t0, t_end, stride_a, 0, BC, BC, BC)
-        _store_rows(p_t, t10, t1, t_end, stride_a, 0, BC, BC, BC)
-        _store_rows(p_t, t11, t1, t_end, stride_a, BC, BC, BC, BC)
-        _store_rows(p_t, t20, t2, t_end, stride_a, 0, BC, BC, BC)
-        _store_rows(p_t, t21, t2, t_end, stride_a, BC, BC, BC, BC)
-        _store_rows(p_t, t22, t2, t_end, stride_a, 2 * BC, BC, BC, BC)
-        _store_rows(p_t, t30, t3, t_end, stride_a, 0, BC, BC, BC)
-        _store_rows(p_t, t31, t3, t_end, stride_a, BC, BC, BC, BC)
-        _store_rows(p_t, t32, t3, t_end, stride_a, 2 * BC, BC, BC, BC)
-        _store_rows(p_t, t33, t3, t_end, stride_a, 3 * BC, BC, BC, BC)
-    # NOTE: phase 2 reads T back as one tile; the barrier orders this CTA's global writes.
-    tl.debug_barrier()
-    if PH == 1:
-        return
-    dt = w.dtype.element_ty
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    b_g = _load_rows(g, t0, t_end, stride_g, i_h * K, K, BK, BT)
-    b_G = tl.cumsum(b_g, 0)  # [BT, BK]
-    b_last = tl.sum(b_g, 0)
-    b_q = _l2norm_rows(_load_rows(q, t0, t_end, stride_q, i_h * K, K, BK, BT)) * scale
-    _store_rows(qg, b_q * tl.exp(b_G), t0, t_end, H * K, i_h * K, K, BK, BT)
-    b_k = _l2norm_rows(_load_rows(k, t0, t_end, stride_k, i_h * K, K, BK, BT))
-    _store_rows(kd, b_k * tl.exp(b_last[None, :] - b_G), t0, t_end, H * K, i_h * K, K, BK, BT)
-    tl.store(gl + (i_c * H + i_h).to(tl.int64) * K + o_k, tl.exp(b_last), mask=o_k < K)
+    blk = o_t // 16
+    col = i_h * K
+    b_aq = tl.zeros([BT, BT], dtype=tl.float32)
+    b_ak = tl.zeros([BT, BT], dtype=tl.float32)
+    b_sq = tl.zeros([BT], dtype=tl.float32)
+    b_sk = tl.zeros([BT], dtype=tl.float32)
+    for kb in tl.static_range(BK // BKC):
+        c0 = kb * BKC
+        b_g = _load_rows(g + col, t0, t_end, stride_g, c0, K, BKC, BT)
+        b_G = tl.cumsum(b_g, 0)  # [BT, BKC] decay from the chunk start
+        # c_i: decay carried into 16-row sub-chunk i; each row is anchored at its own c_i.
+        c1 = tl.sum(tl.where(blk[:, None] < 1, b_g, 0.0), 0)
+        c2 = tl.sum(tl.where(blk[:, None] < 2, b_g, 0.0), 0)
+        c3 = tl.sum(tl.where(blk[:, None] < 3, b_g, 0.0), 0)
+        c4 = tl.sum(b_g, 0)
+        # Anchor a_i: the mid-decay of sub-chunk i, so its own rows' factors stay within
+        # e^(+-span/2) and earlier rows' column factors are <= 1; a sub-chunk whose span is too
+        # steep is anchored at its start c_i instead (then every factor is <= 1).
+        sp0, sp1, sp2, sp3 = tl.max(-c1, 0), tl.max(c1 - c2, 0), tl.max(c2 - c3, 0), \
+            tl.max(c3 - c4, 0)
+        a0 = tl.where(sp0 <= SAFE_SPAN, 0.5, 0.0) * c1
+        a1 = c1 + tl.where(sp1 <= SAFE_SPAN, 0.5, 0.0) * (c2 - c1)
+        a2 = c2 + tl.where(sp2 <= SAFE_SPAN, 0.5, 0.0) * (c3 - c2)
+        a3 = c3 + tl.where(sp3 <= SAFE_SPAN, 0.5, 0.0) * (c4 - c3)
+        b_cb = tl.where(blk[:, None] == 0, a0[None, :], a1[None, :])
+        b_cb = tl.where(blk[:, None] == 2, a2[None, :], b_cb)
+        b_cb = tl.where(blk[:, None] == 3, a3[None, :], b_cb)
+        b_q = _load_rows(q + col, t0, t_end, stride_q, c0, K, BKC, BT)
+        b_k = _load_rows(k + col, t0, t_end, stride_k, c0, K, BKC, BT)
+        b_sq += tl.sum(b_q * b_q, 1)
+        b_sk += tl.sum(b_k * b_k, 1)
+        b_up = tl.exp(b_G - b_cb)
+        b_rq = b_q * b_up
+        b_rk = b_k * b_up
+        for i in tl.static_range(4):
+            if i == 0:
+                a_i, span = a0, sp0
+            elif i == 1:
+                a_i, span = a1, sp1
+            elif i == 2:
+                a_i, span = a2, sp2
+            else:
+                a_i, span = a3, sp3
+            # Columns: earlier rows (factor exp(a_i - G_s) <= 1) and, while the sub-chunk's
+            # decay span allows, its own rows (factor <= e^(SAFE_SPAN / 2)).
+            m_col = (blk < i) | ((blk == i) & ((blk * 0.0 + span) <= SAFE_SPAN))
+            b_x = tl.where(m_col[:, None], a_i[None, :] - b_G, 0.0)
+            b_ct = tl.trans(tl.where(m_col[:, None], b_k * tl.exp(b_x), 0.0)).to(ADOT)
+            m_row = (blk == i)[:, None]
+            b_aq = tl.dot(tl.where(m_row, b_rq, 0.0).to(ADOT), b_ct, b_aq, input_precision=PREC_A)
+            b_ak = tl.dot(tl.where(m_row, b_rk, 0.0).to(ADOT), b_ct, b_ak, input_precision=PREC_A)
+            if span > SAFE_SPAN:
+                b_aq, b_ak = _diag_fallback(b_aq, b_ak, b_q, b_k, b_G, i, BT)
+    # l2 norms as row / column scalings (eps inside the root, as the reference).
+    b_rnq = scale / tl.sqrt(b_sq + 1e-6)
+    b_rnk = 1.0 / tl.sqrt(b_sk + 1e-6)
     o_r = t0 + o_t
-    b_b = tl.load(beta + o_r.to(tl.int64) * stride_b + i_h, mask=o_r < t_end, other=0.0)
-    b_b = b_b.to(tl.float32)
-    m_tt = (o_r < t_end)[:, None] & (o_t[None, :] // BC <= o_t[:, None] // BC)
-    b_t = tl.load(p_t + o_r.to(tl.int64)[:, None] * stride_a + o_t[None, :], mask=m_tt,
-                  other=0.0).to(dt)  # [BT, BT]
-    b_kb = (b_k * tl.exp(b_G) * b_b[:, None]).to(dt)
-    _store_rows(w, tl.dot(b_t, b_kb, input_precision=PREC), t0, t_end, H * K, i_h * K, K, BK,
-                BT)
-    b_vb = (_load_rows(v, t0, t_end, stride_v, i_h * V, V, BVF, BT) * b_b[:, None]).to(dt)
-    _store_rows(u, tl.dot(b_t, b_vb, input_precision=PREC), t0, t_end, H * V, i_h * V, V, BVF,
-                BT)
+    b_b = tl.load(beta + o_r.to(tl.int64) * stride_b + i_h, mask=o_r < t_end,
+                  other=0.0).to(tl.float32)
+    causal = o_t[:, None] >= o_t[None, :]
+    b_aq = tl.where(causal, b_aq * b_rnq[:, None] * b_rnk[None, :], 0.0)
+    _store_rows(aqk + i_h * BT, b_aq, t0, t_end, H * BT, 0, BT, BT, BT)
+    strict = o_t[:, None] > o_t[None, :]
+    b_a = tl.where(strict, b_ak * (b_b * b_rnk)[:, None] * b_rnk[None, :], 0.0)
+    b_t = _unit_tril_inverse(b_a, PREC_I, IDOT, BT).to(DOT)
+    _wy_phase(q, k, v, g, w, u, qg, kd, gl, b_t, b_b, b_rnq, b_rnk, t0, t_end, i_c, i_h,
+              stride_q, stride_k, stride_v, stride_g, H, K, V, BK, BVF, BKC, PREC, DOT)
+
+
+@_jit
+def _wy_phase(q, k, v, g, w, u, qg, kd, gl, b_t, b_b, b_rnq, b_rnk, t0, t_end, i_c, i_h,
+              stride_q, stride_k, stride_v, stride_g, H: tl.constexpr, K: tl.constexpr,
+              V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BKC: tl.constexpr,
+              PREC: tl.constexpr, DOT: tl.constexpr):
+    """w, qg, kd, exp(G_last) per key block, then u per value block, from T in registers."""
+    BT: tl.constexpr = 64
+    BVC: tl.constexpr = BKC if BVF > BKC else BVF
+    col = i_h * K
+    sx = H * K
+    for kb in tl.static_range(BK // BKC):
+        c0 = kb * BKC
+        b_g = _load_rows(g + col, t0, t_end, stride_g, c0, K, BKC, BT)
+        b_G = tl.cumsum(b_g, 0)
+        b_last = tl.sum(b_g, 0)
+        o_k = c0 + tl.arange(0, BKC)
+        tl.store(gl + (i_c * H + i_h).to(tl.int64) * K + o_k, tl.exp(b_last), mask=o_k < K)
+        b_e = tl.exp(b_G)
+        b_q = _load_rows(q + col, t0, t_end, stride_q, c0, K, BKC, BT) * b_rnq[:, None]
+        _store_rows(qg + col, b_q * b_e, t0, t_end, sx, c0, K, BKC, BT)
+        b_k = _load_rows(k + col, t0, t_end, stride_k, c0, K, BKC, BT) * b_rnk[:, None]
+        _store_rows(kd + col, b_k * tl.exp(b_last[None, :] - b_G), t0, t_end, sx, c0, K, BKC,
+                    BT)
+        b_kb = (b_k * b_e * b_b[:, None]).to(DOT)
+        _store_rows(w + col, tl.dot(b_t, b_kb, input_precision=PREC), t0, t_end, sx, c0, K,
+                    BKC, BT)
+    for vb in tl.static_range(BVF // BVC):
+        c0 = vb * BVC
+        b_v = _load_rows(v + i_h * V, t0, t_end, stride_v, c0, V, BVC, BT)
+        b_vb = (b_v * b_b[:, None]).to(DOT)
+        _store_rows(u + i_h * V, tl.dot(b_t, b_vb, input_precision=PREC), t0, t_end, H * V, c0,
+                    V, BVC, BT)
 
 
 @_jit
 def kda_chunk_state_kernel(w, u, qg, kd, aqk, gl, state, o, meta, stride_o,
                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                           BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+                           BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+                           DOT: tl.constexpr):
     """Walk one sequence's chunks for one (head, value block): v' = u - w S, output
     o = qg S + Aqk v', then S <- exp(G_last) S + kd^T v'. Initial and final S in the slot."""
     BT: tl.constexpr = 64
@@ -321,7 +307,7 @@ def kda_chunk_state_kernel(w, u, qg, kd, aqk, gl, state, o, meta, stride_o,
     p_s = state + ((slot * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
     m_old = m_s & ((o_k[:, None] * 0 + fresh) == 0)
     b_s = tl.load(p_s, mask=m_old, other=0.0)  # [BK, BV] fp32
-    dt = w.dtype.element_ty
+    dt = DOT
     num_chunks = tl.cdiv(end - start, BT)
     for i_c in tl.range(num_chunks, num_stages=2):
         rows = start + i_c * BT + o_t
@@ -340,19 +326,31 @@ def kda_chunk_state_kernel(w, u, qg, kd, aqk, gl, state, o, meta, stride_o,
         b_gl = tl.load(gl + ((chunk0 + i_c) * H + i_h).to(tl.int64) * K + o_k, mask=m_k,
                        other=0.0)
         b_sd = b_s.to(dt)
-        b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_sd, input_precision=PREC)  # [BT, BV]
+        b_vn = b_u.to(tl.float32) - tl.dot(b_w.to(dt), b_sd, input_precision=PREC)  # [BT, BV]
         b_vnd = b_vn.to(dt)
-        b_o = tl.dot(b_qg, b_sd, input_precision=PREC)
-        b_o = tl.dot(b_a, b_vnd, b_o, input_precision=PREC)
+        b_o = tl.dot(b_qg.to(dt), b_sd, input_precision=PREC)
+        b_o = tl.dot(b_a.to(dt), b_vnd, b_o, input_precision=PREC)
         tl.store(o + rows[:, None] * stride_o + i_h * V + o_v[None, :],
                  b_o.to(o.dtype.element_ty), mask=m_tv)
-        b_s = b_s * b_gl[:, None] + tl.dot(tl.trans(b_kd), b_vnd, input_precision=PREC)
+        b_s = b_s * b_gl[:, None] + tl.dot(tl.trans(b_kd.to(dt)), b_vnd, input_precision=PREC)
     tl.store(p_s, b_s, mask=m_s)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _prec(dtype: torch.dtype) -> str:
     # fp32 models keep fp32 products (TF32 would cost ~1e-3); bf16 models round like fla does.
-    return "ieee" if dtype == torch.float32 else "tf32"
+    return "ieee" if dtype == torch.float32 or _interpreting() else "tf32"
+
+
+def _dot_dtype(dtype: torch.dtype):
+    """Operand type of the big products: the model dtype, fp32 under the interpreter (whose
+    tl.dot multiplies bf16 bit patterns as integers)."""
+    if dtype == torch.float32 or _interpreting():
+        return tl.float32
+    return tl.float16 if dtype == torch.float16 else tl.bfloat16
 
 
 def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -377,7 +375,7 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     bk = triton.next_power_of_2(dk)
     strides = (q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0))
     if plan.num_decode:
-        bv = min(32, triton.next_power_of_2(dv))
+        bv = min(DECODE_BV, triton.next_power_of_2(dv))
         grid = (plan.num_decode, heads, triton.cdiv(dv, bv))
         kda_decode_kernel[grid](q, k, v, g, beta, state, out, plan.meta, scale, *strides,
                                 out.stride(0), H=heads, K=dk, V=dv, BK=bk, BV=bv, num_warps=4)
@@ -386,28 +384,58 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     return out
 
 
-def _prefill(q, k, v, g, beta, state, out, plan: KdaPlan, scale: float, strides) -> None:
+class PrefillBuffers(NamedTuple):
+    w: torch.Tensor
+    u: torch.Tensor
+    qg: torch.Tensor
+    kd: torch.Tensor
+    aqk: torch.Tensor
+    gl: torch.Tensor
+
+
+def _prefill_buffers(q: torch.Tensor, v: torch.Tensor, num_chunks: int) -> PrefillBuffers:
     num_tokens, heads, dk = q.shape
-    dv = v.shape[2]
-    bk, bvf = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
-    assert bk >= 16 and bvf >= 16, "head dims below 16 do not fit tl.dot"
     dt = q.dtype if q.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
     w = torch.empty(num_tokens, heads, dk, dtype=dt, device=q.device)
-    qg, kd = torch.empty_like(w), torch.empty_like(w)
-    u = torch.empty(num_tokens, heads, dv, dtype=dt, device=q.device)
     aqk = torch.empty(num_tokens, heads, CHUNK, dtype=dt, device=q.device)
-    tinv = torch.empty_like(aqk)
-    gl = torch.empty(plan.num_chunks, heads, dk, dtype=torch.float32, device=q.device)
-    prec = _prec(q.dtype)
+    return PrefillBuffers(w, torch.empty(num_tokens, heads, v.shape[2], dtype=dt, device=q.device),
+                          torch.empty_like(w), torch.empty_like(w), aqk,
+                          torch.empty(num_chunks, heads, dk, dtype=torch.float32,
+                                      device=q.device))
+
+
+def _launch_prep(q, k, v, g, beta, buf: PrefillBuffers, plan: KdaPlan, scale: float,
+                 strides) -> None:
+    heads, dk, dv = q.shape[1], q.shape[2], v.shape[2]
+    bk, bvf = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
+    assert bk >= 16 and bvf >= 16, "head dims below 16 do not fit tl.dot"
     chunk_meta = plan.meta[plan.num_decode * 3 + plan.num_prefill * 5:]
-    seq_meta = plan.meta[plan.num_decode * 3:]
+    # (precision, operand type) of the A products and of the inverse products.
+    exact = ("ieee", tl.float32)
+    fast = (_prec(q.dtype), _dot_dtype(q.dtype))
+    prod_a = fast if PREP_PRODUCTS in ("bf16", "bf16-accum") else exact
+    prod_i = fast if PREP_PRODUCTS in ("bf16", "bf16-inverse") else exact
     kda_chunk_prep_kernel[(plan.num_chunks, heads)](
-        q, k, v, g, beta, w, u, qg, kd, aqk, tinv, gl, chunk_meta, scale, *strides,
-        H=heads, K=dk, V=dv, BK=bk, BVF=bvf, PREC=prec, num_warps=8)
-    bv = min(32, bvf)
+        q, k, v, g, beta, *buf, chunk_meta, scale, *strides, H=heads, K=dk, V=dv, BK=bk,
+        BVF=bvf, BKC=min(PREP_BKC, bk), PREC_A=prod_a[0], ADOT=prod_a[1], PREC_I=prod_i[0],
+        IDOT=prod_i[1], PREC=_prec(q.dtype), DOT=_dot_dtype(q.dtype), num_warps=PREP_WARPS)
+
+
+def _launch_state(state, out, buf: PrefillBuffers, plan: KdaPlan) -> None:
+    heads, dk, dv = state.shape[1:]
+    bk = triton.next_power_of_2(dk)
+    bv = min(STATE_BV, triton.next_power_of_2(dv))
+    seq_meta = plan.meta[plan.num_decode * 3:]
     kda_chunk_state_kernel[(plan.num_prefill, heads, triton.cdiv(dv, bv))](
-        w, u, qg, kd, aqk, gl, state, out, seq_meta, out.stride(0),
-        H=heads, K=dk, V=dv, BK=bk, BV=bv, PREC=prec, num_warps=4, num_stages=2)
+        buf.w, buf.u, buf.qg, buf.kd, buf.aqk, buf.gl, state, out, seq_meta, out.stride(0),
+        H=heads, K=dk, V=dv, BK=bk, BV=bv, PREC=_prec(out.dtype), DOT=_dot_dtype(out.dtype),
+        num_warps=STATE_WARPS)
+
+
+def _prefill(q, k, v, g, beta, state, out, plan: KdaPlan, scale: float, strides) -> None:
+    buf = _prefill_buffers(q, v, plan.num_chunks)
+    _launch_prep(q, k, v, g, beta, buf, plan, scale, strides)
+    _launch_state(state, out, buf, plan)
 
 
 @_jit

@@ -1,0 +1,193 @@
+"""Triton block-FP8 linear: `y = x W^T`, W in e4m3 with one fp32 scale per 128x128 block.
+
+Two paths, picked by the number of rows (README.md has the measurements):
+- few rows (decode): the weight is dequantised in registers to x's dtype (the reference's
+  rounding: fp8 * scale in fp32, then one cast) and multiplied in bf16, split over K so that
+  enough programs stream the weight;
+- many rows (prefill): activations are quantised per token and 128-channel group (DeepSeek /
+  HF style) by a small kernel, then an FP8 x FP8 GEMM applies both scales per K block.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the package must import without triton; the launchers need it
+    triton = None
+
+FP8_MAX = tl.constexpr(448.0) if triton is not None else 448.0
+# Rows from which activations are quantised to FP8 (below: weight-only dequantisation).
+FP8_ACT_MIN_ROWS = 64
+# Weight-only path: output columns per program and programs per SM it aims for.
+WDQ_BLOCK_N = 64
+WDQ_WAVES = 2.0
+
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+@_jit
+def fp8_wdq_gemm_kernel(x, w, ws, y, M, N, K, stride_xm, stride_wn, stride_wsn, stride_ym,
+                        stride_ys, K_PER_SPLIT, BLOCK: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """y[split] = x[:, split's K range] W_dequant^T; W dequantised block by block in registers."""
+    i_m, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_n = i_n * BN + tl.arange(0, BN)
+    o_k = tl.arange(0, BLOCK)
+    m_m, m_n = o_m < M, o_n < N
+    # NOTE: BN divides BLOCK, so one weight scale row per program.
+    i_sn = (i_n * BN) // BLOCK
+    b_acc = tl.zeros([BM, BN], dtype=tl.float32)
+    k_begin = i_s * K_PER_SPLIT
+    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    for k0 in range(k_begin, k_end, BLOCK):
+        m_k = k0 + o_k < K
+        b_x = tl.load(x + o_m[:, None].to(tl.int64) * stride_xm + k0 + o_k[None, :],
+                      mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_w = tl.load(w + o_n[:, None].to(tl.int64) * stride_wn + k0 + o_k[None, :],
+                      mask=m_n[:, None] & m_k[None, :], other=0.0)
+        b_s = tl.load(ws + i_sn * stride_wsn + k0 // BLOCK)
+        b_wd = (b_w.to(tl.float32) * b_s).to(DOT)  # [BN, BLOCK], the reference's rounding
+        b_acc = tl.dot(b_x.to(DOT), tl.trans(b_wd), b_acc, input_precision=PREC)
+    p_y = y + i_s * stride_ys + o_m[:, None].to(tl.int64) * stride_ym + o_n[None, :]
+    tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+
+
+@_jit
+def fp8_act_quant_kernel(x, xq, xs, M, K, stride_xm, stride_qm, stride_sm,
+                         BLOCK: tl.constexpr, BM: tl.constexpr):
+    """Per row and 128-channel group: scale = amax / 448, xq = x / scale in e4m3."""
+    i_m, i_k = tl.program_id(0), tl.program_id(1)
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_k = i_k * BLOCK + tl.arange(0, BLOCK)
+    m = (o_m < M)[:, None] & (o_k < K)[None, :]
+    b_x = tl.load(x + o_m[:, None].to(tl.int64) * stride_xm + o_k[None, :], mask=m,
+                  other=0.0).to(tl.float32)
+    b_s = tl.maximum(tl.max(tl.abs(b_x), 1), 1e-12) / FP8_MAX  # [BM]
+    b_q = (b_x / b_s[:, None]).to(xq.dtype.element_ty)
+    tl.store(xq + o_m[:, None].to(tl.int64) * stride_qm + o_k[None, :], b_q, mask=m)
+    tl.store(xs + o_m.to(tl.int64) * stride_sm + i_k, b_s, mask=o_m < M)
+
+
+@_jit
+def fp8_gemm_kernel(xq, xs, w, ws, y, M, N, K, stride_qm, stride_sm, stride_wn, stride_wsn,
+                    stride_ym, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    GROUP_M: tl.constexpr):
+    """y = sum_kb (xq_kb W_kb^T) * xs[:, kb] * ws[nb, kb], FP8 products, fp32 accumulation."""
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    # Grouped order: GROUP_M row blocks share each weight tile while it is in L2.
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    i_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    i_n = (pid % (GROUP_M * num_n)) // size_m
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_n = i_n * BN + tl.arange(0, BN)
+    o_k = tl.arange(0, BLOCK)
+    m_m, m_n = o_m < M, o_n < N
+    i_sn = (i_n * BN) // BLOCK
+    b_acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        m_k = k0 + o_k < K
+        b_x = tl.load(xq + o_m[:, None].to(tl.int64) * stride_qm + k0 + o_k[None, :],
+                      mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_w = tl.load(w + o_n[:, None].to(tl.int64) * stride_wn + k0 + o_k[None, :],
+                      mask=m_n[:, None] & m_k[None, :], other=0.0)
+        b_xs = tl.load(xs + o_m.to(tl.int64) * stride_sm + k0 // BLOCK, mask=m_m, other=0.0)
+        b_ws = tl.load(ws + i_sn * stride_wsn + k0 // BLOCK)
+        b_acc += tl.dot(b_x, tl.trans(b_w)) * (b_xs[:, None] * b_ws)
+    p_y = y + o_m[:, None].to(tl.int64) * stride_ym + o_n[None, :]
+    tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: int) -> None:
+    n, k = weight.shape
+    assert x.shape[-1] == k and weight.stride(1) == 1 and scale_inv.stride(1) == 1
+    assert scale_inv.shape == (-(-n // block), -(-k // block)), (
+        f"scale shape {tuple(scale_inv.shape)} does not fit weight {tuple(weight.shape)}")
+    assert block >= 16 and block & (block - 1) == 0
+
+
+def fp8_linear_weight_only(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                           block: int) -> torch.Tensor:
+    """[M, K] x dequantised [N, K] -> [M, N], split over K when M x N gives too few programs."""
+    m, k = x2.shape
+    n = weight.shape[0]
+    fp32 = x2.dtype == torch.float32 or _interpreting()
+    dot = tl.float32 if fp32 else (tl.float16 if x2.dtype == torch.float16 else tl.bfloat16)
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    bn = min(WDQ_BLOCK_N, block)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    k_blocks = triton.cdiv(k, block)
+    splits = max(1, min(k_blocks, int(_sms(x2.device) * WDQ_WAVES) // tiles))
+    k_per_split = triton.cdiv(k_blocks, splits) * block
+    splits = triton.cdiv(k, k_per_split)
+    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32,
+                                               device=x2.device)
+    fp8_wdq_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), splits)](
+        x2, weight, scale_inv, part, m, n, k, x2.stride(0), weight.stride(0),
+        scale_inv.stride(0), part.stride(-2), part.stride(0) if splits > 1 else 0, k_per_split,
+        BLOCK=block, BM=bm, BN=bn, DOT=dot, PREC="ieee" if fp32 else "tf32", num_warps=4,
+        num_stages=4)
+    if splits > 1:
+        out.copy_(part.sum(0))
+    return out
+
+
+def fp8_linear_w8a8(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                    block: int) -> torch.Tensor:
+    """Quantise activations per (row, 128 channels), then the FP8 GEMM."""
+    m, k = x2.shape
+    n = weight.shape[0]
+    k_blocks = triton.cdiv(k, block)
+    xq = torch.empty(m, k, dtype=weight.dtype, device=x2.device)
+    xs = torch.empty(m, k_blocks, dtype=torch.float32, device=x2.device)
+    fp8_act_quant_kernel[(triton.cdiv(m, 16), k_blocks)](
+        x2, xq, xs, m, k, x2.stride(0), xq.stride(0), xs.stride(0), BLOCK=block, BM=16,
+        num_warps=4)
+    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    bm, bn = 128, min(128, block)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    fp8_gemm_kernel[grid](xq, xs, weight, scale_inv, out, m, n, k, xq.stride(0), xs.stride(0),
+                          weight.stride(0), scale_inv.stride(0), out.stride(0), BLOCK=block,
+                          BM=bm, BN=bn, GROUP_M=8, num_warps=8, num_stages=4)
+    return out
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, *,
+               block: int = 128) -> torch.Tensor:
+    """Triton `fp8_linear_ref`: `y = x W^T`, x `[..., K]`, weight `[N, K]` e4m3, scale_inv
+    `[ceil(N/block), ceil(K/block)]` fp32. Weight-only below FP8_ACT_MIN_ROWS rows, W8A8 above."""
+    _check(x, weight, scale_inv, block)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    if x2.shape[0] == 0:
+        return x.new_empty(*lead, weight.shape[0])
+    use_fp8 = x2.shape[0] >= FP8_ACT_MIN_ROWS and x2.dtype != torch.float32 \
+        and not _interpreting()
+    impl = fp8_linear_w8a8 if use_fp8 else fp8_linear_weight_only
+    return impl(x2, weight, scale_inv.float(), block).view(*lead, weight.shape[0])
+
+
+__all__ = ["fp8_linear", "fp8_linear_w8a8", "fp8_linear_weight_only"]

@@ -1,0 +1,152 @@
+"""Triton sparse MLA: absorbed-latent attention over gathered cache slots (see ref.py).
+
+One program owns a query token, a block of heads and a range of its selected slots: it gathers
+those latent rows, scores them against all heads of the block (an MQA over the one latent head)
+and keeps an fp32 online softmax. With several slot ranges per token (decode: too few tokens to
+fill the GPU) the partial results are merged by a second kernel.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the package must import without triton; the launchers need it
+    triton = None
+
+# Slots per inner step, and the programs per SM the split-slot decode aims for.
+BLOCK_N = 64
+SPLIT_WAVES = 1.0
+
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+@_jit
+def sparse_mla_kernel(q, latent, slots, o, part_o, part_ml, scale, T, H, W, R,
+                      stride_qt, stride_qh, stride_l, stride_s, stride_ot, stride_oh,
+                      SPLIT_W, NUM_SPLITS: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr,
+                      BN: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """Online-softmax attention of q[t, heads] over latent[slots[t, range]]."""
+    i_t, i_hb, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_h = i_hb * BH + tl.arange(0, BH)
+    o_r = tl.arange(0, BR)
+    m_h, m_r = o_h < H, o_r < R
+    i_t64 = i_t.to(tl.int64)
+    p_q = q + i_t64 * stride_qt + o_h[:, None] * stride_qh + o_r[None, :]
+    b_q = tl.load(p_q, mask=m_h[:, None] & m_r[None, :], other=0.0).to(DOT)  # [BH, BR]
+    b_m = tl.full([BH], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BH], dtype=tl.float32)
+    b_acc = tl.zeros([BH, BR], dtype=tl.float32)
+    w_start = i_s * SPLIT_W
+    w_end = tl.minimum(w_start + SPLIT_W, W)
+    for w0 in range(w_start, w_end, BN):
+        o_n = w0 + tl.arange(0, BN)
+        idx = tl.load(slots + i_t64 * stride_s + o_n, mask=o_n < w_end, other=-1)
+        valid = idx >= 0
+        p_kv = latent + idx.to(tl.int64)[:, None] * stride_l + o_r[None, :]
+        b_kv = tl.load(p_kv, mask=valid[:, None] & m_r[None, :], other=0.0).to(DOT)  # [BN, BR]
+        b_s = tl.dot(b_q, tl.trans(b_kv), input_precision=PREC) * scale  # [BH, BN]
+        b_s = tl.where(valid[None, :], b_s, float("-inf"))
+        b_mn = tl.maximum(b_m, tl.max(b_s, 1))
+        # NOTE: rows that have seen no valid slot keep m = -inf; shift by 0 there (no NaN).
+        b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
+        b_p = tl.exp(b_s - b_ms[:, None])
+        b_alpha = tl.exp(b_m - b_ms)
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_acc = b_acc * b_alpha[:, None]
+        b_acc = tl.dot(b_p.to(DOT), b_kv, b_acc, input_precision=PREC)
+        b_m = b_mn
+    m_out = m_h[:, None] & m_r[None, :]
+    if NUM_SPLITS == 1:
+        b_out = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
+        p_o = o + i_t64 * stride_ot + o_h[:, None] * stride_oh + o_r[None, :]
+        tl.store(p_o, b_out.to(o.dtype.element_ty), mask=m_out)
+    else:
+        # Partials: the normalised output of this range, and (m, l) to weight it.
+        row = (i_t64 * NUM_SPLITS + i_s) * H + o_h
+        b_out = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
+        tl.store(part_o + row[:, None] * R + o_r[None, :], b_out.to(part_o.dtype.element_ty),
+                 mask=m_out)
+        tl.store(part_ml + row * 2, b_m, mask=m_h)
+        tl.store(part_ml + row * 2 + 1, b_l, mask=m_h)
+
+
+@_jit
+def sparse_mla_combine_kernel(part_o, part_ml, o, H, R, stride_ot, stride_oh,
+                              NUM_SPLITS: tl.constexpr, BS: tl.constexpr, BR: tl.constexpr):
+    """out[t, h] = sum_s l_s e^(m_s - M) o_s / sum_s l_s e^(m_s - M); zeros if nothing valid."""
+    i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o_s = tl.arange(0, BS)
+    o_r = tl.arange(0, BR)
+    m_s = o_s < NUM_SPLITS
+    row = (i_t * NUM_SPLITS + o_s) * H + i_h
+    b_m = tl.load(part_ml + row * 2, mask=m_s, other=float("-inf"))
+    b_l = tl.load(part_ml + row * 2 + 1, mask=m_s, other=0.0)
+    b_mx = tl.max(b_m, 0)
+    b_mx = tl.where(b_mx == float("-inf"), 0.0, b_mx)
+    b_w = b_l * tl.exp(b_m - b_mx)  # [BS]
+    b_o = tl.load(part_o + row[:, None] * R + o_r[None, :], mask=m_s[:, None] & (o_r < R)[None, :],
+                  other=0.0).to(tl.float32)
+    b_sum = tl.sum(b_w, 0)
+    b_out = tl.sum(b_o * b_w[:, None], 0) / tl.where(b_sum > 0, b_sum, 1.0)
+    tl.store(o + i_t * stride_ot + i_h * stride_oh + o_r, b_out.to(o.dtype.element_ty),
+             mask=o_r < R)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _num_splits(num_tokens: int, head_blocks: int, width: int, device: torch.device) -> int:
+    if num_tokens == 0 or width == 0:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
+        else 4
+    want = int(sms * SPLIT_WAVES) // (num_tokens * head_blocks)
+    return max(1, min(want, triton.cdiv(width, BLOCK_N)))
+
+
+def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *,
+               scale: float) -> torch.Tensor:
+    """Triton `sparse_mla_ref`: q_lat `[T, H, R]`, latent `[N, R]`, slots `[T, W]` (-1 = none)."""
+    num_tokens, heads, rank = q_lat.shape
+    width = slots.shape[1]
+    assert latent.shape[1] == rank and slots.shape[0] == num_tokens
+    assert q_lat.stride(2) == 1 and latent.stride(1) == 1 and slots.stride(1) == 1
+    out = torch.empty(num_tokens, heads, rank, dtype=q_lat.dtype, device=q_lat.device)
+    if num_tokens == 0:
+        return out
+    br = triton.next_power_of_2(rank)
+    bh = 64 if heads > 32 else max(16, triton.next_power_of_2(heads))
+    bn = BLOCK_N if br <= 512 else 32
+    head_blocks = triton.cdiv(heads, bh)
+    splits = _num_splits(num_tokens, head_blocks, width, q_lat.device)
+    split_w = triton.cdiv(triton.cdiv(width, splits), bn) * bn if width else bn
+    splits = triton.cdiv(width, split_w) if width else 1
+    fp32 = q_lat.dtype == torch.float32 or _interpreting()
+    dot = tl.float32 if fp32 else (tl.float16 if q_lat.dtype == torch.float16 else tl.bfloat16)
+    part_dt = torch.float32 if q_lat.dtype == torch.float32 else q_lat.dtype
+    part_o = torch.empty(num_tokens * splits * heads, rank, dtype=part_dt,
+                         device=q_lat.device) if splits > 1 else out
+    part_ml = torch.empty(num_tokens * splits * heads, 2, dtype=torch.float32,
+                          device=q_lat.device) if splits > 1 else out
+    slots = slots if slots.dtype in (torch.int32, torch.int64) else slots.long()
+    sparse_mla_kernel[(num_tokens, head_blocks, splits)](
+        q_lat, latent, slots, out, part_o, part_ml, scale, num_tokens, heads, width, rank,
+        q_lat.stride(0), q_lat.stride(1), latent.stride(0), slots.stride(0), out.stride(0),
+        out.stride(1), split_w, NUM_SPLITS=splits, BH=bh, BR=br, BN=bn, DOT=dot,
+        PREC="ieee" if fp32 else "tf32", num_warps=8 if bh * br >= 64 * 256 else 4)
+    if splits > 1:
+        sparse_mla_combine_kernel[(num_tokens, heads)](
+            part_o, part_ml, out, heads, rank, out.stride(0), out.stride(1), NUM_SPLITS=splits,
+            BS=triton.next_power_of_2(splits), BR=br, num_warps=4)
+    return out
+
+
+__all__ = ["sparse_mla"]
