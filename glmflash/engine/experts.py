@@ -11,6 +11,7 @@ slot device-to-device, the others host-to-device.
 from __future__ import annotations
 
 import logging
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -253,10 +254,23 @@ _REGISTERED: set[int] = set()
 
 
 def _pin(module: Experts) -> None:
-    """Page-lock the expert tensors where they are (no copy), once per allocation."""
+    """Page-lock the expert tensors where they are (no copy), once per allocation.
+
+    NOTE: the registration is dropped when the parameter dies; a registration left on freed
+    memory makes later copies from a reused address fail with "invalid argument".
+    """
     cudart = torch.cuda.cudart()
     for p in _projections(module):
-        for t in (p.weight.data, getattr(p, "weight_scale_inv", None)):
-            if t is not None and t.data_ptr() not in _REGISTERED and not t.is_pinned():
-                cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-                _REGISTERED.add(t.data_ptr())
+        for param in (p.weight, getattr(p, "weight_scale_inv", None)):
+            if param is None or param.data_ptr() in _REGISTERED or param.is_pinned():
+                continue
+            ptr = param.data_ptr()
+            cudart.cudaHostRegister(ptr, param.numel() * param.element_size(), 0)
+            _REGISTERED.add(ptr)
+            weakref.finalize(param, _unregister, ptr)
+
+
+def _unregister(ptr: int) -> None:
+    if ptr in _REGISTERED:
+        _REGISTERED.discard(ptr)
+        torch.cuda.cudart().cudaHostUnregister(ptr)
