@@ -94,5 +94,17 @@ class PackedRunner:
 
 
 @pytest.fixture
+def nan_empty(monkeypatch):
+    """torch.empty / empty_like return NaN-filled floats, so unwritten outputs show up."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def fill(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(empty_like(*a, **k)))
+
+
+@pytest.fixture
 def seeded():
     return torch.Generator().manual_seed(42)

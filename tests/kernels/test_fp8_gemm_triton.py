@@ -17,18 +17,6 @@ from glmflash.kernels.fp8_gemm import triton_impl  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture
-def nan_empty(monkeypatch):
-    """torch.empty / empty_like return NaN-filled floats, so unwritten outputs show up."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def fill(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(empty_like(*a, **k)))
-
-
 def _case(m, n, k, dtype, block=128, seed=42):
     gen = torch.Generator().manual_seed(seed)
     weight, scale = quantize_block_fp8(torch.randn(n, k, generator=gen), block=block)

@@ -25,18 +25,6 @@ FP32_TOL = 1e-5
 BF16_REL = 2e-2
 
 
-@pytest.fixture
-def nan_empty(monkeypatch):
-    """torch.empty / empty_like return NaN-filled floats, so unwritten outputs show up."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def fill(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(empty_like(*a, **k)))
-
-
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     got, want = got.double(), want.double()
     assert torch.isfinite(got).all(), "non-finite values (unwritten output?)"

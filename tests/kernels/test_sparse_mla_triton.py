@@ -20,18 +20,6 @@ FP32_ATOL = 1e-5
 BF16_ATOL = 3e-2
 
 
-@pytest.fixture
-def nan_empty(monkeypatch):
-    """torch.empty / empty_like return NaN-filled floats, so unwritten outputs show up."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def fill(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(empty_like(*a, **k)))
-
-
 def _case(tokens, heads, rank, cache, width, dtype, seed=42):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(tokens, heads, rank, generator=gen).to(dtype)

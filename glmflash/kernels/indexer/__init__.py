@@ -9,21 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from glmflash.kernels.dispatch import use_triton
 from glmflash.kernels.indexer.ref import compress_pools, indexer_select_ref, indexer_write_ref
-from glmflash.utils.env import kernel_override
-
-IMPLS = ("ref", "triton")
 
 indexer_write = indexer_write_ref
-
-
-def _use_triton(x: torch.Tensor) -> bool:
-    choice = kernel_override("indexer_select") or kernel_override("indexer")
-    if choice is None:
-        return x.is_cuda
-    if choice not in IMPLS:
-        raise ValueError(f"unknown indexer_select impl {choice!r}; expected one of {IMPLS}")
-    return choice == "triton"
 
 
 def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor,
@@ -32,7 +21,7 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
                    select_tail: bool) -> torch.Tensor:
     """Token slots attended by each query `[T, topk + kpool - 1]`; see `indexer_select_ref`."""
     impl = indexer_select_ref
-    if _use_triton(q):
+    if use_triton(q, "indexer_select", "indexer"):
         from glmflash.kernels.indexer.triton_impl import indexer_select as impl
     return impl(q, weights, pool_keys, context_slots, cu_context, cu_seqlens, prefix_lens,
                 topk=topk, kpool=kpool, select_tail=select_tail)

@@ -9,26 +9,15 @@ from __future__ import annotations
 
 import torch
 
+from glmflash.kernels.dispatch import use_triton
 from glmflash.kernels.kda.ref import causal_conv1d_ref, kda_ref
-from glmflash.utils.env import kernel_override
-
-IMPLS = ("ref", "triton")
-
-
-def _use_triton(x: torch.Tensor, op: str) -> bool:
-    choice = kernel_override(op) or kernel_override("kda")
-    if choice is None:
-        return x.is_cuda
-    if choice not in IMPLS:
-        raise ValueError(f"unknown {op} impl {choice!r}; expected one of {IMPLS}")
-    return choice == "triton"
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                   cu_seqlens: list[int], state_slots: list[int], is_fresh: list[bool]
                   ) -> torch.Tensor:
     """Depthwise causal conv + SiLU with per-slot history; see `causal_conv1d_ref`."""
-    if _use_triton(x, "causal_conv1d"):
+    if use_triton(x, "causal_conv1d", "kda"):
         from glmflash.kernels.kda import triton_impl
 
         return triton_impl.causal_conv1d(x, weight, conv_state, cu_seqlens, state_slots,
@@ -40,7 +29,7 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
         state: torch.Tensor, cu_seqlens: list[int], state_slots: list[int],
         is_fresh: list[bool], *, chunk_size: int = 64) -> torch.Tensor:
     """Gated delta rule with per-channel decay; see `kda_ref`."""
-    if _use_triton(q, "kda"):
+    if use_triton(q, "kda"):
         from glmflash.kernels.kda import triton_impl
 
         return triton_impl.kda(q, k, v, g, beta, state, cu_seqlens, state_slots, is_fresh,
