@@ -160,12 +160,11 @@ class Engine(EngineApiMixin):
 
     def _loop(self) -> None:
         while not self._stopping:
-            if not self.scheduler.has_work:
-                self._drain_inbox(block=True)
-            if self._stopping:
-                continue
             try:
-                self.step()
+                if not self.scheduler.has_work:
+                    self._drain_inbox(block=True)
+                if not self._stopping:
+                    self.step()
             except Exception as exc:  # a failed step ends its requests, not the engine
                 logger.exception("engine step failed")
                 self._fail_all(f"{type(exc).__name__}: {exc}")

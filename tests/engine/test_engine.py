@@ -141,3 +141,19 @@ def test_async_stream_with_background_thread(tiny_dirs):
         assert engine.cache.num_free_pages == engine.cache.plan.num_pages
     finally:
         engine.shutdown()
+
+
+def test_a_failing_step_ends_its_requests_not_the_engine(tiny_dirs):
+    engine = Engine(tiny_dirs["embedded"], device="cpu", dtype="float32", context_length=128)
+
+    def explode(_output_ids, _logits):
+        raise RuntimeError("boom")
+
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            engine.generate("x", SamplingParams(max_tokens=3, logits_processors=[explode]))
+        assert engine.cache.num_free_pages == engine.cache.plan.num_pages
+        (ok,) = engine.generate("x", SamplingParams(max_tokens=3, temperature=0))
+        assert len(ok.token_ids) >= 1
+    finally:
+        engine.shutdown()
