@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +129,6 @@ class ModelConfig:
     vision: VisionConfig | None = None
     quant: QuantConfig | None = None
     num_nextn_predict_layers: int = 0
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -191,12 +190,11 @@ class ModelConfig:
         quant = raw.get("quantization_config") or text.get("quantization_config")
         if quant is not None:
             kwargs["quant"] = QuantConfig.from_dict(quant)
-        kwargs["extra"] = {k: v for k, v in text.items() if k not in kwargs}
         return cls(**kwargs)
 
 
 def _known_fields(cls: type, raw: dict[str, Any]) -> dict[str, Any]:
-    names = {f.name for f in fields(cls)} - {"vision", "quant", "extra", "eos_token_id",
+    names = {f.name for f in fields(cls)} - {"vision", "quant", "eos_token_id",
                                               "layer_types", "indexer_types", "mlp_layer_types"}
     out = {k: raw[k] for k in names if k in raw}
     if "num_local_experts" in raw and "n_routed_experts" not in raw:

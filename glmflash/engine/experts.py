@@ -85,7 +85,6 @@ class LayerwiseStreamer:
         self.copy_stream = torch.cuda.Stream(device)
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="glmflash-layerwise")
         self.pending: dict[int, Future] = {}
-        self.bytes_copied = 0
 
     def acquire(self, index: int) -> tuple:
         """The slot holding layer `index`'s experts, ready on the current stream."""
@@ -117,7 +116,6 @@ class LayerwiseStreamer:
                         dst.scale.index_copy_(0, rows, res.scale)
                 for start, end in _runs_without(ids, src.weight.shape[0]):
                     dst.fill(src, start, end, non_blocking=True)
-                    self.bytes_copied += src.weight[start:end].numel() * src.weight.element_size()
             return self.copy_stream.record_event()
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(slots=True)
@@ -39,7 +39,6 @@ class Result:
     prompt_token_ids: list[int]
     choices: list[Choice]
     error: str | None = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def token_ids(self) -> list[int]:

@@ -32,10 +32,6 @@ class ScheduledBatch:
     needs_sample: list[bool]
     """Whether the sequence's chunk reaches its last known token (so its logits are sampled)."""
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(self.num_tokens)
-
 
 @dataclass(slots=True)
 class TokenDelta:

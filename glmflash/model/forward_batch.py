@@ -32,10 +32,6 @@ class ForwardBatch:
     """`[T, D]` embeddings overriding the lookup (multimodal rows already merged)."""
 
     @property
-    def num_seqs(self) -> int:
-        return len(self.prefix_lens)
-
-    @property
     def is_fresh(self) -> list[bool]:
         """Sequences whose first token is in this forward (their fixed state starts at zero)."""
         return [p == 0 for p in self.prefix_lens]
