@@ -231,8 +231,8 @@ class Engine(EngineApiMixin):
         for delta in deltas:
             seq, choice = delta.seq, self._choices[delta.seq.seq_id]
             visible = delta.token_ids
-            if delta.finish_reason == "stop" and visible[-1] in (
-                    self.eos_token_ids | set(seq.params.stop_token_ids)):
+            if delta.finish_reason == "stop":
+                # The scheduler stops only on a stop token (eos or stop_token_ids): not text.
                 visible = visible[:-1]
             text = choice.detok.add(visible, is_last=delta.finish_reason is not None)
             reason = delta.finish_reason
