@@ -36,6 +36,9 @@ CASES = {
     "prefill_heads20": (40, 20, 16, 64, 7),
     "rank48_empty_width": (5, 3, 48, 30, 0),
     "block_edge": (2, 16, 32, 200, 65),
+    # Ranks past one score piece / value block: several output-column programs per token.
+    "rank160_value_blocks": (3, 4, 160, 80, 70),
+    "prefill_rank300": (70, 2, 300, 100, 9),
 }
 
 

@@ -1,9 +1,9 @@
 """Triton sparse MLA: absorbed-latent attention over gathered cache slots (see ref.py).
 
-One program owns a query token, a block of heads and a range of its selected slots: it gathers
-those latent rows, scores them against all heads of the block (an MQA over the one latent head)
-and keeps an fp32 online softmax. With several slot ranges per token (decode: too few tokens to
-fill the GPU) the partial results are merged by a second kernel.
+One program owns a query token, a block of heads, a block of output columns and a range of its
+selected slots: it gathers those latent rows, scores them against all heads of the block (an MQA
+over the one latent head) and keeps an fp32 online softmax. With several slot ranges per token
+(decode: too few tokens to fill the GPU) the partial results are merged by a second kernel.
 """
 
 from __future__ import annotations
@@ -21,6 +21,12 @@ except ImportError:  # the package must import without triton; the launchers nee
 # Slots per inner step, and the programs per SM the split-slot decode aims for.
 BLOCK_N = 64
 SPLIT_WAVES = 1.0
+# Rank columns per score product, and output columns per program: narrow in decode (more
+# programs for few tokens), wider in prefill (fewer recomputed scores). bench/kernels.py sweeps.
+SCORE_BLOCK = 128
+VALUE_BLOCK_DECODE = 128
+VALUE_BLOCK_PREFILL = 256
+PREFILL_TOKENS = 64
 
 
 def _jit(fn):
@@ -30,51 +36,60 @@ def _jit(fn):
 @_jit
 def sparse_mla_kernel(q, latent, slots, o, part_o, part_ml, scale, T, H, W, R,
                       stride_qt, stride_qh, stride_l, stride_s, stride_ot, stride_oh,
-                      SPLIT_W, NUM_SPLITS: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr,
+                      SPLIT_W, NUM_SPLITS: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
+                      BH: tl.constexpr, BR: tl.constexpr, BRC: tl.constexpr, BRV: tl.constexpr,
                       BN: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-    """Online-softmax attention of q[t, heads] over latent[slots[t, range]]."""
-    i_t, i_hb, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Online-softmax attention of q[t, heads] over latent[slots[t, range]], output columns
+    [i_rv * BRV, +BRV) only: scores take the whole rank in BRC-wide pieces, so no program holds
+    a [BH, R] accumulator (R = 512 spilled registers)."""
+    i_t, i_hr, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_hb, i_rv = i_hr % HEAD_BLOCKS, i_hr // HEAD_BLOCKS
     o_h = i_hb * BH + tl.arange(0, BH)
-    o_r = tl.arange(0, BR)
-    m_h, m_r = o_h < H, o_r < R
+    o_c = tl.arange(0, BRC)
+    o_v = i_rv * BRV + tl.arange(0, BRV)
+    m_h, m_v = o_h < H, o_v < R
     i_t64 = i_t.to(tl.int64)
-    p_q = q + i_t64 * stride_qt + o_h[:, None] * stride_qh + o_r[None, :]
-    b_q = tl.load(p_q, mask=m_h[:, None] & m_r[None, :], other=0.0).to(DOT)  # [BH, BR]
+    p_q = q + i_t64 * stride_qt + o_h[:, None] * stride_qh
     b_m = tl.full([BH], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BH], dtype=tl.float32)
-    b_acc = tl.zeros([BH, BR], dtype=tl.float32)
+    b_acc = tl.zeros([BH, BRV], dtype=tl.float32)
     w_start = i_s * SPLIT_W
     w_end = tl.minimum(w_start + SPLIT_W, W)
     for w0 in range(w_start, w_end, BN):
         o_n = w0 + tl.arange(0, BN)
         idx = tl.load(slots + i_t64 * stride_s + o_n, mask=o_n < w_end, other=-1)
         valid = idx >= 0
-        p_kv = latent + idx.to(tl.int64)[:, None] * stride_l + o_r[None, :]
-        b_kv = tl.load(p_kv, mask=valid[:, None] & m_r[None, :], other=0.0).to(DOT)  # [BN, BR]
-        b_s = tl.dot(b_q, tl.trans(b_kv), input_precision=PREC) * scale  # [BH, BN]
-        b_s = tl.where(valid[None, :], b_s, float("-inf"))
+        p_kv = latent + idx.to(tl.int64)[:, None] * stride_l
+        b_s = tl.zeros([BH, BN], dtype=tl.float32)
+        for r0 in tl.static_range(0, BR, BRC):
+            m_c = r0 + o_c < R
+            b_q = tl.load(p_q + r0 + o_c[None, :], mask=m_h[:, None] & m_c[None, :], other=0.0)
+            b_kc = tl.load(p_kv + r0 + o_c[None, :], mask=valid[:, None] & m_c[None, :],
+                           other=0.0)
+            b_s = tl.dot(b_q.to(DOT), tl.trans(b_kc.to(DOT)), b_s, input_precision=PREC)
+        b_s = tl.where(valid[None, :], b_s * scale, float("-inf"))
         b_mn = tl.maximum(b_m, tl.max(b_s, 1))
         # NOTE: rows that have seen no valid slot keep m = -inf; shift by 0 there (no NaN).
         b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
         b_p = tl.exp(b_s - b_ms[:, None])
         b_alpha = tl.exp(b_m - b_ms)
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        b_acc = b_acc * b_alpha[:, None]
-        b_acc = tl.dot(b_p.to(DOT), b_kv, b_acc, input_precision=PREC)
+        b_kv = tl.load(p_kv + o_v[None, :], mask=valid[:, None] & m_v[None, :], other=0.0)
+        b_acc = tl.dot(b_p.to(DOT), b_kv.to(DOT), b_acc * b_alpha[:, None], input_precision=PREC)
         b_m = b_mn
-    m_out = m_h[:, None] & m_r[None, :]
+    m_out = m_h[:, None] & m_v[None, :]
+    b_out = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
     if NUM_SPLITS == 1:
-        b_out = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
-        p_o = o + i_t64 * stride_ot + o_h[:, None] * stride_oh + o_r[None, :]
+        p_o = o + i_t64 * stride_ot + o_h[:, None] * stride_oh + o_v[None, :]
         tl.store(p_o, b_out.to(o.dtype.element_ty), mask=m_out)
     else:
         # Partials: the normalised output of this range, and (m, l) to weight it.
         row = (i_t64 * NUM_SPLITS + i_s) * H + o_h
-        b_out = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
-        tl.store(part_o + row[:, None] * R + o_r[None, :], b_out.to(part_o.dtype.element_ty),
+        tl.store(part_o + row[:, None] * R + o_v[None, :], b_out.to(part_o.dtype.element_ty),
                  mask=m_out)
-        tl.store(part_ml + row * 2, b_m, mask=m_h)
-        tl.store(part_ml + row * 2 + 1, b_l, mask=m_h)
+        if i_rv == 0:
+            tl.store(part_ml + row * 2, b_m, mask=m_h)
+            tl.store(part_ml + row * 2 + 1, b_l, mask=m_h)
 
 
 @_jit
@@ -103,12 +118,12 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _num_splits(num_tokens: int, head_blocks: int, width: int, device: torch.device) -> int:
-    if num_tokens == 0 or width == 0:
+def _num_splits(programs: int, width: int, device: torch.device) -> int:
+    if programs == 0 or width == 0:
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
         else 4
-    want = int(sms * SPLIT_WAVES) // (num_tokens * head_blocks)
+    want = int(sms * SPLIT_WAVES) // programs
     return max(1, min(want, triton.cdiv(width, BLOCK_N)))
 
 
@@ -123,10 +138,13 @@ def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *
     if num_tokens == 0:
         return out
     br = triton.next_power_of_2(rank)
+    brc = min(SCORE_BLOCK, br)
+    brv = min(VALUE_BLOCK_PREFILL if num_tokens >= PREFILL_TOKENS else VALUE_BLOCK_DECODE, br)
     bh = 64 if heads > 32 else max(16, triton.next_power_of_2(heads))
-    bn = BLOCK_N if br <= 512 else 32
+    bn = BLOCK_N
     head_blocks = triton.cdiv(heads, bh)
-    splits = _num_splits(num_tokens, head_blocks, width, q_lat.device)
+    value_blocks = br // brv
+    splits = _num_splits(num_tokens * head_blocks * value_blocks, width, q_lat.device)
     split_w = triton.cdiv(triton.cdiv(width, splits), bn) * bn if width else bn
     splits = triton.cdiv(width, split_w) if width else 1
     fp32 = q_lat.dtype == torch.float32 or _interpreting()
@@ -137,11 +155,12 @@ def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *
     part_ml = torch.empty(num_tokens * splits * heads, 2, dtype=torch.float32,
                           device=q_lat.device) if splits > 1 else out
     slots = slots if slots.dtype in (torch.int32, torch.int64) else slots.long()
-    sparse_mla_kernel[(num_tokens, head_blocks, splits)](
+    sparse_mla_kernel[(num_tokens, head_blocks * value_blocks, splits)](
         q_lat, latent, slots, out, part_o, part_ml, scale, num_tokens, heads, width, rank,
         q_lat.stride(0), q_lat.stride(1), latent.stride(0), slots.stride(0), out.stride(0),
-        out.stride(1), split_w, NUM_SPLITS=splits, BH=bh, BR=br, BN=bn, DOT=dot,
-        PREC="ieee" if fp32 else "tf32", num_warps=8 if bh * br >= 64 * 256 else 4)
+        out.stride(1), split_w, NUM_SPLITS=splits, HEAD_BLOCKS=head_blocks, BH=bh, BR=br,
+        BRC=brc, BRV=brv, BN=bn, DOT=dot, PREC="ieee" if fp32 else "tf32",
+        num_warps=8 if bh * brv >= 64 * 256 else 4)
     if splits > 1:
         sparse_mla_combine_kernel[(num_tokens, heads)](
             part_o, part_ml, out, heads, rank, out.stride(0), out.stride(1), NUM_SPLITS=splits,
