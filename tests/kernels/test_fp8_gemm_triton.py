@@ -24,8 +24,9 @@ def _case(m, n, k, dtype, block=128, seed=42):
     return x.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE)
 
 
+# 1x16x384 has one column block, so K is split and the splits add atomically.
 SHAPES = {"1x70x200": (1, 70, 200), "5x130x257": (5, 130, 257), "17x128x128": (17, 128, 128),
-          "3x129x127": (3, 129, 127)}
+          "3x129x127": (3, 129, 127), "1x16x384_split_k": (1, 16, 384)}
 
 
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
@@ -42,6 +43,15 @@ def test_weight_only_bf16_and_block64(nan_empty):
     want = fp8_linear_ref(x, w, s, block=64)
     got = triton_impl.fp8_linear(x, w, s, block=64)
     # One bf16 output rounding apart (measured 1 ulp: 0.25 at |y| ~ 60).
+    assert (got.float() - want.float()).abs().max().item() <= 2 ** -7 * want.abs().max().item()
+
+
+def test_weight_only_bf16_split_k(nan_empty):
+    x, w, s = _case(2, 16, 640, torch.bfloat16)
+    want = fp8_linear_ref(x, w, s)
+    got = triton_impl.fp8_linear(x, w, s)
+    assert got.dtype == torch.bfloat16
+    # fp32 partial sums in another order, then one bf16 rounding: within 1 ulp.
     assert (got.float() - want.float()).abs().max().item() <= 2 ** -7 * want.abs().max().item()
 
 

@@ -35,8 +35,9 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, *, block
     return values.to(dtype)
 
 
-def quantize_block_fp8(weight: torch.Tensor, *, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round `[..., N, K]` to FP8 with one amax-derived scale per block; returns (fp8, scale_inv)."""
+def quantize_block_fp8(weight: torch.Tensor, *, block: int = 128
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round `[..., N, K]` to FP8, one amax-derived scale per block; returns (fp8, scale_inv)."""
     n, k = weight.shape[-2:]
     w = weight.float()
     pad_n, pad_k = -n % block, -k % block

@@ -23,9 +23,14 @@ except ImportError:  # the package must import without triton; the launchers nee
 FP8_MAX = tl.constexpr(448.0) if triton is not None else 448.0
 # Rows from which activations are quantised to FP8 (below: weight-only dequantisation).
 FP8_ACT_MIN_ROWS = 64
-# Weight-only path: output columns per program and programs per SM it aims for.
-WDQ_BLOCK_N = 64
-WDQ_WAVES = 2.0
+# Weight-only path: the widest output-column block (of these) that still gives WDQ_WAVES
+# programs per SM; below that, K is split and the partial sums are added atomically.
+WDQ_BLOCK_NS = (64, 32, 16)
+WDQ_WAVES = 1.0
+WDQ_STAGES = 4
+WDQ_WARPS = 4
+# W8A8 path tile (bench/kernels.py --sweep): rows, columns, warps, stages.
+W8A8_TILE = (128, 128, 8, 4)
 
 
 def _jit(fn):
@@ -34,9 +39,10 @@ def _jit(fn):
 
 @_jit
 def fp8_wdq_gemm_kernel(x, w, ws, y, M, N, K, stride_xm, stride_wn, stride_wsn, stride_ym,
-                        stride_ys, K_PER_SPLIT, BLOCK: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-    """y[split] = x[:, split's K range] W_dequant^T; W dequantised block by block in registers."""
+                        K_PER_SPLIT, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        DOT: tl.constexpr, PREC: tl.constexpr, ATOMIC: tl.constexpr):
+    """y (+)= x[:, split's K range] W_dequant^T; W dequantised block by block in registers.
+    With ATOMIC, y is a zeroed fp32 buffer the K splits add into."""
     i_m, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_m = i_m * BM + tl.arange(0, BM)
     o_n = i_n * BN + tl.arange(0, BN)
@@ -56,8 +62,11 @@ def fp8_wdq_gemm_kernel(x, w, ws, y, M, N, K, stride_xm, stride_wn, stride_wsn, 
         b_s = tl.load(ws + i_sn * stride_wsn + k0 // BLOCK)
         b_wd = (b_w.to(tl.float32) * b_s).to(DOT)  # [BN, BLOCK], the reference's rounding
         b_acc = tl.dot(b_x.to(DOT), tl.trans(b_wd), b_acc, input_precision=PREC)
-    p_y = y + i_s * stride_ys + o_m[:, None].to(tl.int64) * stride_ym + o_n[None, :]
-    tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+    p_y = y + o_m[:, None].to(tl.int64) * stride_ym + o_n[None, :]
+    if ATOMIC:
+        tl.atomic_add(p_y, b_acc, mask=m_m[:, None] & m_n[None, :], sem="relaxed")
+    else:
+        tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
 @_jit
@@ -80,7 +89,8 @@ def fp8_act_quant_kernel(x, xq, xs, M, K, stride_xm, stride_qm, stride_sm,
 def fp8_gemm_kernel(xq, xs, w, ws, y, M, N, K, stride_qm, stride_sm, stride_wn, stride_wsn,
                     stride_ym, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     GROUP_M: tl.constexpr):
-    """y = sum_kb (xq_kb W_kb^T) * xs[:, kb] * ws[nb, kb], FP8 products, fp32 accumulation."""
+    """y = sum_kb (xq_kb W_kb^T) * xs[:, kb] * ws[n // BLOCK, kb], FP8 products, fp32
+    accumulation."""
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     # Grouped order: GROUP_M row blocks share each weight tile while it is in L2.
@@ -93,7 +103,7 @@ def fp8_gemm_kernel(xq, xs, w, ws, y, M, N, K, stride_qm, stride_sm, stride_wn, 
     o_n = i_n * BN + tl.arange(0, BN)
     o_k = tl.arange(0, BLOCK)
     m_m, m_n = o_m < M, o_n < N
-    i_sn = (i_n * BN) // BLOCK
+    p_ws = ws + (o_n // BLOCK) * stride_wsn
     b_acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
         m_k = k0 + o_k < K
@@ -102,8 +112,8 @@ def fp8_gemm_kernel(xq, xs, w, ws, y, M, N, K, stride_qm, stride_sm, stride_wn, 
         b_w = tl.load(w + o_n[:, None].to(tl.int64) * stride_wn + k0 + o_k[None, :],
                       mask=m_n[:, None] & m_k[None, :], other=0.0)
         b_xs = tl.load(xs + o_m.to(tl.int64) * stride_sm + k0 // BLOCK, mask=m_m, other=0.0)
-        b_ws = tl.load(ws + i_sn * stride_wsn + k0 // BLOCK)
-        b_acc += tl.dot(b_x, tl.trans(b_w)) * (b_xs[:, None] * b_ws)
+        b_ws = tl.load(p_ws + k0 // BLOCK, mask=m_n, other=0.0)
+        b_acc += tl.dot(b_x, tl.trans(b_w)) * (b_xs[:, None] * b_ws[None, :])
     p_y = y + o_m[:, None].to(tl.int64) * stride_ym + o_n[None, :]
     tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
@@ -128,29 +138,31 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block
 
 def fp8_linear_weight_only(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                            block: int) -> torch.Tensor:
-    """[M, K] x dequantised [N, K] -> [M, N], split over K when M x N gives too few programs."""
+    """[M, K] x dequantised [N, K] -> [M, N]: narrow column blocks before splitting over K, as a
+    split costs a zeroed fp32 buffer and a cast."""
     m, k = x2.shape
     n = weight.shape[0]
     fp32 = x2.dtype == torch.float32 or _interpreting()
     dot = tl.float32 if fp32 else (tl.float16 if x2.dtype == torch.float16 else tl.bfloat16)
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-    bn = min(WDQ_BLOCK_N, block)
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    want = int(_sms(x2.device) * WDQ_WAVES)
+    row_tiles = triton.cdiv(m, bm)
+    fits = [b for b in WDQ_BLOCK_NS if b <= block and row_tiles * triton.cdiv(n, b) >= want]
+    bn = fits[0] if fits else min(WDQ_BLOCK_NS[-1], block)
+    tiles = row_tiles * triton.cdiv(n, bn)
     k_blocks = triton.cdiv(k, block)
-    splits = max(1, min(k_blocks, int(_sms(x2.device) * WDQ_WAVES) // tiles))
+    splits = max(1, min(k_blocks, want // tiles))
     k_per_split = triton.cdiv(k_blocks, splits) * block
     splits = triton.cdiv(k, k_per_split)
-    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
-    part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32,
-                                               device=x2.device)
-    fp8_wdq_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), splits)](
-        x2, weight, scale_inv, part, m, n, k, x2.stride(0), weight.stride(0),
-        scale_inv.stride(0), part.stride(-2), part.stride(0) if splits > 1 else 0, k_per_split,
-        BLOCK=block, BM=bm, BN=bn, DOT=dot, PREC="ieee" if fp32 else "tf32", num_warps=4,
-        num_stages=4)
-    if splits > 1:
-        out.copy_(part.sum(0))
-    return out
+    atomic = splits > 1
+    out = torch.zeros(m, n, dtype=torch.float32, device=x2.device) if atomic else \
+        torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    fp8_wdq_gemm_kernel[(row_tiles, triton.cdiv(n, bn), splits)](
+        x2, weight, scale_inv, out, m, n, k, x2.stride(0), weight.stride(0),
+        scale_inv.stride(0), out.stride(0), k_per_split, BLOCK=block, BM=bm, BN=bn, DOT=dot,
+        PREC="ieee" if fp32 else "tf32", ATOMIC=atomic, num_warps=WDQ_WARPS,
+        num_stages=WDQ_STAGES)
+    return out.to(x2.dtype) if atomic else out
 
 
 def fp8_linear_w8a8(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
@@ -165,11 +177,11 @@ def fp8_linear_w8a8(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
         x2, xq, xs, m, k, x2.stride(0), xq.stride(0), xs.stride(0), BLOCK=block, BM=16,
         num_warps=4)
     out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
-    bm, bn = 128, min(128, block)
+    bm, bn, warps, stages = W8A8_TILE
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     fp8_gemm_kernel[grid](xq, xs, weight, scale_inv, out, m, n, k, xq.stride(0), xs.stride(0),
                           weight.stride(0), scale_inv.stride(0), out.stride(0), BLOCK=block,
-                          BM=bm, BN=bn, GROUP_M=8, num_warps=8, num_stages=4)
+                          BM=bm, BN=bn, GROUP_M=8, num_warps=warps, num_stages=stages)
     return out
 
 
