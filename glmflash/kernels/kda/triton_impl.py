@@ -26,12 +26,17 @@ CHUNK = 64
 SAFE_SPAN = tl.constexpr(84.0) if triton is not None else 84.0
 # Launch shapes (bench/kernels.py sweeps them).
 DECODE_BV = 32
+DECODE_WARPS = 4
 PREP_WARPS = 4
 PREP_BKC = 16
-# Tensor cores for the prep kernel's A products and (I + A)^-1 products: "bf16" (both),
-# "bf16-accum", "bf16-inverse", or "ieee" (fp32 FMA, neither). NOTE: only "ieee" gave correct
-# results on the H200 (Triton 3.6); "bf16" was wrong there (rel err 0.7) although it passes
-# under the interpreter - README.md, "Open problems". fp32 models use fp32 products anyway.
+# Products of the prep kernel, (A products, (I + A)^-1 products) per variant: "ieee" is fp32
+# FMA, "tf32" fp32 operands on tensor cores, "bf16" bf16 operands (fp32 accumulation). NOTE:
+# bf16 operands in the inverse are wrong on the H200 with Triton 3.6 (w off by 2.5x; A alone is
+# fine) although they pass under the interpreter - README.md, "Open problems". fp32 models and
+# the interpreter always use fp32 products.
+PREP_VARIANTS = {"ieee": ("ieee", "ieee"), "bf16": ("bf16", "bf16"),
+                 "bf16-accum": ("bf16", "ieee"), "bf16-inverse": ("ieee", "bf16"),
+                 "bf16-tf32": ("bf16", "tf32"), "tf32": ("tf32", "tf32")}
 PREP_PRODUCTS = "ieee"
 STATE_BV = 64
 STATE_WARPS = 4
@@ -353,6 +358,15 @@ def _dot_dtype(dtype: torch.dtype):
     return tl.float16 if dtype == torch.float16 else tl.bfloat16
 
 
+def _products(kind: str, dtype: torch.dtype) -> tuple[str, object]:
+    """(input_precision, operand type) of one group of prep products."""
+    if kind == "ieee" or dtype == torch.float32 or _interpreting():
+        return "ieee", tl.float32
+    if kind == "tf32":
+        return "tf32", tl.float32
+    return _prec(dtype), _dot_dtype(dtype)
+
+
 def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
         state: torch.Tensor, cu_seqlens: list[int], state_slots: list[int], is_fresh: list[bool],
         *, chunk_size: int = 64) -> torch.Tensor:
@@ -378,7 +392,8 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
         bv = min(DECODE_BV, triton.next_power_of_2(dv))
         grid = (plan.num_decode, heads, triton.cdiv(dv, bv))
         kda_decode_kernel[grid](q, k, v, g, beta, state, out, plan.meta, scale, *strides,
-                                out.stride(0), H=heads, K=dk, V=dv, BK=bk, BV=bv, num_warps=4)
+                                out.stride(0), H=heads, K=dk, V=dv, BK=bk, BV=bv,
+                                num_warps=DECODE_WARPS)
     if plan.num_prefill:
         _prefill(q, k, v, g, beta, state, out, plan, scale, strides)
     return out
@@ -410,11 +425,7 @@ def _launch_prep(q, k, v, g, beta, buf: PrefillBuffers, plan: KdaPlan, scale: fl
     bk, bvf = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
     assert bk >= 16 and bvf >= 16, "head dims below 16 do not fit tl.dot"
     chunk_meta = plan.meta[plan.num_decode * 3 + plan.num_prefill * 5:]
-    # (precision, operand type) of the A products and of the inverse products.
-    exact = ("ieee", tl.float32)
-    fast = (_prec(q.dtype), _dot_dtype(q.dtype))
-    prod_a = fast if PREP_PRODUCTS in ("bf16", "bf16-accum") else exact
-    prod_i = fast if PREP_PRODUCTS in ("bf16", "bf16-inverse") else exact
+    prod_a, prod_i = (_products(kind, q.dtype) for kind in PREP_VARIANTS[PREP_PRODUCTS])
     kda_chunk_prep_kernel[(plan.num_chunks, heads)](
         q, k, v, g, beta, *buf, chunk_meta, scale, *strides, H=heads, K=dk, V=dv, BK=bk,
         BVF=bvf, BKC=min(PREP_BKC, bk), PREC_A=prod_a[0], ADOT=prod_a[1], PREC_I=prod_i[0],

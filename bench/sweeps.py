@@ -1,0 +1,96 @@
+"""Launch-shape sweeps of the decode-sized GPU kernels (prints only; pick defaults from these).
+
+    PYTHONPATH=. python bench/sweeps.py [--ops kda,mla,fp8]
+
+Every time is the median of CUDA-graph replays (bench/kernels.py `graph_ms`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.kernels import FP8_SHAPES, D, _kda_inputs, graph_ms  # noqa: E402
+
+
+def sweep_kda_decode() -> None:
+    from glmflash.kernels.kda import triton_impl as ti
+
+    for b in (1, 8, 32):
+        q, k, v, g, beta, state = _kda_inputs(b, b)
+        cu, slots, fresh = list(range(b + 1)), list(range(b)), [False] * b
+        moved = 2 * state.numel() * 4
+        for bv, warps in itertools.product((8, 16, 32, 64), (1, 2, 4)):
+            ti.DECODE_BV, ti.DECODE_WARPS = bv, warps
+            ms = graph_ms(lambda: ti.kda(q, k, v, g, beta, state, cu, slots, fresh))
+            print(f"kda decode b={b} BV={bv} warps={warps}: {ms * 1e3:.1f} us "
+                  f"{moved / ms / 1e6:.0f} GB/s", flush=True)
+    ti.DECODE_BV, ti.DECODE_WARPS = 32, 4
+
+
+def sweep_sparse_mla() -> None:
+    from glmflash.kernels.sparse_mla import triton_impl as ti
+
+    heads, rank, width, context = 64, 512, 2051, 131072
+    for b in (1, 8, 32, 4096):
+        seqs = b if b <= 32 else 1
+        latent = torch.randn(seqs * context, rank, device="cuda").bfloat16()
+        q = torch.randn(b, heads, rank, device="cuda").bfloat16()
+        slots = torch.randint(0, context, (b, width), device="cuda") \
+            + (torch.arange(b, device="cuda") % seqs)[:, None] * context
+        moved = b * width * rank * 2
+        values = (64, 128, 256) if b <= 32 else (128, 256, 512)
+        for bv, waves, bn in itertools.product(values, (1.0, 2.0), (32, 64)):
+            ti.VALUE_BLOCK_DECODE = ti.VALUE_BLOCK_PREFILL = bv
+            ti.SPLIT_WAVES, ti.BLOCK_N = waves, bn
+            ms = graph_ms(lambda: ti.sparse_mla(q, latent, slots, scale=1 / 16))
+            print(f"sparse mla b={b} BRV={bv} waves={waves} BN={bn}: {ms * 1e3:.1f} us "
+                  f"{moved / ms / 1e6:.0f} GB/s", flush=True)
+        del latent, q, slots
+    ti.VALUE_BLOCK_DECODE, ti.VALUE_BLOCK_PREFILL, ti.SPLIT_WAVES, ti.BLOCK_N = 128, 256, 1.0, 64
+
+
+def sweep_fp8() -> None:
+    from glmflash.kernels.fp8_gemm import quantize_block_fp8
+    from glmflash.kernels.fp8_gemm import triton_impl as ti
+
+    for k, n in FP8_SHAPES:
+        wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda"))
+        for m in (1, 16):
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            for waves, stages, warps in itertools.product((1.0, 2.0), (3, 4, 6), (4,)):
+                ti.WDQ_WAVES, ti.WDQ_STAGES, ti.WDQ_WARPS = waves, stages, warps
+                ms = graph_ms(lambda: ti.fp8_linear_weight_only(x, wq, ws, 128))
+                print(f"fp8 wdq {k}->{n} M={m} waves={waves} stages={stages} warps={warps}: "
+                      f"{ms * 1e3:.1f} us {n * k / ms / 1e6:.0f} GB/s", flush=True)
+        x = torch.randn(2048, k, device="cuda").bfloat16()
+        for tile in ((128, 128, 8, 4), (128, 128, 4, 4), (64, 128, 4, 4), (128, 256, 8, 3),
+                     (128, 64, 4, 4), (64, 256, 8, 3)):
+            ti.W8A8_TILE = tile
+            ms = graph_ms(lambda: ti.fp8_linear_w8a8(x, wq, ws, 128))
+            print(f"fp8 w8a8 {k}->{n} M=2048 tile={tile}: {ms * 1e3:.1f} us "
+                  f"{2 * 2048 * n * k / ms / 1e9:.0f} TFLOP/s", flush=True)
+    ti.WDQ_WAVES, ti.WDQ_STAGES, ti.WDQ_WARPS, ti.W8A8_TILE = 1.0, 4, 4, (128, 128, 8, 4)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", default="kda,mla,fp8")
+    ops = parser.parse_args().ops.split(",")
+    assert D == 128
+    if "kda" in ops:
+        sweep_kda_decode()
+    if "mla" in ops:
+        sweep_sparse_mla()
+    if "fp8" in ops:
+        sweep_fp8()
+
+
+if __name__ == "__main__":
+    main()
