@@ -27,33 +27,32 @@ def sweep_kda_decode() -> None:
         cu, slots, fresh = list(range(b + 1)), list(range(b)), [False] * b
         moved = 2 * state.numel() * 4
         for bv, warps in itertools.product((8, 16, 32, 64), (1, 2, 4)):
-            ti.DECODE_BV, ti.DECODE_WARPS = bv, warps
+            ti.DECODE_NARROW = ti.DECODE_WIDE = (bv, warps)
             ms = graph_ms(lambda: ti.kda(q, k, v, g, beta, state, cu, slots, fresh))
             print(f"kda decode b={b} BV={bv} warps={warps}: {ms * 1e3:.1f} us "
                   f"{moved / ms / 1e6:.0f} GB/s", flush=True)
-    ti.DECODE_BV, ti.DECODE_WARPS = 32, 4
+    ti.DECODE_NARROW, ti.DECODE_WIDE = (32, 2), (64, 4)
 
 
 def sweep_sparse_mla() -> None:
     from glmflash.kernels.sparse_mla import triton_impl as ti
 
     heads, rank, width, context = 64, 512, 2051, 131072
-    for b in (1, 8, 32, 4096):
+    for b in (32, 4096):
         seqs = b if b <= 32 else 1
         latent = torch.randn(seqs * context, rank, device="cuda").bfloat16()
         q = torch.randn(b, heads, rank, device="cuda").bfloat16()
         slots = torch.randint(0, context, (b, width), device="cuda") \
             + (torch.arange(b, device="cuda") % seqs)[:, None] * context
         moved = b * width * rank * 2
-        values = (64, 128, 256) if b <= 32 else (128, 256, 512)
-        for bv, waves, bn in itertools.product(values, (1.0, 2.0), (32, 64)):
-            ti.VALUE_BLOCK_DECODE = ti.VALUE_BLOCK_PREFILL = bv
+        for bv, waves, bn in itertools.product((64, 128), (1.0, 2.0), (32, 64)):
+            ti.VALUE_BLOCK = bv
             ti.SPLIT_WAVES, ti.BLOCK_N = waves, bn
             ms = graph_ms(lambda: ti.sparse_mla(q, latent, slots, scale=1 / 16))
             print(f"sparse mla b={b} BRV={bv} waves={waves} BN={bn}: {ms * 1e3:.1f} us "
                   f"{moved / ms / 1e6:.0f} GB/s", flush=True)
         del latent, q, slots
-    ti.VALUE_BLOCK_DECODE, ti.VALUE_BLOCK_PREFILL, ti.SPLIT_WAVES, ti.BLOCK_N = 128, 256, 1.0, 64
+    ti.VALUE_BLOCK, ti.SPLIT_WAVES, ti.BLOCK_N = 128, 1.0, 64
 
 
 def sweep_fp8() -> None:

@@ -67,6 +67,7 @@ def _run_kda(lens, heads, dim, dtype, decay=1.0):
 KDA_CASES = {
     "decode1": [1],
     "decode3": [1, 1, 1],
+    "decode17_wide_blocks": [1] * 17,  # DECODE_WIDE_BATCH or more: the wide launch shape
     "len5": [5],
     "len15": [15],
     "len63": [63],
@@ -139,8 +140,8 @@ def test_causal_conv1d_matches_ref(lens, channels, dtype, nan_empty):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lens", [[1] * 8, [4096], [1000, 1, 3000, 64, 1, 129]],
-                         ids=["decode8", "prefill4k", "mixed"])
+@pytest.mark.parametrize("lens", [[1] * 8, [1] * 32, [4096], [1000, 1, 3000, 64, 1, 129]],
+                         ids=["decode8", "decode32", "prefill4k", "mixed"])
 def test_kda_release_shape_gpu(lens):
     got, want, s_got, s_ref = _run_kda(lens, heads=64, dim=128, dtype=torch.bfloat16)
     assert _rel(got, want) < BF16_REL

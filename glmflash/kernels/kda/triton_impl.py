@@ -25,8 +25,11 @@ CHUNK = 64
 # diagonal block is computed column by column.
 SAFE_SPAN = tl.constexpr(84.0) if triton is not None else 84.0
 # Launch shapes (bench/kernels.py sweeps them).
-DECODE_BV = 32
-DECODE_WARPS = 4
+# Decode: value columns per program and warps, below / from DECODE_WIDE_BATCH sequences
+# (bench/sweeps.py, CUDA-graph timed on the H200).
+DECODE_NARROW = (32, 2)
+DECODE_WIDE = (64, 4)
+DECODE_WIDE_BATCH = 16
 PREP_WARPS = 4
 PREP_BKC = 16
 # Products of the prep kernel, (A products, (I + A)^-1 products) per variant: "ieee" is fp32
@@ -389,11 +392,12 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     bk = triton.next_power_of_2(dk)
     strides = (q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0))
     if plan.num_decode:
-        bv = min(DECODE_BV, triton.next_power_of_2(dv))
+        bv, warps = DECODE_WIDE if plan.num_decode >= DECODE_WIDE_BATCH else DECODE_NARROW
+        bv = min(bv, triton.next_power_of_2(dv))
         grid = (plan.num_decode, heads, triton.cdiv(dv, bv))
         kda_decode_kernel[grid](q, k, v, g, beta, state, out, plan.meta, scale, *strides,
                                 out.stride(0), H=heads, K=dk, V=dv, BK=bk, BV=bv,
-                                num_warps=DECODE_WARPS)
+                                num_warps=warps)
     if plan.num_prefill:
         _prefill(q, k, v, g, beta, state, out, plan, scale, strides)
     return out

@@ -21,12 +21,10 @@ except ImportError:  # the package must import without triton; the launchers nee
 # Slots per inner step, and the programs per SM the split-slot decode aims for.
 BLOCK_N = 64
 SPLIT_WAVES = 1.0
-# Rank columns per score product, and output columns per program: narrow in decode (more
-# programs for few tokens), wider in prefill (fewer recomputed scores). bench/kernels.py sweeps.
+# Rank columns per score product, and output columns per program (bench/sweeps.py: 128 was the
+# fastest at one token; 256 with 64-slot steps needs more shared memory than an SM has).
 SCORE_BLOCK = 128
-VALUE_BLOCK_DECODE = 128
-VALUE_BLOCK_PREFILL = 256
-PREFILL_TOKENS = 64
+VALUE_BLOCK = 128
 
 
 def _jit(fn):
@@ -139,7 +137,7 @@ def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *
         return out
     br = triton.next_power_of_2(rank)
     brc = min(SCORE_BLOCK, br)
-    brv = min(VALUE_BLOCK_PREFILL if num_tokens >= PREFILL_TOKENS else VALUE_BLOCK_DECODE, br)
+    brv = min(VALUE_BLOCK, br)
     bh = 64 if heads > 32 else max(16, triton.next_power_of_2(heads))
     bn = BLOCK_N
     head_blocks = triton.cdiv(heads, bh)
