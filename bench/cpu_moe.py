@@ -2,6 +2,7 @@
 
     python bench/cpu_moe.py            # release shapes: E=288, D=4096, I=2048, top-8 (~7.25 GB)
     python bench/cpu_moe.py --quick    # E=32, D=2048, I=1024 (~200 MB), last line bandwidth_ratio=
+    python bench/cpu_moe.py --pools 2  # two thread pools, each owning half of every expert's rows
 
 GB/s counts the bytes of the distinct experts a call touches (FP8 weights + fp32 scales). Calls
 walk a random expert permutation so consecutive calls hit different experts: the weights come from
@@ -164,7 +165,7 @@ def git_commit() -> str:
 
 def format_table(rows: list[dict[str, float]], add: float, scaling: float, args) -> str:
     head = (f"\n## cpu_moe {'--quick' if args.quick else 'release'}: E={args.experts} "
-            f"D={args.hidden} I={args.inter} top-{args.top_k}, "
+            f"D={args.hidden} I={args.inter} top-{args.top_k}, pools={args.pools}, "
             f"{datetime.datetime.now():%Y-%m-%d %H:%M}, commit {git_commit()}\n\n"
             f"{device_line(args.threads)}; a+b->c {add:.1f} GB/s; compute scaling "
             f"1->{args.threads} threads {scaling:.2f}x\n\n"
@@ -195,6 +196,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--iters", type=int, default=None, help="timed calls per token count")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--pools", type=int, default=1,
+                   help="thread pools (--kt-threadpool-count): each owns a slice of every expert")
     p.add_argument("--no-save", action="store_true", help="do not append to bench/RESULTS.md")
     p.add_argument("--asm", action="store_true", help="compile afresh and count zmm instructions")
     args = p.parse_args()
@@ -210,7 +213,8 @@ def main() -> None:
     torch.manual_seed(42)
     numba.set_num_threads(args.threads)
     layer = make_layer(args.experts, args.hidden, args.inter)
-    experts = NumbaMoeExperts(*layer, swiglu_limit=10.0, num_threads=args.threads)
+    experts = NumbaMoeExperts(*layer, swiglu_limit=10.0, num_threads=args.threads,
+                              num_pools=args.pools)
     experts.warmup()
     if args.asm:
         print(asm_report())

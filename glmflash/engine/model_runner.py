@@ -33,7 +33,10 @@ def load_model(path: Path, config: ModelConfig, device: torch.device, dtype: tor
     load_checkpoint(model, path, num_layers=config.num_hidden_layers)
     for module in model.modules():
         if isinstance(module, Experts):
-            module.cpu_threads = options.kt_cpuinfer
+            module.cpu_threads, module.cpu_pools = options.kt_cpuinfer, options.kt_threadpool_count
+    # Before the hybrid placement: with pools the kernels replace the weight storage, which
+    # must happen before it is page-locked for host-to-device copies.
+    warm_up_cpu_experts(model)
     if hybrid:
         from glmflash.engine.experts import ExpertPlacement, place_by_frequency, place_experts
 
@@ -43,7 +46,6 @@ def load_model(path: Path, config: ModelConfig, device: torch.device, dtype: tor
         place_experts(model, placement, device)
         if options.kt_expert_placement == "frequency" and warmup_ids:
             place_by_frequency(model, placement, device, warmup_ids)
-    warm_up_cpu_experts(model)
     return model.eval()
 
 

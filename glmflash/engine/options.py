@@ -39,6 +39,8 @@ class EngineConfig:
     kt_cpuinfer: int | None = None
     """Threads of the CPU expert kernel (default: numba's, i.e. all cores)."""
     kt_threadpool_count: int = 1
+    """Thread pools of the CPU expert kernel (one per NUMA node), each owning a slice of every
+    expert; needs at least as many threads."""
     background_loop: bool = True
     """Drive steps from an engine thread; False: the caller drives `step()` (tests, offline)."""
     check_integrity: bool = False
@@ -62,6 +64,9 @@ class EngineConfig:
              "kt_gpu_prefill_token_threshold must be >= 1"),
             (self.kt_cpuinfer is None or self.kt_cpuinfer >= 1, "kt_cpuinfer must be >= 1"),
             (self.kt_threadpool_count >= 1, "kt_threadpool_count must be >= 1"),
+            (self.kt_cpuinfer is None or self.kt_cpuinfer >= self.kt_threadpool_count,
+             f"kt_cpuinfer ({self.kt_cpuinfer}) must be >= kt_threadpool_count "
+             f"({self.kt_threadpool_count}): every pool needs a thread"),
         ]
         require(checks)
 

@@ -80,6 +80,9 @@ class Experts(nn.Module):
         self.limit = config.swiglu_limit
         self.cpu_kernel = None
         self.cpu_threads: int | None = None
+        self.cpu_pools = 1
+        """Thread pools of the CPU kernel (`--kt-threadpool-count`), each owning a slice of
+        every expert's rows in memory local to its NUMA node."""
         self.backend = None
         """Set from outside to place experts elsewhere (engine/experts.py: CPU + GPU hybrid)."""
 
@@ -91,14 +94,20 @@ class Experts(nn.Module):
         return self.loop_forward(x, ids, weights)
 
     def cpu_experts(self):
-        """The CPU kernel over these weights (zero-copy), built on first use."""
+        """The CPU kernel over these weights, built on first use (zero-copy with one pool)."""
         if self.cpu_kernel is None:
             from glmflash.kernels.cpu_moe import create_cpu_experts
 
             projections = (self.gate_proj, self.up_proj, self.down_proj)
             tensors = [t for p in projections for t in (p.weight.data, p.weight_scale_inv.data)]
-            threads = {"num_threads": self.cpu_threads} if self.cpu_threads else {}
-            self.cpu_kernel = create_cpu_experts(*tensors, swiglu_limit=self.limit, **threads)
+            options = {"num_threads": self.cpu_threads} if self.cpu_threads else {}
+            if self.cpu_pools > 1:
+                options["num_pools"] = self.cpu_pools
+            self.cpu_kernel = create_cpu_experts(*tensors, swiglu_limit=self.limit, **options)
+            # With pools the kernel copied each weight onto its pools' nodes: the parameters
+            # take the copies, so the loaded originals are freed (one copy in RAM).
+            for p, weight in zip(projections, self.cpu_kernel.weight_tensors, strict=True):
+                p.weight.data = weight
         return self.cpu_kernel
 
     def loop_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor

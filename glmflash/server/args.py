@@ -155,8 +155,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Engine(**options) keyword arguments from the flags (unset flags keep engine defaults)."""
-    return {name: getattr(args, name) for name in _ENGINE_OPTIONS
-            if getattr(args, name) is not None}
+    options = {name: getattr(args, name) for name in _ENGINE_OPTIONS
+               if getattr(args, name) is not None}
+    if _too_few_threads_for_pools(args):
+        # reported by inapplicable_flags; the engine would refuse the pair
+        del options["kt_threadpool_count"]
+    return options
+
+
+def _too_few_threads_for_pools(args: argparse.Namespace) -> bool:
+    """--kt-cpuinfer below --kt-threadpool-count (the seed's command has 1 thread, 2 pools)."""
+    return args.kt_cpuinfer is not None and (args.kt_threadpool_count or 1) > args.kt_cpuinfer
 
 
 def _shown(args: argparse.Namespace, dest: str) -> str:
@@ -202,8 +211,10 @@ def _expert_reasons(args: argparse.Namespace, device_type: str) -> dict[str, str
         if args.kt_gpu_prefill_token_threshold is not None:
             reasons["kt_gpu_prefill_token_threshold"] = "layerwise prefill needs " \
                 "--kt-num-gpu-experts (all experts are on the GPU)"
-        if args.kt_cpuinfer is not None:
-            reasons["kt_cpuinfer"] = "no expert runs on the CPU without --kt-num-gpu-experts"
-    if (args.kt_threadpool_count or 1) > 1:
-        reasons["kt_threadpool_count"] = "the CPU expert kernel uses one thread pool"
+        reasons.update({dest: "no expert runs on the CPU without --kt-num-gpu-experts"
+                        for dest in ("kt_cpuinfer", "kt_threadpool_count")
+                        if getattr(args, dest) is not None})
+    if _too_few_threads_for_pools(args) and "kt_threadpool_count" not in reasons:
+        reasons["kt_threadpool_count"] = f"--kt-cpuinfer {args.kt_cpuinfer} gives fewer " \
+            "threads than pools (each pool needs one); using one pool"
     return reasons

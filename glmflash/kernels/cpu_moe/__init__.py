@@ -28,6 +28,11 @@ class RefMoeExperts:
         self.weights = (gate_w, gate_s, up_w, up_s, down_w, down_s)
         self.swiglu_limit = swiglu_limit
 
+    @property
+    def weight_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The FP8 weights read (gate, up, down): the arguments themselves."""
+        return self.weights[0], self.weights[2], self.weights[4]
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         return routed_experts_ref(x, topk_ids, topk_weights, *self.weights,
@@ -43,7 +48,8 @@ def create_cpu_experts(gate_w: torch.Tensor, gate_s: torch.Tensor, up_w: torch.T
                        **kwargs: Any) -> NumbaMoeExperts | RefMoeExperts:
     """Build the CPU expert runner; `impl` (or the env override) is "numba" or "ref".
 
-    Extra keyword arguments (e.g. `num_threads`) go to `NumbaMoeExperts`.
+    Extra keyword arguments (`num_threads`, `num_pools`) go to `NumbaMoeExperts`; with several
+    pools its `weight_tensors` are new copies that the caller should hold instead of the inputs.
     """
     impl = impl or kernel_override("cpu_moe") or "numba"
     if impl not in IMPLS:

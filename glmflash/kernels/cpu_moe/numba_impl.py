@@ -2,8 +2,10 @@
 
 Weights stay in their checkpoint layout (`[E, I, D]`, `[E, D, I]`, FP8 = 1 byte each, zero-copy
 views of the torch tensors): every row block of one expert is already contiguous. Workers claim
-TASK_ROWS-row chunks from a shared atomic counter, so a stalled or busy core does not hold up
-the others, and each chunk is one contiguous run of bytes per matrix.
+TASK_ROWS-row chunks from an atomic counter, so a stalled or busy core does not hold up the
+others, and each chunk is one contiguous run of bytes per matrix. With K thread pools
+(`pools.py`) each pool owns a slice of every expert's rows, has its own counter and reads a
+copy of the weights placed on its NUMA node.
 
 `(int32(int8 q) << 20) & 0x87F00000`, read as fp32 bits, is exactly `e4m3(q) * 2**-120`
 (subnormals included). The block scale and `2**64` are folded into a per-(expert, row-block) copy
@@ -17,6 +19,10 @@ This module imports numba at the top; the package imports it lazily (`cpu_moe.__
 
 from __future__ import annotations
 
+import functools
+import logging
+from typing import NamedTuple
+
 import numba
 import numpy as np
 import torch
@@ -25,6 +31,10 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
+
+from glmflash.kernels.cpu_moe import pools
+
+logger = logging.getLogger(__name__)
 
 BLOCK = 128
 # tokens of one expert per pass over a row group; weight rows per pass
@@ -41,6 +51,9 @@ _OUT_SCALE = np.float32(2.0**56)
 # NOTE: per-worker accumulator rows are 128 bytes wide (TOKEN_GROUP floats used) so two workers
 # never write one cache line.
 _ACC_WIDTH = 32
+# NOTE: pool p's task counter is task_counter[p * _COUNTER_STRIDE]: 16 int64 = 128 bytes, so
+# no two counters (and no adjacent-line prefetch pair) share a cache line.
+_COUNTER_STRIDE = 16
 _FAST = {"reassoc", "contract"}
 
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -77,6 +90,43 @@ def _fetch_add_ir(typingctx, counter, index, value):
         ptr = builder.gep(arr.data, [index])
         return builder.atomic_rmw("add", ptr, value, "monotonic")
     return types.int64(counter, index, value), codegen
+
+
+@intrinsic
+def _set_affinity_ir(typingctx, mask):
+    """`sched_setaffinity(0, mask)`: pin the calling thread to the CPUs set in a uint64 mask."""
+    if not (isinstance(mask, types.Array) and mask.dtype == types.uint64 and mask.ndim == 1):
+        raise TypingError(f"affinity wants a 1-d uint64 mask, got {mask}")
+
+    def codegen(context, builder, sig, args):
+        arr = context.make_array(sig.args[0])(context, builder, args[0])
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_I32, [_I32, _I64, _I8.as_pointer()]),
+            "sched_setaffinity")
+        num_bytes = builder.mul(builder.extract_value(arr.shape, 0), ir.Constant(_I64, 8))
+        data = builder.bitcast(arr.data, _I8.as_pointer())
+        return builder.call(fn, [ir.Constant(_I32, 0), num_bytes, data])
+    return types.int32(mask), codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _enter_pool_nb(wid, num_workers, pool_rows, cpu_masks):
+    """(counter slot, first row, end row) of worker wid's pool; pins the thread to the pool's
+    CPUs when masks are given.
+
+    NOTE: the pin is redone on every call, in the thread that runs worker wid, so it holds
+    whichever thread (or threading layer) runs it; the caller restores the calling thread's mask.
+    """
+    pool = wid * (pool_rows.size - 1) // num_workers
+    if cpu_masks.shape[0] > 0:
+        _set_affinity_ir(cpu_masks[pool])
+    return pool * _COUNTER_STRIDE, pool_rows[pool], pool_rows[pool + 1]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _reset_counters_nb(pool_rows, task_counter):
+    for p in range(pool_rows.size - 1):
+        task_counter[p * _COUNTER_STRIDE] = 0
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
@@ -338,31 +388,37 @@ def _gate_up_rows_nb(x, gate_w, gate_s, up_w, up_s, e, row0, row1, p0, p1, pair_
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
 def _gate_up_nb(x, gate_w, gate_s, up_w, up_s, hit_ids, pair_offsets, pair_token_ids,
-                swiglu_limit, block, scratch, acc, task_counter, h):
+                swiglu_limit, block, pool_rows, cpu_masks, scratch, acc, task_counter, trace, h):
     """h[p] = silu(min(a, L)) * clip(b, -L, L) for every pair p, a/b = x W_gate/up^T of its expert.
 
     x [T, D] f32; *_w [E, I, D] int8 (e4m3 bytes); *_s [E, ceil(I/b), ceil(D/b)] f32;
-    scratch [workers, 2, TB, >=D] f32; acc [workers, 2, ROW_GROUP, >=TB] f32;
-    task_counter [>=1] int64; h [pairs, I] f32 (output).
-    Tasks are TASK_ROWS-row chunks of one hit expert, in memory order; workers take the next one.
+    pool_rows [K + 1] int64 (pool p owns rows pool_rows[p]..pool_rows[p + 1] of every expert);
+    cpu_masks [K or 0, words] uint64; scratch [workers, 2, TB, >=D] f32;
+    acc [workers, 2, ROW_GROUP, >=TB] f32; task_counter [>=16 K] int64;
+    trace [hit, I] or [0, 0] int64 (debug: worker of each row); h [pairs, I] f32 (output).
+    Tasks are TASK_ROWS-row chunks of one hit expert within a pool's rows, in memory order; a
+    worker takes the next task of its own pool.
     """
-    inter = gate_w.shape[1]
-    chunks = (inter + TASK_ROWS - 1) // TASK_ROWS
-    num_tasks = hit_ids.size * chunks
-    task_counter[0] = 0
-    for wid in prange(scratch.shape[0]):
-        task = _fetch_add_ir(task_counter, 0, 1)
+    num_workers = scratch.shape[0]
+    _reset_counters_nb(pool_rows, task_counter)
+    for wid in prange(num_workers):
+        slot, first, end = _enter_pool_nb(wid, num_workers, pool_rows, cpu_masks)
+        chunks = (end - first + TASK_ROWS - 1) // TASK_ROWS
+        num_tasks = hit_ids.size * chunks
+        task = _fetch_add_ir(task_counter, slot, 1)
         while task < num_tasks:
             i = task // chunks
-            row0 = (task - i * chunks) * TASK_ROWS
-            row_end = min(row0 + TASK_ROWS, inter)
+            row0 = first + (task - i * chunks) * TASK_ROWS
+            row_end = min(row0 + TASK_ROWS, end)
+            if trace.shape[0] > 0:
+                trace[i, row0:row_end] = wid
             while row0 < row_end:
                 row1 = min(row0 // block * block + block, row_end)
                 _gate_up_rows_nb(x, gate_w, gate_s, up_w, up_s, hit_ids[i], row0, row1,
                                  pair_offsets[i], pair_offsets[i + 1], pair_token_ids,
                                  swiglu_limit, block, scratch[wid], acc[wid], h)
                 row0 = row1
-            task = _fetch_add_ir(task_counter, 0, 1)
+            task = _fetch_add_ir(task_counter, slot, 1)
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
@@ -386,23 +442,28 @@ def _down_rows_nb(h, down_w, down_s, e, row0, row1, p0, p1, pair_token_ids, pair
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
 def _down_nb(h, down_w, down_s, hit_ids, pair_offsets, pair_token_ids, pair_weights, block,
-             scratch, acc, task_counter, out):
+             pool_rows, cpu_masks, scratch, acc, task_counter, trace, out):
     """out[t] += sum over t's pairs p of weight_p * h[p] W_down[e_p]^T.
 
     h [pairs, I] f32; down_w [E, D, I] int8; down_s [E, ceil(D/b), ceil(I/b)] f32;
-    scratch [workers, 2, TB, >=I] f32; acc [workers, 2, ROW_GROUP, >=TB] f32;
-    task_counter [>=1] int64; out [T, D] f32 (accumulated).
-    A task is a TASK_ROWS-row chunk of the output over every hit expert, so no two workers write
-    one element.
+    pool_rows [K + 1] int64 (pool p owns output rows pool_rows[p]..pool_rows[p + 1]);
+    cpu_masks [K or 0, words] uint64; scratch [workers, 2, TB, >=I] f32;
+    acc [workers, 2, ROW_GROUP, >=TB] f32; task_counter [>=16 K] int64;
+    trace [D] or [0] int64 (debug: worker of each output row); out [T, D] f32 (accumulated).
+    A task is a TASK_ROWS-row chunk of its pool's output rows over every hit expert, so no two
+    workers write one element and pools need no partial sums.
     """
-    hidden = down_w.shape[1]
-    num_tasks = (hidden + TASK_ROWS - 1) // TASK_ROWS
-    task_counter[0] = 0
-    for wid in prange(scratch.shape[0]):
-        task = _fetch_add_ir(task_counter, 0, 1)
+    num_workers = scratch.shape[0]
+    _reset_counters_nb(pool_rows, task_counter)
+    for wid in prange(num_workers):
+        slot, first, end = _enter_pool_nb(wid, num_workers, pool_rows, cpu_masks)
+        num_tasks = (end - first + TASK_ROWS - 1) // TASK_ROWS
+        task = _fetch_add_ir(task_counter, slot, 1)
         while task < num_tasks:
-            row_begin = task * TASK_ROWS
-            row_end = min(row_begin + TASK_ROWS, hidden)
+            row_begin = first + task * TASK_ROWS
+            row_end = min(row_begin + TASK_ROWS, end)
+            if trace.shape[0] > 0:
+                trace[row_begin:row_end] = wid
             for i in range(hit_ids.size):
                 row0 = row_begin
                 while row0 < row_end:
@@ -411,7 +472,26 @@ def _down_nb(h, down_w, down_s, hit_ids, pair_offsets, pair_token_ids, pair_weig
                                   pair_offsets[i + 1], pair_token_ids, pair_weights, block,
                                   scratch[wid, 0], acc[wid, 0], out)
                     row0 = row1
-            task = _fetch_add_ir(task_counter, 0, 1)
+            task = _fetch_add_ir(task_counter, slot, 1)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _place_rows_nb(src, pool_rows, cpu_masks, task_counter, num_workers, dst):
+    """dst = src [E, N, K] int8, each pool's rows copied by that pool's workers (pinned first),
+    so the first touch of every page comes from the node that will read it.
+    """
+    num_experts = src.shape[0]
+    _reset_counters_nb(pool_rows, task_counter)
+    for wid in prange(num_workers):
+        slot, first, end = _enter_pool_nb(wid, num_workers, pool_rows, cpu_masks)
+        chunks = (end - first + TASK_ROWS - 1) // TASK_ROWS
+        task = _fetch_add_ir(task_counter, slot, 1)
+        while task < num_experts * chunks:
+            e = task // chunks
+            row0 = first + (task - e * chunks) * TASK_ROWS
+            row1 = min(row0 + TASK_ROWS, end)
+            dst[e, row0:row1] = src[e, row0:row1]
+            task = _fetch_add_ir(task_counter, slot, 1)
 
 
 def _fp8_bytes(weight: torch.Tensor) -> np.ndarray:
@@ -420,42 +500,108 @@ def _fp8_bytes(weight: torch.Tensor) -> np.ndarray:
     return weight.view(torch.uint8).numpy().view(np.int8)
 
 
+class WorkerTrace(NamedTuple):
+    """Debug record of one forward (`NumbaMoeExperts.record_workers`): which worker computed
+    each row."""
+
+    hit_ids: np.ndarray
+    """[hit] experts hit, in the order of the rows of `gate_up`."""
+    gate_up: np.ndarray
+    """[hit, I] int64: worker of each gate/up row of each hit expert."""
+    down: np.ndarray
+    """[D] int64: worker of each output row."""
+
+
+_NO_TRACE_2D = np.zeros((0, 0), np.int64)
+_NO_TRACE_1D = np.zeros(0, np.int64)
+
+
+def _check_shapes(gate_w, gate_s, up_w, up_s, down_w, down_s, block: int) -> None:
+    num_experts, inter, hidden = gate_w.shape
+    shape_gu = (num_experts, -(-inter // block), -(-hidden // block))
+    shape_down = (num_experts, -(-hidden // block), -(-inter // block))
+    if up_w.shape != gate_w.shape or down_w.shape != (num_experts, hidden, inter):
+        raise ValueError(f"expert shapes differ: {gate_w.shape}, {up_w.shape}, {down_w.shape}")
+    if gate_s.shape != shape_gu or up_s.shape != shape_gu or down_s.shape != shape_down:
+        raise ValueError(f"scale shapes {gate_s.shape}, {up_s.shape}, {down_s.shape} do not "
+                         f"fit block {block}")
+    if block % 32:
+        raise ValueError(f"block {block} must be a multiple of 32")
+
+
+@functools.cache
+def _log_layout(num_pools: int, threads_per_pool: tuple[int, ...], cpus: str, layer: str) -> None:
+    logger.info("CPU experts: %d pool(s), threads per pool %s, %s, numba threading layer %s",
+                num_pools, "/".join(map(str, threads_per_pool)), cpus, layer)
+
+
 class NumbaMoeExperts:
-    """Routed experts of one MoE layer on CPU; weights are borrowed (zero-copy), not copied.
+    """Routed experts of one MoE layer on CPU.
+
+    With one pool the weights are borrowed (zero-copy). With `num_pools` K > 1, K thread pools
+    each own a slice of every expert's rows (`pools.py`), and each weight is copied once into a
+    fresh allocation, every pool's rows by that pool's threads, so the pages sit on the pool's
+    NUMA node (first touch). `weight_tensors` are then those copies: the caller should hold them
+    in place of the originals, or the memory is doubled.
 
     NOTE: the scratch buffers are per instance, so one forward at a time per instance.
     """
 
     def __init__(self, gate_w: torch.Tensor, gate_s: torch.Tensor, up_w: torch.Tensor,
                  up_s: torch.Tensor, down_w: torch.Tensor, down_s: torch.Tensor, *,
-                 swiglu_limit: float, num_threads: int | None = None, block: int = BLOCK):
+                 swiglu_limit: float, num_threads: int | None = None, num_pools: int = 1,
+                 pool_cpus: list[list[int]] | None = None, block: int = BLOCK):
+        """`pool_cpus`: CPUs each pool's threads are pinned to (default: the NUMA nodes, see
+        `pools.pool_cpus`; unpinned when they do not split into `num_pools`)."""
+        _check_shapes(gate_w, gate_s, up_w, up_s, down_w, down_s, block)
         self.num_experts, self.inter, self.hidden = gate_w.shape
-        shape_gu = (self.num_experts, -(-self.inter // block), -(-self.hidden // block))
-        shape_down = (self.num_experts, -(-self.hidden // block), -(-self.inter // block))
-        down_shape = (self.num_experts, self.hidden, self.inter)
-        if up_w.shape != gate_w.shape or down_w.shape != down_shape:
-            raise ValueError(f"expert shapes differ: {gate_w.shape}, {up_w.shape}, {down_w.shape}")
-        if gate_s.shape != shape_gu or up_s.shape != shape_gu or down_s.shape != shape_down:
-            raise ValueError(f"scale shapes {gate_s.shape}, {up_s.shape}, {down_s.shape} do not "
-                             f"fit block {block}")
-        if block % 32:
-            raise ValueError(f"block {block} must be a multiple of 32")
         self.num_threads = num_threads or numba.config.NUMBA_NUM_THREADS
         numba.set_num_threads(self.num_threads)
         self.swiglu_limit = float(swiglu_limit)
         self.block = block
-        # keep the torch tensors alive: the numpy arrays below are views of their storage
-        self._tensors = (gate_w, up_w, down_w)
-        self.gate_w, self.up_w, self.down_w = (_fp8_bytes(w) for w in (gate_w, up_w, down_w))
+        self._init_pools(num_pools, pool_cpus)
+        self.weight_tensors = (self._place(gate_w, self._gate_up_rows),
+                               self._place(up_w, self._gate_up_rows),
+                               self._place(down_w, self._down_rows))
+        """The FP8 weights read: the arguments with one pool, their placed copies with several."""
+        # zero-copy views: weight_tensors keeps their storage alive
+        self.gate_w, self.up_w, self.down_w = (_fp8_bytes(w) for w in self.weight_tensors)
         self.gate_s, self.up_s, self.down_s = (
             np.ascontiguousarray(s.float().numpy()) for s in (gate_s, up_s, down_s))
         width = max(self.hidden, self.inter)
         self._scratch = np.zeros((self.num_threads, 2, TOKEN_GROUP, width), np.float32)
         self._acc = np.zeros((self.num_threads, 2, ROW_GROUP, _ACC_WIDTH), np.float32)
         self._counts = np.zeros(self.num_experts, np.int64)
-        # NOTE: 16 int64 = one cache line of its own for the task counter the workers share
-        self._task_counter = np.zeros(16, np.int64)
+        self.record_workers = False
+        """Debug: when True, each forward leaves a `WorkerTrace` in `worker_trace`."""
+        self.worker_trace: WorkerTrace | None = None
         self._reserve(8)
+
+    def _init_pools(self, num_pools: int, pool_cpus: list[list[int]] | None) -> None:
+        if not 1 <= num_pools <= self.num_threads:
+            raise ValueError(f"num_pools {num_pools} must be between 1 and num_threads "
+                             f"({self.num_threads}): every pool needs a thread")
+        pool_cpus = pools.pool_cpus(num_pools) if pool_cpus is None else pool_cpus
+        if pool_cpus is not None and (len(pool_cpus) != num_pools or not all(pool_cpus)):
+            raise ValueError(f"pool_cpus {pool_cpus} must list some CPUs for each of the "
+                             f"{num_pools} pools")
+        self.num_pools, self.pool_cpus = num_pools, pool_cpus
+        self._gate_up_rows = pools.split_rows(self.inter, num_pools, self.block, ROW_GROUP)
+        self._down_rows = pools.split_rows(self.hidden, num_pools, self.block, ROW_GROUP)
+        self._cpu_masks = pools.cpu_masks(pool_cpus)
+        self._task_counter = np.zeros(num_pools * _COUNTER_STRIDE, np.int64)
+
+    def _place(self, weight: torch.Tensor, pool_rows: np.ndarray) -> torch.Tensor:
+        """The weight itself with one pool, else a copy whose rows each pool's threads wrote."""
+        if self.num_pools == 1:
+            return weight
+        src = _fp8_bytes(weight)
+        # a fresh large allocation is mmap-backed: no page exists until the copy touches it
+        placed = torch.empty_like(weight, memory_format=torch.contiguous_format)
+        with pools.keeping_thread_affinity(self.pool_cpus is not None):
+            _place_rows_nb(src, pool_rows, self._cpu_masks, self._task_counter,
+                           self.num_threads, _fp8_bytes(placed))
+        return placed
 
     def _reserve(self, num_pairs: int) -> None:
         """Grow the per-pair buffers (pair lists and the hidden activations h) to num_pairs."""
@@ -489,16 +635,31 @@ class NumbaMoeExperts:
         self._reserve(ids.size)
         num_hit = _group_nb(ids, weights, self._counts, self._hit_ids, self._pair_offsets,
                             self._pair_token_ids, self._pair_weights)
-        hit_ids = self._hit_ids[:num_hit]
-        _gate_up_nb(x_np, self.gate_w, self.gate_s, self.up_w, self.up_s, hit_ids,
-                    self._pair_offsets, self._pair_token_ids, np.float32(self.swiglu_limit),
-                    self.block, self._scratch, self._acc, self._task_counter, self._h)
-        _down_nb(self._h, self.down_w, self.down_s, hit_ids, self._pair_offsets,
-                 self._pair_token_ids, self._pair_weights, self.block, self._scratch, self._acc,
-                 self._task_counter, out.numpy())
+        self._run(x_np, self._hit_ids[:num_hit], out.numpy())
         return out
 
+    def _run(self, x_np: np.ndarray, hit_ids: np.ndarray, out_np: np.ndarray) -> None:
+        """Both parallel phases over the grouped pairs."""
+        trace = WorkerTrace(hit_ids.copy(), np.full((hit_ids.size, self.inter), -1),
+                            np.full(self.hidden, -1)) if self.record_workers else None
+        with pools.keeping_thread_affinity(self.pool_cpus is not None):
+            _gate_up_nb(x_np, self.gate_w, self.gate_s, self.up_w, self.up_s, hit_ids,
+                        self._pair_offsets, self._pair_token_ids, np.float32(self.swiglu_limit),
+                        self.block, self._gate_up_rows, self._cpu_masks, self._scratch,
+                        self._acc, self._task_counter,
+                        _NO_TRACE_2D if trace is None else trace.gate_up, self._h)
+            _down_nb(self._h, self.down_w, self.down_s, hit_ids, self._pair_offsets,
+                     self._pair_token_ids, self._pair_weights, self.block, self._down_rows,
+                     self._cpu_masks, self._scratch, self._acc, self._task_counter,
+                     _NO_TRACE_1D if trace is None else trace.down, out_np)
+        self.worker_trace = trace
+
     def warmup(self) -> None:
-        """Compile (or load from cache) every kernel with one token on expert 0."""
+        """Compile (or load from cache) every kernel with one token on expert 0; log the pools
+        once per process."""
         x = torch.zeros(1, self.hidden, dtype=torch.float32)
         self.forward(x, torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1))
+        threads = np.bincount(pools.pool_of_workers(self.num_threads, self.num_pools))
+        _log_layout(self.num_pools, tuple(int(t) for t in threads),
+                    pools.describe_pinning(self.num_pools, self.pool_cpus),
+                    numba.threading_layer())
