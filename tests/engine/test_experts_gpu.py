@@ -42,6 +42,13 @@ def test_hybrid_matches_all_gpu(case, num_gpu):
     assert (got - want).abs().max().item() < HYBRID_ATOL
 
 
+def test_hybrid_with_two_cpu_thread_pools(case):
+    path, prompts, steps, want = case
+    options = EngineConfig(kt_num_gpu_experts=3, kt_cpuinfer=2, kt_threadpool_count=2)
+    got = _logits(path, options, prompts, steps)
+    assert (got - want).abs().max().item() < HYBRID_ATOL
+
+
 @pytest.mark.parametrize("num_gpu", [0, 3])
 def test_layerwise_prefill_matches_regular_prefill(case, num_gpu):
     path, prompts, steps, want = case

@@ -25,12 +25,16 @@ FP8_MAX = tl.constexpr(448.0) if triton is not None else 448.0
 FP8_ACT_MIN_ROWS = 64
 # Weight-only path: the widest output-column block (of these) that still gives WDQ_WAVES
 # programs per SM; below that, K is split and the partial sums are added atomically.
+# Rows of K one program streams at most: at 16384 one 16-column program had too few bytes in
+# flight (991 GB/s on the H200 against ~2 TB/s at K = 1536-4096).
 WDQ_BLOCK_NS = (64, 32, 16)
 WDQ_WAVES = 1.0
+WDQ_MAX_K = 4096
 WDQ_STAGES = 4
 WDQ_WARPS = 4
-# W8A8 path tile (bench/kernels.py --sweep): rows, columns, warps, stages.
-W8A8_TILE = (128, 128, 8, 4)
+# W8A8 path tile (bench/sweeps.py, H200): rows, columns, warps, stages. 64x128 / 4 warps was the
+# fastest or within 2% of it at every release shape (400-550 TFLOP/s; 128x128 / 4 warps: 150).
+W8A8_TILE = (64, 128, 4, 4)
 
 
 def _jit(fn):
@@ -151,7 +155,7 @@ def fp8_linear_weight_only(x2: torch.Tensor, weight: torch.Tensor, scale_inv: to
     bn = fits[0] if fits else min(WDQ_BLOCK_NS[-1], block)
     tiles = row_tiles * triton.cdiv(n, bn)
     k_blocks = triton.cdiv(k, block)
-    splits = max(1, min(k_blocks, want // tiles))
+    splits = max(1, min(k_blocks, max(want // tiles, triton.cdiv(k, WDQ_MAX_K))))
     k_per_split = triton.cdiv(k_blocks, splits) * block
     splits = triton.cdiv(k, k_per_split)
     atomic = splits > 1
