@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.kernels import FP8_SHAPES, D, _kda_inputs, graph_ms  # noqa: E402
+from bench.kernels import FP8_SHAPES, D, _kda_inputs, graph_ms, rel  # noqa: E402
 
 
 def sweep_kda_decode() -> None:
@@ -38,19 +38,26 @@ def sweep_sparse_mla() -> None:
     from glmflash.kernels.sparse_mla import triton_impl as ti
 
     heads, rank, width, context = 64, 512, 2051, 131072
-    for b in (32, 4096):
+    from glmflash.kernels.sparse_mla import sparse_mla_ref
+
+    for b in (1, 32, 4096):
         seqs = b if b <= 32 else 1
         latent = torch.randn(seqs * context, rank, device="cuda").bfloat16()
         q = torch.randn(b, heads, rank, device="cuda").bfloat16()
         slots = torch.randint(0, context, (b, width), device="cuda") \
             + (torch.arange(b, device="cuda") % seqs)[:, None] * context
         moved = b * width * rank * 2
-        for bv, waves, bn in itertools.product((64, 128), (1.0, 2.0), (32, 64)):
-            ti.VALUE_BLOCK = bv
-            ti.SPLIT_WAVES, ti.BLOCK_N = waves, bn
-            ms = graph_ms(lambda: ti.sparse_mla(q, latent, slots, scale=1 / 16))
-            print(f"sparse mla b={b} BRV={bv} waves={waves} BN={bn}: {ms * 1e3:.1f} us "
-                  f"{moved / ms / 1e6:.0f} GB/s", flush=True)
+        want = sparse_mla_ref(q.float(), latent.float(), slots, scale=1 / 16)
+        for bv, bn in itertools.product((128, 512), (32, 64)):
+            ti.VALUE_BLOCK, ti.BLOCK_N = bv, bn
+            try:
+                err = rel(ti.sparse_mla(q, latent, slots, scale=1 / 16).float(), want)
+                ms = graph_ms(lambda: ti.sparse_mla(q, latent, slots, scale=1 / 16))
+            except Exception as e:  # noqa: BLE001 - a shape that does not fit is a result too
+                print(f"sparse mla b={b} BRV={bv} BN={bn}: {type(e).__name__}", flush=True)
+                continue
+            print(f"sparse mla b={b} BRV={bv} BN={bn}: {ms * 1e3:.1f} us "
+                  f"{moved / ms / 1e6:.0f} GB/s rel err {err:.1e}", flush=True)
         del latent, q, slots
     ti.VALUE_BLOCK, ti.SPLIT_WAVES, ti.BLOCK_N = 128, 1.0, 64
 

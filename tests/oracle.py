@@ -38,7 +38,8 @@ def _read(files: dict[str, Path], name: str) -> torch.Tensor:
 
 
 def load_oracle(dequantized_dir: Path):
-    """Glm5NextForConditionalGeneration in fp32 with eager attention."""
+    """Glm5NextForConditionalGeneration in fp32 with eager attention and its torch KDA path."""
+    _hide_fla()
     from transformers import Glm5NextForConditionalGeneration
     from transformers.utils import logging as hf_logging
 
@@ -46,6 +47,16 @@ def load_oracle(dequantized_dir: Path):
     model = Glm5NextForConditionalGeneration.from_pretrained(
         str(dequantized_dir), dtype=torch.float32, attn_implementation="eager")
     return model.eval()
+
+
+def _hide_fla() -> None:
+    """The modeling file binds KDA to flash-linear-attention's Triton kernels when `fla` imports
+    (the GPU machine carries it for the benchmarks), and those reject the oracle's CPU tensors:
+    make the import fail unless it already happened, so the torch reference path is used."""
+    import sys
+
+    if "transformers.models.glm5_next.modeling_glm5_next" not in sys.modules:
+        sys.modules.setdefault("fla", None)
 
 
 @torch.no_grad()
