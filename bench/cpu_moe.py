@@ -3,6 +3,7 @@
     python bench/cpu_moe.py            # release shapes: E=288, D=4096, I=2048, top-8 (~7.25 GB)
     python bench/cpu_moe.py --quick    # E=32, D=2048, I=1024 (~200 MB), last line bandwidth_ratio=
     python bench/cpu_moe.py --pools 2  # two thread pools, each owning half of every expert's rows
+    python bench/cpu_moe.py --codes uniform --decode fp32-bits  # the denormal worst case
 
 GB/s counts the bytes of the distinct experts a call touches (FP8 weights + fp32 scales). Calls
 walk a random expert permutation so consecutive calls hit different experts: the weights come from
@@ -40,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from glmflash.kernels.cpu_moe import numba_impl, routed_experts_ref  # noqa: E402
 from glmflash.kernels.cpu_moe.numba_impl import NumbaMoeExperts  # noqa: E402
-from glmflash.kernels.fp8_gemm.ref import FP8_DTYPE  # noqa: E402
+from glmflash.kernels.fp8_gemm.ref import FP8_DTYPE, quantize_block_fp8  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 PROBE_CHUNKS = 256
@@ -106,12 +107,37 @@ def random_fp8(*shape: int) -> torch.Tensor:
     return w.view(FP8_DTYPE)
 
 
-def make_layer(num_experts: int, hidden: int, inter: int) -> tuple[torch.Tensor, ...]:
+def quantized_fp8(*shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gaussian weights quantised like a checkpoint (one amax scale per 128x128 block), one
+    expert at a time: the e4m3 codes, subnormals included, are distributed as in real weights."""
+    w = torch.empty(shape, dtype=FP8_DTYPE)
+    scales = torch.empty(shape[0], -(-shape[1] // 128), -(-shape[2] // 128))
+    for e in range(shape[0]):
+        w[e], scales[e] = quantize_block_fp8(torch.randn(shape[1:]))
+    return w, scales
+
+
+def make_layer(num_experts: int, hidden: int, inter: int, codes: str
+               ) -> tuple[torch.Tensor, ...]:
+    if codes == "quantized":
+        return (*quantized_fp8(num_experts, inter, hidden),
+                *quantized_fp8(num_experts, inter, hidden),
+                *quantized_fp8(num_experts, hidden, inter))
     gate_w, up_w = random_fp8(num_experts, inter, hidden), random_fp8(num_experts, inter, hidden)
     down_w = random_fp8(num_experts, hidden, inter)
     s_gu = torch.full((num_experts, -(-inter // 128), -(-hidden // 128)), 1e-3)
     s_down = torch.full((num_experts, -(-hidden // 128), -(-inter // 128)), 1e-3)
     return gate_w, s_gu, up_w, s_gu.clone(), down_w, s_down
+
+
+def subnormal_share(layer: tuple[torch.Tensor, ...]) -> float:
+    """Share of nonzero e4m3 codes with a zero exponent (fp32 denormals in the fp32-bits decode)."""
+    sub = total = 0
+    for w in layer[0::2]:
+        codes = w[:4].view(torch.uint8)  # a few experts are enough for the share
+        sub += int((((codes & 0x78) == 0) & ((codes & 0x7) != 0)).sum())
+        total += codes.numel()
+    return sub / total
 
 
 def routing(perm: torch.Tensor, call: int, num_tokens: int, top_k: int) -> torch.Tensor:
@@ -160,12 +186,13 @@ def device_line(num_threads: int) -> str:
 def git_commit() -> str:
     cmd = ["git", "rev-parse", "--short", "HEAD"]
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=RESULTS.parent)
-    return result.stdout.strip() or "unknown"
+    return result.stdout.strip() or os.environ.get("GLMFLASH_COMMIT", "unknown")
 
 
 def format_table(rows: list[dict[str, float]], add: float, scaling: float, args) -> str:
     head = (f"\n## cpu_moe {'--quick' if args.quick else 'release'}: E={args.experts} "
             f"D={args.hidden} I={args.inter} top-{args.top_k}, pools={args.pools}, "
+            f"{args.codes} codes ({100 * args.subnormal:.2f}% subnormal), decode {args.decode}, "
             f"{datetime.datetime.now():%Y-%m-%d %H:%M}, commit {git_commit()}\n\n"
             f"{device_line(args.threads)}; a+b->c {add:.1f} GB/s; compute scaling "
             f"1->{args.threads} threads {scaling:.2f}x\n\n"
@@ -198,6 +225,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--pools", type=int, default=1,
                    help="thread pools (--kt-threadpool-count): each owns a slice of every expert")
+    p.add_argument("--codes", choices=("quantized", "uniform"), default="quantized",
+                   help="weights quantised from Gaussians like a checkpoint, or uniformly random "
+                        "e4m3 codes (6%% subnormal: the worst case for the fp32-bits decode)")
+    p.add_argument("--decode", choices=("fp16", "fp32-bits"), default=None,
+                   help="e4m3 decode of the kernel (default: chosen for this CPU)")
     p.add_argument("--no-save", action="store_true", help="do not append to bench/RESULTS.md")
     p.add_argument("--asm", action="store_true", help="compile afresh and count zmm instructions")
     args = p.parse_args()
@@ -212,9 +244,11 @@ def main() -> None:
     args = parse_args()
     torch.manual_seed(42)
     numba.set_num_threads(args.threads)
-    layer = make_layer(args.experts, args.hidden, args.inter)
+    layer = make_layer(args.experts, args.hidden, args.inter, args.codes)
+    args.subnormal = subnormal_share(layer)
     experts = NumbaMoeExperts(*layer, swiglu_limit=10.0, num_threads=args.threads,
-                              num_pools=args.pools)
+                              num_pools=args.pools, decode=args.decode)
+    args.decode = experts.decode_name
     experts.warmup()
     if args.asm:
         print(asm_report())

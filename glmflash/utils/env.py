@@ -21,6 +21,12 @@ def kernel_override(op: str) -> str | None:
     return value.lower() if value else None
 
 
+def cpu_moe_decode() -> str | None:
+    """GLMFLASH_CPU_MOE_DECODE=fp16|fp32-bits forces the CPU expert kernel's e4m3 decode."""
+    value = os.environ.get("GLMFLASH_CPU_MOE_DECODE")
+    return value.lower() if value else None
+
+
 def log_level() -> str:
     return os.environ.get("GLMFLASH_LOG_LEVEL", "INFO").upper()
 

@@ -64,24 +64,28 @@ def run_numba(weights, x, ids, topk_weights, swiglu_limit: float, **options) -> 
     return experts.forward(x, ids, topk_weights, out=out)
 
 
-def assert_matches_ref(weights, x, ids, topk_weights, swiglu_limit: float) -> None:
+def assert_matches_ref(weights, x, ids, topk_weights, swiglu_limit: float, **options) -> None:
     want = routed_experts_ref(x, ids, topk_weights, *weights, swiglu_limit=swiglu_limit)
-    got = run_numba(weights, x, ids, topk_weights, swiglu_limit)
+    got = run_numba(weights, x, ids, topk_weights, swiglu_limit, **options)
     scale = want.abs().max().item()
     assert scale > 0
     err = (got - want).abs().max().item()
     assert err <= REL_TOL * scale, f"max err {err:.3g} vs max |ref| {scale:.3g}"
 
 
+DECODES = ["fp32-bits", "fp16"]
+
+
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 @pytest.mark.parametrize("num_tokens", [1, 3, 17])
 @pytest.mark.parametrize("top_k", [1, 8], ids=["k1", "k8"])
-def test_numba_matches_ref(shape, num_tokens, top_k, seeded):
+@pytest.mark.parametrize("decode", DECODES)
+def test_numba_matches_ref(shape, num_tokens, top_k, decode, seeded):
     num_experts, hidden, inter = shape
     weights = make_experts(*shape, seeded)
     x = torch.randn(num_tokens, hidden, generator=seeded)
     ids, topk_weights = make_routing(num_tokens, min(top_k, num_experts), num_experts, seeded)
-    assert_matches_ref(weights, x, ids, topk_weights, swiglu_limit=10.0)
+    assert_matches_ref(weights, x, ids, topk_weights, swiglu_limit=10.0, decode=decode)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3, 17])
@@ -107,11 +111,24 @@ def test_all_experts_hit_with_binding_clamps(shape, seeded):
     assert_matches_ref(weights, x, ids, topk_weights, swiglu_limit=limit)
 
 
-def test_every_e4m3_code_decodes(seeded):
+@pytest.mark.parametrize("decode", DECODES)
+def test_every_e4m3_code_decodes(decode, seeded):
     weights = make_experts(4, 256, 128, seeded, raw_bytes=True)
     x = torch.randn(5, 256, generator=seeded)
     ids, topk_weights = make_routing(5, 2, 4, seeded)
-    assert_matches_ref(weights, x, ids, topk_weights, swiglu_limit=10.0)
+    assert_matches_ref(weights, x, ids, topk_weights, swiglu_limit=10.0, decode=decode)
+
+
+def test_decode_choice(monkeypatch, seeded):
+    from glmflash.kernels.cpu_moe import numba_impl
+
+    monkeypatch.setenv("GLMFLASH_CPU_MOE_DECODE", "FP16")
+    assert numba_impl.default_decode() == "fp16"
+    monkeypatch.delenv("GLMFLASH_CPU_MOE_DECODE")
+    intel = "GenuineIntel" in Path("/proc/cpuinfo").read_text()
+    assert numba_impl.default_decode() == ("fp16" if intel else "fp32-bits")
+    with pytest.raises(ValueError, match="unknown e4m3 decode 'bf16'"):
+        NumbaMoeExperts(*make_experts(2, 64, 32, seeded), swiglu_limit=1.0, decode="bf16")
 
 
 def test_ref_matches_per_token_loop(seeded):

@@ -8,11 +8,15 @@ others, and each chunk is one contiguous run of bytes per matrix. With K thread 
 copy of the weights placed on its NUMA node.
 
 `(int32(int8 q) << 20) & 0x87F00000`, read as fp32 bits, is exactly `e4m3(q) * 2**-120`
-(subnormals included). The block scale and `2**64` are folded into a per-(expert, row-block) copy
-of the activations, so the inner loop is one FMA per weight and a row sum is scaled by `2**56`
-once. The inner loop is LLVM IR (`_make_dot_ir`): 512-bit vectors, four rows per pass, 32 bytes
-decoded by one sign-extension to words and two shift+mask pairs, and a software prefetch into L2
-that keeps enough DRAM reads in flight (auto-vectorised Numba code cannot issue prefetches).
+(subnormals included) - but those subnormals are fp32 denormals, which Intel cores handle with a
+microcode assist per FMA; there `((q & 0x7F) << 7) | ((q & 0x80) << 8)`, read as fp16 bits and
+converted, gives `e4m3(q) * 2**-8` with no denormal (`DECODES`, chosen by `default_decode()`).
+The block scale and the decode's power of two are folded into a per-(expert, row-block) copy of
+the activations, so the inner loop is one FMA per weight and a row sum is rescaled once. The
+inner loop is LLVM IR (`_make_dot_ir`): 512-bit vectors, four rows per pass, 32 bytes decoded by
+one extension to words and two shift+mask pairs (plus two fp16 conversions), and a software
+prefetch into L2 that keeps enough DRAM reads in flight (auto-vectorised Numba code cannot issue
+prefetches).
 
 This module imports numba at the top; the package imports it lazily (`cpu_moe.__init__`).
 """
@@ -21,6 +25,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import platform
+from pathlib import Path
 from typing import NamedTuple
 
 import numba
@@ -33,6 +39,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from glmflash.kernels.cpu_moe import pools
+from glmflash.utils.env import cpu_moe_decode
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +51,21 @@ ROW_GROUP = 4
 TASK_ROWS = 128
 # distance of the software prefetch ahead of each row's read position
 PREFETCH_BYTES = 16384
-# NOTE: fp32 bits of (sign-extended byte << 20) & mask = sign|0000eeee|mmm0.. = e4m3 * 2^-120
+# Two exact e4m3 decodes (`decode` argument of the kernels):
+# DECODE_FP32_BITS: fp32 bits of (sign-extended byte << 20) & mask = s|0000eeee|mmm0.. =
+#   e4m3 * 2^-120 - the fewest instructions, but e4m3 subnormals become fp32 denormals, and an
+#   FMA on a denormal takes a microcode assist on Intel (uniformly random codes, 6% subnormal:
+#   15x slower on the H200 host's Xeon). AMD Zen has no such penalty.
+# DECODE_FP16: fp16 bits s|0eeee|mmm0000000 = e4m3 * 2^-8, converted by vcvtph2ps: never a
+#   denormal, about 1.4x the decode work (30% slower on a 2-core Zen 4 at 1 token).
+DECODE_FP32_BITS, DECODE_FP16 = 0, 1
 _E4M3_MASK = np.int32(-2014314496)  # 0x87F00000
-_X_SCALE = np.float32(2.0**64)
-_OUT_SCALE = np.float32(2.0**56)
+_F16_MAGNITUDE = 0x007F007F  # per 16-bit half: the byte's exponent and mantissa, to shift by 7
+_F16_SIGN = 0x00800080  # per 16-bit half: the byte's sign, to shift by 8
+# Activations are pre-scaled so a product never underflows: 2^-120 * 2^64 leaves row sums at
+# 2^-56, undone once per sum; fp16 decodes need only 2^8.
+_X_SCALE = (np.float32(2.0**64), np.float32(2.0**8))
+_OUT_SCALE = (np.float32(2.0**56), np.float32(1.0))
 # NOTE: per-worker accumulator rows are 128 bytes wide (TOKEN_GROUP floats used) so two workers
 # never write one cache line.
 _ACC_WIDTH = 32
@@ -74,6 +92,15 @@ def _bits_as_f32(typingctx, bits):
         if value.type.width != 32:
             value = builder.trunc(value, _I32)
         return builder.bitcast(value, _F32)
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def _f16_bits_as_f32(typingctx, bits):
+    """The fp16 value whose bits are the low 16 of an integer, as fp32."""
+    def codegen(context, builder, signature, args):
+        half = builder.bitcast(builder.trunc(args[0], ir.IntType(16)), ir.HalfType())
+        return builder.fpext(half, _F32)
     return types.float32(bits), codegen
 
 
@@ -130,11 +157,15 @@ def _reset_counters_nb(pool_rows, task_counter):
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
-def _e4m3_nb(q):
-    return _bits_as_f32((np.int32(q) << 20) & _E4M3_MASK)
+def _e4m3_nb(q, decode):
+    """e4m3 byte -> its value scaled as the vector decode `decode` scales it."""
+    q = np.int32(q)
+    if decode == DECODE_FP16:
+        return _f16_bits_as_f32(((q & 0x7F) << 7) | ((q & 0x80) << 8))
+    return _bits_as_f32((q << 20) & _E4M3_MASK)
 
 
-def _ir_decode_pair(builder, ptr):
+def _ir_decode_pair_fp32_bits(builder, ptr):
     """32 e4m3 bytes at `ptr` -> (even, odd) <16 x float> of e4m3 * 2^-120.
 
     One sign-extension to 16-bit words gives dwords holding bytes 2i (low word) and 2i + 1 (high
@@ -146,6 +177,27 @@ def _ir_decode_pair(builder, ptr):
     even = builder.and_(builder.shl(words, ir.Constant(_V_I32, [20] * _LANES)), mask)
     odd = builder.and_(builder.shl(words, ir.Constant(_V_I32, [4] * _LANES)), mask)
     return builder.bitcast(even, _V_F32), builder.bitcast(odd, _V_F32)
+
+
+def _ir_decode_pair_fp16(builder, ptr):
+    """32 e4m3 bytes at `ptr` -> (even, odd) <16 x float> of e4m3 * 2^-8.
+
+    Zero-extended to 16-bit words, the dwords hold bytes 2i (low word) and 2i + 1 (high word);
+    both words become fp16 bits at once, then split and convert.
+    """
+    raw = builder.load(builder.bitcast(ptr, _V32_I8.as_pointer()), align=1)
+    dwords = builder.bitcast(builder.zext(raw, _V32_I16), _V_I32)
+
+    def splat(value):
+        return ir.Constant(_V_I32, [value] * _LANES)
+
+    magnitude = builder.shl(builder.and_(dwords, splat(_F16_MAGNITUDE)), splat(7))
+    sign = builder.shl(builder.and_(dwords, splat(_F16_SIGN)), splat(8))
+    halves = builder.or_(magnitude, sign)
+    v_i16, v_f16 = ir.VectorType(ir.IntType(16), _LANES), ir.VectorType(ir.HalfType(), _LANES)
+    even = builder.trunc(halves, v_i16)
+    odd = builder.trunc(builder.lshr(halves, splat(16)), v_i16)
+    return tuple(builder.fpext(builder.bitcast(v, v_f16), _V_F32) for v in (even, odd))
 
 
 def _ir_hsum(builder, vec):
@@ -160,7 +212,7 @@ def _ir_hsum(builder, vec):
     return builder.extract_element(vec, ir.Constant(_I32, 0))
 
 
-def _ir_dot(context, builder, sig, args, num_rows, num_tokens):
+def _ir_dot(context, builder, sig, args, num_rows, num_tokens, decode):
     """Emit the loop of `_make_dot_ir`; returns the num_rows * num_tokens sums, row-major."""
     w_arr = context.make_array(sig.args[0])(context, builder, args[0])
     xs_arr = context.make_array(sig.args[2])(context, builder, args[2])
@@ -179,6 +231,7 @@ def _ir_dot(context, builder, sig, args, num_rows, num_tokens):
         builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]),
         "llvm.prefetch.p0i8")
     pf_args = [ir.Constant(_I32, v) for v in (0, _PREFETCH_LOCALITY, 1)]
+    decode_pair = _ir_decode_pair_fp16 if decode == DECODE_FP16 else _ir_decode_pair_fp32_bits
     # independent FMA chains: at least four, so the FMA latency never bounds a 1x1 dot
     num_sets = max(1, 4 // (num_rows * num_tokens))
     zero = ir.Constant(_V_F32, [0.0] * _LANES)
@@ -200,7 +253,7 @@ def _ir_dot(context, builder, sig, args, num_rows, num_tokens):
         xvs = [[builder.load(builder.bitcast(builder.gep(x_row, [k_i]), _V_F32.as_pointer()),
                              align=4) for k_i in (k_s, k_odd)] for x_row in x_rows]
         for r, w_row in enumerate(w_rows):
-            for half, wv in enumerate(_ir_decode_pair(builder, builder.gep(w_row, [k_s]))):
+            for half, wv in enumerate(decode_pair(builder, builder.gep(w_row, [k_s]))):
                 i = (step + half) % num_sets
                 for t in range(num_tokens):
                     new[r][t][i] = builder.call(fma, [wv, xvs[t][half], new[r][t][i]])
@@ -231,10 +284,11 @@ def _ir_dot(context, builder, sig, args, num_rows, num_tokens):
     return sums
 
 
-def _make_dot_ir(num_rows, num_tokens):
+def _make_dot_ir(num_rows, num_tokens, decode):
     """Intrinsic `(w [N, K] int8 C, row, xs [T, >=K] f32 C, prefetch_bytes) -> tuple of sums`.
 
-    Sum r * num_tokens + t is `sum_k e4m3(w[row + r, k]) * x_t[k] * 2^-120` over the first
+    Sum r * num_tokens + t is `sum_k e4m3(w[row + r, k]) * x_t[k] * 2^-120` (2^-8 with
+    DECODE_FP16) over the first
     `K - K % 64` columns (the caller adds the tail), where xs holds each activation row in the
     even/odd layout of `_scale_row_nb`. Each of the num_rows streams prefetches `prefetch_bytes`
     ahead of its read position.
@@ -248,23 +302,56 @@ def _make_dot_ir(num_rows, num_tokens):
             raise TypingError(f"fp8 dot wants C-contiguous int8 [N, K], f32 [T, K]: {w}, {xs}")
 
         def codegen(context, builder, sig, args):
-            sums = _ir_dot(context, builder, sig, args, num_rows, num_tokens)
+            sums = _ir_dot(context, builder, sig, args, num_rows, num_tokens, decode)
             return context.make_tuple(builder, ret, sums)
         return ret(w, row, xs, prefetch_bytes), codegen
 
-    typer.__name__ = f"_dot_{num_rows}x{num_tokens}_ir"
+    typer.__name__ = f"_dot_{num_rows}x{num_tokens}_{('fp32_bits', 'fp16')[decode]}_ir"
     return intrinsic(typer)
 
 
-_dot_4x4_ir = _make_dot_ir(4, 4)
-_dot_4x2_ir = _make_dot_ir(4, 2)
-_dot_4x1_ir = _make_dot_ir(4, 1)
-_dot_1x1_ir = _make_dot_ir(1, 1)
+_dot_4x4_ir = _make_dot_ir(4, 4, DECODE_FP32_BITS)
+_dot_4x2_ir = _make_dot_ir(4, 2, DECODE_FP32_BITS)
+_dot_4x1_ir = _make_dot_ir(4, 1, DECODE_FP32_BITS)
+_dot_1x1_ir = _make_dot_ir(1, 1, DECODE_FP32_BITS)
+_dot_4x4_fp16_ir = _make_dot_ir(4, 4, DECODE_FP16)
+_dot_4x2_fp16_ir = _make_dot_ir(4, 2, DECODE_FP16)
+_dot_4x1_fp16_ir = _make_dot_ir(4, 1, DECODE_FP16)
+_dot_1x1_fp16_ir = _make_dot_ir(1, 1, DECODE_FP16)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dot_4x4_nb(w, n, xs, decode):
+    if decode == DECODE_FP16:
+        return _dot_4x4_fp16_ir(w, n, xs, PREFETCH_BYTES)
+    return _dot_4x4_ir(w, n, xs, PREFETCH_BYTES)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dot_4x2_nb(w, n, xs, decode):
+    if decode == DECODE_FP16:
+        return _dot_4x2_fp16_ir(w, n, xs, PREFETCH_BYTES)
+    return _dot_4x2_ir(w, n, xs, PREFETCH_BYTES)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dot_4x1_nb(w, n, xs, decode):
+    if decode == DECODE_FP16:
+        return _dot_4x1_fp16_ir(w, n, xs, PREFETCH_BYTES)
+    return _dot_4x1_ir(w, n, xs, PREFETCH_BYTES)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dot_1x1_nb(w, n, xs, decode):
+    if decode == DECODE_FP16:
+        return _dot_1x1_fp16_ir(w, n, xs, PREFETCH_BYTES)
+    return _dot_1x1_ir(w, n, xs, PREFETCH_BYTES)
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
-def _rows_dot_nb(w, n, num_rows, xs, num_tokens, acc):
-    """acc[r, t] = sum_k e4m3(w[n + r, k]) * x_t[k] * 2^-120 for r < num_rows, t < num_tokens.
+def _rows_dot_nb(w, n, num_rows, xs, num_tokens, acc, decode):
+    """acc[r, t] = sum_k e4m3(w[n + r, k]) * x_t[k] (times the decode's factor) for
+    r < num_rows, t < num_tokens.
 
     w [N, K] int8; xs [TB, >=K] f32 (rows from `_scale_row_nb`); acc [ROW_GROUP, >=TB] f32.
     """
@@ -272,36 +359,36 @@ def _rows_dot_nb(w, n, num_rows, xs, num_tokens, acc):
         t = 0
         while t < num_tokens:
             if num_tokens - t >= 4:
-                sums = _dot_4x4_ir(w, n, xs[t:], PREFETCH_BYTES)
+                sums = _dot_4x4_nb(w, n, xs[t:], decode)
                 for i in range(16):
                     acc[i // 4, t + i % 4] = sums[i]
                 t += 4
             elif num_tokens - t >= 2:
-                sums2 = _dot_4x2_ir(w, n, xs[t:], PREFETCH_BYTES)
+                sums2 = _dot_4x2_nb(w, n, xs[t:], decode)
                 for i in range(8):
                     acc[i // 2, t + i % 2] = sums2[i]
                 t += 2
             else:
-                sums1 = _dot_4x1_ir(w, n, xs[t:], PREFETCH_BYTES)
+                sums1 = _dot_4x1_nb(w, n, xs[t:], decode)
                 for i in range(4):
                     acc[i, t] = sums1[i]
                 t += 1
     else:
         for r in range(num_rows):
             for t in range(num_tokens):
-                acc[r, t] = _dot_1x1_ir(w, n + r, xs[t:], PREFETCH_BYTES)[0]
+                acc[r, t] = _dot_1x1_nb(w, n + r, xs[t:], decode)[0]
     k_len = w.shape[1]
     for r in range(num_rows):
         for t in range(num_tokens):
             tail = np.float32(0.0)
             for k in range(k_len - k_len % 64, k_len):
-                tail += _e4m3_nb(w[n + r, k]) * xs[t, k]
+                tail += _e4m3_nb(w[n + r, k], decode) * xs[t, k]
             acc[r, t] += tail
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
-def _scale_row_nb(x, scales, block, out):
-    """out = x[k] * scales[k // block] * 2^64 in the layout the fp8 dot reads; x [K].
+def _scale_row_nb(x, scales, block, out, x_scale):
+    """out = x[k] * scales[k // block] * x_scale in the layout the fp8 dot reads; x [K].
 
     Below K - K % 64, each 32-wide chunk holds its even elements, then its odd ones (the order in
     which `_ir_decode_pair` yields weights); the tail keeps the natural order. block % 32 == 0.
@@ -309,14 +396,14 @@ def _scale_row_nb(x, scales, block, out):
     size = x.size
     k_end = size - size % 64
     for c in range(0, k_end, 32):
-        s = scales[c // block] * _X_SCALE
+        s = scales[c // block] * x_scale
         xc = x[c:c + 32]
         oc = out[c:c + 32]
         for i in range(16):
             oc[i] = xc[2 * i] * s
             oc[16 + i] = xc[2 * i + 1] * s
     for k in range(k_end, size):
-        out[k] = x[k] * (scales[k // block] * _X_SCALE)
+        out[k] = x[k] * (scales[k // block] * x_scale)
 
 
 @njit(cache=True, nogil=True)
@@ -357,41 +444,45 @@ def _group_nb(topk_ids, topk_weights, counts, hit_ids, pair_offsets, pair_token_
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
-def _swiglu_nb(a, b, swiglu_limit):
-    """silu(min(a, L)) * clip(b, -L, L) from two raw row sums (which carry a 2^-56 factor)."""
-    a = min(a * _OUT_SCALE, swiglu_limit)
-    b = max(min(b * _OUT_SCALE, swiglu_limit), -swiglu_limit)
+def _swiglu_nb(a, b, swiglu_limit, out_scale):
+    """silu(min(a, L)) * clip(b, -L, L) from two raw row sums (to multiply by out_scale)."""
+    a = min(a * out_scale, swiglu_limit)
+    b = max(min(b * out_scale, swiglu_limit), -swiglu_limit)
     return a / (np.float32(1.0) + np.exp(-a)) * b
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
 def _gate_up_rows_nb(x, gate_w, gate_s, up_w, up_s, e, row0, row1, p0, p1, pair_token_ids,
-                     swiglu_limit, block, xs, acc, h):
+                     swiglu_limit, decode, block, xs, acc, h):
     """h[p, row0:row1] for pairs p0..p1 of expert e; rows lie in one row block."""
     rb = row0 // block
+    x_scale, out_scale = _X_SCALE[decode], _OUT_SCALE[decode]
     gw = gate_w[e]
     uw = up_w[e]
     for c in range(p0, p1, TOKEN_GROUP):
         num_tokens = min(TOKEN_GROUP, p1 - c)
         for j in range(num_tokens):
             xt = x[pair_token_ids[c + j]]
-            _scale_row_nb(xt, gate_s[e, rb], block, xs[0, j])
-            _scale_row_nb(xt, up_s[e, rb], block, xs[1, j])
+            _scale_row_nb(xt, gate_s[e, rb], block, xs[0, j], x_scale)
+            _scale_row_nb(xt, up_s[e, rb], block, xs[1, j], x_scale)
         for n in range(row0, row1, ROW_GROUP):
             num_rows = min(ROW_GROUP, row1 - n)
-            _rows_dot_nb(gw, n, num_rows, xs[0], num_tokens, acc[0])
-            _rows_dot_nb(uw, n, num_rows, xs[1], num_tokens, acc[1])
+            _rows_dot_nb(gw, n, num_rows, xs[0], num_tokens, acc[0], decode)
+            _rows_dot_nb(uw, n, num_rows, xs[1], num_tokens, acc[1], decode)
             for r in range(num_rows):
                 for j in range(num_tokens):
-                    h[c + j, n + r] = _swiglu_nb(acc[0, r, j], acc[1, r, j], swiglu_limit)
+                    h[c + j, n + r] = _swiglu_nb(acc[0, r, j], acc[1, r, j], swiglu_limit,
+                                                 out_scale)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
 def _gate_up_nb(x, gate_w, gate_s, up_w, up_s, hit_ids, pair_offsets, pair_token_ids,
-                swiglu_limit, block, pool_rows, cpu_masks, scratch, acc, task_counter, trace, h):
+                swiglu_limit, decode, block, pool_rows, cpu_masks, scratch, acc, task_counter,
+                trace, h):
     """h[p] = silu(min(a, L)) * clip(b, -L, L) for every pair p, a/b = x W_gate/up^T of its expert.
 
     x [T, D] f32; *_w [E, I, D] int8 (e4m3 bytes); *_s [E, ceil(I/b), ceil(D/b)] f32;
+    decode DECODE_FP32_BITS or DECODE_FP16;
     pool_rows [K + 1] int64 (pool p owns rows pool_rows[p]..pool_rows[p + 1] of every expert);
     cpu_masks [K or 0, words] uint64; scratch [workers, 2, TB, >=D] f32;
     acc [workers, 2, ROW_GROUP, >=TB] f32; task_counter [>=16 K] int64;
@@ -416,33 +507,34 @@ def _gate_up_nb(x, gate_w, gate_s, up_w, up_s, hit_ids, pair_offsets, pair_token
                 row1 = min(row0 // block * block + block, row_end)
                 _gate_up_rows_nb(x, gate_w, gate_s, up_w, up_s, hit_ids[i], row0, row1,
                                  pair_offsets[i], pair_offsets[i + 1], pair_token_ids,
-                                 swiglu_limit, block, scratch[wid], acc[wid], h)
+                                 swiglu_limit, decode, block, scratch[wid], acc[wid], h)
                 row0 = row1
             task = _fetch_add_ir(task_counter, slot, 1)
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
 def _down_rows_nb(h, down_w, down_s, e, row0, row1, p0, p1, pair_token_ids, pair_weights,
-                  block, xs, acc, out):
+                  decode, block, xs, acc, out):
     """out[token, row0:row1] += weight * h[p] W_down[e]^T for pairs p0..p1; one row block."""
     rb = row0 // block
+    x_scale, out_scale = _X_SCALE[decode], _OUT_SCALE[decode]
     dw = down_w[e]
     for c in range(p0, p1, TOKEN_GROUP):
         num_tokens = min(TOKEN_GROUP, p1 - c)
         for j in range(num_tokens):
-            _scale_row_nb(h[c + j], down_s[e, rb], block, xs[j])
+            _scale_row_nb(h[c + j], down_s[e, rb], block, xs[j], x_scale)
         for n in range(row0, row1, ROW_GROUP):
             num_rows = min(ROW_GROUP, row1 - n)
-            _rows_dot_nb(dw, n, num_rows, xs, num_tokens, acc)
+            _rows_dot_nb(dw, n, num_rows, xs, num_tokens, acc, decode)
             for r in range(num_rows):
                 for j in range(num_tokens):
-                    scale = pair_weights[c + j] * _OUT_SCALE
+                    scale = pair_weights[c + j] * out_scale
                     out[pair_token_ids[c + j], n + r] += scale * acc[r, j]
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def _down_nb(h, down_w, down_s, hit_ids, pair_offsets, pair_token_ids, pair_weights, block,
-             pool_rows, cpu_masks, scratch, acc, task_counter, trace, out):
+def _down_nb(h, down_w, down_s, hit_ids, pair_offsets, pair_token_ids, pair_weights, decode,
+             block, pool_rows, cpu_masks, scratch, acc, task_counter, trace, out):
     """out[t] += sum over t's pairs p of weight_p * h[p] W_down[e_p]^T.
 
     h [pairs, I] f32; down_w [E, D, I] int8; down_s [E, ceil(D/b), ceil(I/b)] f32;
@@ -469,8 +561,8 @@ def _down_nb(h, down_w, down_s, hit_ids, pair_offsets, pair_token_ids, pair_weig
                 while row0 < row_end:
                     row1 = min(row0 // block * block + block, row_end)
                     _down_rows_nb(h, down_w, down_s, hit_ids[i], row0, row1, pair_offsets[i],
-                                  pair_offsets[i + 1], pair_token_ids, pair_weights, block,
-                                  scratch[wid, 0], acc[wid, 0], out)
+                                  pair_offsets[i + 1], pair_token_ids, pair_weights, decode,
+                                  block, scratch[wid, 0], acc[wid, 0], out)
                     row0 = row1
             task = _fetch_add_ir(task_counter, slot, 1)
 
@@ -492,6 +584,22 @@ def _place_rows_nb(src, pool_rows, cpu_masks, task_counter, num_workers, dst):
             row1 = min(row0 + TASK_ROWS, end)
             dst[e, row0:row1] = src[e, row0:row1]
             task = _fetch_add_ir(task_counter, slot, 1)
+
+
+DECODES = {"fp32-bits": DECODE_FP32_BITS, "fp16": DECODE_FP16}
+
+
+def default_decode() -> str:
+    """GLMFLASH_CPU_MOE_DECODE if set, else "fp16" on Intel (denormal FMAs take microcode
+    assists there) and "fp32-bits" elsewhere."""
+    chosen = cpu_moe_decode()
+    if chosen:
+        return chosen
+    try:
+        intel = "GenuineIntel" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        intel = "intel" in platform.processor().lower()
+    return "fp16" if intel else "fp32-bits"
 
 
 def _fp8_bytes(weight: torch.Tensor) -> np.ndarray:
@@ -550,15 +658,22 @@ class NumbaMoeExperts:
     def __init__(self, gate_w: torch.Tensor, gate_s: torch.Tensor, up_w: torch.Tensor,
                  up_s: torch.Tensor, down_w: torch.Tensor, down_s: torch.Tensor, *,
                  swiglu_limit: float, num_threads: int | None = None, num_pools: int = 1,
-                 pool_cpus: list[list[int]] | None = None, block: int = BLOCK):
+                 pool_cpus: list[list[int]] | None = None, block: int = BLOCK,
+                 decode: str | None = None):
         """`pool_cpus`: CPUs each pool's threads are pinned to (default: the NUMA nodes, see
-        `pools.pool_cpus`; unpinned when they do not split into `num_pools`)."""
+        `pools.pool_cpus`; unpinned when they do not split into `num_pools`). `decode`: "fp16"
+        or "fp32-bits" (default: `default_decode()`)."""
         _check_shapes(gate_w, gate_s, up_w, up_s, down_w, down_s, block)
         self.num_experts, self.inter, self.hidden = gate_w.shape
         self.num_threads = num_threads or numba.config.NUMBA_NUM_THREADS
         numba.set_num_threads(self.num_threads)
         self.swiglu_limit = float(swiglu_limit)
         self.block = block
+        self.decode_name = decode or default_decode()
+        if self.decode_name not in DECODES:
+            raise ValueError(f"unknown e4m3 decode {self.decode_name!r}; expected one of "
+                             f"{tuple(DECODES)}")
+        self.decode = DECODES[self.decode_name]
         self._init_pools(num_pools, pool_cpus)
         self.weight_tensors = (self._place(gate_w, self._gate_up_rows),
                                self._place(up_w, self._gate_up_rows),
@@ -645,11 +760,12 @@ class NumbaMoeExperts:
         with pools.keeping_thread_affinity(self.pool_cpus is not None):
             _gate_up_nb(x_np, self.gate_w, self.gate_s, self.up_w, self.up_s, hit_ids,
                         self._pair_offsets, self._pair_token_ids, np.float32(self.swiglu_limit),
-                        self.block, self._gate_up_rows, self._cpu_masks, self._scratch,
+                        self.decode, self.block, self._gate_up_rows, self._cpu_masks, self._scratch,
                         self._acc, self._task_counter,
                         _NO_TRACE_2D if trace is None else trace.gate_up, self._h)
             _down_nb(self._h, self.down_w, self.down_s, hit_ids, self._pair_offsets,
-                     self._pair_token_ids, self._pair_weights, self.block, self._down_rows,
+                     self._pair_token_ids, self._pair_weights, self.decode, self.block,
+                     self._down_rows,
                      self._cpu_masks, self._scratch, self._acc, self._task_counter,
                      _NO_TRACE_1D if trace is None else trace.down, out_np)
         self.worker_trace = trace
