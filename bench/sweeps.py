@@ -49,7 +49,7 @@ def sweep_sparse_mla() -> None:
         moved = b * width * rank * 2
         want = sparse_mla_ref(q.float(), latent.float(), slots, scale=1 / 16)
         for bv, bn in itertools.product((128, 512), (32, 64)):
-            ti.VALUE_BLOCK, ti.BLOCK_N = bv, bn
+            ti.NARROW = ti.WIDE = (bv, bn)
             try:
                 err = rel(ti.sparse_mla(q, latent, slots, scale=1 / 16).float(), want)
                 ms = graph_ms(lambda: ti.sparse_mla(q, latent, slots, scale=1 / 16))
@@ -59,7 +59,7 @@ def sweep_sparse_mla() -> None:
             print(f"sparse mla b={b} BRV={bv} BN={bn}: {ms * 1e3:.1f} us "
                   f"{moved / ms / 1e6:.0f} GB/s rel err {err:.1e}", flush=True)
         del latent, q, slots
-    ti.VALUE_BLOCK, ti.SPLIT_WAVES, ti.BLOCK_N = 128, 1.0, 64
+    ti.NARROW, ti.WIDE = (128, 64), (512, 32)
 
 
 def sweep_fp8() -> None:

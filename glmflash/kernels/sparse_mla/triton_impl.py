@@ -18,13 +18,16 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
-# Slots per inner step, and the programs per SM the split-slot decode aims for.
-BLOCK_N = 64
+# Programs per SM the split-slot decode aims for.
 SPLIT_WAVES = 1.0
-# Rank columns per score product, and output columns per program (bench/sweeps.py: 128 was the
-# fastest at one token; 256 with 64-slot steps needs more shared memory than an SM has).
+# Rank columns per score product, and (output columns per program, slots per step) below and
+# from WIDE_TOKENS queries. bench/sweeps.py on the H200: narrow blocks give few-token decode more
+# programs (1 query: 11.3 us vs 14.5); whole-rank blocks stop recomputing scores (32 queries:
+# 88 us vs 120, 4096: 8.0 ms vs 15.4). 512 columns with 64-slot steps exceed shared memory.
 SCORE_BLOCK = 128
-VALUE_BLOCK = 128
+NARROW = (128, 64)
+WIDE = (512, 32)
+WIDE_TOKENS = 16
 
 
 def _jit(fn):
@@ -122,7 +125,7 @@ def _num_splits(programs: int, width: int, device: torch.device) -> int:
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
         else 4
     want = int(sms * SPLIT_WAVES) // programs
-    return max(1, min(want, triton.cdiv(width, BLOCK_N)))
+    return max(1, min(want, triton.cdiv(width, NARROW[1])))
 
 
 def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *,
@@ -137,9 +140,9 @@ def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *
         return out
     br = triton.next_power_of_2(rank)
     brc = min(SCORE_BLOCK, br)
-    brv = min(VALUE_BLOCK, br)
+    value_block, bn = WIDE if num_tokens >= WIDE_TOKENS else NARROW
+    brv = min(value_block, br)
     bh = 64 if heads > 32 else max(16, triton.next_power_of_2(heads))
-    bn = BLOCK_N
     head_blocks = triton.cdiv(heads, bh)
     value_blocks = br // brv
     splits = _num_splits(num_tokens * head_blocks * value_blocks, width, q_lat.device)
