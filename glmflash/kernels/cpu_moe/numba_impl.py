@@ -284,68 +284,52 @@ def _ir_dot(context, builder, sig, args, num_rows, num_tokens, decode):
     return sums
 
 
-def _make_dot_ir(num_rows, num_tokens, decode):
-    """Intrinsic `(w [N, K] int8 C, row, xs [T, >=K] f32 C, prefetch_bytes) -> tuple of sums`.
+def _make_dot_ir(num_rows, num_tokens):
+    """Intrinsic `(w [N, K] int8 C, row, xs [T, >=K] f32 C, prefetch_bytes, decode) -> tuple of
+    sums`.
 
-    Sum r * num_tokens + t is `sum_k e4m3(w[row + r, k]) * x_t[k] * 2^-120` (2^-8 with
-    DECODE_FP16) over the first
-    `K - K % 64` columns (the caller adds the tail), where xs holds each activation row in the
-    even/odd layout of `_scale_row_nb`. Each of the num_rows streams prefetches `prefetch_bytes`
-    ahead of its read position.
+    Sum r * num_tokens + t is `sum_k e4m3(w[row + r, k]) * x_t[k]` times 2^-120
+    (DECODE_FP32_BITS) or 2^-8 (DECODE_FP16) over the first `K - K % 64` columns (the caller adds
+    the tail), where xs holds each activation row in the even/odd layout of `_scale_row_nb`.
+    Each of the num_rows streams prefetches `prefetch_bytes` ahead of its read position. Both
+    decodes are emitted, behind one branch on `decode`.
     """
     ret = types.UniTuple(types.float32, num_rows * num_tokens)
 
-    def typer(typingctx, w, row, xs, prefetch_bytes):
+    def typer(typingctx, w, row, xs, prefetch_bytes, decode):
         is_w = isinstance(w, types.Array) and w.dtype == types.int8 and w.ndim == 2
         is_xs = isinstance(xs, types.Array) and xs.dtype == types.float32 and xs.ndim == 2
         if not (is_w and is_xs and w.layout == "C" and xs.layout == "C"):
             raise TypingError(f"fp8 dot wants C-contiguous int8 [N, K], f32 [T, K]: {w}, {xs}")
 
         def codegen(context, builder, sig, args):
-            sums = _ir_dot(context, builder, sig, args, num_rows, num_tokens, decode)
-            return context.make_tuple(builder, ret, sums)
-        return ret(w, row, xs, prefetch_bytes), codegen
+            use_fp16 = builder.icmp_signed(
+                "==", context.cast(builder, args[4], sig.args[4], types.int64),
+                ir.Constant(_I64, DECODE_FP16))
+            branches = []
+            with builder.if_else(use_fp16) as (fp16, fp32_bits):
+                for arm, decode_kind in ((fp16, DECODE_FP16), (fp32_bits, DECODE_FP32_BITS)):
+                    with arm:
+                        sums = _ir_dot(context, builder, sig, args, num_rows, num_tokens,
+                                       decode_kind)
+                        branches.append((sums, builder.block))
+            merged = []
+            for i in range(num_rows * num_tokens):
+                phi = builder.phi(_F32)
+                for sums, block in branches:
+                    phi.add_incoming(sums[i], block)
+                merged.append(phi)
+            return context.make_tuple(builder, ret, merged)
+        return ret(w, row, xs, prefetch_bytes, decode), codegen
 
-    typer.__name__ = f"_dot_{num_rows}x{num_tokens}_{('fp32_bits', 'fp16')[decode]}_ir"
+    typer.__name__ = f"_dot_{num_rows}x{num_tokens}_ir"
     return intrinsic(typer)
 
 
-_dot_4x4_ir = _make_dot_ir(4, 4, DECODE_FP32_BITS)
-_dot_4x2_ir = _make_dot_ir(4, 2, DECODE_FP32_BITS)
-_dot_4x1_ir = _make_dot_ir(4, 1, DECODE_FP32_BITS)
-_dot_1x1_ir = _make_dot_ir(1, 1, DECODE_FP32_BITS)
-_dot_4x4_fp16_ir = _make_dot_ir(4, 4, DECODE_FP16)
-_dot_4x2_fp16_ir = _make_dot_ir(4, 2, DECODE_FP16)
-_dot_4x1_fp16_ir = _make_dot_ir(4, 1, DECODE_FP16)
-_dot_1x1_fp16_ir = _make_dot_ir(1, 1, DECODE_FP16)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _dot_4x4_nb(w, n, xs, decode):
-    if decode == DECODE_FP16:
-        return _dot_4x4_fp16_ir(w, n, xs, PREFETCH_BYTES)
-    return _dot_4x4_ir(w, n, xs, PREFETCH_BYTES)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _dot_4x2_nb(w, n, xs, decode):
-    if decode == DECODE_FP16:
-        return _dot_4x2_fp16_ir(w, n, xs, PREFETCH_BYTES)
-    return _dot_4x2_ir(w, n, xs, PREFETCH_BYTES)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _dot_4x1_nb(w, n, xs, decode):
-    if decode == DECODE_FP16:
-        return _dot_4x1_fp16_ir(w, n, xs, PREFETCH_BYTES)
-    return _dot_4x1_ir(w, n, xs, PREFETCH_BYTES)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _dot_1x1_nb(w, n, xs, decode):
-    if decode == DECODE_FP16:
-        return _dot_1x1_fp16_ir(w, n, xs, PREFETCH_BYTES)
-    return _dot_1x1_ir(w, n, xs, PREFETCH_BYTES)
+_dot_4x4_ir = _make_dot_ir(4, 4)
+_dot_4x2_ir = _make_dot_ir(4, 2)
+_dot_4x1_ir = _make_dot_ir(4, 1)
+_dot_1x1_ir = _make_dot_ir(1, 1)
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
@@ -359,24 +343,24 @@ def _rows_dot_nb(w, n, num_rows, xs, num_tokens, acc, decode):
         t = 0
         while t < num_tokens:
             if num_tokens - t >= 4:
-                sums = _dot_4x4_nb(w, n, xs[t:], decode)
+                sums = _dot_4x4_ir(w, n, xs[t:], PREFETCH_BYTES, decode)
                 for i in range(16):
                     acc[i // 4, t + i % 4] = sums[i]
                 t += 4
             elif num_tokens - t >= 2:
-                sums2 = _dot_4x2_nb(w, n, xs[t:], decode)
+                sums2 = _dot_4x2_ir(w, n, xs[t:], PREFETCH_BYTES, decode)
                 for i in range(8):
                     acc[i // 2, t + i % 2] = sums2[i]
                 t += 2
             else:
-                sums1 = _dot_4x1_nb(w, n, xs[t:], decode)
+                sums1 = _dot_4x1_ir(w, n, xs[t:], PREFETCH_BYTES, decode)
                 for i in range(4):
                     acc[i, t] = sums1[i]
                 t += 1
     else:
         for r in range(num_rows):
             for t in range(num_tokens):
-                acc[r, t] = _dot_1x1_nb(w, n + r, xs[t:], decode)[0]
+                acc[r, t] = _dot_1x1_ir(w, n + r, xs[t:], PREFETCH_BYTES, decode)[0]
     k_len = w.shape[1]
     for r in range(num_rows):
         for t in range(num_tokens):
