@@ -23,7 +23,8 @@ SPLIT_WAVES = 1.0
 # Rank columns per score product, and (output columns per program, slots per step) below and
 # from WIDE_TOKENS queries. bench/sweeps.py on the H200: narrow blocks give few-token decode more
 # programs (1 query: 11.3 us vs 14.5); whole-rank blocks stop recomputing scores (32 queries:
-# 88 us vs 120, 4096: 8.0 ms vs 15.4). 512 columns with 64-slot steps exceed shared memory.
+# 88 us vs 120, 4096: 8.0 ms vs 15.4, measured before whole-rank blocks shared the score tile;
+# the first kernel, built that way with 64-slot steps, ran 4096 queries in 5.8 ms).
 SCORE_BLOCK = 128
 NARROW = (128, 64)
 WIDE = (512, 32)
@@ -39,10 +40,12 @@ def sparse_mla_kernel(q, latent, slots, o, part_o, part_ml, scale, T, H, W, R,
                       stride_qt, stride_qh, stride_l, stride_s, stride_ot, stride_oh,
                       SPLIT_W, NUM_SPLITS: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
                       BH: tl.constexpr, BR: tl.constexpr, BRC: tl.constexpr, BRV: tl.constexpr,
-                      BN: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+                      BN: tl.constexpr, ONE_PIECE: tl.constexpr, DOT: tl.constexpr,
+                      PREC: tl.constexpr):
     """Online-softmax attention of q[t, heads] over latent[slots[t, range]], output columns
-    [i_rv * BRV, +BRV) only: scores take the whole rank in BRC-wide pieces, so no program holds
-    a [BH, R] accumulator (R = 512 spilled registers)."""
+    [i_rv * BRV, +BRV) only. Scores take the whole rank in BRC-wide pieces, so a program can own
+    fewer output columns than the rank; with ONE_PIECE (BRC = BRV = BR) the latent tile of the
+    scores is the value tile too, and q stays loaded across slot steps."""
     i_t, i_hr, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hb, i_rv = i_hr % HEAD_BLOCKS, i_hr // HEAD_BLOCKS
     o_h = i_hb * BH + tl.arange(0, BH)
@@ -56,18 +59,27 @@ def sparse_mla_kernel(q, latent, slots, o, part_o, part_ml, scale, T, H, W, R,
     b_acc = tl.zeros([BH, BRV], dtype=tl.float32)
     w_start = i_s * SPLIT_W
     w_end = tl.minimum(w_start + SPLIT_W, W)
+    if ONE_PIECE:
+        b_q1 = tl.load(p_q + o_c[None, :], mask=m_h[:, None] & (o_c < R)[None, :],
+                       other=0.0).to(DOT)
     for w0 in range(w_start, w_end, BN):
         o_n = w0 + tl.arange(0, BN)
         idx = tl.load(slots + i_t64 * stride_s + o_n, mask=o_n < w_end, other=-1)
         valid = idx >= 0
         p_kv = latent + idx.to(tl.int64)[:, None] * stride_l
-        b_s = tl.zeros([BH, BN], dtype=tl.float32)
-        for r0 in tl.static_range(0, BR, BRC):
-            m_c = r0 + o_c < R
-            b_q = tl.load(p_q + r0 + o_c[None, :], mask=m_h[:, None] & m_c[None, :], other=0.0)
-            b_kc = tl.load(p_kv + r0 + o_c[None, :], mask=valid[:, None] & m_c[None, :],
-                           other=0.0)
-            b_s = tl.dot(b_q.to(DOT), tl.trans(b_kc.to(DOT)), b_s, input_precision=PREC)
+        if ONE_PIECE:
+            b_kv = tl.load(p_kv + o_c[None, :], mask=valid[:, None] & (o_c < R)[None, :],
+                           other=0.0).to(DOT)
+            b_s = tl.dot(b_q1, tl.trans(b_kv), input_precision=PREC)
+        else:
+            b_s = tl.zeros([BH, BN], dtype=tl.float32)
+            for r0 in tl.static_range(0, BR, BRC):
+                m_c = r0 + o_c < R
+                b_q = tl.load(p_q + r0 + o_c[None, :], mask=m_h[:, None] & m_c[None, :],
+                              other=0.0)
+                b_kc = tl.load(p_kv + r0 + o_c[None, :], mask=valid[:, None] & m_c[None, :],
+                               other=0.0)
+                b_s = tl.dot(b_q.to(DOT), tl.trans(b_kc.to(DOT)), b_s, input_precision=PREC)
         b_s = tl.where(valid[None, :], b_s * scale, float("-inf"))
         b_mn = tl.maximum(b_m, tl.max(b_s, 1))
         # NOTE: rows that have seen no valid slot keep m = -inf; shift by 0 there (no NaN).
@@ -75,8 +87,10 @@ def sparse_mla_kernel(q, latent, slots, o, part_o, part_ml, scale, T, H, W, R,
         b_p = tl.exp(b_s - b_ms[:, None])
         b_alpha = tl.exp(b_m - b_ms)
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        b_kv = tl.load(p_kv + o_v[None, :], mask=valid[:, None] & m_v[None, :], other=0.0)
-        b_acc = tl.dot(b_p.to(DOT), b_kv.to(DOT), b_acc * b_alpha[:, None], input_precision=PREC)
+        if not ONE_PIECE:
+            b_kv = tl.load(p_kv + o_v[None, :], mask=valid[:, None] & m_v[None, :],
+                           other=0.0).to(DOT)
+        b_acc = tl.dot(b_p.to(DOT), b_kv, b_acc * b_alpha[:, None], input_precision=PREC)
         b_m = b_mn
     m_out = m_h[:, None] & m_v[None, :]
     b_out = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
@@ -142,6 +156,8 @@ def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *
     brc = min(SCORE_BLOCK, br)
     value_block, bn = WIDE if num_tokens >= WIDE_TOKENS else NARROW
     brv = min(value_block, br)
+    if brv == br:
+        brc = br  # one piece: the score tile doubles as the value tile
     bh = 64 if heads > 32 else max(16, triton.next_power_of_2(heads))
     head_blocks = triton.cdiv(heads, bh)
     value_blocks = br // brv
@@ -160,8 +176,8 @@ def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *
         q_lat, latent, slots, out, part_o, part_ml, scale, num_tokens, heads, width, rank,
         q_lat.stride(0), q_lat.stride(1), latent.stride(0), slots.stride(0), out.stride(0),
         out.stride(1), split_w, NUM_SPLITS=splits, HEAD_BLOCKS=head_blocks, BH=bh, BR=br,
-        BRC=brc, BRV=brv, BN=bn, DOT=dot, PREC="ieee" if fp32 else "tf32",
-        num_warps=8 if bh * brv >= 64 * 256 else 4)
+        BRC=brc, BRV=brv, BN=bn, ONE_PIECE=brc == br and brv == br, DOT=dot,
+        PREC="ieee" if fp32 else "tf32", num_warps=8 if bh * brv >= 64 * 256 else 4)
     if splits > 1:
         sparse_mla_combine_kernel[(num_tokens, heads)](
             part_o, part_ml, out, heads, rank, out.stride(0), out.stride(1), NUM_SPLITS=splits,
