@@ -59,7 +59,6 @@ def copy_bandwidth() -> float:
     src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     ms = bench_ms(lambda: dst.copy_(src), warmup=5, rep=50)
-    del src, dst
     return 2 * (2 << 30) / ms / 1e6
 
 
@@ -98,43 +97,47 @@ def _fla():
 
 
 def bench_kda_prefill(sizes: list[int]) -> str:
-    from glmflash.kernels.kda import triton_impl as ti
-
     chunk_kda, _ = _fla()
     rows = []
     for n in sizes:
-        q, k, v, g, beta, state = _kda_inputs(n)
-        cu = [0, n]
-        s_mine = state.clone()
-        out = ti.kda(q, k, v, g, beta, s_mine, cu, [0], [False])
-        ms = bench_ms(lambda: ti.kda(q, k, v, g, beta, state.clone(), cu, [0], [False]))
-        clone_ms = bench_ms(lambda: state.clone())
-        plan = ti._plan(tuple(cu), (0,), (False,), q.device)
-        buf = ti._prefill_buffers(q, v, plan.num_chunks)
-        strides = (q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0))
-        prep_ms = bench_ms(lambda: ti._launch_prep(q, k, v, g, beta, buf, plan, D ** -0.5,
-                                                     strides))
-        row = [n, f"{ms - clone_ms:.3f}", f"{prep_ms:.3f}", f"{ms - clone_ms - prep_ms:.3f}"]
-        if chunk_kda is not None:
-            cu_t = torch.tensor(cu, device="cuda")
-
-            def run_fla(s0):
-                return chunk_kda(q[None], k[None], v[None], g[None], beta[None], scale=D ** -0.5,
-                                 initial_state=s0, output_final_state=True,
-                                 use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t)
-
-            o_fla, s_fla = run_fla(state.clone())
-            fla_ms = bench_ms(lambda: run_fla(state.clone())) - clone_ms
-            row += [f"{fla_ms:.3f}", f"{fla_ms / (ms - clone_ms):.2f}",
-                    f"{rel(out, o_fla[0]):.1e} / {rel(s_mine, s_fla):.1e}"]
-        else:
-            row += ["n/a", "n/a", "n/a"]
+        row = _kda_prefill_row(n, chunk_kda)
         rows.append(row)
         print(row, flush=True)
-        del q, k, v, g, beta, state, buf
         torch.cuda.empty_cache()
     return table(["tokens (1 seq)", "triton ms", "prep ms", "state walk ms", "fla chunk_kda ms",
                   "fla / triton (goal >= 1)", "rel diff vs fla (o / state)"], rows)
+
+
+def _kda_prefill_row(n: int, chunk_kda) -> list:
+    from glmflash.kernels.kda import triton_impl as ti
+
+    q, k, v, g, beta, state = _kda_inputs(n)
+    cu = [0, n]
+    s_mine = state.clone()
+    out = ti.kda(q, k, v, g, beta, s_mine, cu, [0], [False])
+    ms = bench_ms(lambda: ti.kda(q, k, v, g, beta, state.clone(), cu, [0], [False]))
+    clone_ms = bench_ms(lambda: state.clone())
+    plan = ti._plan(tuple(cu), (0,), (False,), q.device)
+    buf = ti._prefill_buffers(q, v, plan.num_chunks)
+    strides = (q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0))
+    prep_ms = bench_ms(lambda: ti._launch_prep(q, k, v, g, beta, buf, plan, D ** -0.5,
+                                                 strides))
+    row = [n, f"{ms - clone_ms:.3f}", f"{prep_ms:.3f}", f"{ms - clone_ms - prep_ms:.3f}"]
+    if chunk_kda is not None:
+        cu_t = torch.tensor(cu, device="cuda")
+
+        def run_fla(s0):
+            return chunk_kda(q[None], k[None], v[None], g[None], beta[None], scale=D ** -0.5,
+                             initial_state=s0, output_final_state=True,
+                             use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t)
+
+        o_fla, s_fla = run_fla(state.clone())
+        fla_ms = bench_ms(lambda: run_fla(state.clone())) - clone_ms
+        row += [f"{fla_ms:.3f}", f"{fla_ms / (ms - clone_ms):.2f}",
+                f"{rel(out, o_fla[0]):.1e} / {rel(s_mine, s_fla):.1e}"]
+    else:
+        row += ["n/a", "n/a", "n/a"]
+    return row
 
 
 def sweep_kda(sizes: list[int]) -> None:
@@ -142,30 +145,33 @@ def sweep_kda(sizes: list[int]) -> None:
     from glmflash.kernels.kda import triton_impl as ti
 
     for n in sizes:
-        q, k, v, g, beta, state = _kda_inputs(n)
-        plan = ti._plan((0, n), (0,), (False,), q.device)
-        buf = ti._prefill_buffers(q, v, plan.num_chunks)
-        out = torch.empty_like(q)
-        strides = (q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0))
-        for warps, bkc in ((4, 16), (8, 16), (8, 32)):
-            ti.PREP_WARPS, ti.PREP_BKC = warps, bkc
-            ms = bench_ms(lambda: ti._launch_prep(q, k, v, g, beta, buf, plan, D ** -0.5,
-                                                  strides))
-            print(f"sweep n={n} prep warps={warps} bkc={bkc}: {ms:.3f} ms", flush=True)
-        for bv in (32, 64):
-            for warps in (4, 8):
-                ti.STATE_BV, ti.STATE_WARPS = bv, warps
-                ms = bench_ms(lambda: ti._launch_state(state, out, buf, plan))
-                print(f"sweep n={n} state BV={bv} warps={warps}: {ms:.3f} ms", flush=True)
+        _sweep_kda_size(n)
         ti.PREP_WARPS, ti.PREP_BKC, ti.STATE_BV, ti.STATE_WARPS = 4, 16, 64, 4
-        del q, k, v, g, beta, state, buf, out
         torch.cuda.empty_cache()
+
+
+def _sweep_kda_size(n: int) -> None:
+    from glmflash.kernels.kda import triton_impl as ti
+
+    q, k, v, g, beta, state = _kda_inputs(n)
+    plan = ti._plan((0, n), (0,), (False,), q.device)
+    buf = ti._prefill_buffers(q, v, plan.num_chunks)
+    out = torch.empty_like(q)
+    strides = (q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0))
+    for warps, bkc in ((4, 16), (8, 16), (8, 32)):
+        ti.PREP_WARPS, ti.PREP_BKC = warps, bkc
+        ms = bench_ms(lambda: ti._launch_prep(q, k, v, g, beta, buf, plan, D ** -0.5, strides))
+        print(f"sweep n={n} prep warps={warps} bkc={bkc}: {ms:.3f} ms", flush=True)
+    for bv in (32, 64):
+        for warps in (4, 8):
+            ti.STATE_BV, ti.STATE_WARPS = bv, warps
+            ms = bench_ms(lambda: ti._launch_state(state, out, buf, plan))
+            print(f"sweep n={n} state BV={bv} warps={warps}: {ms:.3f} ms", flush=True)
 
 
 def pick_kda_products(sizes: list[int]) -> tuple[str, str]:
     """Accuracy of the prep kernel's product variants against the fp32 reference on the GPU;
     returns the fastest accurate one and a table of what was measured."""
-    from glmflash.kernels.kda import kda_ref
     from glmflash.kernels.kda import triton_impl as ti
 
     rows, chosen = [], None
@@ -174,19 +180,10 @@ def pick_kda_products(sizes: list[int]) -> tuple[str, str]:
         ti.PREP_PRODUCTS = variant
         ok = True
         for n in sizes:
-            q, k, v, g, beta, state = _kda_inputs(n)
-            s_ref, s_got = state.clone(), state.clone()
-            want = kda_ref(q, k, v, g, beta, s_ref, [0, n], [0], [False])
-            got = ti.kda(q, k, v, g, beta, s_got, [0, n], [0], [False])
-            ms = bench_ms(lambda: ti._launch_prep(
-                q, k, v, g, beta, ti._prefill_buffers(q, v, n // 64),
-                ti._plan((0, n), (0,), (False,), q.device), D ** -0.5,
-                (q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0))))
-            err_o, err_s = rel(got.float(), want.float()), rel(s_got, s_ref)
+            err_o, err_s, ms = _check_kda_products(n)
             ok = ok and err_o < 2e-2 and err_s < 2e-2
             rows.append([variant, n, f"{err_o:.1e}", f"{err_s:.1e}", f"{ms:.3f}"])
             print(rows[-1], flush=True)
-            del q, k, v, g, beta, state, s_ref, s_got
             torch.cuda.empty_cache()
         if ok and chosen is None:
             chosen = variant
@@ -196,108 +193,137 @@ def pick_kda_products(sizes: list[int]) -> tuple[str, str]:
                                     "prep ms"], rows)
 
 
-def bench_kda_decode(batches: list[int], copy_gbs: float) -> str:
+def _check_kda_products(n: int) -> tuple[float, float, float]:
+    """Relative errors of o and of the state against the fp32 reference, and the prep kernel's
+    ms, under the current `PREP_PRODUCTS`."""
+    from glmflash.kernels.kda import kda_ref
     from glmflash.kernels.kda import triton_impl as ti
 
+    q, k, v, g, beta, state = _kda_inputs(n)
+    s_ref, s_got = state.clone(), state.clone()
+    want = kda_ref(q, k, v, g, beta, s_ref, [0, n], [0], [False])
+    got = ti.kda(q, k, v, g, beta, s_got, [0, n], [0], [False])
+    ms = bench_ms(lambda: ti._launch_prep(
+        q, k, v, g, beta, ti._prefill_buffers(q, v, n // 64),
+        ti._plan((0, n), (0,), (False,), q.device), D ** -0.5,
+        (q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0))))
+    return rel(got.float(), want.float()), rel(s_got, s_ref), ms
+
+
+def bench_kda_decode(batches: list[int], copy_gbs: float) -> str:
     _, fla_recurrent = _fla()
     rows = []
     for b in batches:
-        q, k, v, g, beta, state = _kda_inputs(b, b)
-        cu, slots, fresh = list(range(b + 1)), list(range(b)), [False] * b
-        eager = bench_ms(lambda: ti.kda(q, k, v, g, beta, state, cu, slots, fresh), rep=100)
-        states = [state] + [state.clone() for _ in range(copies(state.numel() * 4) - 1)]
-        ms = graph_ms([lambda s=s: ti.kda(q, k, v, g, beta, s, cu, slots, fresh)
-                       for s in states])
-        moved = 2 * state.numel() * 4 + 4 * q.numel() * 2 + g.numel() * 4
-        gbs = moved / ms / 1e6
-        row = [b, f"{eager * 1e3:.1f}", f"{ms * 1e3:.1f}", f"{gbs:.0f}",
-               f"{100 * gbs / copy_gbs:.0f}%"]
-        if fla_recurrent is not None:
-            cu_t = torch.tensor(cu, device="cuda")
-            fla_ms = graph_ms([lambda s=s: fla_recurrent(
-                q[None], k[None], v[None], g[None], beta[None], initial_state=s,
-                scale=D ** -0.5, inplace_final_state=True, cu_seqlens=cu_t,
-                use_qk_l2norm_in_kernel=True) for s in states])
-            row += [f"{fla_ms * 1e3:.1f}", f"{moved / fla_ms / 1e6:.0f}"]
+        row = _kda_decode_row(b, copy_gbs, fla_recurrent)
         rows.append(row)
         print(row, flush=True)
     return table(["batch", "triton us (eager)", "triton us (graph)", "GB/s (state r+w, graph)",
                   "% of copy BW (goal 60%)", "fla fused_recurrent us (graph)", "fla GB/s"], rows)
 
 
-def bench_sparse_mla(batches: list[int], context: int, copy_gbs: float) -> str:
-    from glmflash.kernels.sparse_mla import sparse_mla_ref
-    from glmflash.kernels.sparse_mla import triton_impl as ti
+def _kda_decode_row(b: int, copy_gbs: float, fla_recurrent) -> list:
+    from glmflash.kernels.kda import triton_impl as ti
 
-    heads, rank, width = 64, 512, 2051
+    q, k, v, g, beta, state = _kda_inputs(b, b)
+    cu, slots, fresh = list(range(b + 1)), list(range(b)), [False] * b
+    eager = bench_ms(lambda: ti.kda(q, k, v, g, beta, state, cu, slots, fresh), rep=100)
+    states = [state] + [state.clone() for _ in range(copies(state.numel() * 4) - 1)]
+    ms = graph_ms([lambda s=s: ti.kda(q, k, v, g, beta, s, cu, slots, fresh)
+                   for s in states])
+    moved = 2 * state.numel() * 4 + 4 * q.numel() * 2 + g.numel() * 4
+    gbs = moved / ms / 1e6
+    row = [b, f"{eager * 1e3:.1f}", f"{ms * 1e3:.1f}", f"{gbs:.0f}",
+           f"{100 * gbs / copy_gbs:.0f}%"]
+    if fla_recurrent is not None:
+        cu_t = torch.tensor(cu, device="cuda")
+        fla_ms = graph_ms([lambda s=s: fla_recurrent(
+            q[None], k[None], v[None], g[None], beta[None], initial_state=s,
+            scale=D ** -0.5, inplace_final_state=True, cu_seqlens=cu_t,
+            use_qk_l2norm_in_kernel=True) for s in states])
+        row += [f"{fla_ms * 1e3:.1f}", f"{moved / fla_ms / 1e6:.0f}"]
+    return row
+
+
+def bench_sparse_mla(batches: list[int], context: int, copy_gbs: float) -> str:
     rows = []
     for b in batches + [4096]:
-        # One 128K-token cache per sequence (prefill row: 4096 queries of one sequence).
-        seqs = b if b <= 32 else 1
-        latent = torch.randn(seqs * context, rank, device="cuda").bfloat16()
-        q = torch.randn(b, heads, rank, device="cuda").bfloat16()
-        owner = torch.arange(b, device="cuda") % seqs
-        slots = torch.stack([torch.randperm(context, device="cuda")[:width]
-                             for _ in range(min(b, 64))])
-        slots = slots.repeat(-(-b // slots.shape[0]), 1)[:b] + owner[:, None] * context
-        eager = bench_ms(lambda: ti.sparse_mla(q, latent, slots, scale=1 / 16), rep=100)
-        moved = b * width * rank * 2 + 2 * q.numel() * 2 + slots.numel() * 8
-        # Other slot sets over the same cache: each call gathers rows no recent call touched.
-        n_sets = copies(moved) if b <= 32 else 1
-        slot_sets = [slots] + [torch.randint(0, context, slots.shape, device="cuda")
-                               + owner[:, None] * context for _ in range(n_sets - 1)]
-        ms = graph_ms([lambda s=s: ti.sparse_mla(q, latent, s, scale=1 / 16)
-                       for s in slot_sets])
-        flops = 4 * b * heads * width * rank
-        ref_ms = bench_ms(lambda: sparse_mla_ref(q, latent, slots, scale=1 / 16), rep=50)
-        err = rel(ti.sparse_mla(q, latent, slots, scale=1 / 16).float(),
-                  sparse_mla_ref(q.float(), latent.float(), slots, scale=1 / 16))
-        gbs = moved / ms / 1e6
-        rows.append([b, f"{eager * 1e3:.1f}", f"{ms * 1e3:.1f}", f"{gbs:.0f}",
-                     f"{100 * gbs / copy_gbs:.0f}%", f"{flops / ms / 1e9:.0f}",
-                     f"{ref_ms * 1e3:.0f}", f"{err:.1e}"])
+        rows.append(_sparse_mla_row(b, context, copy_gbs))
         print(rows[-1], flush=True)
-        del latent, q, slots
     return table(["queries", "triton us (eager)", "triton us (graph)",
                   "GB/s (latents gathered, graph)", "% of copy (goal 60%)", "TFLOP/s",
                   "torch ref us", "rel err vs fp32 ref"], rows)
 
 
+def _sparse_mla_row(b: int, context: int, copy_gbs: float) -> list:
+    from glmflash.kernels.sparse_mla import sparse_mla_ref
+    from glmflash.kernels.sparse_mla import triton_impl as ti
+
+    heads, rank, width = 64, 512, 2051
+    # One 128K-token cache per sequence (prefill row: 4096 queries of one sequence).
+    seqs = b if b <= 32 else 1
+    latent = torch.randn(seqs * context, rank, device="cuda").bfloat16()
+    q = torch.randn(b, heads, rank, device="cuda").bfloat16()
+    owner = torch.arange(b, device="cuda") % seqs
+    slots = torch.stack([torch.randperm(context, device="cuda")[:width]
+                         for _ in range(min(b, 64))])
+    slots = slots.repeat(-(-b // slots.shape[0]), 1)[:b] + owner[:, None] * context
+    eager = bench_ms(lambda: ti.sparse_mla(q, latent, slots, scale=1 / 16), rep=100)
+    moved = b * width * rank * 2 + 2 * q.numel() * 2 + slots.numel() * 8
+    # Other slot sets over the same cache: each call gathers rows no recent call touched.
+    n_sets = copies(moved) if b <= 32 else 1
+    slot_sets = [slots] + [torch.randint(0, context, slots.shape, device="cuda")
+                           + owner[:, None] * context for _ in range(n_sets - 1)]
+    ms = graph_ms([lambda s=s: ti.sparse_mla(q, latent, s, scale=1 / 16)
+                   for s in slot_sets])
+    flops = 4 * b * heads * width * rank
+    ref_ms = bench_ms(lambda: sparse_mla_ref(q, latent, slots, scale=1 / 16), rep=50)
+    err = rel(ti.sparse_mla(q, latent, slots, scale=1 / 16).float(),
+              sparse_mla_ref(q.float(), latent.float(), slots, scale=1 / 16))
+    gbs = moved / ms / 1e6
+    return [b, f"{eager * 1e3:.1f}", f"{ms * 1e3:.1f}", f"{gbs:.0f}",
+            f"{100 * gbs / copy_gbs:.0f}%", f"{flops / ms / 1e9:.0f}",
+            f"{ref_ms * 1e3:.0f}", f"{err:.1e}"]
+
+
 def bench_indexer(batches: list[int], contexts: list[int], copy_gbs: float) -> str:
+    rows = []
+    for ctx_len in contexts:
+        for b in batches:
+            row = _indexer_row(ctx_len, b)
+            rows.append(row)
+            print(row, flush=True)
+    return table(["context", "queries", "triton us", "of which torch.topk us",
+                  "scoring GB/s (pool keys)", "torch ref us", "same set as ref"], rows)
+
+
+def _indexer_row(ctx_len: int, b: int) -> list:
     from glmflash.kernels.indexer import indexer_select_ref
     from glmflash.kernels.indexer import triton_impl as ti
 
     heads, dim, kpool, topk = 32, 128, 4, 2048
-    rows = []
-    for ctx_len in contexts:
-        for b in batches:
-            pools = ctx_len // kpool
-            pool_keys = torch.randn(b * pools, dim, device="cuda").bfloat16()
-            ctx = torch.arange(b * ctx_len, device="cuda")
-            cu_ctx = [i * ctx_len for i in range(b + 1)]
-            cu, prefix = list(range(b + 1)), [ctx_len - 1] * b
-            q = torch.randn(b, heads, dim, device="cuda").bfloat16()
-            w = torch.randn(b, heads, device="cuda") * heads ** -0.5
-            args = (q, w, pool_keys, ctx, cu_ctx, cu, prefix)
-            kw = dict(topk=topk, kpool=kpool, select_tail=True)
-            ms = bench_ms(lambda: ti.indexer_select(*args, **kw), rep=100)
-            scores = torch.randn(b, pools, device="cuda")
-            topk_ms = bench_ms(lambda: scores.topk(topk // kpool, dim=1), rep=100)
-            moved = b * pools * dim * 2
-            row = [ctx_len, b, f"{ms * 1e3:.0f}", f"{topk_ms * 1e3:.0f}",
-                   f"{moved / (ms - topk_ms) / 1e6:.0f}" if ms > topk_ms else "-"]
-            if b == 1 and ctx_len <= 131072:
-                ref_ms = bench_ms(lambda: indexer_select_ref(*args, **kw), rep=50)
-                same = torch.equal(ti.indexer_select(*args, **kw).sort(1).values,
-                                   indexer_select_ref(*args, **kw).sort(1).values)
-                row += [f"{ref_ms * 1e3:.0f}", str(same)]
-            else:
-                row += ["-", "-"]
-            rows.append(row)
-            print(row, flush=True)
-            del pool_keys, ctx, scores
-    return table(["context", "queries", "triton us", "of which torch.topk us",
-                  "scoring GB/s (pool keys)", "torch ref us", "same set as ref"], rows)
+    pools = ctx_len // kpool
+    pool_keys = torch.randn(b * pools, dim, device="cuda").bfloat16()
+    ctx = torch.arange(b * ctx_len, device="cuda")
+    cu_ctx = [i * ctx_len for i in range(b + 1)]
+    cu, prefix = list(range(b + 1)), [ctx_len - 1] * b
+    q = torch.randn(b, heads, dim, device="cuda").bfloat16()
+    w = torch.randn(b, heads, device="cuda") * heads ** -0.5
+    args = (q, w, pool_keys, ctx, cu_ctx, cu, prefix)
+    kw = dict(topk=topk, kpool=kpool, select_tail=True)
+    ms = bench_ms(lambda: ti.indexer_select(*args, **kw), rep=100)
+    scores = torch.randn(b, pools, device="cuda")
+    topk_ms = bench_ms(lambda: scores.topk(topk // kpool, dim=1), rep=100)
+    moved = b * pools * dim * 2
+    row = [ctx_len, b, f"{ms * 1e3:.0f}", f"{topk_ms * 1e3:.0f}",
+           f"{moved / (ms - topk_ms) / 1e6:.0f}" if ms > topk_ms else "-"]
+    if b == 1 and ctx_len <= 131072:
+        ref_ms = bench_ms(lambda: indexer_select_ref(*args, **kw), rep=50)
+        same = torch.equal(ti.indexer_select(*args, **kw).sort(1).values,
+                           indexer_select_ref(*args, **kw).sort(1).values)
+        row += [f"{ref_ms * 1e3:.0f}", str(same)]
+    else:
+        row += ["-", "-"]
+    return row
 
 
 FP8_SHAPES = [(4096, 1536), (1536, 16384), (16384, 4096), (4096, 4096), (4096, 24576)]
@@ -314,30 +340,34 @@ def _scaled_mm(xq: torch.Tensor, wq: torch.Tensor):
 
 def bench_fp8(ms_list: list[int]) -> str:
     from glmflash.kernels.fp8_gemm import quantize_block_fp8
-    from glmflash.kernels.fp8_gemm import triton_impl as ti
 
     rows = []
     for k, n in FP8_SHAPES:
         wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda"))
         for m in ms_list:
-            x = torch.randn(m, k, device="cuda").bfloat16()
-            xq = x.to(torch.float8_e4m3fn)
-            base = graph_ms(_scaled_mm(xq, wq))
-            auto = graph_ms(lambda: ti.fp8_linear(x, wq, ws))
-            wo = graph_ms(lambda: ti.fp8_linear_weight_only(x, wq, ws, 128))
-            w8 = graph_ms(lambda: ti.fp8_linear_w8a8(x, wq, ws, 128))
-            unit = "GB/s" if m <= 16 else "TFLOP/s"
-
-            def rate(t):
-                return f"{n * k / t / 1e6:.0f}" if m <= 16 else f"{2 * m * n * k / t / 1e9:.0f}"
-
-            rows.append([f"{k}->{n}", m, f"{auto * 1e3:.1f}", rate(auto), f"{wo * 1e3:.1f}",
-                         f"{w8 * 1e3:.1f}", f"{base * 1e3:.1f}", rate(base), unit,
-                         f"{base / auto:.2f}"])
+            rows.append(_fp8_row(k, n, m, wq, ws))
             print(rows[-1], flush=True)
     return table(["shape", "M", "triton us", "rate", "weight-only us", "w8a8 us",
                   "_scaled_mm us", "_scaled_mm rate", "unit", "_scaled_mm / triton (goal 0.8)"],
                  rows)
+
+
+def _fp8_row(k: int, n: int, m: int, wq: torch.Tensor, ws: torch.Tensor) -> list:
+    from glmflash.kernels.fp8_gemm import triton_impl as ti
+
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    xq = x.to(torch.float8_e4m3fn)
+    base = graph_ms(_scaled_mm(xq, wq))
+    auto = graph_ms(lambda: ti.fp8_linear(x, wq, ws))
+    wo = graph_ms(lambda: ti.fp8_linear_weight_only(x, wq, ws, 128))
+    w8 = graph_ms(lambda: ti.fp8_linear_w8a8(x, wq, ws, 128))
+    unit = "GB/s" if m <= 16 else "TFLOP/s"
+
+    def rate(t):
+        return f"{n * k / t / 1e6:.0f}" if m <= 16 else f"{2 * m * n * k / t / 1e9:.0f}"
+
+    return [f"{k}->{n}", m, f"{auto * 1e3:.1f}", rate(auto), f"{wo * 1e3:.1f}",
+            f"{w8 * 1e3:.1f}", f"{base * 1e3:.1f}", rate(base), unit, f"{base / auto:.2f}"]
 
 
 def main() -> None:
@@ -386,7 +416,8 @@ def main() -> None:
              f"(bench/kernels.py)", bench_kda_prefill(sizes))
     if "kda_decode" in ops:
         emit(f"KDA decode step, 64 heads x 128, CUDA-graph timed, states rotated past L2 "
-             f"(bench/kernels.py; copy {copy_gbs:.0f} GB/s)", bench_kda_decode([1, 8, 32], copy_gbs))
+             f"(bench/kernels.py; copy {copy_gbs:.0f} GB/s)",
+             bench_kda_decode([1, 8, 32], copy_gbs))
 
 if __name__ == "__main__":
     main()

@@ -44,7 +44,7 @@ def _make_layers(num_layers: int) -> list[Experts]:
                                                                  dtype=torch.uint8))
             shared = [p.data for p in module.parameters()]
         else:
-            for p, data in zip(module.parameters(), shared):
+            for p, data in zip(module.parameters(), shared, strict=True):
                 p.data = data
         layers.append(module)
     return layers

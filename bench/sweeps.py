@@ -23,43 +23,53 @@ def sweep_kda_decode() -> None:
     from glmflash.kernels.kda import triton_impl as ti
 
     for b in (1, 8, 32):
-        q, k, v, g, beta, state = _kda_inputs(b, b)
-        cu, slots, fresh = list(range(b + 1)), list(range(b)), [False] * b
-        moved = 2 * state.numel() * 4
-        for bv, warps in itertools.product((8, 16, 32, 64), (1, 2, 4)):
-            ti.DECODE_NARROW = ti.DECODE_WIDE = (bv, warps)
-            ms = graph_ms(lambda: ti.kda(q, k, v, g, beta, state, cu, slots, fresh))
-            print(f"kda decode b={b} BV={bv} warps={warps}: {ms * 1e3:.1f} us "
-                  f"{moved / ms / 1e6:.0f} GB/s", flush=True)
+        _sweep_kda_decode_batch(b)
     ti.DECODE_NARROW, ti.DECODE_WIDE = (32, 2), (64, 4)
+
+
+def _sweep_kda_decode_batch(b: int) -> None:
+    from glmflash.kernels.kda import triton_impl as ti
+
+    q, k, v, g, beta, state = _kda_inputs(b, b)
+    cu, slots, fresh = list(range(b + 1)), list(range(b)), [False] * b
+    moved = 2 * state.numel() * 4
+    for bv, warps in itertools.product((8, 16, 32, 64), (1, 2, 4)):
+        ti.DECODE_NARROW = ti.DECODE_WIDE = (bv, warps)
+        ms = graph_ms(lambda: ti.kda(q, k, v, g, beta, state, cu, slots, fresh))
+        print(f"kda decode b={b} BV={bv} warps={warps}: {ms * 1e3:.1f} us "
+              f"{moved / ms / 1e6:.0f} GB/s", flush=True)
 
 
 def sweep_sparse_mla() -> None:
     from glmflash.kernels.sparse_mla import triton_impl as ti
 
-    heads, rank, width, context = 64, 512, 2051, 131072
-    from glmflash.kernels.sparse_mla import sparse_mla_ref
-
     for b in (1, 32, 4096):
-        seqs = b if b <= 32 else 1
-        latent = torch.randn(seqs * context, rank, device="cuda").bfloat16()
-        q = torch.randn(b, heads, rank, device="cuda").bfloat16()
-        slots = torch.randint(0, context, (b, width), device="cuda") \
-            + (torch.arange(b, device="cuda") % seqs)[:, None] * context
-        moved = b * width * rank * 2
-        want = sparse_mla_ref(q.float(), latent.float(), slots, scale=1 / 16)
-        for bv, bn in itertools.product((128, 512), (32, 64)):
-            ti.NARROW = ti.WIDE = (bv, bn)
-            try:
-                err = rel(ti.sparse_mla(q, latent, slots, scale=1 / 16).float(), want)
-                ms = graph_ms(lambda: ti.sparse_mla(q, latent, slots, scale=1 / 16))
-            except Exception as e:  # noqa: BLE001 - a shape that does not fit is a result too
-                print(f"sparse mla b={b} BRV={bv} BN={bn}: {type(e).__name__}", flush=True)
-                continue
-            print(f"sparse mla b={b} BRV={bv} BN={bn}: {ms * 1e3:.1f} us "
-                  f"{moved / ms / 1e6:.0f} GB/s rel err {err:.1e}", flush=True)
-        del latent, q, slots
+        _sweep_sparse_mla_batch(b)
     ti.NARROW, ti.WIDE = (128, 64), (512, 32)
+
+
+def _sweep_sparse_mla_batch(b: int) -> None:
+    from glmflash.kernels.sparse_mla import sparse_mla_ref
+    from glmflash.kernels.sparse_mla import triton_impl as ti
+
+    heads, rank, width, context = 64, 512, 2051, 131072
+    seqs = b if b <= 32 else 1
+    latent = torch.randn(seqs * context, rank, device="cuda").bfloat16()
+    q = torch.randn(b, heads, rank, device="cuda").bfloat16()
+    slots = torch.randint(0, context, (b, width), device="cuda") \
+        + (torch.arange(b, device="cuda") % seqs)[:, None] * context
+    moved = b * width * rank * 2
+    want = sparse_mla_ref(q.float(), latent.float(), slots, scale=1 / 16)
+    for bv, bn in itertools.product((128, 512), (32, 64)):
+        ti.NARROW = ti.WIDE = (bv, bn)
+        try:
+            err = rel(ti.sparse_mla(q, latent, slots, scale=1 / 16).float(), want)
+            ms = graph_ms(lambda: ti.sparse_mla(q, latent, slots, scale=1 / 16))
+        except Exception as e:  # noqa: BLE001 - a shape that does not fit is a result too
+            print(f"sparse mla b={b} BRV={bv} BN={bn}: {type(e).__name__}", flush=True)
+            continue
+        print(f"sparse mla b={b} BRV={bv} BN={bn}: {ms * 1e3:.1f} us "
+              f"{moved / ms / 1e6:.0f} GB/s rel err {err:.1e}", flush=True)
 
 
 def sweep_fp8() -> None:
@@ -68,21 +78,27 @@ def sweep_fp8() -> None:
 
     for k, n in FP8_SHAPES:
         wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda"))
-        for m in (1, 16):
-            x = torch.randn(m, k, device="cuda").bfloat16()
-            for waves, stages, warps in itertools.product((1.0, 2.0), (3, 4, 6), (4,)):
-                ti.WDQ_WAVES, ti.WDQ_STAGES, ti.WDQ_WARPS = waves, stages, warps
-                ms = graph_ms(lambda: ti.fp8_linear_weight_only(x, wq, ws, 128))
-                print(f"fp8 wdq {k}->{n} M={m} waves={waves} stages={stages} warps={warps}: "
-                      f"{ms * 1e3:.1f} us {n * k / ms / 1e6:.0f} GB/s", flush=True)
-        x = torch.randn(2048, k, device="cuda").bfloat16()
-        for tile in ((128, 128, 8, 4), (128, 128, 4, 4), (64, 128, 4, 4), (128, 256, 8, 3),
-                     (128, 64, 4, 4), (64, 256, 8, 3)):
-            ti.W8A8_TILE = tile
-            ms = graph_ms(lambda: ti.fp8_linear_w8a8(x, wq, ws, 128))
-            print(f"fp8 w8a8 {k}->{n} M=2048 tile={tile}: {ms * 1e3:.1f} us "
-                  f"{2 * 2048 * n * k / ms / 1e9:.0f} TFLOP/s", flush=True)
+        _sweep_fp8_shape(k, n, wq, ws)
     ti.WDQ_WAVES, ti.WDQ_STAGES, ti.WDQ_WARPS, ti.W8A8_TILE = 1.0, 4, 4, (128, 128, 8, 4)
+
+
+def _sweep_fp8_shape(k: int, n: int, wq: torch.Tensor, ws: torch.Tensor) -> None:
+    from glmflash.kernels.fp8_gemm import triton_impl as ti
+
+    for m in (1, 16):
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        for waves, stages, warps in itertools.product((1.0, 2.0), (3, 4, 6), (4,)):
+            ti.WDQ_WAVES, ti.WDQ_STAGES, ti.WDQ_WARPS = waves, stages, warps
+            ms = graph_ms(lambda x=x: ti.fp8_linear_weight_only(x, wq, ws, 128))
+            print(f"fp8 wdq {k}->{n} M={m} waves={waves} stages={stages} warps={warps}: "
+                  f"{ms * 1e3:.1f} us {n * k / ms / 1e6:.0f} GB/s", flush=True)
+    x = torch.randn(2048, k, device="cuda").bfloat16()
+    for tile in ((128, 128, 8, 4), (128, 128, 4, 4), (64, 128, 4, 4), (128, 256, 8, 3),
+                 (128, 64, 4, 4), (64, 256, 8, 3)):
+        ti.W8A8_TILE = tile
+        ms = graph_ms(lambda: ti.fp8_linear_w8a8(x, wq, ws, 128))
+        print(f"fp8 w8a8 {k}->{n} M=2048 tile={tile}: {ms * 1e3:.1f} us "
+              f"{2 * 2048 * n * k / ms / 1e9:.0f} TFLOP/s", flush=True)
 
 
 def main() -> None:

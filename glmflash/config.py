@@ -46,7 +46,9 @@ class VisionConfig:
         kwargs = _known_fields(cls, raw)
         rope = raw.get("rope_parameters") or {}
         if rope.get("rope_type", "axial") != "axial":
-            raise ConfigError(f"vision rope_type {rope['rope_type']!r} is not supported (only 'axial')")
+            raise ConfigError(
+                f"vision rope_type {rope['rope_type']!r} is not supported (only 'axial')"
+            )
         if "rope_theta" in rope:
             kwargs["rope_theta"] = float(rope["rope_theta"])
         return cls(**kwargs)
@@ -65,13 +67,20 @@ class QuantConfig:
     def from_dict(cls, raw: dict[str, Any]) -> QuantConfig:
         method = raw.get("quant_method")
         if method != "fp8":
-            raise ConfigError(f"quantization_config.quant_method {method!r} is not supported (only 'fp8')")
+            raise ConfigError(
+                f"quantization_config.quant_method {method!r} is not supported (only 'fp8')"
+            )
         if raw.get("fmt", "e4m3") != "e4m3":
-            raise ConfigError(f"quantization_config.fmt {raw['fmt']!r} is not supported (only 'e4m3')")
+            raise ConfigError(
+                f"quantization_config.fmt {raw['fmt']!r} is not supported (only 'e4m3')"
+            )
         block = tuple(raw.get("weight_block_size") or (128, 128))
         if len(block) != 2 or min(block) < 1:
-            raise ConfigError(f"quantization_config.weight_block_size {block!r} must be two positive ints")
-        return cls(weight_block_size=block, activation_scheme=raw.get("activation_scheme", "dynamic"))
+            raise ConfigError(
+                f"quantization_config.weight_block_size {block!r} must be two positive ints"
+            )
+        scheme = raw.get("activation_scheme", "dynamic")
+        return cls(weight_block_size=block, activation_scheme=scheme)
 
 
 @dataclass(frozen=True)
@@ -246,7 +255,9 @@ def _layer_schedules(text: dict[str, Any]) -> dict[str, tuple[str, ...]]:
         else:
             freq = max(int(text.get("index_topk_freq", 1)), 1)
             offset = int(text.get("index_skip_topk_offset", 2))
-            indexers = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+            indexers = [
+                "full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)
+            ]
     return {"layer_types": tuple(layers), "indexer_types": tuple(indexers),
             "mlp_layer_types": tuple(mlp)}
 

@@ -1,5 +1,7 @@
-"""Write a tiny random GLM-5.3-Flash checkpoint: `python tools/make_tiny_checkpoint.py DIR [--seed N]
-[--variant embedded|kpool16|recipe] [--bf16]` (same as `glmflash make-tiny` plus test variants)."""
+"""Write a tiny random GLM-5.3-Flash checkpoint (`glmflash make-tiny` plus test variants):
+
+    python tools/make_tiny_checkpoint.py DIR [--seed N] [--variant embedded|kpool16|recipe] [--bf16]
+"""
 
 from __future__ import annotations
 

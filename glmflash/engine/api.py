@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from glmflash.engine.outputs import Result, ResultCollector, StreamDelta
-from glmflash.sampling_params import SamplingParams
 from glmflash.parsers.tool_parser import ChatOutputParser, ToolCall
+from glmflash.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from glmflash.tokenizer import Tokenizer
@@ -42,7 +42,10 @@ class EngineApiMixin:
         """
         token_lists = self._prompt_token_lists(prompts, prompt_token_ids)
         mms = mm or [None] * len(token_lists)
-        token_lists = [m.token_ids if m is not None else ids for ids, m in zip(token_lists, mms)]
+        if len(mms) != len(token_lists):
+            raise ValueError(f"mm has {len(mms)} entries for {len(token_lists)} prompts")
+        token_lists = [m.token_ids if m is not None else ids
+                       for ids, m in zip(token_lists, mms, strict=True)]
         params = _per_prompt(sampling_params, len(token_lists))
         collectors, done, lock = [], threading.Event(), threading.Lock()
         remaining = [len(token_lists)]
@@ -57,9 +60,9 @@ class EngineApiMixin:
                             done.set()
             return sink
 
-        for ids, p in zip(token_lists, params):
+        for ids in token_lists:
             self._validate_prompt(ids)
-        for ids, p, m in zip(token_lists, params, mms):
+        for ids, p, m in zip(token_lists, params, mms, strict=True):
             collector = ResultCollector("", ids, n)
             collector.request_id = self.add_request(ids, p, make_sink(collector), n=n, mm=m)
             collectors.append(collector)

@@ -25,7 +25,10 @@ class SequenceDetokenizer:
         self.num_emitted = 0
 
     def add(self, token_ids: list[int], *, is_last: bool) -> TextDelta:
-        """Decode new tokens (exclude a terminating stop token before calling); emit what is safe."""
+        """Decode new tokens and emit what is safe.
+
+        Exclude a terminating stop token from `token_ids` before calling.
+        """
         self.text += self.decoder.add(token_ids)
         if is_last:
             self.text += self.decoder.flush()

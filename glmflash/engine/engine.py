@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import itertools
-from importlib import resources
 import logging
 import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -141,7 +141,7 @@ class Engine(EngineApiMixin):
         if batch is None:
             return
         logits = self.runner.run(batch)
-        sampled = [s for s, need in zip(batch.seqs, batch.needs_sample) if need]
+        sampled = [s for s, need in zip(batch.seqs, batch.needs_sample, strict=True) if need]
         self._emit(self.scheduler.update(batch, self.sampler.sample(logits, sampled)))
         if self.options.check_integrity:
             self.cache.check_integrity()

@@ -107,7 +107,7 @@ class LayerwiseStreamer:
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(slot_free)
             resident = self.resident[index] or (None, None, None)
-            for dst, src, res in zip(slot, _projections(module), resident):
+            for dst, src, res in zip(slot, _projections(module), resident, strict=True):
                 if res is not None:
                     # Resident experts come device-to-device (as bytes: CUDA has no FP8
                     # index_copy), the others from host memory.
@@ -194,7 +194,7 @@ def place_experts(model: GlmForCausalLM, placement: ExpertPlacement, device: tor
     resident_ids = [list(ids) for ids in placement.resident_ids] if placement.resident_ids \
         else [list(range(placement.num_gpu_experts))] * len(modules)
     assert len(resident_ids) == len(modules)
-    resident = [_resident(m, ids, device) for m, ids in zip(modules, resident_ids)]
+    resident = [_resident(m, ids, device) for m, ids in zip(modules, resident_ids, strict=True)]
     if placement.pin_host_memory and placement.prefill_token_threshold is not None:
         for m in modules:
             _pin(m)
@@ -214,7 +214,7 @@ def _resident(module: Experts, ids: list[int], device: torch.device) -> tuple | 
     if not ids:
         return None
     weights = tuple(DeviceWeights(p, len(ids), device) for p in _projections(module))
-    for dst, src in zip(weights, _projections(module)):
+    for dst, src in zip(weights, _projections(module), strict=True):
         dst.gather(src, ids)
     return weights
 

@@ -120,7 +120,7 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
         ids = []
         cu_seqlens, cu_context, prefix_lens = [0], [0], []
-        for seq, n in zip(batch.seqs, batch.num_tokens):
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             start = seq.num_computed_tokens
             ids += seq.token_ids[start:start + n]
             cu_seqlens.append(len(ids))

@@ -48,7 +48,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.context_length is None or self.context_length >= 2, "context_length must be >= 2"),
+            (self.context_length is None or self.context_length >= 2,
+             "context_length must be >= 2"),
             (self.max_running_requests >= 1, "max_running_requests must be >= 1"),
             (self.chunked_prefill_size >= 1, "chunked_prefill_size must be >= 1"),
             (self.page_size >= 1, "page_size must be >= 1"),
@@ -60,7 +61,8 @@ class EngineConfig:
              f"kt_expert_placement {self.kt_expert_placement!r} must be 'front' or 'frequency'"),
             (self.kt_num_gpu_experts is None or self.kt_num_gpu_experts >= 0,
              "kt_num_gpu_experts must be >= 0"),
-            (self.kt_gpu_prefill_token_threshold is None or self.kt_gpu_prefill_token_threshold >= 1,
+            (self.kt_gpu_prefill_token_threshold is None
+             or self.kt_gpu_prefill_token_threshold >= 1,
              "kt_gpu_prefill_token_threshold must be >= 1"),
             (self.kt_cpuinfer is None or self.kt_cpuinfer >= 1, "kt_cpuinfer must be >= 1"),
             (self.kt_threadpool_count >= 1, "kt_threadpool_count must be >= 1"),

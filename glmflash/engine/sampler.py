@@ -1,4 +1,7 @@
-"""Token choice from last-token logits: greedy, temperature, top-k, top-p, min-p, seeds, logprobs."""
+"""Token choice from last-token logits.
+
+Covers greedy, temperature, top-k, top-p, min-p, per-request seeds and logprobs.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ class Sampler:
         # Plain greedy rows (the common serving case) take one batched argmax.
         greedy = logits.argmax(dim=-1).tolist()
         tokens = []
-        for i, (row, seq) in enumerate(zip(logits, seqs)):
+        for i, (row, seq) in enumerate(zip(logits, seqs, strict=True)):
             token = greedy[i] if _is_plain_greedy(seq.params) else self._sample_one(row, seq)
             if seq.params.logprobs is not None:
                 seq.logprobs.append(top_logprobs(row, token, seq.params.logprobs))
@@ -91,6 +94,6 @@ def top_logprobs(row: torch.Tensor, token: int, k: int) -> dict[int, float]:
     """Log-probabilities of the top-k tokens and of the chosen one (raw model distribution)."""
     logp = torch.log_softmax(row, dim=-1)
     values, ids = logp.topk(k) if k else (logp[:0], torch.empty(0, dtype=torch.long))
-    out = {int(i): float(v) for i, v in zip(ids, values)}
+    out = {int(i): float(v) for i, v in zip(ids, values, strict=True)}
     out[token] = float(logp[token])
     return out

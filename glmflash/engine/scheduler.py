@@ -99,7 +99,8 @@ class Scheduler:
             return None
         seqs = [s for s in self.running if s.seq_id in plan]
         num_tokens = [plan[s.seq_id] for s in seqs]
-        needs_sample = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, num_tokens)]
+        needs_sample = [s.num_computed_tokens + n == s.num_tokens
+                        for s, n in zip(seqs, num_tokens, strict=True)]
         return ScheduledBatch(seqs, num_tokens, needs_sample)
 
     def _admit(self, plan: dict[int, int], budget: int) -> None:
@@ -142,7 +143,7 @@ class Scheduler:
     def update(self, batch: ScheduledBatch, sampled: list[int]) -> list[TokenDelta]:
         """Advance counters; append the sampled tokens (one per `needs_sample` row, in order)."""
         deltas, tokens = [], iter(sampled)
-        for seq, n, sample in zip(batch.seqs, batch.num_tokens, batch.needs_sample):
+        for seq, n, sample in zip(batch.seqs, batch.num_tokens, batch.needs_sample, strict=True):
             seq.num_computed_tokens += n
             if not sample or seq.is_finished:
                 continue
@@ -166,7 +167,8 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
-        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+        is_eos = token in self.eos_token_ids and not params.ignore_eos
+        if token in params.stop_token_ids or is_eos:
             return "stop"
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_seq_len:
             return "length"

@@ -1,4 +1,7 @@
-"""What one forward needs to know about its packed varlen batch and where each sequence's state is."""
+"""What one forward needs to know about its batch.
+
+That is the packed varlen layout of the new tokens and where each sequence's state is.
+"""
 
 from __future__ import annotations
 

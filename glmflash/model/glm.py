@@ -1,4 +1,7 @@
-"""GLM-5.3-Flash: embed -> N x (mHC[mixer], mHC[ffn]) -> stream mean -> norm -> lm_head (spec §10)."""
+"""GLM-5.3-Flash network (spec §10).
+
+embed -> N x (mHC[mixer], mHC[ffn]) -> stream mean -> norm -> lm_head.
+"""
 
 from __future__ import annotations
 

@@ -33,7 +33,10 @@ class Indexer(nn.Module):
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, batch: ForwardBatch,
                 state: ModelState) -> torch.Tensor:
-        """Write this forward's keys into the pool cache, then return the attended slots `[T, W]`."""
+        """Write this forward's keys into the pool cache.
+
+        Returns the attended slots `[T, W]`.
+        """
         keys = self.k_norm(self.wk(x))
         gates = nn.functional.linear(x, self.index_kpool_compress_gate)
         indexer_write(keys, gates, self.index_kpool_compress_ape, state.pool_keys[self.layer_idx],

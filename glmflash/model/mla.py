@@ -35,7 +35,10 @@ class MultiLatentAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: ModelState,
                 shared_selection: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns the block output `[T, D]` and the selection `[T, W]` (for a shared next layer)."""
+        """Returns the block output `[T, D]` and the selection `[T, W]`.
+
+        The selection is passed on to a following layer that shares this layer's indexer.
+        """
         num_tokens = x.shape[0]
         q_latent = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_latent).view(num_tokens, self.num_heads, self.qk_dim)
@@ -45,7 +48,8 @@ class MultiLatentAttention(nn.Module):
         if self.indexer is not None:
             selection = self.indexer(x, q_latent, batch, state)
         else:
-            assert shared_selection is not None, "a shared indexer layer needs the previous selection"
+            assert shared_selection is not None, (
+                "a shared indexer layer needs the previous selection")
             selection = shared_selection
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.qk_dim + self.v_dim, self.kv_rank)
         w_uk, w_uv = w_kv[:, : self.qk_dim], w_kv[:, self.qk_dim:]

@@ -23,7 +23,9 @@ from glmflash.kernels.fp8_gemm import FP8_DTYPE
 logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
+_EXPERT = re.compile(
+    r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$"
+)
 _LAYER = re.compile(r"^model\.language_model\.layers\.(\d+)\.")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -124,10 +126,11 @@ def _target(name: str, params: dict[str, nn.Parameter], shard: Path) -> tuple[st
     else:
         target, index = name, None
     if target not in params:
-        raise CheckpointError(f"unexpected tensor {name} in {shard}: the model has no such weight")
+        raise CheckpointError(f"unexpected tensor {name} in {shard}: "
+                              "the model has no such weight")
     if index is not None and index >= params[target].shape[0]:
-        raise CheckpointError(f"unexpected tensor {name} in {shard}: expert {index} is out of range "
-                              f"(the config has {params[target].shape[0]} experts)")
+        raise CheckpointError(f"unexpected tensor {name} in {shard}: expert {index} is out of "
+                              f"range (the config has {params[target].shape[0]} experts)")
     return target, index
 
 
@@ -160,7 +163,8 @@ def _check_complete(params: dict[str, nn.Parameter], written: set, path: str | P
         indices = range(param.shape[0]) if _is_stacked(name) else [None]
         missing += [_disk_name(name, i) for i in indices if (name, i) not in written]
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        shown = ", ".join(missing[:5]) + more
         raise CheckpointError(f"checkpoint {path} is missing {len(missing)} tensors: {shown}")
 
 

@@ -54,7 +54,7 @@ def test_concurrent_arrivals_match_oracle_with_preemption(small_engine, oracles)
     collectors, step = [], 0
     preemptions_before = engine.scheduler.num_preemptions
     while step <= max(arrivals) or not all(c.is_done for c in collectors):
-        for prompt, at in zip(prompts, arrivals):
+        for prompt, at in zip(prompts, arrivals, strict=True):
             if at == step:
                 _submit(engine, prompt, params, collectors)
         engine.step()
@@ -62,7 +62,7 @@ def test_concurrent_arrivals_match_oracle_with_preemption(small_engine, oracles)
         assert step < 500
     assert engine.scheduler.num_preemptions > preemptions_before
     assert engine.cache.num_free_pages == engine.cache.plan.num_pages
-    for prompt, collector in zip(prompts, collectors):
+    for prompt, collector in zip(prompts, collectors, strict=True):
         result = collector.result()
         assert result.finish_reason == "length" and len(result.token_ids) == 10
         assert_greedy_matches(oracles["embedded"], prompt, result.token_ids)

@@ -20,7 +20,7 @@ def test_greedy_matches_oracle_for_concurrent_prompts(engine, oracles):
     prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (5, 31, 12, 47, 2)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     results = engine.generate(prompt_token_ids=prompts, sampling_params=params)
-    for prompt, result in zip(prompts, results):
+    for prompt, result in zip(prompts, results, strict=True):
         assert len(result.token_ids) == 6 and result.finish_reason == "length"
         assert_greedy_matches(oracles["embedded"], prompt, result.token_ids)
 
@@ -30,7 +30,7 @@ def test_text_prompt_and_logprobs(engine):
                                                               logprobs=3, ignore_eos=True))
     assert result.prompt_token_ids == engine.tokenizer.encode("Hello there")
     assert len(result.logprobs) == 4
-    for token, step in zip(result.token_ids, result.logprobs):
+    for token, step in zip(result.token_ids, result.logprobs, strict=True):
         assert token in step and len(step) == 3
         assert max(step.values()) == step[token]  # greedy picks the most likely
         assert all(v <= 0 for v in step.values())
@@ -62,6 +62,7 @@ def test_seeded_sampling_is_independent_of_batch(engine):
     (dict(prompts="a", prompt_token_ids=[1]), "exactly one"),
     (dict(prompt_token_ids=[[]]), "at least one token"),
     (dict(prompt_token_ids=[[5000]]), "must be in"),
+    (dict(prompts=["a", "b"], mm=[None]), "mm has 1 entries for 2 prompts"),
 ])
 def test_bad_requests_raise(engine, kwargs, message):
     with pytest.raises(ValueError, match=message):

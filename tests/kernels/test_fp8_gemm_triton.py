@@ -11,8 +11,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from glmflash.kernels.fp8_gemm import fp8_linear_ref, quantize_block_fp8  # noqa: E402
-from glmflash.kernels.fp8_gemm import triton_impl  # noqa: E402
+from glmflash.kernels.fp8_gemm import (  # noqa: E402
+    fp8_linear_ref,
+    quantize_block_fp8,
+    triton_impl,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -21,8 +21,8 @@ def _batch(new, prefix, heads, dim, kpool, dtype, seed=42):
     """Sequence b owns token slots SPAN (b + 1) + position; pool keys random."""
     gen = torch.Generator().manual_seed(seed)
     cu, cu_ctx, ctx = [0], [0], []
-    span = kpool * -(-max(p + n for n, p in zip(new, prefix)) // kpool)
-    for n, p in zip(new, prefix):
+    span = kpool * -(-max(p + n for n, p in zip(new, prefix, strict=True)) // kpool)
+    for n, p in zip(new, prefix, strict=True):
         cu.append(cu[-1] + n)
         ctx += range(span * len(cu_ctx), span * len(cu_ctx) + p + n)
         cu_ctx.append(len(ctx))

@@ -68,7 +68,7 @@ def test_engine_on_gpu_matches_oracle_greedy(tiny_dirs, oracles):
     prompts = ["The quick brown fox", "Hello", "A much longer prompt " * 8]
     engine = Engine(tiny_dirs["embedded"], device="cuda", dtype="float32", context_length=512)
     try:
-        for prompt, result in zip(prompts, engine.generate(prompts, params)):
+        for result in engine.generate(prompts, params):
             assert_greedy_matches(oracles["embedded"], result.prompt_token_ids, result.token_ids)
     finally:
         engine.shutdown()

@@ -69,7 +69,7 @@ def test_indexer_selection_matches_oracle(variant, models, oracles):
     assert sorted(ours) == sorted(theirs)
     strictly_sparse = 0
     for layer in ours:
-        for t, (a, b) in enumerate(zip(ours[layer], theirs[layer])):
+        for t, (a, b) in enumerate(zip(ours[layer], theirs[layer], strict=True)):
             assert a == b, f"layer {layer} query {t}: {sorted(a ^ b)} differ"
             strictly_sparse += len(a) < t + 1
     assert strictly_sparse > 0, "top-k never selected a strict subset: the test is too short"

@@ -74,7 +74,8 @@ def test_out_of_range_expert_is_named(ckpt):
 
 def test_misshaped_tensor_is_named(ckpt):
     name = L0 + "self_attn.q_proj.weight"
-    shard = _edit(ckpt, name, lambda t: t.__setitem__(name, torch.zeros(3, 5, dtype=torch.bfloat16)))
+    misshaped = torch.zeros(3, 5, dtype=torch.bfloat16)
+    shard = _edit(ckpt, name, lambda t: t.__setitem__(name, misshaped))
     with pytest.raises(CheckpointError, match=rf"{name} in .*{shard.name} has shape \(3, 5\)"):
         _load(ckpt)
 

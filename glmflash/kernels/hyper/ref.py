@@ -11,7 +11,10 @@ import torch
 def hyper_pre_ref(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                   *, norm_eps: float, hc_eps: float, sinkhorn_iters: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Return (post `[T, S]` fp32, comb `[T, S, S]` fp32, collapsed `[T, D]` in the streams' dtype)."""
+    """Return (post, comb, collapsed).
+
+    post `[T, S]` and comb `[T, S, S]` are fp32; collapsed `[T, D]` is in the streams' dtype.
+    """
     num_tokens, s, _ = streams.shape
     flat = streams.reshape(num_tokens, -1).float()
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
@@ -27,7 +30,10 @@ def hyper_pre_ref(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, s
 
 
 def sinkhorn(comb: torch.Tensor, eps: float, iters: int) -> torch.Tensor:
-    """Column-normalise once, then `iters - 1` times rows then columns (the last step is columns)."""
+    """Column-normalise once, then `iters - 1` times rows then columns.
+
+    The last step is always a column normalisation.
+    """
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
@@ -37,7 +43,10 @@ def sinkhorn(comb: torch.Tensor, eps: float, iters: int) -> torch.Tensor:
 
 def hyper_post_ref(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
                    comb: torch.Tensor) -> torch.Tensor:
-    """`X'[j] = post[j] * y + sum_i comb[i, j] * X[i]`, in the streams' dtype (weights cast first)."""
+    """`X'[j] = post[j] * y + sum_i comb[i, j] * X[i]`, in the streams' dtype.
+
+    The weights are cast to the streams' dtype first.
+    """
     dtype = streams.dtype
     expanded = post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2)
     return expanded + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)

@@ -59,7 +59,8 @@ def indexer_write_ref(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor
     if seq.numel():
         offsets = torch.cumsum(count, 0) - count
         j = torch.arange(seq.numel(), device=device) - offsets[seq]
-        tail.view(-1, 2 * dim)[slots[seq] * width + j] = source[rows(seq, total[seq] - count[seq] + j)]
+        pos = total[seq] - count[seq] + j
+        tail.view(-1, 2 * dim)[slots[seq] * width + j] = source[rows(seq, pos)]
 
 
 def indexer_select_ref(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor,

@@ -107,12 +107,16 @@ def chunked_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
            s0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk for all heads: q, k, g `[H, C, dk]`, v `[H, C, dv]`, beta `[H, C]`, s0 `[H, dk, dv]`."""
+    """One chunk for all heads.
+
+    Shapes: q, k, g `[H, C, dk]`, v `[H, C, dv]`, beta `[H, C]`, s0 `[H, dk, dv]`.
+    """
     size = q.shape[1]
     cum = g.cumsum(dim=1)
     causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
     # decay[h, t, s, c] = exp(cum_t - cum_s) for s <= t; masked before exp so it never overflows.
-    diff = (cum.unsqueeze(2) - cum.unsqueeze(1)).masked_fill(~causal[None, :, :, None], float("-inf"))
+    diff = cum.unsqueeze(2) - cum.unsqueeze(1)
+    diff = diff.masked_fill(~causal[None, :, :, None], float("-inf"))
     decay = diff.exp()
     kk = torch.einsum("htc,hsc,htsc->hts", k, k, decay).tril(-1)
     qk = torch.einsum("htc,hsc,htsc->hts", q, k, decay)
