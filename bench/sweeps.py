@@ -43,9 +43,11 @@ def _sweep_kda_decode_batch(b: int) -> None:
 def sweep_sparse_mla() -> None:
     from glmflash.kernels.sparse_mla import triton_impl as ti
 
+    defaults = ti.NARROW, ti.WIDE
     for b in (1, 32, 4096):
         _sweep_sparse_mla_batch(b)
-    ti.NARROW, ti.WIDE = (128, 64), (512, 32)
+    ti.NARROW, ti.WIDE = defaults
+    ti._FITTED.clear()
 
 
 def _sweep_sparse_mla_batch(b: int) -> None:
@@ -61,7 +63,8 @@ def _sweep_sparse_mla_batch(b: int) -> None:
     moved = b * width * rank * 2
     want = sparse_mla_ref(q.float(), latent.float(), slots, scale=1 / 16)
     for bv, bn in itertools.product((128, 512), (32, 64)):
-        ti.NARROW = ti.WIDE = (bv, bn)
+        ti.NARROW = ti.WIDE = ((bv, bn),)
+        ti._FITTED.clear()
         try:
             err = rel(ti.sparse_mla(q, latent, slots, scale=1 / 16).float(), want)
             ms = graph_ms(lambda: ti.sparse_mla(q, latent, slots, scale=1 / 16))

@@ -10,7 +10,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from glmflash.kernels.sparse_mla import sparse_mla_ref  # noqa: E402
+from glmflash.kernels.sparse_mla import sparse_mla_ref, triton_impl  # noqa: E402
 from glmflash.kernels.sparse_mla.triton_impl import sparse_mla  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -56,6 +56,34 @@ def test_sparse_mla_bf16(nan_empty):
     got = sparse_mla(q, latent, slots, scale=0.1)
     assert got.dtype == torch.bfloat16
     assert (got.float() - want.float()).abs().max().item() < BF16_ATOL
+
+
+def test_block_sizes_fall_back_when_shared_memory_is_short(monkeypatch, nan_empty):
+    """A config the GPU cannot hold raises OutOfResources at launch: the next one is used and
+    remembered for the shape (sm_89 / sm_120 blocks get 99 KB, the widest config needs 115)."""
+    import triton
+
+    real_launch, tried = triton_impl._launch, []
+
+    def launch(*args):
+        tried.append(args[-2:])
+        if args[-2] == 128:  # pretend 128 output columns need too much shared memory
+            raise triton.runtime.errors.OutOfResources(120_000, 101_376, "shared memory")
+        return real_launch(*args)
+
+    monkeypatch.setattr(triton_impl, "_launch", launch)
+    monkeypatch.setattr(triton_impl, "_FITTED", {})
+    monkeypatch.setattr(triton_impl, "NARROW", ((128, 64), (64, 32)))
+    q, latent, slots = _case(3, 4, 160, 80, 70, torch.float32)
+    want = sparse_mla_ref(q, latent, slots, scale=0.1)
+    for _ in range(2):
+        got = sparse_mla(q, latent, slots, scale=0.1)
+        assert (got - want).abs().max().item() < FP32_ATOL
+    assert tried == [(128, 64), (64, 32), (64, 32)]
+    monkeypatch.setattr(triton_impl, "NARROW", ((128, 64),))
+    triton_impl._FITTED.clear()
+    with pytest.raises(triton.runtime.errors.OutOfResources):
+        sparse_mla(q, latent, slots, scale=0.1)
 
 
 @pytest.mark.gpu

@@ -8,6 +8,7 @@ over the one latent head) and keeps an fp32 online softmax. With several slot ra
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -18,17 +19,24 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
+logger = logging.getLogger(__name__)
+
 # Programs per SM the split-slot decode aims for.
 SPLIT_WAVES = 1.0
-# Rank columns per score product, and (output columns per program, slots per step) below and
-# from WIDE_TOKENS queries. bench/sweeps.py on the H200: narrow blocks give few-token decode more
-# programs (1 query: 11.3 us vs 14.5); whole-rank blocks stop recomputing scores (32 queries:
-# 88 us vs 120, 4096: 8.0 ms vs 15.4, measured before whole-rank blocks shared the score tile;
-# the first kernel, built that way with 64-slot steps, ran 4096 queries in 5.8 ms).
+# Rank columns per score product, and the (output columns per program, slots per step) tried in
+# order below and from WIDE_TOKENS queries; the first that fits the GPU's shared memory is kept.
+# bench/sweeps.py on the H200: narrow blocks give few-token decode more programs (1 query:
+# 11.3 us vs 14.5); whole-rank blocks stop recomputing scores (32 queries: 88 us vs 120, 4096:
+# 8.0 ms vs 15.4, measured before whole-rank blocks shared the score tile; the first kernel,
+# built that way with 64-slot steps, ran 4096 queries in 5.8 ms). tools/smem_check.py (Triton
+# 3.9, 64 heads x 512): 512/32 needs 99 KB on sm_90 but 115 KB on sm_89 / sm_120, whose blocks
+# get 99 KB; 256/32 needs 87 KB there, 128/64 91 KB and 128/32 78 KB.
 SCORE_BLOCK = 128
-NARROW = (128, 64)
-WIDE = (512, 32)
+NARROW = ((128, 64), (128, 32))
+WIDE = ((512, 32), (256, 32), (128, 32))
 WIDE_TOKENS = 16
+# (device, wide, rank block, head block) -> the config that fitted there
+_FITTED: dict[tuple, tuple[int, int]] = {}
 
 
 def _jit(fn):
@@ -139,26 +147,46 @@ def _num_splits(programs: int, width: int, device: torch.device) -> int:
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
         else 4
     want = int(sms * SPLIT_WAVES) // programs
-    return max(1, min(want, triton.cdiv(width, NARROW[1])))
+    return max(1, min(want, triton.cdiv(width, NARROW[0][1])))
 
 
 def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *,
                scale: float) -> torch.Tensor:
     """Triton `sparse_mla_ref`: q_lat `[T, H, R]`, latent `[N, R]`, slots `[T, W]` (-1 = none)."""
     num_tokens, heads, rank = q_lat.shape
-    width = slots.shape[1]
     assert latent.shape[1] == rank and slots.shape[0] == num_tokens
     assert q_lat.stride(2) == 1 and latent.stride(1) == 1 and slots.stride(1) == 1
     out = torch.empty(num_tokens, heads, rank, dtype=q_lat.dtype, device=q_lat.device)
     if num_tokens == 0:
         return out
+    slots = slots if slots.dtype in (torch.int32, torch.int64) else slots.long()
     br = triton.next_power_of_2(rank)
-    brc = min(SCORE_BLOCK, br)
-    value_block, bn = WIDE if num_tokens >= WIDE_TOKENS else NARROW
-    brv = min(value_block, br)
-    if brv == br:
-        brc = br  # one piece: the score tile doubles as the value tile
     bh = 64 if heads > 32 else max(16, triton.next_power_of_2(heads))
+    wide = num_tokens >= WIDE_TOKENS
+    key = (q_lat.device, wide, br, bh)
+    configs = (_FITTED[key],) if key in _FITTED else (WIDE if wide else NARROW)
+    for i, config in enumerate(configs):
+        try:
+            _launch(q_lat, latent, slots, out, scale, br, bh, *config)
+        except triton.runtime.errors.OutOfResources as e:
+            if i + 1 == len(configs):
+                raise
+            logger.info("sparse MLA: %s columns x %s slots do not fit (%s); trying %s", *config,
+                        e, configs[i + 1])
+            continue
+        _FITTED[key] = config
+        return out
+    raise AssertionError("unreachable")
+
+
+def _launch(q_lat, latent, slots, out, scale: float, br: int, bh: int, value_block: int,
+            bn: int) -> None:
+    """One attention launch (and the merge of slot ranges) with the given block sizes."""
+    num_tokens, heads, rank = q_lat.shape
+    width = slots.shape[1]
+    brv = min(value_block, br)
+    # One piece: the score tile doubles as the value tile.
+    brc = br if brv == br else min(SCORE_BLOCK, br)
     head_blocks = triton.cdiv(heads, bh)
     value_blocks = br // brv
     splits = _num_splits(num_tokens * head_blocks * value_blocks, width, q_lat.device)
@@ -171,7 +199,6 @@ def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *
                          device=q_lat.device) if splits > 1 else out
     part_ml = torch.empty(num_tokens * splits * heads, 2, dtype=torch.float32,
                           device=q_lat.device) if splits > 1 else out
-    slots = slots if slots.dtype in (torch.int32, torch.int64) else slots.long()
     sparse_mla_kernel[(num_tokens, head_blocks * value_blocks, splits)](
         q_lat, latent, slots, out, part_o, part_ml, scale, num_tokens, heads, width, rank,
         q_lat.stride(0), q_lat.stride(1), latent.stride(0), slots.stride(0), out.stride(0),
@@ -182,7 +209,6 @@ def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *
         sparse_mla_combine_kernel[(num_tokens, heads)](
             part_o, part_ml, out, heads, rank, out.stride(0), out.stride(1), NUM_SPLITS=splits,
             BS=triton.next_power_of_2(splits), BR=br, num_warps=4)
-    return out
 
 
 __all__ = ["sparse_mla"]

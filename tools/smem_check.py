@@ -1,0 +1,146 @@
+"""Shared memory of every Triton kernel at the release launch shapes, per GPU architecture.
+
+    python tools/smem_check.py [--arch 89 90 120] [--skip-prep]
+
+Compiles ahead of time (Triton's own ptxas; no GPU needed) for sm_89 (RTX 40xx), sm_90 (H100 /
+H200) and sm_120 (RTX 50xx), and prints each launch configuration's shared memory against the
+per-block limit of the architecture, so a configuration that only the H200 can hold shows up on a
+CPU machine. The numbers belong to the installed Triton version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from glmflash.kernels.fp8_gemm import triton_impl as fp8  # noqa: E402
+from glmflash.kernels.indexer import triton_impl as indexer  # noqa: E402
+from glmflash.kernels.kda import triton_impl as kda  # noqa: E402
+from glmflash.kernels.sparse_mla import triton_impl as mla  # noqa: E402
+
+# Largest dynamic shared memory one block may opt into (bytes).
+BLOCK_LIMIT = {89: 101376, 90: 232448, 120: 101376}
+
+
+class Launch(NamedTuple):
+    name: str
+    kernel: object
+    pointers: dict[str, str]  # parameter -> pointer type; other non-constexpr params are i32
+    constexprs: dict[str, object]
+    warps: int
+    stages: int | None = None
+
+
+def shared_bytes(launch: Launch, arch: int) -> int:
+    params = list(inspect.signature(launch.kernel.fn).parameters)
+    signature = {p: "constexpr" if p in launch.constexprs else launch.pointers.get(p, "i32")
+                 for p in params}
+    for p in ("scale",):
+        if signature.get(p) == "i32":
+            signature[p] = "fp32"
+    options = {"num_warps": launch.warps}
+    if launch.stages is not None:
+        options["num_stages"] = launch.stages
+    src = ASTSource(fn=launch.kernel, signature=signature, constexprs=launch.constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options).metadata.shared
+
+
+def sparse_mla_launches() -> list[Launch]:
+    ptrs = {"q": "*bf16", "latent": "*bf16", "slots": "*i64", "o": "*bf16", "part_o": "*bf16",
+            "part_ml": "*fp32"}
+    out = []
+    for regime, configs in (("narrow", mla.NARROW), ("wide", mla.WIDE)):
+        for value_block, bn in configs:
+            one_piece = value_block == 512
+            consts = dict(NUM_SPLITS=2, HEAD_BLOCKS=1, BH=64, BR=512,
+                          BRC=512 if one_piece else mla.SCORE_BLOCK, BRV=value_block, BN=bn,
+                          ONE_PIECE=one_piece, DOT=tl.bfloat16, PREC="tf32")
+            warps = 8 if 64 * value_block >= 64 * 256 else 4
+            out.append(Launch(f"sparse_mla {regime} {value_block}/{bn}", mla.sparse_mla_kernel,
+                              ptrs, consts, warps))
+    return out
+
+
+def kda_launches(with_prep: bool) -> list[Launch]:
+    ptrs = dict.fromkeys(("q", "k", "v", "o"), "*bf16")
+    ptrs.update(g="*fp32", beta="*bf16", state="*fp32", meta="*i32")
+    out = [Launch(f"kda decode BV{bv}", kda.kda_decode_kernel, ptrs,
+                  dict(H=64, K=128, V=128, BK=128, BV=bv), warps)
+           for bv, warps in (kda.DECODE_NARROW, kda.DECODE_WIDE)]
+    walk = dict.fromkeys(("w", "u", "qg", "kd", "aqk", "o"), "*bf16")
+    walk.update(gl="*fp32", state="*fp32", meta="*i32")
+    out.append(Launch("kda state walk", kda.kda_chunk_state_kernel, walk,
+                      dict(H=64, K=128, V=128, BK=128, BV=kda.STATE_BV, PREC="tf32",
+                           DOT=tl.bfloat16), kda.STATE_WARPS))
+    if with_prep:
+        prep = dict(ptrs, w="*bf16", u="*bf16", qg="*bf16", kd="*bf16", aqk="*bf16", gl="*fp32")
+        (prec_a, dot_a), (prec_i, dot_i) = (kda._products(kind, torch.bfloat16) for kind in
+                                            kda.PREP_VARIANTS[kda.PREP_PRODUCTS])
+        out.append(Launch(f"kda prep {kda.PREP_PRODUCTS}", kda.kda_chunk_prep_kernel, prep,
+                          dict(H=64, K=128, V=128, BK=128, BVF=128, BKC=kda.PREP_BKC,
+                               PREC_A=prec_a, ADOT=dot_a, PREC_I=prec_i, IDOT=dot_i,
+                               PREC="tf32", DOT=tl.bfloat16), kda.PREP_WARPS))
+    conv = {"x": "*bf16", "weight": "*fp32", "conv_state": "*bf16", "out": "*bf16",
+            "meta": "*i32"}
+    out.append(Launch("causal conv1d", kda.causal_conv1d_kernel, conv,
+                      dict(HIST=3, HP=4, BT=64, BC=128, WRITE_STATE=True), 4))
+    return out
+
+
+def fp8_launches() -> list[Launch]:
+    wdq = {"x": "*bf16", "w": "*fp8e4nv", "ws": "*fp32", "y": "*fp32"}
+    out = [Launch(f"fp8 weight-only BN{bn}", fp8.fp8_wdq_gemm_kernel, wdq,
+                  dict(BLOCK=128, BM=16, BN=bn, DOT=tl.bfloat16, PREC="tf32", ATOMIC=True),
+                  fp8.WDQ_WARPS, fp8.WDQ_STAGES) for bn in fp8.WDQ_BLOCK_NS]
+    bm, bn, warps, stages = fp8.W8A8_TILE
+    w8a8 = {"xq": "*fp8e4nv", "xs": "*fp32", "w": "*fp8e4nv", "ws": "*fp32", "y": "*bf16"}
+    out.append(Launch(f"fp8 w8a8 {bm}x{bn}", fp8.fp8_gemm_kernel, w8a8,
+                      dict(BLOCK=128, BM=bm, BN=bn, GROUP_M=8), warps, stages))
+    return out
+
+
+def indexer_launches() -> list[Launch]:
+    ptrs = {"q": "*bf16", "weights": "*fp32", "pool_keys": "*bf16", "ctx": "*i64",
+            "meta": "*i32", "scores": "*fp32"}
+    return [Launch("indexer score", indexer.indexer_score_kernel, ptrs,
+                   dict(KPOOL=4, LOG_B=6, BHQ=32, BD=128, BP=indexer.BLOCK_P, DOT=tl.bfloat16,
+                        PREC="tf32"), 4)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, nargs="+", default=[89, 90, 120])
+    parser.add_argument("--skip-prep", action="store_true",
+                        help="skip the KDA prep kernel (its compile takes a minute per arch)")
+    args = parser.parse_args()
+    launches = (sparse_mla_launches() + kda_launches(not args.skip_prep) + fp8_launches()
+                + indexer_launches())
+    print(f"Triton {triton.__version__}; KB of shared memory per block (limit in the header)")
+    print("| kernel | " + " | ".join(f"sm_{a} (<= {BLOCK_LIMIT[a] // 1024})" for a in args.arch)
+          + " |")
+    print("|---|" + "---|" * len(args.arch))
+    for launch in launches:
+        cells = []
+        for arch in args.arch:
+            try:
+                used = shared_bytes(launch, arch)
+                flag = "" if used <= BLOCK_LIMIT[arch] else " **too big**"
+                cells.append(f"{used / 1024:.0f}{flag}")
+            except Exception as e:  # noqa: BLE001 - a failed compile is a result here
+                cells.append(f"error: {type(e).__name__}")
+        print(f"| {launch.name} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
