@@ -5,7 +5,8 @@
 Compiles ahead of time (Triton's own ptxas; no GPU needed) for sm_89 (RTX 40xx), sm_90 (H100 /
 H200) and sm_120 (RTX 50xx), and prints each launch configuration's shared memory against the
 per-block limit of the architecture, so a configuration that only the H200 can hold shows up on a
-CPU machine. The numbers belong to the installed Triton version.
+CPU machine. The numbers belong to the installed Triton version. With --check it exits 1 when a
+launch could not run somewhere (tests/kernels/test_portability.py).
 """
 
 from __future__ import annotations
@@ -118,11 +119,29 @@ def indexer_launches() -> list[Launch]:
                         PREC="tf32"), 4)]
 
 
+def problems(used: dict[str, dict[int, int]]) -> list[str]:
+    """Launches that no GPU of an architecture could run: any kernel over the limit, except that
+    sparse MLA only needs one fitting configuration per regime (its launcher falls back)."""
+    found, regimes = [], {}
+    for name, per_arch in used.items():
+        for arch, size in per_arch.items():
+            fits = size <= BLOCK_LIMIT[arch]
+            if name.startswith("sparse_mla"):
+                regimes.setdefault((name.split()[1], arch), []).append(fits)
+            elif not fits:
+                found.append(f"{name} needs {size} bytes on sm_{arch}")
+    found += [f"no sparse_mla {regime} configuration fits sm_{arch}"
+              for (regime, arch), fits in regimes.items() if not any(fits)]
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[89, 90, 120])
     parser.add_argument("--skip-prep", action="store_true",
                         help="skip the KDA prep kernel (its compile takes a minute per arch)")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 when a launch cannot run on one of the architectures")
     args = parser.parse_args()
     launches = (sparse_mla_launches() + kda_launches(not args.skip_prep) + fp8_launches()
                 + indexer_launches())
@@ -130,16 +149,17 @@ def main() -> None:
     print("| kernel | " + " | ".join(f"sm_{a} (<= {BLOCK_LIMIT[a] // 1024})" for a in args.arch)
           + " |")
     print("|---|" + "---|" * len(args.arch))
+    used: dict[str, dict[int, int]] = {}
     for launch in launches:
-        cells = []
-        for arch in args.arch:
-            try:
-                used = shared_bytes(launch, arch)
-                flag = "" if used <= BLOCK_LIMIT[arch] else " **too big**"
-                cells.append(f"{used / 1024:.0f}{flag}")
-            except Exception as e:  # noqa: BLE001 - a failed compile is a result here
-                cells.append(f"error: {type(e).__name__}")
+        used[launch.name] = {arch: shared_bytes(launch, arch) for arch in args.arch}
+        cells = [f"{size / 1024:.0f}" + ("" if size <= BLOCK_LIMIT[arch] else " **too big**")
+                 for arch, size in used[launch.name].items()]
         print(f"| {launch.name} | " + " | ".join(cells) + " |", flush=True)
+    found = problems(used)
+    for line in found:
+        print(f"PROBLEM: {line}")
+    if args.check and found:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

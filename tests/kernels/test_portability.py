@@ -1,0 +1,25 @@
+"""Every Triton launch fits the shared memory of the consumer GPUs our users run (sm_89, sm_120):
+tools/smem_check.py compiles them ahead of time with Triton's own ptxas (no GPU needed)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "smem_check.py"
+
+
+def test_every_launch_fits_consumer_gpus():
+    # NOTE: a subprocess, because other kernel tests switch Triton to its interpreter at import.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, str(TOOL), "--skip-prep", "--check", "--arch", "89",
+                           "120"], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert "| sparse_mla wide 256/32 |" in proc.stdout
