@@ -9,7 +9,7 @@ copy of the weights placed on its NUMA node.
 
 `(int32(int8 q) << 20) & 0x87F00000`, read as fp32 bits, is exactly `e4m3(q) * 2**-120`
 (subnormals included) - but those subnormals are fp32 denormals, which Intel cores handle with a
-microcode assist per FMA; there `((q & 0x7F) << 7) | ((q & 0x80) << 8)`, read as fp16 bits and
+microcode assist per FMA; there `(int16(int8 q) << 7) & 0xBF80`, read as fp16 bits and
 converted, gives `e4m3(q) * 2**-8` with no denormal (`DECODES`, chosen by `default_decode()`).
 The block scale and the decode's power of two are folded into a per-(expert, row-block) copy of
 the activations, so the inner loop is one FMA per weight and a row sum is rescaled once. The
@@ -60,8 +60,9 @@ PREFETCH_BYTES = 16384
 #   denormal, about 1.4x the decode work (30% slower on a 2-core Zen 4 at 1 token).
 DECODE_FP32_BITS, DECODE_FP16 = 0, 1
 _E4M3_MASK = np.int32(-2014314496)  # 0x87F00000
-_F16_MAGNITUDE = 0x007F007F  # per 16-bit half: the byte's exponent and mantissa, to shift by 7
-_F16_SIGN = 0x00800080  # per 16-bit half: the byte's sign, to shift by 8
+# NOTE: (sign-extended byte << 7) & 0xBF80 = s|0eeee|mmm0000000 as fp16 bits: the extension puts
+# the sign in bit 15, the mask clears the copy of it that lands in bit 14.
+_F16_MASK = 0xBF80
 # Activations are pre-scaled so a product never underflows: 2^-120 * 2^64 leaves row sums at
 # 2^-56, undone once per sum; fp16 decodes need only 2^8.
 _X_SCALE = (np.float32(2.0**64), np.float32(2.0**8))
@@ -161,7 +162,7 @@ def _e4m3_nb(q, decode):
     """e4m3 byte -> its value scaled as the vector decode `decode` scales it."""
     q = np.int32(q)
     if decode == DECODE_FP16:
-        return _f16_bits_as_f32(((q & 0x7F) << 7) | ((q & 0x80) << 8))
+        return _f16_bits_as_f32((q << 7) & _F16_MASK)
     return _bits_as_f32((q << 20) & _E4M3_MASK)
 
 
@@ -182,21 +183,17 @@ def _ir_decode_pair_fp32_bits(builder, ptr):
 def _ir_decode_pair_fp16(builder, ptr):
     """32 e4m3 bytes at `ptr` -> (even, odd) <16 x float> of e4m3 * 2^-8.
 
-    Zero-extended to 16-bit words, the dwords hold bytes 2i (low word) and 2i + 1 (high word);
-    both words become fp16 bits at once, then split and convert.
+    Sign-extended to 16-bit words, one shift and mask make each word fp16 bits; the dwords hold
+    bytes 2i (low word) and 2i + 1 (high word), split by truncation, then converted.
     """
     raw = builder.load(builder.bitcast(ptr, _V32_I8.as_pointer()), align=1)
-    dwords = builder.bitcast(builder.zext(raw, _V32_I16), _V_I32)
-
-    def splat(value):
-        return ir.Constant(_V_I32, [value] * _LANES)
-
-    magnitude = builder.shl(builder.and_(dwords, splat(_F16_MAGNITUDE)), splat(7))
-    sign = builder.shl(builder.and_(dwords, splat(_F16_SIGN)), splat(8))
-    halves = builder.or_(magnitude, sign)
+    words = builder.sext(raw, _V32_I16)
+    halves = builder.and_(builder.shl(words, ir.Constant(_V32_I16, [7] * 2 * _LANES)),
+                          ir.Constant(_V32_I16, [_F16_MASK] * 2 * _LANES))
+    dwords = builder.bitcast(halves, _V_I32)
     v_i16, v_f16 = ir.VectorType(ir.IntType(16), _LANES), ir.VectorType(ir.HalfType(), _LANES)
-    even = builder.trunc(halves, v_i16)
-    odd = builder.trunc(builder.lshr(halves, splat(16)), v_i16)
+    even = builder.trunc(dwords, v_i16)
+    odd = builder.trunc(builder.lshr(dwords, ir.Constant(_V_I32, [16] * _LANES)), v_i16)
     return tuple(builder.fpext(builder.bitcast(v, v_f16), _V_F32) for v in (even, odd))
 
 
