@@ -63,7 +63,7 @@ def _sweep_sparse_mla_batch(b: int) -> None:
     moved = b * width * rank * 2
     want = sparse_mla_ref(q.float(), latent.float(), slots, scale=1 / 16)
     for bv, bn in itertools.product((128, 512), (32, 64)):
-        ti.NARROW = ti.WIDE = ((bv, bn),)
+        ti.NARROW = ti.WIDE = ((bv, bn, None),)
         ti._FITTED.clear()
         try:
             err = rel(ti.sparse_mla(q, latent, slots, scale=1 / 16).float(), want)

@@ -1,19 +1,23 @@
-"""Shared memory of every Triton kernel at the release launch shapes, per GPU architecture.
+"""Shared memory, registers and spills of every Triton kernel at the release launch shapes.
 
-    python tools/smem_check.py [--arch 89 90 120] [--skip-prep]
+    python tools/smem_check.py [--arch 89 90 120] [--skip-prep] [--check]
 
 Compiles ahead of time (Triton's own ptxas; no GPU needed) for sm_89 (RTX 40xx), sm_90 (H100 /
-H200) and sm_120 (RTX 50xx), and prints each launch configuration's shared memory against the
-per-block limit of the architecture, so a configuration that only the H200 can hold shows up on a
-CPU machine. The numbers belong to the installed Triton version. With --check it exits 1 when a
-launch could not run somewhere (tests/kernels/test_portability.py).
+H200) and sm_120 (RTX 50xx). Each launch's shared memory is printed against the architecture's
+per-block limit, so a configuration only the H200 can hold shows up on a CPU machine; registers
+and stack bytes per thread come from cuobjdump (a stack means spills). The numbers belong to the
+installed Triton version. With --check it exits 1 when a launch could not run somewhere
+(tests/kernels/test_portability.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -41,20 +45,50 @@ class Launch(NamedTuple):
     constexprs: dict[str, object]
     warps: int
     stages: int | None = None
+    aligned: tuple[str, ...] = ()  # int params that are multiples of 16 at release shapes
 
 
-def shared_bytes(launch: Launch, arch: int) -> int:
+def _divisibility(params: list[str], signature: dict[str, str], launch: Launch) -> dict:
+    """What Triton's launcher specialises on at run time: 16-byte aligned pointers (torch's
+    allocations) and ints that are multiples of 16 (strides, and the launch's `aligned`). The
+    shared memory depends on it: aligned loads are pipelined through shared memory."""
+    runtime = [p for p in params if signature[p] != "constexpr"]
+    return {(i,): [["tt.divisibility", 16]] for i, p in enumerate(runtime)
+            if signature[p].startswith("*") or p.startswith("stride") or p in launch.aligned}
+
+
+class Usage(NamedTuple):
+    shared: int  # bytes per block
+    registers: int  # per thread
+    stack: int  # bytes per thread: register spills live there
+
+
+def usage(launch: Launch, arch: int) -> Usage:
     params = list(inspect.signature(launch.kernel.fn).parameters)
     signature = {p: "constexpr" if p in launch.constexprs else launch.pointers.get(p, "i32")
                  for p in params}
-    for p in ("scale",):
-        if signature.get(p) == "i32":
-            signature[p] = "fp32"
+    if signature.get("scale") == "i32":
+        signature["scale"] = "fp32"
     options = {"num_warps": launch.warps}
     if launch.stages is not None:
         options["num_stages"] = launch.stages
-    src = ASTSource(fn=launch.kernel, signature=signature, constexprs=launch.constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options).metadata.shared
+    src = ASTSource(fn=launch.kernel, signature=signature, constexprs=launch.constexprs,
+                    attrs=_divisibility(params, signature, launch))
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    registers, stack = _cubin_resources(kernel.asm["cubin"])
+    return Usage(kernel.metadata.shared, registers, stack)
+
+
+def _cubin_resources(cubin: bytes) -> tuple[int, int]:
+    """(registers, stack bytes) per thread, from cuobjdump (shipped with Triton)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        report = subprocess.run([str(tool), "--dump-resource-usage", f.name], check=True,
+                                capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", report)
+    return (int(found[1]), int(found[2])) if found else (-1, -1)
 
 
 def sparse_mla_launches() -> list[Launch]:
@@ -62,14 +96,15 @@ def sparse_mla_launches() -> list[Launch]:
             "part_ml": "*fp32"}
     out = []
     for regime, configs in (("narrow", mla.NARROW), ("wide", mla.WIDE)):
-        for value_block, bn in configs:
+        for value_block, bn, stages in configs:
             one_piece = value_block == 512
             consts = dict(NUM_SPLITS=2, HEAD_BLOCKS=1, BH=64, BR=512,
                           BRC=512 if one_piece else mla.SCORE_BLOCK, BRV=value_block, BN=bn,
                           ONE_PIECE=one_piece, DOT=tl.bfloat16, PREC="tf32")
             warps = 8 if 64 * value_block >= 64 * 256 else 4
-            out.append(Launch(f"sparse_mla {regime} {value_block}/{bn}", mla.sparse_mla_kernel,
-                              ptrs, consts, warps))
+            name = f"sparse_mla {regime} {value_block}/{bn}/{stages or 'default'}"
+            out.append(Launch(name, mla.sparse_mla_kernel, ptrs, consts, warps, stages,
+                              aligned=("H", "R", "SPLIT_W")))
     return out
 
 
@@ -95,7 +130,7 @@ def kda_launches(with_prep: bool) -> list[Launch]:
     conv = {"x": "*bf16", "weight": "*fp32", "conv_state": "*bf16", "out": "*bf16",
             "meta": "*i32"}
     out.append(Launch("causal conv1d", kda.causal_conv1d_kernel, conv,
-                      dict(HIST=3, HP=4, BT=64, BC=128, WRITE_STATE=True), 4))
+                      dict(HIST=3, HP=4, BT=64, BC=128, WRITE_STATE=True), 4, aligned=("C",)))
     return out
 
 
@@ -103,11 +138,13 @@ def fp8_launches() -> list[Launch]:
     wdq = {"x": "*bf16", "w": "*fp8e4nv", "ws": "*fp32", "y": "*fp32"}
     out = [Launch(f"fp8 weight-only BN{bn}", fp8.fp8_wdq_gemm_kernel, wdq,
                   dict(BLOCK=128, BM=16, BN=bn, DOT=tl.bfloat16, PREC="tf32", ATOMIC=True),
-                  fp8.WDQ_WARPS, fp8.WDQ_STAGES) for bn in fp8.WDQ_BLOCK_NS]
+                  fp8.WDQ_WARPS, fp8.WDQ_STAGES, aligned=("N", "K", "K_PER_SPLIT"))
+           for bn in fp8.WDQ_BLOCK_NS]
     bm, bn, warps, stages = fp8.W8A8_TILE
     w8a8 = {"xq": "*fp8e4nv", "xs": "*fp32", "w": "*fp8e4nv", "ws": "*fp32", "y": "*bf16"}
     out.append(Launch(f"fp8 w8a8 {bm}x{bn}", fp8.fp8_gemm_kernel, w8a8,
-                      dict(BLOCK=128, BM=bm, BN=bn, GROUP_M=8), warps, stages))
+                      dict(BLOCK=128, BM=bm, BN=bn, GROUP_M=8), warps, stages,
+                      aligned=("M", "N", "K")))
     return out
 
 
@@ -116,7 +153,7 @@ def indexer_launches() -> list[Launch]:
             "meta": "*i32", "scores": "*fp32"}
     return [Launch("indexer score", indexer.indexer_score_kernel, ptrs,
                    dict(KPOOL=4, LOG_B=6, BHQ=32, BD=128, BP=indexer.BLOCK_P, DOT=tl.bfloat16,
-                        PREC="tf32"), 4)]
+                        PREC="tf32"), 4, aligned=("NH", "D"))]
 
 
 def problems(used: dict[str, dict[int, int]]) -> list[str]:
@@ -145,15 +182,17 @@ def main() -> None:
     args = parser.parse_args()
     launches = (sparse_mla_launches() + kda_launches(not args.skip_prep) + fp8_launches()
                 + indexer_launches())
-    print(f"Triton {triton.__version__}; KB of shared memory per block (limit in the header)")
+    print(f"Triton {triton.__version__}; per launch: KB of shared memory per block (limit in the "
+          "header) / registers per thread / stack bytes per thread (spills)")
     print("| kernel | " + " | ".join(f"sm_{a} (<= {BLOCK_LIMIT[a] // 1024})" for a in args.arch)
           + " |")
     print("|---|" + "---|" * len(args.arch))
     used: dict[str, dict[int, int]] = {}
     for launch in launches:
-        used[launch.name] = {arch: shared_bytes(launch, arch) for arch in args.arch}
-        cells = [f"{size / 1024:.0f}" + ("" if size <= BLOCK_LIMIT[arch] else " **too big**")
-                 for arch, size in used[launch.name].items()]
+        per_arch = {arch: usage(launch, arch) for arch in args.arch}
+        used[launch.name] = {arch: u.shared for arch, u in per_arch.items()}
+        cells = [f"{u.shared / 1024:.0f}{'' if u.shared <= BLOCK_LIMIT[arch] else ' **too big**'}"
+                 f" / {u.registers} / {u.stack}" for arch, u in per_arch.items()]
         print(f"| {launch.name} | " + " | ".join(cells) + " |", flush=True)
     found = problems(used)
     for line in found:

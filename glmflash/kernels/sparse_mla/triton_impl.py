@@ -23,20 +23,21 @@ logger = logging.getLogger(__name__)
 
 # Programs per SM the split-slot decode aims for.
 SPLIT_WAVES = 1.0
-# Rank columns per score product, and the (output columns per program, slots per step) tried in
-# order below and from WIDE_TOKENS queries; the first that fits the GPU's shared memory is kept.
-# bench/sweeps.py on the H200: narrow blocks give few-token decode more programs (1 query:
-# 11.3 us vs 14.5); whole-rank blocks stop recomputing scores (32 queries: 88 us vs 120, 4096:
-# 8.0 ms vs 15.4, measured before whole-rank blocks shared the score tile; the first kernel,
-# built that way with 64-slot steps, ran 4096 queries in 5.8 ms). tools/smem_check.py (Triton
-# 3.9, 64 heads x 512): 512/32 needs 99 KB on sm_90 but 115 KB on sm_89 / sm_120, whose blocks
-# get 99 KB; 256/32 needs 87 KB there, 128/64 91 KB and 128/32 78 KB.
+# Rank columns per score product, and the (output columns per program, slots per step, software
+# pipeline stages or None for Triton's default) tried in order below and from WIDE_TOKENS
+# queries; the first that fits the GPU's shared memory is kept. bench/sweeps.py on the H200:
+# narrow blocks give few-token decode more programs (1 query: 11.3 us vs 14.5); whole-rank blocks
+# stop recomputing scores (32 queries: 88 us vs 120, 4096: 8.0 ms vs 15.4, measured before
+# whole-rank blocks shared the score tile; the first kernel, built that way with 64-slot steps,
+# ran 4096 queries in 5.8 ms). tools/smem_check.py (Triton 3.9, 64 heads x 512, aligned as at run
+# time): the H200's first choices need 153 / 100 KB on sm_89 and sm_120, whose blocks get 99 KB;
+# the single-stage and 16-slot fallbacks fit there (77-90 KB).
 SCORE_BLOCK = 128
-NARROW = ((128, 64), (128, 32))
-WIDE = ((512, 32), (256, 32), (128, 32))
+NARROW = ((128, 64, None), (128, 64, 1), (128, 32, 1))
+WIDE = ((512, 32, None), (512, 16, 2), (256, 32, 1), (128, 32, 1))
 WIDE_TOKENS = 16
 # (device, wide, rank block, head block) -> the config that fitted there
-_FITTED: dict[tuple, tuple[int, int]] = {}
+_FITTED: dict[tuple, tuple[int, int, int | None]] = {}
 
 
 def _jit(fn):
@@ -171,8 +172,8 @@ def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *
         except triton.runtime.errors.OutOfResources as e:
             if i + 1 == len(configs):
                 raise
-            logger.info("sparse MLA: %s columns x %s slots do not fit (%s); trying %s", *config,
-                        e, configs[i + 1])
+            logger.info("sparse MLA: blocks %s do not fit (%s); trying %s", config, e,
+                        configs[i + 1])
             continue
         _FITTED[key] = config
         return out
@@ -180,7 +181,7 @@ def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *
 
 
 def _launch(q_lat, latent, slots, out, scale: float, br: int, bh: int, value_block: int,
-            bn: int) -> None:
+            bn: int, stages: int | None) -> None:
     """One attention launch (and the merge of slot ranges) with the given block sizes."""
     num_tokens, heads, rank = q_lat.shape
     width = slots.shape[1]
@@ -204,7 +205,8 @@ def _launch(q_lat, latent, slots, out, scale: float, br: int, bh: int, value_blo
         q_lat.stride(0), q_lat.stride(1), latent.stride(0), slots.stride(0), out.stride(0),
         out.stride(1), split_w, NUM_SPLITS=splits, HEAD_BLOCKS=head_blocks, BH=bh, BR=br,
         BRC=brc, BRV=brv, BN=bn, ONE_PIECE=brc == br and brv == br, DOT=dot,
-        PREC="ieee" if fp32 else "tf32", num_warps=8 if bh * brv >= 64 * 256 else 4)
+        PREC="ieee" if fp32 else "tf32", num_warps=8 if bh * brv >= 64 * 256 else 4,
+        **({} if stages is None else {"num_stages": stages}))
     if splits > 1:
         sparse_mla_combine_kernel[(num_tokens, heads)](
             part_o, part_ml, out, heads, rank, out.stride(0), out.stride(1), NUM_SPLITS=splits,
