@@ -144,9 +144,10 @@ def sweep_kda(sizes: list[int]) -> None:
     """Launch-shape sweep of the two prefill kernels (printed only)."""
     from glmflash.kernels.kda import triton_impl as ti
 
+    defaults = ti.PREP_WARPS, ti.PREP_BKC, ti.STATE_BV, ti.STATE_WARPS
     for n in sizes:
         _sweep_kda_size(n)
-        ti.PREP_WARPS, ti.PREP_BKC, ti.STATE_BV, ti.STATE_WARPS = 4, 16, 64, 4
+        ti.PREP_WARPS, ti.PREP_BKC, ti.STATE_BV, ti.STATE_WARPS = defaults
         torch.cuda.empty_cache()
 
 

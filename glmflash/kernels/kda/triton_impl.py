@@ -30,7 +30,9 @@ SAFE_SPAN = tl.constexpr(84.0) if triton is not None else 84.0
 DECODE_NARROW = (32, 2)
 DECODE_WIDE = (64, 4)
 DECODE_WIDE_BATCH = 16
-PREP_WARPS = 4
+# NOTE: 8 warps, from register use rather than a timing: tools/smem_check.py (sm_90, Triton 3.9)
+# shows 5.5 KB of spills per thread with 4 warps and 1.3 KB with 8 (BKC 32: 1.8 KB).
+PREP_WARPS = 8
 PREP_BKC = 16
 # Products of the prep kernel, (A products, (I + A)^-1 products) per variant: "ieee" is fp32
 # FMA, "tf32" fp32 operands on tensor cores, "bf16" bf16 operands (fp32 accumulation). NOTE:
