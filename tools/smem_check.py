@@ -130,7 +130,8 @@ def kda_launches(with_prep: bool) -> list[Launch]:
     conv = {"x": "*bf16", "weight": "*fp32", "conv_state": "*bf16", "out": "*bf16",
             "meta": "*i32"}
     out.append(Launch("causal conv1d", kda.causal_conv1d_kernel, conv,
-                      dict(HIST=3, HP=4, BT=64, BC=128, WRITE_STATE=True), 4, aligned=("C",)))
+                      dict(HIST=3, HP=4, BT=kda.CONV_TOKENS, BC=128, WRITE_STATE=True), 4,
+                      aligned=("C",)))
     return out
 
 

@@ -118,6 +118,7 @@ CONV_CASES = {
     "short": ([5, 2], 40),
     "long_mixed_empty": ([70, 1, 3, 0], 96),
     "block_edge": ([64, 65], 24),
+    "conv_block_edge": ([32, 33], 24),  # CONV_TOKENS: one fused block, then two blocks
 }
 
 

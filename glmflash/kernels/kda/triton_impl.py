@@ -44,6 +44,7 @@ PREP_VARIANTS = {"ieee": ("ieee", "ieee"), "bf16": ("bf16", "bf16"),
                  "bf16-accum": ("bf16", "ieee"), "bf16-inverse": ("ieee", "bf16"),
                  "bf16-tf32": ("bf16", "tf32"), "tf32": ("tf32", "tf32")}
 PREP_PRODUCTS = "bf16-accum"
+CONV_TOKENS = 32
 STATE_BV = 64
 STATE_WARPS = 4
 
@@ -551,7 +552,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     out = torch.empty(num_tokens, channels, dtype=x.dtype, device=x.device)
     lens = [cu_seqlens[b + 1] - cu_seqlens[b] for b in range(len(state_slots))]
     max_len = max(lens, default=0)
-    block = min(64, triton.next_power_of_2(max(max_len, 1)))
+    # NOTE: at most 32 tokens per block: [64, 128] tiles spill 0.8-1 KB per thread (their history
+    # pointers are 64-bit per element); [32, 128] do not (tools/smem_check.py).
+    block = min(CONV_TOKENS, triton.next_power_of_2(max(max_len, 1)))
     meta, num_blocks, num_seqs = _conv_plan(tuple(cu_seqlens), tuple(state_slots),
                                             tuple(bool(f) for f in is_fresh), block, x.device)
     if num_seqs == 0:
