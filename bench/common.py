@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
@@ -46,3 +48,14 @@ def append_results(title: str, table: str) -> None:
     header = f"\n## {title}\n\n{stamp} · {device_description()} · commit {git_commit()}\n\n"
     with RESULTS.open("a") as f:
         f.write(header + table.rstrip() + "\n")
+
+
+@contextlib.contextmanager
+def restoring(module, *names: str) -> Iterator[None]:
+    """Put the module's tuning constants back as they were after a sweep has changed them."""
+    saved = {name: getattr(module, name) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)

@@ -18,7 +18,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import append_results, device_description, git_commit  # noqa: E402
+from bench.common import (  # noqa: E402
+    append_results,
+    device_description,
+    git_commit,
+    restoring,
+)
 
 H, D = 64, 128  # KDA heads x head dim (release)
 
@@ -144,10 +149,9 @@ def sweep_kda(sizes: list[int]) -> None:
     """Launch-shape sweep of the two prefill kernels (printed only)."""
     from glmflash.kernels.kda import triton_impl as ti
 
-    defaults = ti.PREP_WARPS, ti.PREP_BKC, ti.STATE_BV, ti.STATE_WARPS
     for n in sizes:
-        _sweep_kda_size(n)
-        ti.PREP_WARPS, ti.PREP_BKC, ti.STATE_BV, ti.STATE_WARPS = defaults
+        with restoring(ti, "PREP_WARPS", "PREP_BKC", "STATE_BV", "STATE_WARPS"):
+            _sweep_kda_size(n)
         torch.cuda.empty_cache()
 
 

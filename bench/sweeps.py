@@ -16,15 +16,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import restoring  # noqa: E402
 from bench.kernels import FP8_SHAPES, D, _kda_inputs, graph_ms, rel  # noqa: E402
 
 
 def sweep_kda_decode() -> None:
     from glmflash.kernels.kda import triton_impl as ti
 
-    for b in (1, 8, 32):
-        _sweep_kda_decode_batch(b)
-    ti.DECODE_NARROW, ti.DECODE_WIDE = (32, 2), (64, 4)
+    with restoring(ti, "DECODE_NARROW", "DECODE_WIDE"):
+        for b in (1, 8, 32):
+            _sweep_kda_decode_batch(b)
 
 
 def _sweep_kda_decode_batch(b: int) -> None:
@@ -43,11 +44,10 @@ def _sweep_kda_decode_batch(b: int) -> None:
 def sweep_sparse_mla() -> None:
     from glmflash.kernels.sparse_mla import triton_impl as ti
 
-    defaults = ti.NARROW, ti.WIDE
-    for b in (1, 32, 4096):
-        _sweep_sparse_mla_batch(b)
-    ti.NARROW, ti.WIDE = defaults
-    ti._FITTED.clear()
+    with restoring(ti, "NARROW", "WIDE"):
+        for b in (1, 32, 4096):
+            _sweep_sparse_mla_batch(b)
+    ti._FITTED.clear()  # fits found for the swept configurations
 
 
 def _sweep_sparse_mla_batch(b: int) -> None:
@@ -79,10 +79,10 @@ def sweep_fp8() -> None:
     from glmflash.kernels.fp8_gemm import quantize_block_fp8
     from glmflash.kernels.fp8_gemm import triton_impl as ti
 
-    for k, n in FP8_SHAPES:
-        wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda"))
-        _sweep_fp8_shape(k, n, wq, ws)
-    ti.WDQ_WAVES, ti.WDQ_STAGES, ti.WDQ_WARPS, ti.W8A8_TILE = 1.0, 4, 4, (128, 128, 8, 4)
+    with restoring(ti, "WDQ_WAVES", "WDQ_STAGES", "WDQ_WARPS", "W8A8_TILE"):
+        for k, n in FP8_SHAPES:
+            wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda"))
+            _sweep_fp8_shape(k, n, wq, ws)
 
 
 def _sweep_fp8_shape(k: int, n: int, wq: torch.Tensor, ws: torch.Tensor) -> None:
