@@ -142,13 +142,15 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _num_splits(programs: int, width: int, device: torch.device) -> int:
+def _num_splits(programs: int, width: int, bn: int, device: torch.device) -> int:
+    """Slot ranges per token so that about SPLIT_WAVES programs run per SM, each range at least
+    one bn-slot step."""
     if programs == 0 or width == 0:
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
         else 4
     want = int(sms * SPLIT_WAVES) // programs
-    return max(1, min(want, triton.cdiv(width, NARROW[0][1])))
+    return max(1, min(want, triton.cdiv(width, bn)))
 
 
 def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *,
@@ -190,7 +192,7 @@ def _launch(q_lat, latent, slots, out, scale: float, br: int, bh: int, value_blo
     brc = br if brv == br else min(SCORE_BLOCK, br)
     head_blocks = triton.cdiv(heads, bh)
     value_blocks = br // brv
-    splits = _num_splits(num_tokens * head_blocks * value_blocks, width, q_lat.device)
+    splits = _num_splits(num_tokens * head_blocks * value_blocks, width, bn, q_lat.device)
     split_w = triton.cdiv(triton.cdiv(width, splits), bn) * bn if width else bn
     splits = triton.cdiv(width, split_w) if width else 1
     fp32 = q_lat.dtype == torch.float32 or _interpreting()
