@@ -14,9 +14,9 @@ converted, gives `e4m3(q) * 2**-8` with no denormal (`DECODES`, chosen by `defau
 The block scale and the decode's power of two are folded into a per-(expert, row-block) copy of
 the activations, so the inner loop is one FMA per weight and a row sum is rescaled once. The
 inner loop is LLVM IR (`_make_dot_ir`): 512-bit vectors, four rows per pass, 32 bytes decoded by
-one extension to words and two shift+mask pairs (plus two fp16 conversions), and a software
-prefetch into L2 that keeps enough DRAM reads in flight (auto-vectorised Numba code cannot issue
-prefetches).
+one sign-extension to words and two shift+mask pairs (fp16: one shift+mask, a split into even
+and odd words and two conversions), and a software prefetch into L2 that keeps enough DRAM
+reads in flight (auto-vectorised Numba code cannot issue prefetches).
 
 This module imports numba at the top; the package imports it lazily (`cpu_moe.__init__`).
 """
@@ -57,7 +57,8 @@ PREFETCH_BYTES = 16384
 #   FMA on a denormal takes a microcode assist on Intel (uniformly random codes, 6% subnormal:
 #   15x slower on the H200 host's Xeon). AMD Zen has no such penalty.
 # DECODE_FP16: fp16 bits s|0eeee|mmm0000000 = e4m3 * 2^-8, converted by vcvtph2ps: never a
-#   denormal, about 1.4x the decode work (30% slower on a 2-core Zen 4 at 1 token).
+#   denormal; 8 vector operations per 32 weights instead of 5 (about 25% slower on a 2-core
+#   Zen 4 at 1 token, where the decode is compute-bound).
 DECODE_FP32_BITS, DECODE_FP16 = 0, 1
 _E4M3_MASK = np.int32(-2014314496)  # 0x87F00000
 # NOTE: (sign-extended byte << 7) & 0xBF80 = s|0eeee|mmm0000000 as fp16 bits: the extension puts
@@ -372,7 +373,7 @@ def _scale_row_nb(x, scales, block, out, x_scale):
     """out = x[k] * scales[k // block] * x_scale in the layout the fp8 dot reads; x [K].
 
     Below K - K % 64, each 32-wide chunk holds its even elements, then its odd ones (the order in
-    which `_ir_decode_pair` yields weights); the tail keeps the natural order. block % 32 == 0.
+    which `_ir_decode_pair_*` yield weights); the tail keeps the natural order. block % 32 == 0.
     """
     size = x.size
     k_end = size - size % 64
@@ -746,8 +747,8 @@ class NumbaMoeExperts:
                         _NO_TRACE_2D if trace is None else trace.gate_up, self._h)
             _down_nb(self._h, self.down_w, self.down_s, hit_ids, self._pair_offsets,
                      self._pair_token_ids, self._pair_weights, self.decode, self.block,
-                     self._down_rows,
-                     self._cpu_masks, self._scratch, self._acc, self._task_counter,
+                     self._down_rows, self._cpu_masks, self._scratch, self._acc,
+                     self._task_counter,
                      _NO_TRACE_1D if trace is None else trace.down, out_np)
         self.worker_trace = trace
 
