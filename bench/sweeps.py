@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import restoring  # noqa: E402
-from bench.kernels import FP8_SHAPES, D, _kda_inputs, graph_ms, rel  # noqa: E402
+from bench.kernels import FP8_SHAPES, D, _kda_inputs, copies, graph_ms, rel  # noqa: E402
 
 
 def sweep_kda_decode() -> None:
@@ -62,39 +62,48 @@ def _sweep_sparse_mla_batch(b: int) -> None:
         + (torch.arange(b, device="cuda") % seqs)[:, None] * context
     moved = b * width * rank * 2
     want = sparse_mla_ref(q.float(), latent.float(), slots, scale=1 / 16)
-    for bv, bn in itertools.product((128, 512), (32, 64)):
-        ti.NARROW = ti.WIDE = ((bv, bn, None),)
+    for bv, bn, stages in itertools.product((128, 256, 512), (16, 32, 64), (1, 2, 3)):
+        ti.NARROW = ti.WIDE = ((bv, bn, stages),)
         ti._FITTED.clear()
         try:
             err = rel(ti.sparse_mla(q, latent, slots, scale=1 / 16).float(), want)
             ms = graph_ms(lambda: ti.sparse_mla(q, latent, slots, scale=1 / 16))
         except Exception as e:  # noqa: BLE001 - a shape that does not fit is a result too
-            print(f"sparse mla b={b} BRV={bv} BN={bn}: {type(e).__name__}", flush=True)
+            print(f"sparse mla b={b} BRV={bv} BN={bn} stages={stages}: {type(e).__name__}",
+                  flush=True)
             continue
-        print(f"sparse mla b={b} BRV={bv} BN={bn}: {ms * 1e3:.1f} us "
+        print(f"sparse mla b={b} BRV={bv} BN={bn} stages={stages}: {ms * 1e3:.1f} us "
               f"{moved / ms / 1e6:.0f} GB/s rel err {err:.1e}", flush=True)
 
 
-def sweep_fp8() -> None:
+def sweep_fp8(w8a8: bool) -> None:
     from glmflash.kernels.fp8_gemm import quantize_block_fp8
     from glmflash.kernels.fp8_gemm import triton_impl as ti
 
-    with restoring(ti, "WDQ_WAVES", "WDQ_STAGES", "WDQ_WARPS", "W8A8_TILE"):
+    with restoring(ti, "WDQ_BLOCK_N", "WDQ_WAVES", "WDQ_STAGES", "WDQ_WARPS", "W8A8_TILE"):
         for k, n in FP8_SHAPES:
             wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda"))
-            _sweep_fp8_shape(k, n, wq, ws)
+            _sweep_fp8_shape(k, n, wq, ws, w8a8)
 
 
-def _sweep_fp8_shape(k: int, n: int, wq: torch.Tensor, ws: torch.Tensor) -> None:
+def _sweep_fp8_shape(k: int, n: int, wq: torch.Tensor, ws: torch.Tensor, w8a8: bool) -> None:
     from glmflash.kernels.fp8_gemm import triton_impl as ti
 
+    wqs = [wq] + [wq.clone() for _ in range(copies(wq.numel()) - 1)]  # replays read HBM
     for m in (1, 16):
         x = torch.randn(m, k, device="cuda").bfloat16()
-        for waves, stages, warps in itertools.product((1.0, 2.0), (3, 4, 6), (4,)):
-            ti.WDQ_WAVES, ti.WDQ_STAGES, ti.WDQ_WARPS = waves, stages, warps
-            ms = graph_ms(lambda x=x: ti.fp8_linear_weight_only(x, wq, ws, 128))
-            print(f"fp8 wdq {k}->{n} M={m} waves={waves} stages={stages} warps={warps}: "
-                  f"{ms * 1e3:.1f} us {n * k / ms / 1e6:.0f} GB/s", flush=True)
+        best = None
+        for bn, waves, stages, warps in itertools.product((32, 64, 128), (2.0, 4.0, 8.0),
+                                                          (2, 4), (4, 8)):
+            ti.WDQ_BLOCK_N, ti.WDQ_WAVES, ti.WDQ_STAGES, ti.WDQ_WARPS = bn, waves, stages, warps
+            ms = graph_ms([lambda x=x, w=w: ti.fp8_linear_weight_only(x, w, ws, 128)
+                           for w in wqs])
+            best = min(best or (ms, ()), (ms, (bn, waves, stages, warps)))
+            print(f"fp8 wdq {k}->{n} M={m} BN={bn} waves={waves} stages={stages} "
+                  f"warps={warps}: {ms * 1e3:.1f} us {n * k / ms / 1e6:.0f} GB/s", flush=True)
+        print(f"fp8 wdq {k}->{n} M={m} BEST {best[1]}: {best[0] * 1e3:.1f} us", flush=True)
+    if not w8a8:
+        return
     x = torch.randn(2048, k, device="cuda").bfloat16()
     for tile in ((128, 128, 8, 4), (128, 128, 4, 4), (64, 128, 4, 4), (128, 256, 8, 3),
                  (128, 64, 4, 4), (64, 256, 8, 3)):
@@ -107,14 +116,16 @@ def _sweep_fp8_shape(k: int, n: int, wq: torch.Tensor, ws: torch.Tensor) -> None
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", default="kda,mla,fp8")
-    ops = parser.parse_args().ops.split(",")
+    parser.add_argument("--no-w8a8", action="store_true", help="skip the M=2048 tiles")
+    args = parser.parse_args()
+    ops = args.ops.split(",")
     assert D == 128
     if "kda" in ops:
         sweep_kda_decode()
     if "mla" in ops:
         sweep_sparse_mla()
     if "fp8" in ops:
-        sweep_fp8()
+        sweep_fp8(not args.no_w8a8)
 
 
 if __name__ == "__main__":

@@ -27,9 +27,11 @@ def _case(m, n, k, dtype, block=128, seed=42):
     return x.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE)
 
 
-# 1x16x384 has one column block, so K is split and the splits add atomically.
+# The split_k shapes have few column blocks and K long enough for several K ranges, the last one
+# ragged: their partial sums meet in the last range to finish.
 SHAPES = {"1x70x200": (1, 70, 200), "5x130x257": (5, 130, 257), "17x128x128": (17, 128, 128),
-          "3x129x127": (3, 129, 127), "1x16x384_split_k": (1, 16, 384)}
+          "3x129x127": (3, 129, 127), "1x16x1100_split_k": (1, 16, 1100),
+          "18x130x1100_split_k": (18, 130, 1100)}
 
 
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
@@ -56,6 +58,17 @@ def test_weight_only_bf16_split_k(nan_empty):
     assert got.dtype == torch.bfloat16
     # fp32 partial sums in another order, then one bf16 rounding: within 1 ulp.
     assert (got.float() - want.float()).abs().max().item() <= 2 ** -7 * want.abs().max().item()
+
+
+def test_split_k_is_deterministic_and_leaves_counters_at_zero():
+    x, w, s = _case(3, 200, 1100, torch.float32)
+    first = triton_impl.fp8_linear(x, w, s)
+    counters = triton_impl._ARRIVALS[x.device]
+    assert int(counters.count_nonzero()) == 0
+    # A different split of the same product must land in the same counters without stale counts.
+    triton_impl.fp8_linear(x[:1, :640], w[:, :640], s[:, :5])
+    assert int(counters.count_nonzero()) == 0
+    assert torch.equal(triton_impl.fp8_linear(x, w, s), first)
 
 
 def test_leading_dims_and_empty():

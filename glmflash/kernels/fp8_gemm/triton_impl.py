@@ -23,15 +23,23 @@ except ImportError:  # the package must import without triton; the launchers nee
 FP8_MAX = tl.constexpr(448.0) if triton is not None else 448.0
 # Rows from which activations are quantised to FP8 (below: weight-only dequantisation).
 FP8_ACT_MIN_ROWS = 64
-# Weight-only path: the widest output-column block (of these) that still gives WDQ_WAVES
-# programs per SM; below that, K is split and the partial sums are added atomically.
-# Rows of K one program streams at most: at 16384 one 16-column program had too few bytes in
-# flight (991 GB/s on the H200 against ~2 TB/s at K = 1536-4096).
-WDQ_BLOCK_NS = (64, 32, 16)
-WDQ_WAVES = 1.0
-WDQ_MAX_K = 4096
+# Weight-only path. A program owns WDQ_BLOCK_N output columns and one range of K; K is split into
+# ranges until about WDQ_WAVES programs per SM stream the weight (a GEMV keeps bytes in flight
+# through many resident programs), each range at least WDQ_MIN_SPLIT_BLOCKS scale blocks long.
+# The last range of a column block to finish adds all ranges' partial sums in range order, so one
+# launch, no zeroed buffer and a deterministic result. The earlier layout (widest column block
+# that gave one program per SM, K split only past 4096, atomics into fp32) streamed 530-2240 GB/s
+# on the H200 against _scaled_mm's 1220-3700.
+WDQ_BLOCK_N = 64
+WDQ_WAVES = 4.0
+WDQ_MIN_SPLIT_BLOCKS = 2
 WDQ_STAGES = 4
 WDQ_WARPS = 4
+# Per-device arrival counters of the split-K reduction: one per (row block, column block) tile;
+# every launch leaves them at zero. Allocated once and never replaced, so CUDA graphs that
+# captured a launch stay valid.
+ARRIVAL_SLOTS = 1 << 16
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
 # W8A8 path tile (bench/sweeps.py, H200): rows, columns, warps, stages. 64x128 / 4 warps was the
 # fastest or within 2% of it at every release shape (400-550 TFLOP/s; 128x128 / 4 warps: 150).
 W8A8_TILE = (64, 128, 4, 4)
@@ -42,11 +50,13 @@ def _jit(fn):
 
 
 @_jit
-def fp8_wdq_gemm_kernel(x, w, ws, y, M, N, K, stride_xm, stride_wn, stride_wsn, stride_ym,
-                        K_PER_SPLIT, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        DOT: tl.constexpr, PREC: tl.constexpr, ATOMIC: tl.constexpr):
-    """y (+)= x[:, split's K range] W_dequant^T; W dequantised block by block in registers.
-    With ATOMIC, y is a zeroed fp32 buffer the K splits add into."""
+def fp8_wdq_gemm_kernel(x, w, ws, y, part, arrivals, M, N, K, stride_xm, stride_wn, stride_wsn,
+                        stride_ym, K_PER_SPLIT, SPLITS, BLOCK: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
+                        PREC: tl.constexpr):
+    """y = x W_dequant^T over one K range per program; W dequantised block by block in
+    registers. With SPLITS > 1 each range's fp32 sum goes to `part` and the range that arrives
+    last at `arrivals[tile]` writes y from all of them."""
     i_m, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_m = i_m * BM + tl.arange(0, BM)
     o_n = i_n * BN + tl.arange(0, BN)
@@ -66,11 +76,26 @@ def fp8_wdq_gemm_kernel(x, w, ws, y, M, N, K, stride_xm, stride_wn, stride_wsn, 
         b_s = tl.load(ws + i_sn * stride_wsn + k0 // BLOCK)
         b_wd = (b_w.to(tl.float32) * b_s).to(DOT)  # [BN, BLOCK], the reference's rounding
         b_acc = tl.dot(b_x.to(DOT), tl.trans(b_wd), b_acc, input_precision=PREC)
+    m_out = m_m[:, None] & m_n[None, :]
     p_y = y + o_m[:, None].to(tl.int64) * stride_ym + o_n[None, :]
-    if ATOMIC:
-        tl.atomic_add(p_y, b_acc, mask=m_m[:, None] & m_n[None, :], sem="relaxed")
+    if SPLITS == 1:
+        tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_out)
     else:
-        tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+        tile = i_m * tl.num_programs(1) + i_n
+        p_part = part + (tile * SPLITS).to(tl.int64) * (BM * BN) \
+            + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+        tl.store(p_part + i_s * (BM * BN), b_acc, mask=m_out)
+        # Every warp's partial is written before the release; the last arrival acquires them all.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals + tile, 1, sem="acq_rel")
+        if arrived == SPLITS - 1:
+            tl.debug_barrier()
+            b_sum = tl.zeros([BM, BN], dtype=tl.float32)
+            for i in range(SPLITS):
+                b_sum += tl.load(p_part + i * (BM * BN), mask=m_out, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(p_y, b_sum.to(y.dtype.element_ty), mask=m_out)
+            tl.atomic_xchg(arrivals + tile, 0, sem="relaxed")
 
 
 @_jit
@@ -140,33 +165,46 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block
     assert block >= 16 and block & (block - 1) == 0
 
 
+def _arrivals(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The device's zeroed split-K arrival counters, or None where they cannot be made now (a
+    first launch inside CUDA-graph capture) or are too few."""
+    counters = _ARRIVALS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _ARRIVALS[device] = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32,
+                                                   device=device)
+    return counters if tiles <= counters.numel() else None
+
+
 def fp8_linear_weight_only(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                            block: int) -> torch.Tensor:
-    """[M, K] x dequantised [N, K] -> [M, N]: narrow column blocks before splitting over K, as a
-    split costs a zeroed fp32 buffer and a cast."""
+    """[M, K] x dequantised [N, K] -> [M, N], K split into ranges so that enough programs stream
+    the weight. Launches on one device must run in stream order (they share the counters)."""
     m, k = x2.shape
     n = weight.shape[0]
     fp32 = x2.dtype == torch.float32 or _interpreting()
     dot = tl.float32 if fp32 else (tl.float16 if x2.dtype == torch.float16 else tl.bfloat16)
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-    want = int(_sms(x2.device) * WDQ_WAVES)
-    row_tiles = triton.cdiv(m, bm)
-    fits = [b for b in WDQ_BLOCK_NS if b <= block and row_tiles * triton.cdiv(n, b) >= want]
-    bn = fits[0] if fits else min(WDQ_BLOCK_NS[-1], block)
-    tiles = row_tiles * triton.cdiv(n, bn)
+    bn = min(WDQ_BLOCK_N, block)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     k_blocks = triton.cdiv(k, block)
-    splits = max(1, min(k_blocks, max(want // tiles, triton.cdiv(k, WDQ_MAX_K))))
+    want = int(_sms(x2.device) * WDQ_WAVES)
+    splits = max(1, min(k_blocks // WDQ_MIN_SPLIT_BLOCKS, triton.cdiv(want, tiles)))
+    arrivals = _arrivals(x2.device, tiles) if splits > 1 else None
+    if arrivals is None:
+        splits = 1
     k_per_split = triton.cdiv(k_blocks, splits) * block
     splits = triton.cdiv(k, k_per_split)
-    atomic = splits > 1
-    out = torch.zeros(m, n, dtype=torch.float32, device=x2.device) if atomic else \
-        torch.empty(m, n, dtype=x2.dtype, device=x2.device)
-    fp8_wdq_gemm_kernel[(row_tiles, triton.cdiv(n, bn), splits)](
-        x2, weight, scale_inv, out, m, n, k, x2.stride(0), weight.stride(0),
-        scale_inv.stride(0), out.stride(0), k_per_split, BLOCK=block, BM=bm, BN=bn, DOT=dot,
-        PREC="ieee" if fp32 else "tf32", ATOMIC=atomic, num_warps=WDQ_WARPS,
-        num_stages=WDQ_STAGES)
-    return out.to(x2.dtype) if atomic else out
+    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    part = torch.empty(tiles * splits * bm * bn, dtype=torch.float32, device=x2.device) \
+        if splits > 1 else out
+    fp8_wdq_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), splits)](
+        x2, weight, scale_inv, out, part, arrivals if splits > 1 else out, m, n, k, x2.stride(0),
+        weight.stride(0), scale_inv.stride(0), out.stride(0), k_per_split, splits,
+        BLOCK=block, BM=bm, BN=bn, DOT=dot, PREC="ieee" if fp32 else "tf32",
+        num_warps=WDQ_WARPS, num_stages=WDQ_STAGES)
+    return out
 
 
 def fp8_linear_w8a8(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,

@@ -1,0 +1,107 @@
+"""Where the KDA prep kernel spends its time (GPU only; prints a table, appends nothing).
+
+    PYTHONPATH=. python bench/kda_parts.py [--tokens 4096 32768]
+
+No hardware counters are needed: the prep kernel's two later stages are run alone, each as its
+own kernel over the same (chunk, head) grid and through the same jitted helpers, and the first
+stage (the Aqk / Akk products, with l2 norms and decay anchoring) is what is left of the whole:
+- inverse: `_unit_tril_inverse` of a stored strictly lower-triangular 64 x 64 matrix;
+- WY phase: `_wy_phase` (w, u, qg, kd, exp(G_last)) from a stored T;
+- whole prep at PREP_WARPS and at the other warp count, and the state walk for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.kernels import D, H, _kda_inputs, graph_ms  # noqa: E402
+from glmflash.kernels.kda import triton_impl as ti  # noqa: E402
+
+BT = 64
+
+
+@triton.jit
+def inverse_only_kernel(a, t, PREC_I: tl.constexpr, IDOT: tl.constexpr, DOT: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    o = tl.arange(0, 64)
+    p = i * 4096 + o[:, None] * 64 + o[None, :]
+    b_t = ti._unit_tril_inverse(tl.load(p + a), PREC_I, IDOT, 64)
+    tl.store(t + p, b_t.to(DOT))
+
+
+@triton.jit
+def wy_only_kernel(q, k, v, g, beta, w, u, qg, kd, gl, tmat, meta, scale, stride_q, stride_k,
+                   stride_v, stride_g, stride_b, H: tl.constexpr, K: tl.constexpr,
+                   V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BKC: tl.constexpr,
+                   PREC: tl.constexpr, DOT: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0 = tl.load(meta + i_c * 3)
+    t_end = tl.load(meta + i_c * 3 + 1)
+    o_t = tl.arange(0, 64)
+    p_t = (i_c * H + i_h).to(tl.int64) * 4096 + o_t[:, None] * 64 + o_t[None, :]
+    b_t = tl.load(tmat + p_t).to(DOT)
+    o_r = t0 + o_t
+    b_b = tl.load(beta + o_r.to(tl.int64) * stride_b + i_h, mask=o_r < t_end,
+                  other=0.0).to(tl.float32)
+    b_rn = tl.full([64], 1.0, dtype=tl.float32)
+    ti._wy_phase(q, k, v, g, w, u, qg, kd, gl, b_t, b_b, b_rn * scale, b_rn, t0, t_end, i_c, i_h,
+                 stride_q, stride_k, stride_v, stride_g, H, K, V, BK, BVF, BKC, PREC, DOT)
+
+
+def _parts_row(n: int) -> list:
+    q, k, v, g, beta, state = _kda_inputs(n)
+    plan = ti._plan((0, n), (0,), (False,), q.device)
+    buf = ti._prefill_buffers(q, v, plan.num_chunks)
+    strides = (q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0))
+    scale = D ** -0.5
+
+    def prep():
+        ti._launch_prep(q, k, v, g, beta, buf, plan, scale, strides)
+
+    whole = graph_ms(prep)
+    other_warps = 4 if ti.PREP_WARPS == 8 else 8
+    saved, ti.PREP_WARPS = ti.PREP_WARPS, other_warps
+    try:
+        whole_other = graph_ms(prep)
+    finally:
+        ti.PREP_WARPS = saved
+    programs = plan.num_chunks * H
+    a = torch.randn(programs, BT, BT, device="cuda").tril(-1) * 0.1
+    t = torch.empty(programs, BT, BT, device="cuda", dtype=q.dtype)
+    prod_i = ti._products(ti.PREP_VARIANTS[ti.PREP_PRODUCTS][1], q.dtype)
+    dot = ti._dot_dtype(q.dtype)
+    inverse = graph_ms(lambda: inverse_only_kernel[(programs,)](
+        a, t, PREC_I=prod_i[0], IDOT=prod_i[1], DOT=dot, num_warps=ti.PREP_WARPS))
+    chunk_meta = plan.meta[plan.num_decode * 3 + plan.num_prefill * 5:]
+    wy = graph_ms(lambda: wy_only_kernel[(plan.num_chunks, H)](
+        q, k, v, g, beta, buf.w, buf.u, buf.qg, buf.kd, buf.gl, t, chunk_meta, scale, *strides,
+        H=H, K=D, V=D, BK=D, BVF=D, BKC=ti.PREP_BKC, PREC=ti._prec(q.dtype), DOT=dot,
+        num_warps=ti.PREP_WARPS))
+    walk = graph_ms(lambda: ti._launch_state(state, torch.empty_like(v), buf, plan))
+    return [n, f"{whole:.3f}", f"{whole_other:.3f}", f"{inverse:.3f}", f"{wy:.3f}",
+            f"{whole - inverse - wy:.3f}", f"{walk:.3f}"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768])
+    args = parser.parse_args()
+    other = 4 if ti.PREP_WARPS == 8 else 8
+    print(f"prep products {ti.PREP_PRODUCTS}, {ti.PREP_WARPS} warps; times in ms, graph-timed")
+    print(f"| tokens | prep | prep at {other} warps | inverse alone | WY phase alone | "
+          "A products (rest) | state walk |")
+    print("|---|---|---|---|---|---|---|")
+    for n in args.tokens:
+        print("| " + " | ".join(str(c) for c in _parts_row(n)) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
