@@ -130,16 +130,6 @@ def make_layer(num_experts: int, hidden: int, inter: int, codes: str
     return gate_w, s_gu, up_w, s_gu.clone(), down_w, s_down
 
 
-def subnormal_share(layer: tuple[torch.Tensor, ...]) -> float:
-    """Share of nonzero e4m3 codes with a zero exponent (fp32 denormals in the fp32-bits decode)."""
-    sub = total = 0
-    for w in layer[0::2]:
-        codes = w[:4].view(torch.uint8)  # a few experts are enough for the share
-        sub += int((((codes & 0x78) == 0) & ((codes & 0x7) != 0)).sum())
-        total += codes.numel()
-    return sub / total
-
-
 def routing(perm: torch.Tensor, call: int, num_tokens: int, top_k: int) -> torch.Tensor:
     """Token t of call i takes the next top_k experts of a fixed random permutation."""
     start = (call * num_tokens + torch.arange(num_tokens)) * top_k
@@ -245,7 +235,7 @@ def main() -> None:
     torch.manual_seed(42)
     numba.set_num_threads(args.threads)
     layer = make_layer(args.experts, args.hidden, args.inter, args.codes)
-    args.subnormal = subnormal_share(layer)
+    args.subnormal = numba_impl.subnormal_share(*layer[0::2])
     experts = NumbaMoeExperts(*layer, swiglu_limit=10.0, num_threads=args.threads,
                               num_pools=args.pools, decode=args.decode)
     args.decode = experts.decode_name

@@ -125,8 +125,17 @@ def test_decode_choice(monkeypatch, seeded):
     monkeypatch.setenv("GLMFLASH_CPU_MOE_DECODE", "FP16")
     assert numba_impl.default_decode() == "fp16"
     monkeypatch.delenv("GLMFLASH_CPU_MOE_DECODE")
-    intel = "GenuineIntel" in Path("/proc/cpuinfo").read_text()
-    assert numba_impl.default_decode() == ("fp16" if intel else "fp32-bits")
+    checkpoint_like = make_experts(4, 256, 128, seeded)[0]
+    uniform_codes = make_experts(4, 256, 128, seeded, raw_bytes=True)[0]
+    # uniformly random bytes: 14 of 256 codes are subnormal (exponent 0, mantissa 1..7)
+    assert abs(numba_impl.subnormal_share(uniform_codes) - 14 / 256) < 0.01
+    assert numba_impl.subnormal_share(checkpoint_like) < numba_impl.SUBNORMAL_FP16_SHARE
+    for intel in (False, True):
+        monkeypatch.setattr(numba_impl, "_is_intel", lambda intel=intel: intel)
+        assert numba_impl.default_decode(checkpoint_like) == "fp32-bits"
+        assert numba_impl.default_decode(uniform_codes) == ("fp16" if intel else "fp32-bits")
+        assert NumbaMoeExperts(*make_experts(2, 64, 32, seeded, raw_bytes=True),
+                               swiglu_limit=1.0).decode_name == ("fp16" if intel else "fp32-bits")
     with pytest.raises(ValueError, match="unknown e4m3 decode 'bf16'"):
         NumbaMoeExperts(*make_experts(2, 64, 32, seeded), swiglu_limit=1.0, decode="bf16")
 

@@ -10,7 +10,8 @@ copy of the weights placed on its NUMA node.
 `(int32(int8 q) << 20) & 0x87F00000`, read as fp32 bits, is exactly `e4m3(q) * 2**-120`
 (subnormals included) - but those subnormals are fp32 denormals, which Intel cores handle with a
 microcode assist per FMA; there `(int16(int8 q) << 7) & 0xBF80`, read as fp16 bits and
-converted, gives `e4m3(q) * 2**-8` with no denormal (`DECODES`, chosen by `default_decode()`).
+converted, gives `e4m3(q) * 2**-8` with no denormal (`DECODES`; `default_decode()` takes it on
+Intel when the weights hold enough subnormal codes).
 The block scale and the decode's power of two are folded into a per-(expert, row-block) copy of
 the activations, so the inner loop is one FMA per weight and a row sum is rescaled once. The
 inner loop is LLVM IR (`_make_dot_ir`): 512-bit vectors, four rows per pass, 32 bytes decoded by
@@ -571,17 +572,46 @@ def _place_rows_nb(src, pool_rows, cpu_masks, task_counter, num_workers, dst):
 DECODES = {"fp32-bits": DECODE_FP32_BITS, "fp16": DECODE_FP16}
 
 
-def default_decode() -> str:
-    """GLMFLASH_CPU_MOE_DECODE if set, else "fp16" on Intel (denormal FMAs take microcode
-    assists there) and "fp32-bits" elsewhere."""
+# Share of subnormal codes from which Intel cores take the fp16 decode. On the H200 host's Xeon
+# (16 threads, release shapes): at 0.01% (weights quantised like a checkpoint) the fp32 bits
+# streamed 0.89 / 0.85 / 0.95 of the read probe at 1 / 4 / 16 tokens against fp16's 0.68 / 0.93 /
+# 0.97; at 6% (uniform codes) 0.06. An assist hits every 16-lane FMA holding a denormal, so
+# 1 - (1 - p)^16 of them: ~0.3% of FMAs at 2e-4, where its ~150 cycles start to cost more than
+# the fp16 decode's extra operations.
+SUBNORMAL_FP16_SHARE = 2e-4
+SUBNORMAL_SAMPLE = 1 << 22
+
+
+def subnormal_share(*weights: torch.Tensor) -> float:
+    """Share of subnormal e4m3 codes (exponent 0, mantissa not 0) in evenly spaced samples of up
+    to SUBNORMAL_SAMPLE bytes per weight."""
+    hits = total = 0
+    for weight in weights:
+        flat = weight.reshape(-1).view(torch.uint8)
+        step = max(1, flat.numel() // SUBNORMAL_SAMPLE)
+        sample = flat[::step].numpy()
+        hits += int(np.count_nonzero(((sample & 0x78) == 0) & ((sample & 0x07) != 0)))
+        total += sample.size
+    return hits / max(total, 1)
+
+
+def _is_intel() -> bool:
+    try:
+        return "GenuineIntel" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "intel" in platform.processor().lower()
+
+
+def default_decode(*weights: torch.Tensor) -> str:
+    """GLMFLASH_CPU_MOE_DECODE if set; else "fp16" on Intel when the weights hold at least
+    SUBNORMAL_FP16_SHARE subnormal codes (their fp32 denormals take microcode assists there),
+    and "fp32-bits" otherwise - the fewer operations."""
     chosen = cpu_moe_decode()
     if chosen:
         return chosen
-    try:
-        intel = "GenuineIntel" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        intel = "intel" in platform.processor().lower()
-    return "fp16" if intel else "fp32-bits"
+    if _is_intel() and (not weights or subnormal_share(*weights) >= SUBNORMAL_FP16_SHARE):
+        return "fp16"
+    return "fp32-bits"
 
 
 def _fp8_bytes(weight: torch.Tensor) -> np.ndarray:
@@ -644,14 +674,14 @@ class NumbaMoeExperts:
                  decode: str | None = None):
         """`pool_cpus`: CPUs each pool's threads are pinned to (default: the NUMA nodes, see
         `pools.pool_cpus`; unpinned when they do not split into `num_pools`). `decode`: "fp16"
-        or "fp32-bits" (default: `default_decode()`)."""
+        or "fp32-bits" (default: `default_decode()` of these weights)."""
         _check_shapes(gate_w, gate_s, up_w, up_s, down_w, down_s, block)
         self.num_experts, self.inter, self.hidden = gate_w.shape
         self.num_threads = num_threads or numba.config.NUMBA_NUM_THREADS
         numba.set_num_threads(self.num_threads)
         self.swiglu_limit = float(swiglu_limit)
         self.block = block
-        self.decode_name = decode or default_decode()
+        self.decode_name = decode or default_decode(gate_w, up_w, down_w)
         if self.decode_name not in DECODES:
             raise ValueError(f"unknown e4m3 decode {self.decode_name!r}; expected one of "
                              f"{tuple(DECODES)}")
