@@ -22,6 +22,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import restoring  # noqa: E402
 from bench.kernels import D, H, _kda_inputs, graph_ms  # noqa: E402
 from glmflash.kernels.kda import triton_impl as ti  # noqa: E402
 
@@ -29,11 +30,15 @@ BT = 64
 
 
 @triton.jit
-def inverse_only_kernel(a, t, PREC_I: tl.constexpr, IDOT: tl.constexpr, DOT: tl.constexpr):
+def inverse_only_kernel(a, t, PREC_I: tl.constexpr, IDOT: tl.constexpr, INV_ROWS: tl.constexpr,
+                        DOT: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, 64)
     p = i * 4096 + o[:, None] * 64 + o[None, :]
-    b_t = ti._unit_tril_inverse(tl.load(p + a), PREC_I, IDOT, 64)
+    if INV_ROWS:
+        b_t = ti._unit_tril_inverse_rows(tl.load(p + a), 64)
+    else:
+        b_t = ti._unit_tril_inverse(tl.load(p + a), PREC_I, IDOT, 64)
     tl.store(t + p, b_t.to(DOT))
 
 
@@ -79,7 +84,9 @@ def _parts_row(n: int) -> list:
     prod_i = ti._products(ti.PREP_VARIANTS[ti.PREP_PRODUCTS][1], q.dtype)
     dot = ti._dot_dtype(q.dtype)
     inverse = graph_ms(lambda: inverse_only_kernel[(programs,)](
-        a, t, PREC_I=prod_i[0], IDOT=prod_i[1], DOT=dot, num_warps=ti.PREP_WARPS))
+        a, t, PREC_I=prod_i[0], IDOT=prod_i[1],
+        INV_ROWS=ti.PREP_VARIANTS[ti.PREP_PRODUCTS][1] == "rows", DOT=dot,
+        num_warps=ti.PREP_WARPS))
     chunk_meta = plan.meta[plan.num_decode * 3 + plan.num_prefill * 5:]
     wy = graph_ms(lambda: wy_only_kernel[(plan.num_chunks, H)](
         q, k, v, g, beta, buf.w, buf.u, buf.qg, buf.kd, buf.gl, t, chunk_meta, scale, *strides,
@@ -93,14 +100,20 @@ def _parts_row(n: int) -> list:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768])
+    parser.add_argument("--variants", nargs="+", default=[ti.PREP_PRODUCTS],
+                        help="PREP_PRODUCTS variants to time")
     args = parser.parse_args()
     other = 4 if ti.PREP_WARPS == 8 else 8
-    print(f"prep products {ti.PREP_PRODUCTS}, {ti.PREP_WARPS} warps; times in ms, graph-timed")
-    print(f"| tokens | prep | prep at {other} warps | inverse alone | WY phase alone | "
-          "A products (rest) | state walk |")
-    print("|---|---|---|---|---|---|---|")
-    for n in args.tokens:
-        print("| " + " | ".join(str(c) for c in _parts_row(n)) + " |", flush=True)
+    print(f"prep at {ti.PREP_WARPS} warps; times in ms, graph-timed")
+    print(f"| prep products | tokens | prep | prep at {other} warps | inverse alone | "
+          "WY phase alone | A products (rest) | state walk |")
+    print("|---|---|---|---|---|---|---|---|")
+    with restoring(ti, "PREP_PRODUCTS"):
+        for variant in args.variants:
+            ti.PREP_PRODUCTS = variant
+            for n in args.tokens:
+                print(f"| {variant} | " + " | ".join(str(c) for c in _parts_row(n)) + " |",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -126,6 +126,7 @@ def kda_launches(with_prep: bool) -> list[Launch]:
         out.append(Launch(f"kda prep {kda.PREP_PRODUCTS}", kda.kda_chunk_prep_kernel, prep,
                           dict(H=64, K=128, V=128, BK=128, BVF=128, BKC=kda.PREP_BKC,
                                PREC_A=prec_a, ADOT=dot_a, PREC_I=prec_i, IDOT=dot_i,
+                               INV_ROWS=kda.PREP_VARIANTS[kda.PREP_PRODUCTS][1] == "rows",
                                PREC="tf32", DOT=tl.bfloat16), kda.PREP_WARPS))
     conv = {"x": "*bf16", "weight": "*fp32", "conv_state": "*bf16", "out": "*bf16",
             "meta": "*i32"}

@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from glmflash.kernels.kda import causal_conv1d_ref, kda_ref  # noqa: E402
+from glmflash.kernels.kda import causal_conv1d_ref, kda_ref, triton_impl  # noqa: E402
 from glmflash.kernels.kda.triton_impl import causal_conv1d, kda  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -85,6 +85,15 @@ def test_kda_fp32_matches_ref(lens, nan_empty):
     assert torch.allclose(s_got, s_ref, atol=FP32_TOL * 10, rtol=FP32_TOL)
 
 
+@pytest.mark.parametrize("variant", ["bf16-accum", "bf16-rows"])
+def test_kda_prep_inverses_match_ref(variant, monkeypatch, nan_empty):
+    # the (I + A)^-1 of the prep kernel by squaring products and by forward substitution
+    monkeypatch.setattr(triton_impl, "PREP_PRODUCTS", variant)
+    got, want, s_got, s_ref = _run_kda([130, 1, 64, 17], heads=2, dim=32, dtype=torch.float32)
+    assert (got - want).abs().max().item() < FP32_TOL
+    assert torch.allclose(s_got, s_ref, atol=FP32_TOL * 10, rtol=FP32_TOL)
+
+
 def test_kda_head_dim16_and_steep_decay(nan_empty):
     # g down to -20 per step: the diagonal blocks take the column-by-column fallback.
     got, want, s_got, s_ref = _run_kda([40, 1, 70], heads=3, dim=16, dtype=torch.float32,
@@ -145,6 +154,16 @@ def test_causal_conv1d_matches_ref(lens, channels, dtype, nan_empty):
                          ids=["decode8", "decode32", "prefill4k", "mixed"])
 def test_kda_release_shape_gpu(lens):
     got, want, s_got, s_ref = _run_kda(lens, heads=64, dim=128, dtype=torch.bfloat16)
+    assert _rel(got, want) < BF16_REL
+    assert _rel(s_got, s_ref) < BF16_REL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["bf16-accum", "bf16-rows"])
+def test_kda_prep_inverses_release_shape_gpu(variant, monkeypatch):
+    monkeypatch.setattr(triton_impl, "PREP_PRODUCTS", variant)
+    got, want, s_got, s_ref = _run_kda([1000, 1, 3000, 64, 1, 129], heads=64, dim=128,
+                                       dtype=torch.bfloat16)
     assert _rel(got, want) < BF16_REL
     assert _rel(s_got, s_ref) < BF16_REL
 

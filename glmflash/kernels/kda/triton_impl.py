@@ -40,7 +40,8 @@ PREP_BKC = 16
 # memory access) although they pass under the interpreter - README.md, "Open problems".
 # "bf16-accum" (tensor-core A, FMA inverse): 6.1 ms prep at 4K vs 10.4 for "ieee", error as
 # ieee's (4.3e-3 vs 3.6e-3). fp32 models and the interpreter always use fp32 products.
-PREP_VARIANTS = {"ieee": ("ieee", "ieee"), "bf16": ("bf16", "bf16"),
+# "rows" inverts by forward substitution, one row at a time in registers (FMA, no products).
+PREP_VARIANTS = {"ieee": ("ieee", "ieee"), "bf16": ("bf16", "bf16"), "bf16-rows": ("bf16", "rows"),
                  "bf16-accum": ("bf16", "ieee"), "bf16-inverse": ("ieee", "bf16"),
                  "bf16-tf32": ("bf16", "tf32"), "tf32": ("tf32", "tf32")}
 PREP_PRODUCTS = "bf16-accum"
@@ -180,12 +181,25 @@ def _unit_tril_inverse(b_a, PREC: tl.constexpr, ADOT: tl.constexpr, BT: tl.const
 
 
 @_jit
+def _unit_tril_inverse_rows(b_a, BT: tl.constexpr):
+    """(I + A)^-1 for strictly lower-triangular A by forward substitution: row i of the inverse
+    is e_i - A[i, :] T, where only the finished rows j < i of T meet A[i, j] != 0."""
+    o_t = tl.arange(0, BT)
+    b_t = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
+    for i in range(1, BT):
+        b_ti = tl.sum(_row(b_a, o_t, i)[:, None] * b_t, 0)
+        b_t = tl.where(o_t[:, None] == i, b_t - b_ti[None, :], b_t)
+    return b_t
+
+
+@_jit
 def kda_chunk_prep_kernel(q, k, v, g, beta, w, u, qg, kd, aqk, gl, meta, scale,
                           stride_q, stride_k, stride_v, stride_g, stride_b,
                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BK: tl.constexpr, BVF: tl.constexpr, BKC: tl.constexpr,
                           PREC_A: tl.constexpr, ADOT: tl.constexpr, PREC_I: tl.constexpr,
-                          IDOT: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr):
+                          IDOT: tl.constexpr, INV_ROWS: tl.constexpr, PREC: tl.constexpr,
+                          DOT: tl.constexpr):
     """Intra-chunk part of one (chunk, head) of 64 rows, for the sequential state kernel:
     Aqk, T = (I + diag(beta) Akk)^-1, w = T (beta k exp(G)), u = T (beta v), qg = q exp(G),
     kd = k exp(G_last - G) and exp(G_last). Derivation and anchoring in README.md."""
@@ -258,7 +272,10 @@ def kda_chunk_prep_kernel(q, k, v, g, beta, w, u, qg, kd, aqk, gl, meta, scale,
     _store_rows(aqk + i_h * BT, b_aq, t0, t_end, H * BT, 0, BT, BT, BT)
     strict = o_t[:, None] > o_t[None, :]
     b_a = tl.where(strict, b_ak * (b_b * b_rnk)[:, None] * b_rnk[None, :], 0.0)
-    b_t = _unit_tril_inverse(b_a, PREC_I, IDOT, BT).to(DOT)
+    if INV_ROWS:
+        b_t = _unit_tril_inverse_rows(b_a, BT).to(DOT)
+    else:
+        b_t = _unit_tril_inverse(b_a, PREC_I, IDOT, BT).to(DOT)
     _wy_phase(q, k, v, g, w, u, qg, kd, gl, b_t, b_b, b_rnq, b_rnk, t0, t_end, i_c, i_h,
               stride_q, stride_k, stride_v, stride_g, H, K, V, BK, BVF, BKC, PREC, DOT)
 
@@ -367,7 +384,7 @@ def _dot_dtype(dtype: torch.dtype):
 
 def _products(kind: str, dtype: torch.dtype) -> tuple[str, object]:
     """(input_precision, operand type) of one group of prep products."""
-    if kind == "ieee" or dtype == torch.float32 or _interpreting():
+    if kind in ("ieee", "rows") or dtype == torch.float32 or _interpreting():
         return "ieee", tl.float32
     if kind == "tf32":
         return "tf32", tl.float32
@@ -437,7 +454,8 @@ def _launch_prep(q, k, v, g, beta, buf: PrefillBuffers, plan: KdaPlan, scale: fl
     kda_chunk_prep_kernel[(plan.num_chunks, heads)](
         q, k, v, g, beta, *buf, chunk_meta, scale, *strides, H=heads, K=dk, V=dv, BK=bk,
         BVF=bvf, BKC=min(PREP_BKC, bk), PREC_A=prod_a[0], ADOT=prod_a[1], PREC_I=prod_i[0],
-        IDOT=prod_i[1], PREC=_prec(q.dtype), DOT=_dot_dtype(q.dtype), num_warps=PREP_WARPS)
+        IDOT=prod_i[1], INV_ROWS=PREP_VARIANTS[PREP_PRODUCTS][1] == "rows", PREC=_prec(q.dtype),
+        DOT=_dot_dtype(q.dtype), num_warps=PREP_WARPS)
 
 
 def _launch_state(state, out, buf: PrefillBuffers, plan: KdaPlan) -> None:
