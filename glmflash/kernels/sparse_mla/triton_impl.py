@@ -24,17 +24,18 @@ logger = logging.getLogger(__name__)
 # Programs per SM the split-slot decode aims for.
 SPLIT_WAVES = 1.0
 # Rank columns per score product, and the (output columns per program, slots per step, software
-# pipeline stages or None for Triton's default) tried in order below and from WIDE_TOKENS
-# queries; the first that fits the GPU's shared memory is kept. bench/sweeps.py on the H200:
-# narrow blocks give few-token decode more programs (1 query: 11.3 us vs 14.5); whole-rank blocks
-# stop recomputing scores (32 queries: 88 us vs 120, 4096: 8.0 ms vs 15.4, measured before
-# whole-rank blocks shared the score tile; the first kernel, built that way with 64-slot steps,
-# ran 4096 queries in 5.8 ms). tools/smem_check.py (Triton 3.9, 64 heads x 512, aligned as at run
-# time): the H200's first choices need 153 / 100 KB on sm_89 and sm_120, whose blocks get 99 KB;
-# the single-stage and 16-slot fallbacks fit there (77-90 KB).
+# pipeline stages) tried in order below and from WIDE_TOKENS queries; the first that fits the
+# GPU's shared memory is kept. bench/sweeps.py on the H200 (2026-12-01, 128K-token caches, 2051
+# slots): 1 query 9.9 us at 128/64/1 against 11.5 at 128/64/3 and 12.8 at whole-rank blocks
+# (narrow blocks give few-token decode more programs); 32 queries 67.9 us at 512/64/2 against
+# 80.9 at 512/32/2 and 115 at 128/64/2 (whole-rank blocks do not recompute scores). ncu at 32
+# queries: one 8-warp block per SM (242 registers, 132 KB shared), 21% of DRAM bandwidth - the
+# gather, the two products and the softmax of a slot step run one after the other.
+# tools/smem_check.py (64 heads x 512, aligned as at run time): the two-stage whole-rank blocks
+# only fit sm_90's 227 KB; sm_89 and sm_120 (99 KB) take the single-stage and 16-slot fallbacks.
 SCORE_BLOCK = 128
-NARROW = ((128, 64, None), (128, 64, 1), (128, 32, 1))
-WIDE = ((512, 32, None), (512, 16, 2), (256, 32, 1), (128, 32, 1))
+NARROW = ((128, 64, 1), (128, 32, 1))
+WIDE = ((512, 64, 2), (512, 32, 2), (512, 16, 2), (256, 32, 1), (128, 32, 1))
 WIDE_TOKENS = 16
 # (device, wide, rank block, head block) -> the config that fitted there
 _FITTED: dict[tuple, tuple[int, int, int | None]] = {}
