@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from glmflash import Engine, SamplingParams
+from glmflash.kernels.fp8_gemm import triton_impl as fp8_triton
 from tests.conftest import PackedRunner, load_tiny
 from tests.oracle import assert_greedy_matches
 
@@ -18,6 +19,10 @@ FP32_ATOL = 1e-3
 # logits agree on the argmax for only ~50% of positions), so bf16 is judged after the first
 # layer, against CPU fp32, at 3x the CPU bf16 figure.
 BF16_LAYER0_RTOL = 0.06
+# The 188-token prefill quantises activations to e4m3 per 128-channel group in every FP8
+# projection (W8A8 from FP8_ACT_MIN_ROWS rows, the DeepSeek / HF-on-GPU numerics), which the
+# CPU reference does not: ~3% per projection (tests/kernels/test_fp8_gemm_triton.py).
+BF16_W8A8_LAYER0_RTOL = 0.1
 
 
 def _rows_without_selection_flips(config, lens: list[int]) -> torch.Tensor:
@@ -48,8 +53,12 @@ def test_gpu_fp32_logits_match_cpu(tiny_dirs, variant):
         assert diff < FP32_ATOL
 
 
+@pytest.mark.parametrize("fp8_activations", [False, True], ids=["weight-only", "w8a8"])
 @pytest.mark.parametrize("variant", ["embedded", "kpool16"])
-def test_gpu_bf16_first_layer_matches_cpu_fp32(tiny_dirs, variant):
+def test_gpu_bf16_first_layer_matches_cpu_fp32(tiny_dirs, variant, fp8_activations,
+                                               monkeypatch):
+    if not fp8_activations:  # every FP8 projection dequantises its weight, as the CPU does
+        monkeypatch.setattr(fp8_triton, "FP8_ACT_MIN_ROWS", 1 << 30)
     prompts = dict(enumerate(_prompts()))
     want, got = [], []
     model = load_tiny(tiny_dirs[variant])
@@ -59,8 +68,8 @@ def test_gpu_bf16_first_layer_matches_cpu_fp32(tiny_dirs, variant):
     rows = _rows_without_selection_flips(model.config, [len(p) for p in prompts.values()])
     got0, want0 = got[0].float().cpu()[rows], want[0][rows]
     rel = ((got0 - want0).abs().max() / want0.abs().max()).item()
-    print(f"{variant} bf16 layer 0: relative {rel:.3e}")
-    assert rel < BF16_LAYER0_RTOL
+    print(f"{variant} bf16 layer 0, fp8 activations {fp8_activations}: relative {rel:.3e}")
+    assert rel < (BF16_W8A8_LAYER0_RTOL if fp8_activations else BF16_LAYER0_RTOL)
 
 
 def test_engine_on_gpu_matches_oracle_greedy(tiny_dirs, oracles):
