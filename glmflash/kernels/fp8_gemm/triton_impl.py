@@ -29,7 +29,8 @@ FP8_ACT_MIN_ROWS = 64
 # The last range of a column block to finish adds all ranges' partial sums in range order, so one
 # launch, no zeroed buffer and a deterministic result. The earlier layout (widest column block
 # that gave one program per SM, K split only past 4096, atomics into fp32) streamed 530-2240 GB/s
-# on the H200 against _scaled_mm's 1220-3700.
+# on the H200 against _scaled_mm's 1220-3700; this one 700-2220 against 1050-3820 (weights read
+# from HBM), and bench/sweeps.py found no launch shape more than 10% faster at any release shape.
 WDQ_BLOCK_N = 64
 WDQ_WAVES = 4.0
 WDQ_MIN_SPLIT_BLOCKS = 2

@@ -31,16 +31,16 @@ DECODE_NARROW = (32, 2)
 DECODE_WIDE = (64, 4)
 DECODE_WIDE_BATCH = 16
 # NOTE: 8 warps, from register use rather than a timing: tools/smem_check.py (sm_90, Triton 3.9)
-# shows 5.5 KB of spills per thread with 4 warps and 1.3 KB with 8 (BKC 32: 1.8 KB).
+# shows 1.2 KB of spills per thread with 4 warps and 288 B with 8 (unrolled: 5.5 KB and 1.3 KB).
 PREP_WARPS = 8
 PREP_BKC = 16
 # Products of the prep kernel, (A products, (I + A)^-1 products) per variant: "ieee" is fp32
 # FMA, "tf32" fp32 operands on tensor cores, "bf16" bf16 operands (fp32 accumulation). NOTE:
 # tensor-core inverses fail on the H200 with Triton 3.6 (bf16: w off by 2.5x; tf32: illegal
 # memory access) although they pass under the interpreter - README.md, "Open problems".
-# "bf16-accum" (tensor-core A, FMA inverse): 6.1 ms prep at 4K vs 10.4 for "ieee", error as
-# ieee's (4.3e-3 vs 3.6e-3). fp32 models and the interpreter always use fp32 products.
-# "rows" inverts by forward substitution, one row at a time in registers (FMA, no products).
+# "bf16-accum" (tensor-core A, FMA inverse by squaring): 2.47 ms prep at 4K on the H200;
+# "bf16-rows" (FMA inverse by forward substitution, one row at a time in registers): 3.16 ms;
+# both 4.3e-3 from the fp32 reference. fp32 models and the interpreter use fp32 products.
 PREP_VARIANTS = {"ieee": ("ieee", "ieee"), "bf16": ("bf16", "bf16"), "bf16-rows": ("bf16", "rows"),
                  "bf16-accum": ("bf16", "ieee"), "bf16-inverse": ("ieee", "bf16"),
                  "bf16-tf32": ("bf16", "tf32"), "tf32": ("tf32", "tf32")}
