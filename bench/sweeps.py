@@ -1,6 +1,6 @@
 """Launch-shape sweeps of the decode-sized GPU kernels (prints only; pick defaults from these).
 
-    PYTHONPATH=. python bench/sweeps.py [--ops kda,mla,fp8]
+    PYTHONPATH=. python bench/sweeps.py [--ops kda,mla,fp8,fp8row]
 
 Every time is the median of CUDA-graph replays (bench/kernels.py `graph_ms`).
 """
@@ -113,6 +113,27 @@ def _sweep_fp8_shape(k: int, n: int, wq: torch.Tensor, ws: torch.Tensor, w8a8: b
               f"{2 * 2048 * n * k / ms / 1e9:.0f} TFLOP/s", flush=True)
 
 
+def sweep_fp8_one_row() -> None:
+    """Decode of one token: tensor-core products vs the FMA path, with and without prefetch."""
+    from glmflash.kernels.fp8_gemm import quantize_block_fp8
+    from glmflash.kernels.fp8_gemm import triton_impl as ti
+
+    paths = ((0, False), (1, False), (1, True))
+    with restoring(ti, "WDQ_FMA_ROWS", "WDQ_FMA_PREFETCH", "WDQ_BLOCK_N", "WDQ_WAVES"):
+        for k, n in FP8_SHAPES:
+            wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda"))
+            wqs = [wq] + [wq.clone() for _ in range(copies(wq.numel()) - 1)]
+            x = torch.randn(1, k, device="cuda").bfloat16()
+            for (fma, prefetch), bn, waves in itertools.product(paths, (32, 64), (2.0, 4.0, 8.0)):
+                ti.WDQ_FMA_ROWS, ti.WDQ_FMA_PREFETCH = fma, prefetch
+                ti.WDQ_BLOCK_N, ti.WDQ_WAVES = bn, waves
+                ms = graph_ms([lambda x=x, w=w, ws=ws: ti.fp8_linear_weight_only(x, w, ws, 128)
+                               for w in wqs])
+                print(f"fp8 one row {k}->{n} fma={fma} prefetch={prefetch} BN={bn} "
+                      f"waves={waves}: {ms * 1e3:.1f} us {n * k / ms / 1e6:.0f} GB/s",
+                      flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", default="kda,mla,fp8")
@@ -126,6 +147,8 @@ def main() -> None:
         sweep_sparse_mla()
     if "fp8" in ops:
         sweep_fp8(not args.no_w8a8)
+    if "fp8row" in ops:
+        sweep_fp8_one_row()
 
 
 if __name__ == "__main__":

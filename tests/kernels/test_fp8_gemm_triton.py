@@ -60,6 +60,23 @@ def test_weight_only_bf16_split_k(nan_empty):
     assert (got.float() - want.float()).abs().max().item() <= 2 ** -7 * want.abs().max().item()
 
 
+@pytest.mark.parametrize("fma_rows,prefetch", [(0, False), (1, False), (1, True)],
+                         ids=["products", "fma", "fma-prefetch"])
+def test_one_row_bf16_paths(fma_rows, prefetch, monkeypatch, nan_empty):
+    monkeypatch.setattr(triton_impl, "WDQ_FMA_ROWS", fma_rows)
+    monkeypatch.setattr(triton_impl, "WDQ_FMA_PREFETCH", prefetch)
+    x, w, s = _case(1, 130, 1100, torch.bfloat16)
+    want = fp8_linear_ref(x.float(), w, s)
+    got = triton_impl.fp8_linear(x, w, s).float()
+    if fma_rows:
+        # exact weights and fp32 sums: only the final cast to bf16, within one ulp of each
+        # element (2^-7 relative; the interpreter truncates where the GPU rounds to nearest)
+        assert ((got - want).abs() <= 2 ** -7 * want.abs() + 1e-5 * want.abs().max()).all()
+    else:
+        # the reference's bf16 rounding of every dequantised weight as well
+        assert (got - want).abs().max().item() <= 2 ** -7 * want.abs().max().item()
+
+
 def test_split_k_is_deterministic_and_leaves_counters_at_zero():
     x, w, s = _case(3, 200, 1100, torch.float32)
     first = triton_impl.fp8_linear(x, w, s)

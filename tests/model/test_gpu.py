@@ -21,7 +21,8 @@ FP32_ATOL = 1e-3
 BF16_LAYER0_RTOL = 0.06
 # The 188-token prefill quantises activations to e4m3 per 128-channel group in every FP8
 # projection (W8A8 from FP8_ACT_MIN_ROWS rows, the DeepSeek / HF-on-GPU numerics), which the
-# CPU reference does not: ~3% per projection (tests/kernels/test_fp8_gemm_triton.py).
+# CPU reference does not. Measured on the H200 (2026-12-01): 3.3e-2 (embedded) and 6.4e-2
+# (kpool16) with W8A8, against 2.1e-2 and 8.8e-3 with every projection weight-only.
 BF16_W8A8_LAYER0_RTOL = 0.1
 
 

@@ -2,8 +2,8 @@
 
 Two paths, picked by the number of rows (README.md has the measurements):
 - few rows (decode): the weight is dequantised in registers to x's dtype (the reference's
-  rounding: fp8 * scale in fp32, then one cast) and multiplied in bf16, split over K so that
-  enough programs stream the weight;
+  rounding: fp8 * scale in fp32, then one cast) and multiplied in bf16 - one row by FMA in fp32
+  instead - split over K so that enough programs stream the weight;
 - many rows (prefill): activations are quantised per token and 128-channel group (DeepSeek /
   HF style) by a small kernel, then an FP8 x FP8 GEMM applies both scales per K block.
 """
@@ -32,6 +32,10 @@ FP8_ACT_MIN_ROWS = 64
 # on the H200 against _scaled_mm's 1220-3700; this one 700-2220 against 1050-3820 (weights read
 # from HBM), and bench/sweeps.py found no launch shape more than 10% faster at any release shape.
 WDQ_BLOCK_N = 64
+# Rows up to which the weight-only path multiplies by FMA instead of tensor-core products (0:
+# never): one row needs no product, and skips the layout change of the dequantised tile.
+WDQ_FMA_ROWS = 1
+WDQ_FMA_PREFETCH = True
 WDQ_WAVES = 4.0
 WDQ_MIN_SPLIT_BLOCKS = 2
 WDQ_STAGES = 4
@@ -51,32 +55,74 @@ def _jit(fn):
 
 
 @_jit
-def fp8_wdq_gemm_kernel(x, w, ws, y, part, arrivals, M, N, K, stride_xm, stride_wn, stride_wsn,
-                        stride_ym, K_PER_SPLIT, SPLITS, BLOCK: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
-                        PREC: tl.constexpr):
-    """y = x W_dequant^T over one K range per program; W dequantised block by block in
-    registers. With SPLITS > 1 each range's fp32 sum goes to `part` and the range that arrives
-    last at `arrivals[tile]` writes y from all of them."""
-    i_m, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_m = i_m * BM + tl.arange(0, BM)
-    o_n = i_n * BN + tl.arange(0, BN)
+def _dot_range(x, w, ws_row, o_m, o_n, m_m, m_n, k_begin, k_end, K, stride_xm, stride_wn,
+               BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
+               PREC: tl.constexpr):
+    """x[rows, range] W_dequant[cols, range]^T, the weight rounded to DOT as the reference does."""
     o_k = tl.arange(0, BLOCK)
-    m_m, m_n = o_m < M, o_n < N
-    # NOTE: BN divides BLOCK, so one weight scale row per program.
-    i_sn = (i_n * BN) // BLOCK
     b_acc = tl.zeros([BM, BN], dtype=tl.float32)
-    k_begin = i_s * K_PER_SPLIT
-    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
     for k0 in range(k_begin, k_end, BLOCK):
         m_k = k0 + o_k < K
         b_x = tl.load(x + o_m[:, None].to(tl.int64) * stride_xm + k0 + o_k[None, :],
                       mask=m_m[:, None] & m_k[None, :], other=0.0)
         b_w = tl.load(w + o_n[:, None].to(tl.int64) * stride_wn + k0 + o_k[None, :],
                       mask=m_n[:, None] & m_k[None, :], other=0.0)
-        b_s = tl.load(ws + i_sn * stride_wsn + k0 // BLOCK)
+        b_s = tl.load(ws_row + k0 // BLOCK)
         b_wd = (b_w.to(tl.float32) * b_s).to(DOT)  # [BN, BLOCK], the reference's rounding
         b_acc = tl.dot(b_x.to(DOT), tl.trans(b_wd), b_acc, input_precision=PREC)
+    return b_acc
+
+
+@_jit
+def _fma_range(x, w, ws_row, o_n, m_n, k_begin, k_end, K, stride_wn, BLOCK: tl.constexpr,
+               BN: tl.constexpr, PREFETCH: tl.constexpr):
+    """One row of x against W[cols, range] by FMA: each weight times x * scale in fp32 (no
+    rounding of the weight to bf16), summed in a [BN, BLOCK] tile reduced once at the end.
+    These loads bypass shared memory; with PREFETCH the next weight tile is loaded before this
+    one is used, so two are in flight."""
+    o_k = tl.arange(0, BLOCK)
+    p_w = w + o_n[:, None].to(tl.int64) * stride_wn + o_k[None, :]
+    b_acc = tl.zeros([BN, BLOCK], dtype=tl.float32)
+    if PREFETCH:
+        b_w = tl.load(p_w + k_begin, mask=m_n[:, None] & (k_begin + o_k < k_end)[None, :],
+                      other=0.0)
+    for k0 in range(k_begin, k_end, BLOCK):
+        if PREFETCH:
+            k1 = k0 + BLOCK
+            b_w_next = tl.load(p_w + k1, mask=m_n[:, None] & (k1 + o_k < k_end)[None, :],
+                               other=0.0)
+        else:
+            b_w = tl.load(p_w + k0, mask=m_n[:, None] & (k0 + o_k < k_end)[None, :], other=0.0)
+        b_x = tl.load(x + k0 + o_k, mask=k0 + o_k < K, other=0.0).to(tl.float32)
+        b_s = tl.load(ws_row + k0 // BLOCK)
+        b_acc += b_w.to(tl.float32) * (b_x * b_s)[None, :]
+        if PREFETCH:
+            b_w = b_w_next
+    return tl.sum(b_acc, 1)[None, :]
+
+
+@_jit
+def fp8_wdq_gemm_kernel(x, w, ws, y, part, arrivals, M, N, K, stride_xm, stride_wn, stride_wsn,
+                        stride_ym, K_PER_SPLIT, SPLITS, BLOCK: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
+                        PREC: tl.constexpr, FMA: tl.constexpr, PREFETCH: tl.constexpr):
+    """y = x W_dequant^T over one K range per program; W dequantised block by block in
+    registers (FMA: one row, BM = 1, no products). With SPLITS > 1 each range's fp32 sum goes to
+    `part` and the range that arrives last at `arrivals[tile]` writes y from all of them."""
+    i_m, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_m, m_n = o_m < M, o_n < N
+    # NOTE: BN divides BLOCK, so one weight scale row per program.
+    ws_row = ws + ((i_n * BN) // BLOCK) * stride_wsn
+    k_begin = i_s * K_PER_SPLIT
+    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    if FMA:
+        b_acc = _fma_range(x + i_m.to(tl.int64) * stride_xm, w, ws_row, o_n, m_n, k_begin, k_end,
+                           K, stride_wn, BLOCK, BN, PREFETCH)
+    else:
+        b_acc = _dot_range(x, w, ws_row, o_m, o_n, m_m, m_n, k_begin, k_end, K, stride_xm,
+                           stride_wn, BLOCK, BM, BN, DOT, PREC)
     m_out = m_m[:, None] & m_n[None, :]
     p_y = y + o_m[:, None].to(tl.int64) * stride_ym + o_n[None, :]
     if SPLITS == 1:
@@ -186,7 +232,8 @@ def fp8_linear_weight_only(x2: torch.Tensor, weight: torch.Tensor, scale_inv: to
     n = weight.shape[0]
     fp32 = x2.dtype == torch.float32 or _interpreting()
     dot = tl.float32 if fp32 else (tl.float16 if x2.dtype == torch.float16 else tl.bfloat16)
-    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    fma = m <= WDQ_FMA_ROWS
+    bm = 1 if fma else (16 if m <= 16 else (32 if m <= 32 else 64))
     bn = min(WDQ_BLOCK_N, block)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     k_blocks = triton.cdiv(k, block)
@@ -203,8 +250,8 @@ def fp8_linear_weight_only(x2: torch.Tensor, weight: torch.Tensor, scale_inv: to
     fp8_wdq_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), splits)](
         x2, weight, scale_inv, out, part, arrivals if splits > 1 else out, m, n, k, x2.stride(0),
         weight.stride(0), scale_inv.stride(0), out.stride(0), k_per_split, splits,
-        BLOCK=block, BM=bm, BN=bn, DOT=dot, PREC="ieee" if fp32 else "tf32",
-        num_warps=WDQ_WARPS, num_stages=WDQ_STAGES)
+        BLOCK=block, BM=bm, BN=bn, DOT=dot, PREC="ieee" if fp32 else "tf32", FMA=fma,
+        PREFETCH=WDQ_FMA_PREFETCH, num_warps=WDQ_WARPS, num_stages=WDQ_STAGES)
     return out
 
 
