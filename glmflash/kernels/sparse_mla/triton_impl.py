@@ -26,15 +26,17 @@ SPLIT_WAVES = 1.0
 # Rank columns per score product, and the (output columns per program, slots per step, software
 # pipeline stages) tried in order below and from WIDE_TOKENS queries; the first that fits the
 # GPU's shared memory is kept. bench/sweeps.py on the H200 (2026-12-01, 128K-token caches, 2051
-# slots): 1 query 9.9 us at 128/64/1 against 11.5 at 128/64/3 and 12.8 at whole-rank blocks
-# (narrow blocks give few-token decode more programs); 32 queries 67.9 us at 512/64/2 against
-# 80.9 at 512/32/2 and 115 at 128/64/2 (whole-rank blocks do not recompute scores). ncu at 32
+# slots): 32 queries 67.9 us at 512/64/2 against 80.9 at 512/32/2 and 115 at 128/64/2
+# (whole-rank blocks do not recompute scores). Narrow blocks give few-token decode more
+# programs: 1 query 11.5 us at 128/64/3 against 12.8 at whole-rank blocks; the sweep's 9.9 at
+# 128/64/1 did not hold in bench/kernels.py, whose slot sets rotate past L2 (1 query 12.4 us,
+# 8 queries 55.7 against 43.7 at 128/64/3), so the default pipeline stays first. ncu at 32
 # queries: one 8-warp block per SM (242 registers, 132 KB shared), 21% of DRAM bandwidth - the
 # gather, the two products and the softmax of a slot step run one after the other.
 # tools/smem_check.py (64 heads x 512, aligned as at run time): the two-stage whole-rank blocks
 # only fit sm_90's 227 KB; sm_89 and sm_120 (99 KB) take the single-stage and 16-slot fallbacks.
 SCORE_BLOCK = 128
-NARROW = ((128, 64, 1), (128, 32, 1))
+NARROW = ((128, 64, None), (128, 64, 1), (128, 32, 1))
 WIDE = ((512, 64, 2), (512, 32, 2), (512, 16, 2), (256, 32, 1), (128, 32, 1))
 WIDE_TOKENS = 16
 # (device, wide, rank block, head block) -> the config that fitted there
