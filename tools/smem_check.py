@@ -139,13 +139,13 @@ def kda_launches(with_prep: bool) -> list[Launch]:
 def fp8_launches() -> list[Launch]:
     wdq = {"x": "*bf16", "w": "*fp8e4nv", "ws": "*fp32", "y": "*bf16", "part": "*fp32",
            "arrivals": "*i32"}
-    out = [Launch(f"fp8 weight-only BM{bm} BN{fp8.WDQ_BLOCK_N}{' FMA' if bm == 1 else ''}",
+    out = [Launch(f"fp8 weight-only BM{bm} BN{bn}{' FMA' if bm == 1 else ''}",
                   fp8.fp8_wdq_gemm_kernel, wdq,
-                  dict(BLOCK=128, BM=bm, BN=fp8.WDQ_BLOCK_N, DOT=tl.bfloat16, PREC="tf32",
+                  dict(BLOCK=128, BM=bm, BN=bn, DOT=tl.bfloat16, PREC="tf32",
                        FMA=bm == 1, PREFETCH=fp8.WDQ_FMA_PREFETCH), fp8.WDQ_WARPS,
                   fp8.WDQ_STAGES,
                   aligned=("N", "K", "K_PER_SPLIT"))
-           for bm in (1, 16, 64)]
+           for bm, bn in ((1, fp8.WDQ_FMA_BLOCK_N), (16, fp8.WDQ_BLOCK_N), (64, fp8.WDQ_BLOCK_N))]
     bm, bn, warps, stages = fp8.W8A8_TILE
     w8a8 = {"xq": "*fp8e4nv", "xs": "*fp32", "w": "*fp8e4nv", "ws": "*fp32", "y": "*bf16"}
     out.append(Launch(f"fp8 w8a8 {bm}x{bn}", fp8.fp8_gemm_kernel, w8a8,

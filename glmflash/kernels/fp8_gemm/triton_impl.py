@@ -33,9 +33,14 @@ FP8_ACT_MIN_ROWS = 64
 # from HBM), and bench/sweeps.py found no launch shape more than 10% faster at any release shape.
 WDQ_BLOCK_N = 64
 # Rows up to which the weight-only path multiplies by FMA instead of tensor-core products (0:
-# never): one row needs no product, and skips the layout change of the dequantised tile.
+# never): one row needs no product and skips the layout change of the dequantised tile, and
+# its column block. bench/sweeps.py --ops fp8row (H200, one row, weights read from HBM): FMA
+# with 32 columns ran the five release shapes in 6.5 / 10.4 / 26.1 / 9.4 / 32.8 us against
+# 8.2 / 16.7 / 33.9 / 12.2 / 45.4 with products (0.80-0.91x _scaled_mm); loading the next tile
+# ahead (PREFETCH) was slower everywhere (178 registers instead of 122: half the programs).
 WDQ_FMA_ROWS = 1
-WDQ_FMA_PREFETCH = True
+WDQ_FMA_BLOCK_N = 32
+WDQ_FMA_PREFETCH = False
 WDQ_WAVES = 4.0
 WDQ_MIN_SPLIT_BLOCKS = 2
 WDQ_STAGES = 4
@@ -234,7 +239,7 @@ def fp8_linear_weight_only(x2: torch.Tensor, weight: torch.Tensor, scale_inv: to
     dot = tl.float32 if fp32 else (tl.float16 if x2.dtype == torch.float16 else tl.bfloat16)
     fma = m <= WDQ_FMA_ROWS
     bm = 1 if fma else (16 if m <= 16 else (32 if m <= 32 else 64))
-    bn = min(WDQ_BLOCK_N, block)
+    bn = min(WDQ_FMA_BLOCK_N if fma else WDQ_BLOCK_N, block)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     k_blocks = triton.cdiv(k, block)
     want = int(_sms(x2.device) * WDQ_WAVES)

@@ -30,9 +30,9 @@ SAFE_SPAN = tl.constexpr(84.0) if triton is not None else 84.0
 DECODE_NARROW = (32, 2)
 DECODE_WIDE = (64, 4)
 DECODE_WIDE_BATCH = 16
-# NOTE: 8 warps, from register use rather than a timing: tools/smem_check.py (sm_90, Triton 3.9)
-# shows 1.2 KB of spills per thread with 4 warps and 288 B with 8 (unrolled: 5.5 KB and 1.3 KB).
-PREP_WARPS = 8
+# bench/kda_parts.py (H200, 4K tokens): prep 2.21 ms at 4 warps against 2.47 at 8, although
+# tools/smem_check.py (sm_90, Triton 3.9) shows 1.2 KB of spills per thread at 4 and 288 B at 8.
+PREP_WARPS = 4
 PREP_BKC = 16
 # Products of the prep kernel, (A products, (I + A)^-1 products) per variant: "ieee" is fp32
 # FMA, "tf32" fp32 operands on tensor cores, "bf16" bf16 operands (fp32 accumulation). NOTE:
