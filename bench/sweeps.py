@@ -58,16 +58,21 @@ def _sweep_sparse_mla_batch(b: int) -> None:
     seqs = b if b <= 32 else 1
     latent = torch.randn(seqs * context, rank, device="cuda").bfloat16()
     q = torch.randn(b, heads, rank, device="cuda").bfloat16()
-    slots = torch.randint(0, context, (b, width), device="cuda") \
-        + (torch.arange(b, device="cuda") % seqs)[:, None] * context
+    owner = (torch.arange(b, device="cuda") % seqs)[:, None] * context
     moved = b * width * rank * 2
+    # Slot sets rotated past L2 as in bench/kernels.py: a 1-stage config won here on one set
+    # and lost there.
+    slot_sets = [torch.randint(0, context, (b, width), device="cuda") + owner
+                 for _ in range(copies(moved) if b <= 32 else 1)]
+    slots = slot_sets[0]
     want = sparse_mla_ref(q.float(), latent.float(), slots, scale=1 / 16)
     for bv, bn, stages in itertools.product((128, 256, 512), (16, 32, 64), (1, 2, 3)):
         ti.NARROW = ti.WIDE = ((bv, bn, stages),)
         ti._FITTED.clear()
         try:
             err = rel(ti.sparse_mla(q, latent, slots, scale=1 / 16).float(), want)
-            ms = graph_ms(lambda: ti.sparse_mla(q, latent, slots, scale=1 / 16))
+            ms = graph_ms([lambda s=s: ti.sparse_mla(q, latent, s, scale=1 / 16)
+                           for s in slot_sets])
         except Exception as e:  # noqa: BLE001 - a shape that does not fit is a result too
             print(f"sparse mla b={b} BRV={bv} BN={bn} stages={stages}: {type(e).__name__}",
                   flush=True)
