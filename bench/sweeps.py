@@ -85,7 +85,9 @@ def sweep_fp8(w8a8: bool) -> None:
     from glmflash.kernels.fp8_gemm import quantize_block_fp8
     from glmflash.kernels.fp8_gemm import triton_impl as ti
 
-    with restoring(ti, "WDQ_BLOCK_N", "WDQ_WAVES", "WDQ_STAGES", "WDQ_WARPS", "W8A8_TILE"):
+    with restoring(ti, "WDQ_BLOCK_N", "WDQ_WAVES", "WDQ_STAGES", "WDQ_WARPS", "W8A8_TILE",
+                   "WDQ_FMA_ROWS"):
+        ti.WDQ_FMA_ROWS = 0  # the product path at M = 1 too (fp8row sweeps the FMA path)
         for k, n in FP8_SHAPES:
             wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda"))
             _sweep_fp8_shape(k, n, wq, ws, w8a8)

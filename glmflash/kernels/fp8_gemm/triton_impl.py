@@ -222,8 +222,10 @@ def _arrivals(device: torch.device, tiles: int) -> torch.Tensor | None:
     first launch inside CUDA-graph capture) or are too few."""
     counters = _ARRIVALS.get(device)
     if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                if torch.cuda.is_current_stream_capturing():
+                    return None
         counters = _ARRIVALS[device] = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32,
                                                    device=device)
     return counters if tiles <= counters.numel() else None
