@@ -121,26 +121,23 @@ def _sweep_fp8_shape(k: int, n: int, wq: torch.Tensor, ws: torch.Tensor, w8a8: b
 
 
 def sweep_fp8_one_row() -> None:
-    """Decode of one token: tensor-core products vs the FMA path, with and without prefetch."""
+    """Decode of one token: tensor-core products vs the FMA path."""
     from glmflash.kernels.fp8_gemm import quantize_block_fp8
     from glmflash.kernels.fp8_gemm import triton_impl as ti
 
-    paths = ((0, False), (1, False), (1, True))
-    with restoring(ti, "WDQ_FMA_ROWS", "WDQ_FMA_PREFETCH", "WDQ_BLOCK_N", "WDQ_FMA_BLOCK_N",
-                   "WDQ_WAVES"):
+    with restoring(ti, "WDQ_FMA_ROWS", "WDQ_BLOCK_N", "WDQ_FMA_BLOCK_N", "WDQ_WAVES"):
         for k, n in FP8_SHAPES:
             wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda"))
             wqs = [wq] + [wq.clone() for _ in range(copies(wq.numel()) - 1)]
             x = torch.randn(1, k, device="cuda").bfloat16()
-            for (fma, prefetch), bn, waves in itertools.product(paths, (32, 64), (2.0, 4.0, 8.0)):
-                ti.WDQ_FMA_ROWS, ti.WDQ_FMA_PREFETCH = fma, prefetch
+            for fma, bn, waves in itertools.product((0, 1), (32, 64), (2.0, 4.0, 8.0)):
+                ti.WDQ_FMA_ROWS = fma
                 ti.WDQ_BLOCK_N = ti.WDQ_FMA_BLOCK_N = bn
                 ti.WDQ_WAVES = waves
                 ms = graph_ms([lambda x=x, w=w, ws=ws: ti.fp8_linear_weight_only(x, w, ws, 128)
                                for w in wqs])
-                print(f"fp8 one row {k}->{n} fma={fma} prefetch={prefetch} BN={bn} "
-                      f"waves={waves}: {ms * 1e3:.1f} us {n * k / ms / 1e6:.0f} GB/s",
-                      flush=True)
+                print(f"fp8 one row {k}->{n} fma={fma} BN={bn} waves={waves}: "
+                      f"{ms * 1e3:.1f} us {n * k / ms / 1e6:.0f} GB/s", flush=True)
 
 
 def main() -> None:

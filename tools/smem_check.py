@@ -142,8 +142,7 @@ def fp8_launches() -> list[Launch]:
     out = [Launch(f"fp8 weight-only BM{bm} BN{bn}{' FMA' if bm == 1 else ''}",
                   fp8.fp8_wdq_gemm_kernel, wdq,
                   dict(BLOCK=128, BM=bm, BN=bn, DOT=tl.bfloat16, PREC="tf32",
-                       FMA=bm == 1, PREFETCH=fp8.WDQ_FMA_PREFETCH), fp8.WDQ_WARPS,
-                  fp8.WDQ_STAGES,
+                       FMA=bm == 1), fp8.WDQ_WARPS, fp8.WDQ_STAGES,
                   aligned=("N", "K", "K_PER_SPLIT"))
            for bm, bn in ((1, fp8.WDQ_FMA_BLOCK_N), (16, fp8.WDQ_BLOCK_N), (64, fp8.WDQ_BLOCK_N))]
     bm, bn, warps, stages = fp8.W8A8_TILE

@@ -37,10 +37,10 @@ WDQ_BLOCK_N = 64
 # its column block. bench/sweeps.py --ops fp8row (H200, one row, weights read from HBM): FMA
 # with 32 columns ran the five release shapes in 6.5 / 10.4 / 26.1 / 9.4 / 32.8 us against
 # 8.2 / 16.7 / 33.9 / 12.2 / 45.4 with products (0.80-0.91x _scaled_mm); loading the next tile
-# ahead (PREFETCH) was slower everywhere (178 registers instead of 122: half the programs).
+# ahead in registers was slower everywhere (178 registers instead of 122: half the programs;
+# measured at ec413d7, since removed).
 WDQ_FMA_ROWS = 1
 WDQ_FMA_BLOCK_N = 32
-WDQ_FMA_PREFETCH = False
 WDQ_WAVES = 4.0
 WDQ_MIN_SPLIT_BLOCKS = 2
 WDQ_STAGES = 4
@@ -80,29 +80,17 @@ def _dot_range(x, w, ws_row, o_m, o_n, m_m, m_n, k_begin, k_end, K, stride_xm, s
 
 @_jit
 def _fma_range(x, w, ws_row, o_n, m_n, k_begin, k_end, K, stride_wn, BLOCK: tl.constexpr,
-               BN: tl.constexpr, PREFETCH: tl.constexpr):
+               BN: tl.constexpr):
     """One row of x against W[cols, range] by FMA: each weight times x * scale in fp32 (no
-    rounding of the weight to bf16), summed in a [BN, BLOCK] tile reduced once at the end.
-    These loads bypass shared memory; with PREFETCH the next weight tile is loaded before this
-    one is used, so two are in flight."""
+    rounding of the weight to bf16), summed in a [BN, BLOCK] tile reduced once at the end."""
     o_k = tl.arange(0, BLOCK)
     p_w = w + o_n[:, None].to(tl.int64) * stride_wn + o_k[None, :]
     b_acc = tl.zeros([BN, BLOCK], dtype=tl.float32)
-    if PREFETCH:
-        b_w = tl.load(p_w + k_begin, mask=m_n[:, None] & (k_begin + o_k < k_end)[None, :],
-                      other=0.0)
     for k0 in range(k_begin, k_end, BLOCK):
-        if PREFETCH:
-            k1 = k0 + BLOCK
-            b_w_next = tl.load(p_w + k1, mask=m_n[:, None] & (k1 + o_k < k_end)[None, :],
-                               other=0.0)
-        else:
-            b_w = tl.load(p_w + k0, mask=m_n[:, None] & (k0 + o_k < k_end)[None, :], other=0.0)
+        b_w = tl.load(p_w + k0, mask=m_n[:, None] & (k0 + o_k < k_end)[None, :], other=0.0)
         b_x = tl.load(x + k0 + o_k, mask=k0 + o_k < K, other=0.0).to(tl.float32)
         b_s = tl.load(ws_row + k0 // BLOCK)
         b_acc += b_w.to(tl.float32) * (b_x * b_s)[None, :]
-        if PREFETCH:
-            b_w = b_w_next
     return tl.sum(b_acc, 1)[None, :]
 
 
@@ -110,7 +98,7 @@ def _fma_range(x, w, ws_row, o_n, m_n, k_begin, k_end, K, stride_wn, BLOCK: tl.c
 def fp8_wdq_gemm_kernel(x, w, ws, y, part, arrivals, M, N, K, stride_xm, stride_wn, stride_wsn,
                         stride_ym, K_PER_SPLIT, SPLITS, BLOCK: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
-                        PREC: tl.constexpr, FMA: tl.constexpr, PREFETCH: tl.constexpr):
+                        PREC: tl.constexpr, FMA: tl.constexpr):
     """y = x W_dequant^T over one K range per program; W dequantised block by block in
     registers (FMA: one row, BM = 1, no products). With SPLITS > 1 each range's fp32 sum goes to
     `part` and the range that arrives last at `arrivals[tile]` writes y from all of them."""
@@ -124,7 +112,7 @@ def fp8_wdq_gemm_kernel(x, w, ws, y, part, arrivals, M, N, K, stride_xm, stride_
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
     if FMA:
         b_acc = _fma_range(x + i_m.to(tl.int64) * stride_xm, w, ws_row, o_n, m_n, k_begin, k_end,
-                           K, stride_wn, BLOCK, BN, PREFETCH)
+                           K, stride_wn, BLOCK, BN)
     else:
         b_acc = _dot_range(x, w, ws_row, o_m, o_n, m_m, m_n, k_begin, k_end, K, stride_xm,
                            stride_wn, BLOCK, BM, BN, DOT, PREC)
@@ -258,7 +246,7 @@ def fp8_linear_weight_only(x2: torch.Tensor, weight: torch.Tensor, scale_inv: to
         x2, weight, scale_inv, out, part, arrivals if splits > 1 else out, m, n, k, x2.stride(0),
         weight.stride(0), scale_inv.stride(0), out.stride(0), k_per_split, splits,
         BLOCK=block, BM=bm, BN=bn, DOT=dot, PREC="ieee" if fp32 else "tf32", FMA=fma,
-        PREFETCH=WDQ_FMA_PREFETCH, num_warps=WDQ_WARPS, num_stages=WDQ_STAGES)
+        num_warps=WDQ_WARPS, num_stages=WDQ_STAGES)
     return out
 
 
