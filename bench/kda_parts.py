@@ -5,7 +5,7 @@
 No hardware counters are needed: the prep kernel's two later stages are run alone, each as its
 own kernel over the same (chunk, head) grid and through the same jitted helpers, and the first
 stage (the Aqk / Akk products, with l2 norms and decay anchoring) is what is left of the whole:
-- inverse: `_unit_tril_inverse` of a stored strictly lower-triangular 64 x 64 matrix;
+- inverse: the prep's `_inverse` of a stored strictly lower-triangular 64 x 64 matrix;
 - WY phase: `_wy_phase` (w, u, qg, kd, exp(G_last)) from a stored T;
 - whole prep at PREP_WARPS and at the other warp count, and the state walk for scale.
 """
@@ -30,15 +30,13 @@ BT = 64
 
 
 @triton.jit
-def inverse_only_kernel(a, t, PREC_I: tl.constexpr, IDOT: tl.constexpr, INV_ROWS: tl.constexpr,
-                        DOT: tl.constexpr):
+def inverse_only_kernel(a, t, PREC_A: tl.constexpr, ADOT: tl.constexpr, PREC_I: tl.constexpr,
+                        IDOT: tl.constexpr, INV_ROWS: tl.constexpr, DOT: tl.constexpr):
+    """The prep's (I + A)^-1 of stored matrices (PREC_A / ADOT: the variant's, unused here)."""
     i = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, 64)
     p = i * 4096 + o[:, None] * 64 + o[None, :]
-    if INV_ROWS:
-        b_t = ti._unit_tril_inverse_rows(tl.load(p + a), 64)
-    else:
-        b_t = ti._unit_tril_inverse(tl.load(p + a), PREC_I, IDOT, 64)
+    b_t = ti._inverse(tl.load(p + a), PREC_I, IDOT, INV_ROWS, 64)
     tl.store(t + p, b_t.to(DOT))
 
 
@@ -81,12 +79,9 @@ def _parts_row(n: int) -> list:
     programs = plan.num_chunks * H
     a = torch.randn(programs, BT, BT, device="cuda").tril(-1) * 0.1
     t = torch.empty(programs, BT, BT, device="cuda", dtype=q.dtype)
-    prod_i = ti._products(ti.PREP_VARIANTS[ti.PREP_PRODUCTS][1], q.dtype)
     dot = ti._dot_dtype(q.dtype)
     inverse = graph_ms(lambda: inverse_only_kernel[(programs,)](
-        a, t, PREC_I=prod_i[0], IDOT=prod_i[1],
-        INV_ROWS=ti.PREP_VARIANTS[ti.PREP_PRODUCTS][1] == "rows", DOT=dot,
-        num_warps=ti.PREP_WARPS))
+        a, t, **ti.prep_variant_args(q.dtype), DOT=dot, num_warps=ti.PREP_WARPS))
     chunk_meta = plan.meta[plan.num_decode * 3 + plan.num_prefill * 5:]
     wy = graph_ms(lambda: wy_only_kernel[(plan.num_chunks, H)](
         q, k, v, g, beta, buf.w, buf.u, buf.qg, buf.kd, buf.gl, t, chunk_meta, scale, *strides,

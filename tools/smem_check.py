@@ -121,13 +121,10 @@ def kda_launches(with_prep: bool) -> list[Launch]:
                            DOT=tl.bfloat16), kda.STATE_WARPS))
     if with_prep:
         prep = dict(ptrs, w="*bf16", u="*bf16", qg="*bf16", kd="*bf16", aqk="*bf16", gl="*fp32")
-        (prec_a, dot_a), (prec_i, dot_i) = (kda._products(kind, torch.bfloat16) for kind in
-                                            kda.PREP_VARIANTS[kda.PREP_PRODUCTS])
         out.append(Launch(f"kda prep {kda.PREP_PRODUCTS}", kda.kda_chunk_prep_kernel, prep,
                           dict(H=64, K=128, V=128, BK=128, BVF=128, BKC=kda.PREP_BKC,
-                               PREC_A=prec_a, ADOT=dot_a, PREC_I=prec_i, IDOT=dot_i,
-                               INV_ROWS=kda.PREP_VARIANTS[kda.PREP_PRODUCTS][1] == "rows",
-                               PREC="tf32", DOT=tl.bfloat16), kda.PREP_WARPS))
+                               **kda.prep_variant_args(torch.bfloat16), PREC="tf32",
+                               DOT=tl.bfloat16), kda.PREP_WARPS))
     conv = {"x": "*bf16", "weight": "*fp32", "conv_state": "*bf16", "out": "*bf16",
             "meta": "*i32"}
     out.append(Launch("causal conv1d", kda.causal_conv1d_kernel, conv,

@@ -193,6 +193,17 @@ def _unit_tril_inverse_rows(b_a, BT: tl.constexpr):
 
 
 @_jit
+def _inverse(b_a, PREC_I: tl.constexpr, IDOT: tl.constexpr, INV_ROWS: tl.constexpr,
+             BT: tl.constexpr):
+    """(I + A)^-1 of the prep variant: forward substitution (INV_ROWS) or squaring products."""
+    if INV_ROWS:
+        b_t = _unit_tril_inverse_rows(b_a, BT)
+    else:
+        b_t = _unit_tril_inverse(b_a, PREC_I, IDOT, BT)
+    return b_t
+
+
+@_jit
 def kda_chunk_prep_kernel(q, k, v, g, beta, w, u, qg, kd, aqk, gl, meta, scale,
                           stride_q, stride_k, stride_v, stride_g, stride_b,
                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -268,10 +279,7 @@ def kda_chunk_prep_kernel(q, k, v, g, beta, w, u, qg, kd, aqk, gl, meta, scale,
     _store_rows(aqk + i_h * BT, b_aq, t0, t_end, H * BT, 0, BT, BT, BT)
     strict = o_t[:, None] > o_t[None, :]
     b_a = tl.where(strict, b_ak * (b_b * b_rnk)[:, None] * b_rnk[None, :], 0.0)
-    if INV_ROWS:
-        b_t = _unit_tril_inverse_rows(b_a, BT).to(DOT)
-    else:
-        b_t = _unit_tril_inverse(b_a, PREC_I, IDOT, BT).to(DOT)
+    b_t = _inverse(b_a, PREC_I, IDOT, INV_ROWS, BT).to(DOT)
     _wy_phase(q, k, v, g, w, u, qg, kd, gl, b_t, b_b, b_rnq, b_rnk, t0, t_end, i_c, i_h,
               stride_q, stride_k, stride_v, stride_g, H, K, V, BK, BVF, BKC, PREC, DOT)
 
@@ -387,6 +395,13 @@ def _products(kind: str, dtype: torch.dtype) -> tuple[str, object]:
     return _prec(dtype), _dot_dtype(dtype)
 
 
+def prep_variant_args(dtype: torch.dtype) -> dict[str, object]:
+    """The prep kernel's constexprs for `PREP_PRODUCTS` (A products, inverse) at this dtype."""
+    kind_a, kind_i = PREP_VARIANTS[PREP_PRODUCTS]
+    (prec_a, dot_a), (prec_i, dot_i) = _products(kind_a, dtype), _products(kind_i, dtype)
+    return dict(PREC_A=prec_a, ADOT=dot_a, PREC_I=prec_i, IDOT=dot_i, INV_ROWS=kind_i == "rows")
+
+
 def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
         state: torch.Tensor, cu_seqlens: list[int], state_slots: list[int], is_fresh: list[bool],
         *, chunk_size: int = 64) -> torch.Tensor:
@@ -446,11 +461,9 @@ def _launch_prep(q, k, v, g, beta, buf: PrefillBuffers, plan: KdaPlan, scale: fl
     bk, bvf = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
     assert bk >= 16 and bvf >= 16, "head dims below 16 do not fit tl.dot"
     chunk_meta = plan.meta[plan.num_decode * 3 + plan.num_prefill * 5:]
-    prod_a, prod_i = (_products(kind, q.dtype) for kind in PREP_VARIANTS[PREP_PRODUCTS])
     kda_chunk_prep_kernel[(plan.num_chunks, heads)](
         q, k, v, g, beta, *buf, chunk_meta, scale, *strides, H=heads, K=dk, V=dv, BK=bk,
-        BVF=bvf, BKC=min(PREP_BKC, bk), PREC_A=prod_a[0], ADOT=prod_a[1], PREC_I=prod_i[0],
-        IDOT=prod_i[1], INV_ROWS=PREP_VARIANTS[PREP_PRODUCTS][1] == "rows", PREC=_prec(q.dtype),
+        BVF=bvf, BKC=min(PREP_BKC, bk), **prep_variant_args(q.dtype), PREC=_prec(q.dtype),
         DOT=_dot_dtype(q.dtype), num_warps=PREP_WARPS)
 
 
