@@ -59,6 +59,11 @@ def copies(bytes_per_call: int) -> int:
     return max(1, min(64, -(-L2_DEFEAT_BYTES // max(bytes_per_call, 1))))
 
 
+def rotated(t: torch.Tensor) -> list[torch.Tensor]:
+    """`t` and enough clones of it that replays cycling through them read HBM, not L2."""
+    return [t] + [t.clone() for _ in range(copies(t.numel() * t.element_size()) - 1)]
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy, bytes read + written per second (GB/s)."""
     src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
@@ -232,7 +237,7 @@ def _kda_decode_row(b: int, copy_gbs: float, fla_recurrent) -> list:
     q, k, v, g, beta, state = _kda_inputs(b, b)
     cu, slots, fresh = list(range(b + 1)), list(range(b)), [False] * b
     eager = bench_ms(lambda: ti.kda(q, k, v, g, beta, state, cu, slots, fresh), rep=100)
-    states = [state] + [state.clone() for _ in range(copies(state.numel() * 4) - 1)]
+    states = rotated(state)
     ms = graph_ms([lambda s=s: ti.kda(q, k, v, g, beta, s, cu, slots, fresh)
                    for s in states])
     moved = 2 * state.numel() * 4 + 4 * q.numel() * 2 + g.numel() * 4
@@ -363,7 +368,7 @@ def _fp8_row(k: int, n: int, m: int, wq: torch.Tensor, ws: torch.Tensor) -> list
     x = torch.randn(m, k, device="cuda").bfloat16()
     xq = x.to(torch.float8_e4m3fn)
     # Decode rows stream the weight: rotate copies so that replays read it from HBM, not L2.
-    wqs = [wq] + [wq.clone() for _ in range(copies(wq.numel()) - 1)] if m <= 16 else [wq]
+    wqs = rotated(wq) if m <= 16 else [wq]
     base = graph_ms([_scaled_mm(xq, w) for w in wqs])
     auto = graph_ms([lambda w=w: ti.fp8_linear(x, w, ws) for w in wqs])
     wo = graph_ms([lambda w=w: ti.fp8_linear_weight_only(x, w, ws, 128) for w in wqs])

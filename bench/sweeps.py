@@ -17,7 +17,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import restoring  # noqa: E402
-from bench.kernels import FP8_SHAPES, D, _kda_inputs, copies, graph_ms, rel  # noqa: E402
+from bench.kernels import (  # noqa: E402
+    FP8_SHAPES,
+    D,
+    _kda_inputs,
+    copies,
+    graph_ms,
+    rel,
+    rotated,
+)
 
 
 def sweep_kda_decode() -> None:
@@ -96,7 +104,7 @@ def sweep_fp8(w8a8: bool) -> None:
 def _sweep_fp8_shape(k: int, n: int, wq: torch.Tensor, ws: torch.Tensor, w8a8: bool) -> None:
     from glmflash.kernels.fp8_gemm import triton_impl as ti
 
-    wqs = [wq] + [wq.clone() for _ in range(copies(wq.numel()) - 1)]  # replays read HBM
+    wqs = rotated(wq)
     for m in (1, 16):
         x = torch.randn(m, k, device="cuda").bfloat16()
         best = None
@@ -128,7 +136,7 @@ def sweep_fp8_one_row() -> None:
     with restoring(ti, "WDQ_FMA_ROWS", "WDQ_BLOCK_N", "WDQ_FMA_BLOCK_N", "WDQ_WAVES"):
         for k, n in FP8_SHAPES:
             wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda"))
-            wqs = [wq] + [wq.clone() for _ in range(copies(wq.numel()) - 1)]
+            wqs = rotated(wq)
             x = torch.randn(1, k, device="cuda").bfloat16()
             for fma, bn, waves in itertools.product((0, 1), (32, 64), (2.0, 4.0, 8.0)):
                 ti.WDQ_FMA_ROWS = fma
