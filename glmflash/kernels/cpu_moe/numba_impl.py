@@ -141,8 +141,8 @@ def _set_affinity_ir(typingctx, mask):
 
 @njit(cache=True, nogil=True, inline="always")
 def _enter_pool_nb(wid, num_workers, pool_rows, cpu_masks):
-    """(counter slot, first row, end row) of worker wid's pool; pins the thread to the pool's
-    CPUs when masks are given.
+    """(counter slot, first row, end row, TASK_ROWS-row chunks) of worker wid's pool; pins the
+    thread to the pool's CPUs when masks are given.
 
     NOTE: the pin is redone on every call, in the thread that runs worker wid, so it holds
     whichever thread (or threading layer) runs it; the caller restores the calling thread's mask.
@@ -150,7 +150,16 @@ def _enter_pool_nb(wid, num_workers, pool_rows, cpu_masks):
     pool = wid * (pool_rows.size - 1) // num_workers
     if cpu_masks.shape[0] > 0:
         _set_affinity_ir(cpu_masks[pool])
-    return pool * _COUNTER_STRIDE, pool_rows[pool], pool_rows[pool + 1]
+    first, end = pool_rows[pool], pool_rows[pool + 1]
+    return pool * _COUNTER_STRIDE, first, end, (end - first + TASK_ROWS - 1) // TASK_ROWS
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _chunk_rows_nb(task, chunks, first, end):
+    """(matrix, first row, end row) of task number `task` over matrices of `chunks` chunks."""
+    i = task // chunks
+    row0 = first + (task - i * chunks) * TASK_ROWS
+    return i, row0, min(row0 + TASK_ROWS, end)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -476,14 +485,11 @@ def _gate_up_nb(x, gate_w, gate_s, up_w, up_s, hit_ids, pair_offsets, pair_token
     num_workers = scratch.shape[0]
     _reset_counters_nb(pool_rows, task_counter)
     for wid in prange(num_workers):
-        slot, first, end = _enter_pool_nb(wid, num_workers, pool_rows, cpu_masks)
-        chunks = (end - first + TASK_ROWS - 1) // TASK_ROWS
+        slot, first, end, chunks = _enter_pool_nb(wid, num_workers, pool_rows, cpu_masks)
         num_tasks = hit_ids.size * chunks
         task = _fetch_add_ir(task_counter, slot, 1)
         while task < num_tasks:
-            i = task // chunks
-            row0 = first + (task - i * chunks) * TASK_ROWS
-            row_end = min(row0 + TASK_ROWS, end)
+            i, row0, row_end = _chunk_rows_nb(task, chunks, first, end)
             if trace.shape[0] > 0:
                 trace[i, row0:row_end] = wid
             while row0 < row_end:
@@ -531,12 +537,10 @@ def _down_nb(h, down_w, down_s, hit_ids, pair_offsets, pair_token_ids, pair_weig
     num_workers = scratch.shape[0]
     _reset_counters_nb(pool_rows, task_counter)
     for wid in prange(num_workers):
-        slot, first, end = _enter_pool_nb(wid, num_workers, pool_rows, cpu_masks)
-        num_tasks = (end - first + TASK_ROWS - 1) // TASK_ROWS
+        slot, first, end, num_tasks = _enter_pool_nb(wid, num_workers, pool_rows, cpu_masks)
         task = _fetch_add_ir(task_counter, slot, 1)
         while task < num_tasks:
-            row_begin = first + task * TASK_ROWS
-            row_end = min(row_begin + TASK_ROWS, end)
+            _, row_begin, row_end = _chunk_rows_nb(task, num_tasks, first, end)
             if trace.shape[0] > 0:
                 trace[row_begin:row_end] = wid
             for i in range(hit_ids.size):
@@ -558,13 +562,10 @@ def _place_rows_nb(src, pool_rows, cpu_masks, task_counter, num_workers, dst):
     num_experts = src.shape[0]
     _reset_counters_nb(pool_rows, task_counter)
     for wid in prange(num_workers):
-        slot, first, end = _enter_pool_nb(wid, num_workers, pool_rows, cpu_masks)
-        chunks = (end - first + TASK_ROWS - 1) // TASK_ROWS
+        slot, first, end, chunks = _enter_pool_nb(wid, num_workers, pool_rows, cpu_masks)
         task = _fetch_add_ir(task_counter, slot, 1)
         while task < num_experts * chunks:
-            e = task // chunks
-            row0 = first + (task - e * chunks) * TASK_ROWS
-            row1 = min(row0 + TASK_ROWS, end)
+            e, row0, row1 = _chunk_rows_nb(task, chunks, first, end)
             dst[e, row0:row1] = src[e, row0:row1]
             task = _fetch_add_ir(task_counter, slot, 1)
 
