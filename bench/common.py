@@ -59,3 +59,24 @@ def restoring(module, *names: str) -> Iterator[None]:
     finally:
         for name, value in saved.items():
             setattr(module, name, value)
+
+
+def fill_fake_context(engine, prompts: list[list[int]], params, sink=lambda delta: None) -> None:
+    """Submit `prompts` and make each a running sequence whose cache already holds all but its
+    last token, without a prefill: pages and a state slot come from the cache manager (the
+    runner's page table learns them with the next batch); the cached values are whatever the
+    cache holds. The next step decodes every one of them."""
+    from glmflash.engine.sequence import SequenceStatus
+
+    for prompt in prompts:
+        engine.add_request(prompt, params, sink)
+    engine._drain_inbox(block=False)
+    while engine.scheduler.waiting:
+        seq = engine.scheduler.waiting.popleft()
+        cached = seq.num_tokens - 1
+        if not engine.cache.can_allocate(seq, cached):
+            raise ValueError(f"no room for {cached} tokens of fake context")
+        engine.cache.allocate(seq, cached)
+        seq.num_computed_tokens = cached
+        seq.status = SequenceStatus.RUNNING
+        engine.scheduler.running.append(seq)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from glmflash.config import ModelConfig
-from glmflash.model.forward_batch import ForwardBatch
+from glmflash.model.forward_batch import build_forward_batch, token_slots_of
 from glmflash.model.glm import GlmForCausalLM
 from glmflash.model.state import ModelState
 from glmflash.model.weights import load_checkpoint
@@ -60,36 +61,43 @@ def load_tiny(path: Path, dtype: torch.dtype = torch.float32) -> GlmForCausalLM:
 
 
 class PackedRunner:
-    """Drives a model with explicit state: each sequence owns a state slot and token range."""
+    """Drives a model with explicit state: each sequence owns a state slot and `max_len` token
+    slots in pages of PAGE_SIZE, handed out in a scrambled order so that no sequence's pages
+    are contiguous (the page table must be followed)."""
+
+    PAGE_SIZE = 16
 
     def __init__(self, model: GlmForCausalLM, num_seqs: int, max_len: int = 512,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", scramble: bool = True) -> None:
         if next(model.parameters()).device.type != device:
             model = model.to(device)
         self.model, self.max_len, self.device = model, max_len, device
-        self.state = ModelState(model.config, num_token_slots=num_seqs * max_len,
+        pages_per_seq = -(-max_len // self.PAGE_SIZE)
+        count = num_seqs * pages_per_seq
+        order = torch.randperm(count, generator=torch.Generator().manual_seed(0)) if scramble \
+            else torch.arange(count)
+        self.pages = order.view(num_seqs, pages_per_seq)
+        self.page_table = self.pages.to(torch.int32).to(device)
+        self.state = ModelState(model.config,
+                                num_token_slots=num_seqs * pages_per_seq * self.PAGE_SIZE,
                                 num_state_slots=num_seqs, dtype=model.dtype, device=device)
         self.done = [0] * num_seqs
 
-    def forward(self, chunks: dict[int, list[int]], history: dict[int, list[int]] | None = None,
-                all_logits: bool = True, layer_outputs: list | None = None) -> torch.Tensor:
+    def forward(self, chunks: dict[int, list[int]], all_logits: bool = True,
+                layer_outputs: list | None = None) -> torch.Tensor:
         """Feed `chunks[s]` (new tokens of sequence s) for all s in one packed batch."""
-        ids, token_slots, context_slots = [], [], []
-        cu, cu_ctx, prefix, slots = [0], [0], [], []
+        ids, token_slots, cu, prefix, slots = [], [], [0], [], []
         for s, toks in chunks.items():
-            base, start = s * self.max_len, self.done[s]
+            start = self.done[s]
             ids += toks
-            token_slots += range(base + start, base + start + len(toks))
-            context_slots += range(base, base + start + len(toks))
+            token_slots.append(token_slots_of(self.pages[s].tolist(), start, len(toks),
+                                              self.PAGE_SIZE))
             cu.append(len(ids))
-            cu_ctx.append(len(context_slots))
             prefix.append(start)
             slots.append(s)
             self.done[s] += len(toks)
-        dev = lambda v: torch.tensor(v, device=self.device)  # noqa: E731
-        batch = ForwardBatch(input_ids=dev(ids), cu_seqlens=cu, prefix_lens=prefix,
-                             state_slots=slots, token_slots=dev(token_slots),
-                             context_slots=dev(context_slots), cu_context=cu_ctx)
+        batch = build_forward_batch(ids, np.concatenate(token_slots), cu, prefix, slots,
+                                    self.page_table, self.PAGE_SIZE)
         return self.model(batch, self.state, all_logits=all_logits, layer_outputs=layer_outputs)
 
 

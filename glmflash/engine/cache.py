@@ -18,6 +18,8 @@ class CachePlan:
     num_pages: int
     page_size: int
     num_state_slots: int
+    max_pages_per_seq: int
+    """Pages of the longest sequence (the width of the runner's page table)."""
 
     @property
     def num_token_slots(self) -> int:
@@ -31,6 +33,9 @@ class CacheManager:
         self.free_pages = list(range(plan.num_pages - 1, -1, -1))
         self.free_state_slots = list(range(plan.num_state_slots - 1, -1, -1))
         self.owners: dict[int, Sequence] = {}
+        self.page_updates: list[tuple[int, int, int]] = []
+        """(state slot, page index, page id) of every page handed out since the last
+        `take_page_updates()`: the runner mirrors them into its device page table."""
 
     @property
     def num_free_pages(self) -> int:
@@ -57,7 +62,13 @@ class CacheManager:
 
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
         for _ in range(self.pages_needed(seq, num_new_tokens)):
-            seq.page_ids.append(self.free_pages.pop())
+            page = self.free_pages.pop()
+            self.page_updates.append((seq.state_slot, len(seq.page_ids), page))
+            seq.page_ids.append(page)
+
+    def take_page_updates(self) -> list[tuple[int, int, int]]:
+        updates, self.page_updates = self.page_updates, []
+        return updates
 
     def free(self, seq: Sequence) -> None:
         if seq.state_slot is None:

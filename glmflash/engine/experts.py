@@ -15,10 +15,11 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from glmflash.kernels.fp8_gemm import dequantize_block_fp8
-from glmflash.model.forward_batch import ForwardBatch
+from glmflash.model.forward_batch import build_forward_batch, contiguous_page_table
 from glmflash.model.glm import GlmForCausalLM
 from glmflash.model.moe import Experts, Router, StackedWeight, experts_loop
 from glmflash.model.state import ModelState
@@ -228,12 +229,11 @@ def place_by_frequency(model: GlmForCausalLM, placement: ExpertPlacement, device
         router.counts = torch.zeros(router.weight.shape[0], dtype=torch.long, device=device)
     n = len(warmup_ids)
     kpool = model.config.index_kpool
-    state = ModelState(model.config, num_token_slots=-(-n // kpool) * kpool, num_state_slots=1,
-                       dtype=model.dtype, device=device)
-    slots = torch.arange(n, device=device)
-    model(ForwardBatch(input_ids=torch.tensor(warmup_ids, device=device), cu_seqlens=[0, n],
-                       prefix_lens=[0], state_slots=[0], token_slots=slots,
-                       context_slots=slots, cu_context=[0, n]), state)
+    size = -(-n // kpool) * kpool
+    state = ModelState(model.config, num_token_slots=size, num_state_slots=1, dtype=model.dtype,
+                       device=device)
+    pages = contiguous_page_table(1, size, size, device)
+    model(build_forward_batch(warmup_ids, np.arange(n), [0, n], [0], [0], pages, size), state)
     counts = [router.counts.cpu() for router in routers]
     for router in routers:
         router.counts = None

@@ -5,17 +5,19 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from glmflash.config import ModelConfig
 from glmflash.engine.cache import CachePlan
 from glmflash.engine.options import EngineConfig
 from glmflash.engine.scheduler import ScheduledBatch
-from glmflash.model.forward_batch import ForwardBatch
+from glmflash.model.forward_batch import ForwardBatch, build_forward_batch, token_slots_of
 from glmflash.model.glm import GlmForCausalLM
 from glmflash.model.moe import Experts
 from glmflash.model.state import ModelState, cache_bytes
 from glmflash.model.weights import load_checkpoint
+from glmflash.utils.device import upload
 
 logger = logging.getLogger(__name__)
 GIB = 1 << 30
@@ -94,7 +96,8 @@ def plan_cache(model_config: ModelConfig, config: EngineConfig, max_seq_len: int
                          f"{max_seq_len} tokens plus {slots} state slots of "
                          f"{per_slot / 2**20:.1f} MiB; raise the budget or lower "
                          f"context_length / max_running_requests")
-    plan = CachePlan(num_pages=pages, page_size=page, num_state_slots=slots)
+    plan = CachePlan(num_pages=pages, page_size=page, num_state_slots=slots,
+                     max_pages_per_seq=pages_per_seq)
     logger.info("cache plan: %d pages x %d tokens = %d tokens (%.2f GiB), %d sequence slots "
                 "(%.1f MiB each)", pages, page, plan.num_token_slots,
                 plan.num_token_slots * per_token / GIB, slots, per_slot / 2**20)
@@ -102,6 +105,12 @@ def plan_cache(model_config: ModelConfig, config: EngineConfig, max_seq_len: int
 
 
 class ModelRunner:
+    """Turns a ScheduledBatch into a ForwardBatch with O(batch + new tokens) host work.
+
+    The device page table (one row per state slot) persists across steps; the host sends only
+    the pages handed out since the previous step. Nothing per step depends on context length.
+    """
+
     def __init__(self, model: GlmForCausalLM, plan: CachePlan) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -109,37 +118,36 @@ class ModelRunner:
         self.state = ModelState(model.config, num_token_slots=plan.num_token_slots,
                                 num_state_slots=plan.num_state_slots, dtype=model.dtype,
                                 device=self.device)
+        self.page_table = torch.zeros(plan.num_state_slots, plan.max_pages_per_seq,
+                                      dtype=torch.int32, device=self.device)
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits `[num sampled, V]` of the sequences whose chunk reaches their last token."""
-        forward_batch = self.prepare(batch)
-        logits = self.model(forward_batch, self.state)
-        rows = [i for i, need in enumerate(batch.needs_sample) if need]
-        return logits[rows]
+        return self.model(self.prepare(batch), self.state)
 
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
-        ids = []
-        cu_seqlens, cu_context, prefix_lens = [0], [0], []
+        self.apply_page_updates(batch.page_updates)
+        ids, slots, cu_seqlens, prefix_lens = [], [], [0], []
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             start = seq.num_computed_tokens
-            ids += seq.token_ids[start:start + n]
-            cu_seqlens.append(len(ids))
-            cu_context.append(cu_context[-1] + start + n)
+            ids.append(seq.token_ids[start:start + n])
+            slots.append(token_slots_of(seq.page_ids, start, n, self.page_size))
+            cu_seqlens.append(cu_seqlens[-1] + n)
             prefix_lens.append(start)
-        tables = [seq.page_ids for seq in batch.seqs]
-        seq_index = torch.repeat_interleave(torch.arange(len(tables)),
-                                            torch.tensor(cu_context).diff())
-        context_pos = torch.arange(cu_context[-1]) - torch.tensor(cu_context[:-1])[seq_index]
-        context_slots = self._slots(tables, seq_index, context_pos)
-        new_rows = torch.cat([torch.arange(cu_context[b] + prefix_lens[b], cu_context[b + 1])
-                              for b in range(len(tables))])
-        to_device = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
-        input_ids = to_device(torch.tensor(ids))
-        return ForwardBatch(input_ids=input_ids, cu_seqlens=cu_seqlens, prefix_lens=prefix_lens,
-                            state_slots=[seq.state_slot for seq in batch.seqs],
-                            token_slots=to_device(context_slots[new_rows]),
-                            context_slots=to_device(context_slots), cu_context=cu_context,
-                            input_embeds=self._input_embeds(batch, input_ids, cu_seqlens))
+        sampled = [b for b, need in enumerate(batch.needs_sample) if need]
+        forward_batch = build_forward_batch(
+            np.concatenate([np.asarray(i, dtype=np.int64) for i in ids]), np.concatenate(slots),
+            cu_seqlens, prefix_lens, [seq.state_slot for seq in batch.seqs], self.page_table,
+            self.page_size, logit_seqs=sampled)
+        forward_batch.input_embeds = self._input_embeds(batch, forward_batch.input_ids,
+                                                        cu_seqlens)
+        return forward_batch
+
+    def apply_page_updates(self, updates: list[tuple[int, int, int]]) -> None:
+        """Mirror pages handed out by the cache manager into the device page table."""
+        if updates:
+            slot, index, page = upload(np.asarray(updates, dtype=np.int64).T, self.device)
+            self.page_table[slot, index] = page.to(torch.int32)
 
     def _input_embeds(self, batch: ScheduledBatch, input_ids: torch.Tensor,
                       cu_seqlens: list[int]) -> torch.Tensor | None:
@@ -154,10 +162,3 @@ class ModelRunner:
                 row = cu_seqlens[b]
                 embeds[row: row + end - start] = seq.prompt_embeds[start:end]
         return embeds
-
-    def _slots(self, tables: list[list[int]], seq_index: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        return table[seq_index, positions // self.page_size] * self.page_size + \
-            positions % self.page_size

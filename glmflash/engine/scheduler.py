@@ -6,7 +6,7 @@ No torch here: the scheduler moves `Sequence` objects and counts pages through t
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from glmflash.engine.cache import CacheManager
 from glmflash.engine.sequence import Sequence, SequenceStatus
@@ -31,6 +31,8 @@ class ScheduledBatch:
     """New tokens scheduled per sequence."""
     needs_sample: list[bool]
     """Whether the sequence's chunk reaches its last known token (so its logits are sampled)."""
+    page_updates: list[tuple[int, int, int]] = field(default_factory=list)
+    """(state slot, page index, page id) handed out since the previous batch."""
 
 
 @dataclass(slots=True)
@@ -101,7 +103,7 @@ class Scheduler:
         num_tokens = [plan[s.seq_id] for s in seqs]
         needs_sample = [s.num_computed_tokens + n == s.num_tokens
                         for s, n in zip(seqs, num_tokens, strict=True)]
-        return ScheduledBatch(seqs, num_tokens, needs_sample)
+        return ScheduledBatch(seqs, num_tokens, needs_sample, self.cache.take_page_updates())
 
     def _admit(self, plan: dict[int, int], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:

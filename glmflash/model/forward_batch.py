@@ -1,20 +1,27 @@
 """What one forward needs to know about its batch.
 
-That is the packed varlen layout of the new tokens and where each sequence's state is.
+That is the packed varlen layout of the new tokens and where each sequence's cache lives: its
+state slot, which is also its row of the page table. Nothing here grows with the context: a
+sequence's earlier tokens are reached through its page-table row on the device.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
+
+from glmflash.utils.device import upload
 
 
 @dataclass
 class ForwardBatch:
     """B sequences, each contributing `cu_seqlens[b+1] - cu_seqlens[b]` new tokens.
 
-    Host lists are the schedule; tensors are on the model's device.
+    Host lists (O(B)) size the launches; tensors are on the model's device.
     """
 
     input_ids: torch.Tensor
@@ -24,15 +31,38 @@ class ForwardBatch:
     prefix_lens: list[int]
     """Tokens each sequence already has in the cache before this forward."""
     state_slots: list[int]
-    """Fixed-size state slot per sequence (KDA recurrent + conv state, indexer tail)."""
+    """Fixed-size state slot per sequence (KDA recurrent + conv state, indexer tail); also the
+    sequence's row of `page_table`."""
     token_slots: torch.Tensor
     """`[T]` cache slot that each new token's MLA latent is written to."""
-    context_slots: torch.Tensor
-    """Cache slots of every sequence's whole context (prefix + new), back to back."""
-    cu_context: list[int]
-    """B+1 offsets into `context_slots`."""
+    page_table: torch.Tensor
+    """`[R, P]` int32 page ids per state slot: token position p of the sequence in slot r lives
+    in cache slot `page_table[r, p // page_size] * page_size + p % page_size`."""
+    page_size: int
+    seq_info: torch.Tensor
+    """`[3B + 1]` int64 on the device: cu_seqlens (B+1), prefix_lens (B), state_slots (B)."""
+    logits_index: torch.Tensor
+    """`[N]` rows of `input_ids` whose logits the forward returns (without `all_logits`)."""
     input_embeds: torch.Tensor | None = None
     """`[T, D]` embeddings overriding the lookup (multimodal rows already merged)."""
+    memo: dict[str, Any] = field(default_factory=dict)
+    """Per-forward results that every layer shares (e.g. the indexer's write plan)."""
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.prefix_lens)
+
+    @property
+    def cu_seqlens_gpu(self) -> torch.Tensor:
+        return self.seq_info[: self.num_seqs + 1]
+
+    @property
+    def prefix_lens_gpu(self) -> torch.Tensor:
+        return self.seq_info[self.num_seqs + 1: 2 * self.num_seqs + 1]
+
+    @property
+    def state_slots_gpu(self) -> torch.Tensor:
+        return self.seq_info[2 * self.num_seqs + 1:]
 
     @property
     def is_fresh(self) -> list[bool]:
@@ -40,6 +70,57 @@ class ForwardBatch:
         return [p == 0 for p in self.prefix_lens]
 
     @property
-    def last_token_index(self) -> torch.Tensor:
-        """`[B]` row of each sequence's last new token."""
-        return torch.tensor(self.cu_seqlens[1:], device=self.input_ids.device) - 1
+    def seq_lens(self) -> list[int]:
+        """Context length of each sequence after this forward."""
+        return [p + self.cu_seqlens[b + 1] - self.cu_seqlens[b]
+                for b, p in enumerate(self.prefix_lens)]
+
+    def cached(self, key: str, build: Callable[[], Any]) -> Any:
+        """`build()` once per forward; later layers get the same value."""
+        if key not in self.memo:
+            self.memo[key] = build()
+        return self.memo[key]
+
+
+def token_slots_of(page_ids: list[int], start: int, num_tokens: int,
+                   page_size: int) -> np.ndarray:
+    """Cache slots of positions start..start+num_tokens-1 of a sequence owning `page_ids`."""
+    pos = np.arange(start, start + num_tokens, dtype=np.int64)
+    pages = np.asarray(page_ids, dtype=np.int64)[pos // page_size]
+    return pages * page_size + pos % page_size
+
+
+def build_forward_batch(input_ids: np.ndarray | list[int], token_slots: np.ndarray,
+                        cu_seqlens: list[int], prefix_lens: list[int], state_slots: list[int],
+                        page_table: torch.Tensor, page_size: int, *,
+                        logit_seqs: list[int] | None = None,
+                        input_embeds: torch.Tensor | None = None) -> ForwardBatch:
+    """A ForwardBatch whose integer inputs reach the device in one asynchronous copy.
+
+    `logit_seqs`: the sequences whose last new token's logits are wanted (default: all).
+    """
+    num_tokens = cu_seqlens[-1]
+    if logit_seqs is None:
+        logit_seqs = list(range(len(prefix_lens)))
+    last_rows = [cu_seqlens[b + 1] - 1 for b in logit_seqs]
+    packed = np.concatenate([np.asarray(input_ids, dtype=np.int64).reshape(-1),
+                             np.asarray(token_slots, dtype=np.int64).reshape(-1),
+                             np.asarray(cu_seqlens + prefix_lens + state_slots + last_rows,
+                                        dtype=np.int64)])
+    device_ints = upload(packed, page_table.device)
+    seq_end = 2 * num_tokens + 3 * len(prefix_lens) + 1
+    return ForwardBatch(input_ids=device_ints[:num_tokens],
+                        cu_seqlens=list(cu_seqlens), prefix_lens=list(prefix_lens),
+                        state_slots=list(state_slots),
+                        token_slots=device_ints[num_tokens: 2 * num_tokens],
+                        page_table=page_table, page_size=page_size,
+                        seq_info=device_ints[2 * num_tokens: seq_end],
+                        logits_index=device_ints[seq_end:], input_embeds=input_embeds)
+
+
+def contiguous_page_table(num_slots: int, max_tokens: int, page_size: int,
+                          device: torch.device | str) -> torch.Tensor:
+    """A page table giving slot r the pages r*P .. r*P+P-1 (P = pages per `max_tokens`): the
+    layout of tests and one-off forwards that own a whole cache."""
+    pages = -(-max_tokens // page_size)
+    return torch.arange(num_slots * pages, dtype=torch.int32, device=device).view(num_slots, pages)

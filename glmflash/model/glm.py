@@ -94,7 +94,7 @@ class GlmForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, state: ModelState, *,
                 all_logits: bool = False, layer_outputs: list | None = None) -> torch.Tensor:
-        """Logits of each sequence's last new token `[B, V]` (or of every token `[T, V]`)."""
+        """Logits of the rows in `batch.logits_index` `[N, V]` (or of every token `[T, V]`)."""
         x = batch.input_embeds if batch.input_embeds is not None \
             else self.text.embed_tokens(batch.input_ids)
         streams = x.to(self.dtype).unsqueeze(1).expand(-1, self.text.hc_mult, -1).contiguous()
@@ -105,7 +105,7 @@ class GlmForCausalLM(nn.Module):
                 layer_outputs.append(streams)
         h = streams.mean(dim=1)
         if not all_logits:
-            h = h[batch.last_token_index]
+            h = h[batch.logits_index]
         return self.lm_head(self.text.norm(h)).float()
 
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from glmflash.config import ModelConfig
-from glmflash.kernels.indexer import indexer_select, indexer_write
+from glmflash.kernels.indexer import indexer_select, indexer_write, select_plan, write_plan
 from glmflash.model.forward_batch import ForwardBatch
 from glmflash.model.layers import Linear
 from glmflash.model.state import ModelState
@@ -39,11 +39,16 @@ class Indexer(nn.Module):
         """
         keys = self.k_norm(self.wk(x))
         gates = nn.functional.linear(x, self.index_kpool_compress_gate)
+        tail = state.index_tail[self.layer_idx]
+        geometry = (batch.cu_seqlens, batch.prefix_lens, batch.state_slots)
+        writes = batch.cached("indexer_write", lambda: write_plan(
+            *geometry, tail.shape[0], self.kpool, x.device))
         indexer_write(keys, gates, self.index_kpool_compress_ape, state.pool_keys[self.layer_idx],
-                      state.index_tail[self.layer_idx], batch.context_slots, batch.cu_context,
-                      batch.cu_seqlens, batch.prefix_lens, batch.state_slots)
+                      tail, batch.page_table, writes, page_size=batch.page_size)
         q = self.wq_b(q_latent).view(x.shape[0], self.num_heads, self.head_dim)
         weights = self.weights_proj(x).float() * self.num_heads ** -0.5
-        return indexer_select(q, weights, state.pool_keys[self.layer_idx], batch.context_slots,
-                              batch.cu_context, batch.cu_seqlens, batch.prefix_lens,
-                              topk=self.topk, kpool=self.kpool, select_tail=self.select_tail)
+        selects = batch.cached("indexer_select", lambda: select_plan(
+            *geometry, self.kpool, x.device))
+        return indexer_select(q, weights, state.pool_keys[self.layer_idx], batch.page_table,
+                              selects, page_size=batch.page_size, topk=self.topk,
+                              kpool=self.kpool, select_tail=self.select_tail)

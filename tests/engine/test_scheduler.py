@@ -13,9 +13,11 @@ EOS = 99
 
 
 def _make(num_pages=16, page_size=4, slots=4, budget=8, max_running=4, max_len=64):
-    cache = CacheManager(CachePlan(num_pages, page_size, slots))
+    cache = CacheManager(CachePlan(num_pages, page_size, slots, -(-max_len // page_size)))
     config = SchedulerConfig(max_running, budget, max_len)
-    return Scheduler(config, cache, frozenset({EOS})), cache
+    sched = Scheduler(config, cache, frozenset({EOS}))
+    sched.page_mirror = {}  # what a runner's device page table holds, from the batches alone
+    return sched, cache
 
 
 def _seq(i: int, n: int, max_tokens: int = 4) -> Sequence:
@@ -26,6 +28,11 @@ def _run_step(sched: Scheduler, token: int = 7):
     batch = sched.schedule()
     if batch is None:
         return None, []
+    for slot, index, page in batch.page_updates:
+        sched.page_mirror[slot, index] = page
+    for seq in batch.seqs:
+        mirrored = [sched.page_mirror.get((seq.state_slot, i)) for i in range(len(seq.page_ids))]
+        assert mirrored == seq.page_ids, f"page table row of sequence {seq.seq_id} is stale"
     deltas = sched.update(batch, [token] * sum(batch.needs_sample))
     sched.cache.check_integrity()
     return batch, deltas

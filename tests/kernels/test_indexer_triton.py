@@ -11,36 +11,41 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from glmflash.kernels.indexer import indexer_select_ref  # noqa: E402
+from glmflash.kernels.indexer import indexer_select_ref, select_plan  # noqa: E402
 from glmflash.kernels.indexer.triton_impl import indexer_select  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+PAGE = 16
+
+
 def _batch(new, prefix, heads, dim, kpool, dtype, seed=42):
-    """Sequence b owns token slots SPAN (b + 1) + position; pool keys random."""
+    """Sequence b is in page-table row b + 1 (row 0 unused); pages scrambled; pool keys random."""
     gen = torch.Generator().manual_seed(seed)
-    cu, cu_ctx, ctx = [0], [0], []
-    span = kpool * -(-max(p + n for n, p in zip(new, prefix, strict=True)) // kpool)
-    for n, p in zip(new, prefix, strict=True):
+    cu = [0]
+    for n in new:
         cu.append(cu[-1] + n)
-        ctx += range(span * len(cu_ctx), span * len(cu_ctx) + p + n)
-        cu_ctx.append(len(ctx))
+    pages_per_seq = -(-max(p + n for n, p in zip(new, prefix, strict=True)) // PAGE)
+    rows = len(new) + 1
+    table = torch.randperm(rows * pages_per_seq, generator=gen).view(rows, pages_per_seq)
     q = torch.randn(cu[-1], heads, dim, generator=gen).to(dtype)
     weights = torch.randn(cu[-1], heads, generator=gen)
-    pool_keys = torch.randn(span * (len(new) + 1) // kpool, dim, generator=gen).to(dtype)
-    tensors = [t.to(DEVICE) for t in (q, weights, pool_keys, torch.tensor(ctx))]
-    return tensors, cu_ctx, cu
+    pool_keys = torch.randn(rows * pages_per_seq * PAGE // kpool, dim, generator=gen).to(dtype)
+    tensors = [t.to(DEVICE) for t in (q, weights, pool_keys, table.to(torch.int32))]
+    plan = select_plan(cu, list(prefix), list(range(1, rows)), kpool, torch.device(DEVICE))
+    return tensors, plan
 
 
 def _check(new, prefix, *, heads=4, dim=32, kpool=4, topk=16, tail=True, dtype=torch.float32):
-    (q, w, pk, ctx), cu_ctx, cu = _batch(new, prefix, heads, dim, kpool, dtype)
-    args = (q, w, pk, ctx, cu_ctx, cu, prefix)
-    kw = dict(topk=topk, kpool=kpool, select_tail=tail)
+    (q, w, pk, table), plan = _batch(new, prefix, heads, dim, kpool, dtype)
+    args = (q, w, pk, table, plan)
+    kw = dict(page_size=PAGE, topk=topk, kpool=kpool, select_tail=tail)
     want = indexer_select_ref(*args, **kw)
     got = indexer_select(*args, **kw)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
+    return want
 
 
 CASES = {
@@ -56,6 +61,15 @@ CASES = {
 @pytest.mark.parametrize("new,prefix", CASES.values(), ids=CASES.keys())
 def test_indexer_select_matches_ref(new, prefix):
     _check(new, prefix)
+
+
+def test_indexer_select_follows_page_table():
+    """A decode whose context spans several scrambled pages selects slots of its own pages."""
+    (q, w, pk, table), plan = _batch([1], [100], 4, 32, 4, torch.float32)
+    got = _check([1], [100], topk=16)
+    own = {int(p) * PAGE + o for p in table[1].tolist() for o in range(PAGE)}
+    # Four whole pools plus the query's own incomplete pool (position 100 of 101 tokens).
+    assert set(got[got >= 0].tolist()) <= own and (got >= 0).sum() == 16 + 101 % 4
 
 
 def test_indexer_select_no_tail_kpool16():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from glmflash.model.forward_batch import token_slots_of
 from tests.conftest import LOGIT_ATOL, PackedRunner, load_tiny
 from tests.oracle import oracle_logits
 
@@ -81,9 +82,13 @@ def _capture_ours(model, prompt) -> dict[int, list[set[int]]]:
     for i, layer in enumerate(model.text.layers):
         if not layer.is_kda and layer.self_attn.indexer is not None:
             def hook(_m, _a, out, i=i):
-                captured[i] = [set(r[r >= 0].tolist()) for r in out[1]]
+                captured[i] = [{position[s] for s in r[r >= 0].tolist()} for r in out[1]]
             hooks.append(layer.self_attn.register_forward_hook(hook))
-    PackedRunner(model, 1).forward({0: prompt})
+    runner = PackedRunner(model, 1)
+    # The runner scatters the sequence over pages: map cache slots back to positions.
+    slots = token_slots_of(runner.pages[0].tolist(), 0, len(prompt), runner.PAGE_SIZE)
+    position = {int(s): p for p, s in enumerate(slots)}
+    runner.forward({0: prompt})
     for h in hooks:
         h.remove()
     return captured

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
 
 from glmflash.config import ModelConfig
-from glmflash.model.forward_batch import ForwardBatch
+from glmflash.model.forward_batch import build_forward_batch, contiguous_page_table
 from glmflash.model.state import ModelState
 from glmflash.model.vision import VisionTower
 from glmflash.model.weights import checkpoint_files
@@ -102,9 +103,9 @@ def _our_logits(model, input_ids: list[int], embeds: torch.Tensor) -> torch.Tens
     slots = -(-n // 64) * 64  # token slots come in whole index pools
     state = ModelState(model.config, num_token_slots=slots, num_state_slots=1, dtype=model.dtype,
                        device="cpu")
-    batch = ForwardBatch(input_ids=torch.tensor(input_ids), cu_seqlens=[0, n], prefix_lens=[0],
-                         state_slots=[0], token_slots=torch.arange(n),
-                         context_slots=torch.arange(n), cu_context=[0, n], input_embeds=embeds)
+    pages = contiguous_page_table(1, slots, slots, "cpu")
+    batch = build_forward_batch(input_ids, np.arange(n), [0, n], [0], [0], pages, slots,
+                                input_embeds=embeds)
     return model(batch, state, all_logits=True)
 
 

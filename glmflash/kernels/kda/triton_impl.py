@@ -12,6 +12,8 @@ from typing import NamedTuple
 
 import torch
 
+from glmflash.utils.device import upload
+
 try:
     import triton
     import triton.language as tl
@@ -79,7 +81,7 @@ def _plan(cu_seqlens: tuple[int, ...], state_slots: tuple[int, ...], is_fresh: t
             for c0 in range(start, end, CHUNK):
                 chunks += [c0, end, len(prefill) // 5 - 1]
     lens = [cu_seqlens[b + 1] - cu_seqlens[b] for b in range(len(state_slots))]
-    meta = torch.tensor(decode + prefill + chunks or [0], dtype=torch.int32).to(device)
+    meta = upload(decode + prefill + chunks or [0], device, torch.int32)
     return KdaPlan(meta, len(decode) // 3, len(prefill) // 5, len(chunks) // 3,
                    max(lens, default=0))
 
@@ -564,7 +566,7 @@ def _conv_plan(cu_seqlens: tuple[int, ...], state_slots: tuple[int, ...],
         seqs += [start, end, slot, int(is_fresh[b])]
         for t0 in range(start, end, block):
             blocks += [t0, start, end, slot, int(is_fresh[b])]
-    meta = torch.tensor(blocks + seqs or [0], dtype=torch.int32).to(device)
+    meta = upload(blocks + seqs or [0], device, torch.int32)
     return meta, len(blocks) // 5, len(seqs) // 4
 
 
