@@ -246,16 +246,19 @@ def _arrivals(device: torch.device, tiles: int) -> torch.Tensor | None:
     return counters if tiles <= counters.numel() else None
 
 
-def default_pre_config(num_tokens: int, num_streams: int, num_sms: int) -> HyperPreConfig:
+def default_pre_config(num_tokens: int, num_streams: int, num_sms: int,
+                       fp32_products: bool = False) -> HyperPreConfig:
     """Few tokens: blocks of up to 4 by FMA (the last range of a block collapses it alone, so
     blocks stay small), a [BT, NP, BK] product tile of 4-8K values. Many: 16-64-token blocks on
-    tensor cores, about one per SM, 64 columns a step. Collapse tiles [BT, S, BD] of 4K values."""
+    tensor cores, about one per SM, 64 columns a step (16 with fp32 operands, whose products
+    need far more registers). Collapse tiles [BT, S, BD] of 4K values."""
     if num_tokens <= DECODE_TOKENS:
         bt = min(4, triton.next_power_of_2(num_tokens))
         return HyperPreConfig(block_t=bt, block_k=128 if bt == 1 else 64,
                               block_d=max(16, 4096 // (bt * num_streams)))
     bt = min(64, max(16, triton.next_power_of_2(triton.cdiv(num_tokens, num_sms))))
-    return HyperPreConfig(block_t=bt, block_k=64, block_d=max(16, 4096 // (bt * num_streams)),
+    return HyperPreConfig(block_t=bt, block_k=16 if fp32_products else 64,
+                          block_d=max(16, 4096 // (bt * num_streams)),
                           waves=1.0)
 
 
@@ -313,7 +316,8 @@ def hyper_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale
     out = torch.empty(num_tokens, d, dtype=streams.dtype, device=dev)
     if num_tokens == 0:
         return post, comb, out
-    cfg = config or default_pre_config(num_tokens, s, _sms(dev))
+    dot, prec = _dot_type(streams, fn)
+    cfg = config or default_pre_config(num_tokens, s, _sms(dev), dot == tl.float32)
     tiles = triton.cdiv(num_tokens, cfg.block_t)
     splits = _num_splits(cfg, tiles, s * d, dev)
     arrivals = _arrivals(dev, tiles) if splits > 1 else None
@@ -323,7 +327,6 @@ def hyper_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale
     splits = triton.cdiv(s * d, k_per_split)
     np_ = max(16, triton.next_power_of_2((2 + s) * s + 1))
     part = torch.empty(tiles * splits * cfg.block_t * np_, dtype=torch.float32, device=dev)
-    dot, prec = _dot_type(streams, fn)
     hyper_pre_kernel[(tiles, splits)](
         streams, fn, base, scale, post, comb, out, part, arrivals if splits > 1 else part,
         num_tokens, d, fn.stride(0), k_per_split, splits, norm_eps, hc_eps, S=s,
