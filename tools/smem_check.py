@@ -30,6 +30,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from glmflash.kernels.fp8_gemm import triton_impl as fp8  # noqa: E402
+from glmflash.kernels.hyper import triton_impl as hyper  # noqa: E402
 from glmflash.kernels.indexer import triton_impl as indexer  # noqa: E402
 from glmflash.kernels.kda import triton_impl as kda  # noqa: E402
 from glmflash.kernels.sparse_mla import triton_impl as mla  # noqa: E402
@@ -158,6 +159,29 @@ def indexer_launches() -> list[Launch]:
                         PREC="tf32"), 4, aligned=("NH", "D"))]
 
 
+def hyper_launches() -> list[Launch]:
+    """mHC pre at the default shapes of decode (1 and 64 tokens) and prefill (2048 and 8192 on
+    the H200's 132 SMs), and mHC post; S = 4, D = 4096, bf16."""
+    pre = {"x": "*bf16", "fn": "*bf16", "base": "*fp32", "scale": "*fp32", "post": "*fp32",
+           "comb": "*fp32", "out": "*bf16", "part": "*fp32", "arrivals": "*i32",
+           "norm_eps": "fp32", "hc_eps": "fp32"}
+    out = []
+    for tokens in (1, 64, 2048, 8192):
+        cfg = hyper.default_pre_config(tokens, 4, 132)
+        dot = cfg.block_t >= 16
+        consts = dict(S=4, ITERS=20, NP=32, BT=cfg.block_t, BK=cfg.block_k, BD=cfg.block_d,
+                      USE_DOT=dot, USE_SPLIT=True, DOT=tl.bfloat16, PREC="tf32")
+        out.append(Launch(f"hyper_pre BT{cfg.block_t} {'dot' if dot else 'FMA'}",
+                          hyper.hyper_pre_kernel, pre, consts, cfg.num_warps,
+                          aligned=("D", "stride_fn", "K_PER_SPLIT")))
+    post = {"y": "*bf16", "x": "*bf16", "post": "*fp32", "comb": "*fp32", "out": "*bf16"}
+    for tokens in (1, 2048):
+        cfg = hyper.default_post_config(tokens)
+        out.append(Launch(f"hyper_post BD{cfg.block_d}", hyper.hyper_post_kernel, post,
+                          dict(S=4, BD=cfg.block_d), cfg.num_warps, aligned=("D", "stride_y")))
+    return out
+
+
 def problems(used: dict[str, dict[int, int]]) -> list[str]:
     """Launches that no GPU of an architecture could run: any kernel over the limit, except that
     sparse MLA only needs one fitting configuration per regime (its launcher falls back)."""
@@ -183,7 +207,7 @@ def main() -> None:
                         help="exit 1 when a launch cannot run on one of the architectures")
     args = parser.parse_args()
     launches = (sparse_mla_launches() + kda_launches(not args.skip_prep) + fp8_launches()
-                + indexer_launches())
+                + indexer_launches() + hyper_launches())
     print(f"Triton {triton.__version__}; per launch: KB of shared memory per block (limit in the "
           "header) / registers per thread / stack bytes per thread (spills)")
     print("| kernel | " + " | ".join(f"sm_{a} (<= {BLOCK_LIMIT[a] // 1024})" for a in args.arch)

@@ -1,10 +1,38 @@
-"""mHC stream collapse (pre) and expand-and-mix (post)."""
+"""mHC stream collapse (pre) and expand-and-mix (post).
+
+CUDA tensors go to the Triton kernels (triton_impl.py), CPU tensors to ref.py;
+`GLMFLASH_KERNEL_HYPER=ref|triton` forces one.
+"""
 
 from __future__ import annotations
 
+import torch
+
+from glmflash.kernels.dispatch import use_triton
 from glmflash.kernels.hyper.ref import hyper_post_ref, hyper_pre_ref
 
-hyper_pre = hyper_pre_ref
-hyper_post = hyper_post_ref
+
+def hyper_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+              *, norm_eps: float, hc_eps: float, sinkhorn_iters: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(post, comb, collapsed) of the streams `[T, S, D]`; see `hyper_pre_ref`."""
+    if use_triton(streams, "hyper"):
+        from glmflash.kernels.hyper import triton_impl
+
+        return triton_impl.hyper_pre(streams, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps,
+                                     sinkhorn_iters=sinkhorn_iters)
+    return hyper_pre_ref(streams, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps,
+                         sinkhorn_iters=sinkhorn_iters)
+
+
+def hyper_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+               comb: torch.Tensor) -> torch.Tensor:
+    """New streams `[T, S, D]` from the block output and the pre weights; see `hyper_post_ref`."""
+    if use_triton(streams, "hyper"):
+        from glmflash.kernels.hyper import triton_impl
+
+        return triton_impl.hyper_post(block_out, streams, post, comb)
+    return hyper_post_ref(block_out, streams, post, comb)
+
 
 __all__ = ["hyper_post", "hyper_post_ref", "hyper_pre", "hyper_pre_ref"]

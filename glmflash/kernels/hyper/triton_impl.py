@@ -1,0 +1,361 @@
+"""Triton mHC pre and post (spec/model.md §2.2; ref.py is the spec, README.md the launch shapes).
+
+hyper_pre, one launch: a program owns a block of tokens and one range of the flattened streams
+`[T, S*D]`. It accumulates the projection onto fn's rows and the sum of squares in fp32 (the RMS
+norm scales a whole row, so it is applied after the product), and writes both to a scratch
+buffer. The range that arrives last at its token block's counter adds the ranges in order, forms
+the weights (gates, softmax, Sinkhorn in registers), writes post and comb, and collapses the
+block's streams with the pre weights.
+hyper_post, one launch: a program per (token, feature block); products and sum in fp32, one
+rounding to the streams' dtype.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the package must import without triton; the launchers need it
+    triton = None
+
+# Per-device arrival counters of the split reduction, one per token block; every launch leaves
+# them at zero. Allocated once and never replaced, so CUDA graphs that captured a launch stay
+# valid. Ranges are split only while token blocks are few, so this many is plenty.
+ARRIVAL_SLOTS = 1 << 12
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+# Up to this many tokens hyper_pre's default launch takes the few-token (decode) shape.
+DECODE_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class HyperPreConfig:
+    """Launch shape of hyper_pre_kernel; `default_pre_config` picks one per token count."""
+
+    block_t: int  # tokens per program; from 16 the projection runs on tensor cores, below by FMA
+    block_k: int  # columns of the flattened streams per projection step
+    block_d: int  # features per collapse step
+    waves: float = 2.0  # programs per SM that splitting the S*D reduction into ranges aims for
+    min_range_steps: int = 2  # projection steps per range at least
+    splits: int | None = None  # a fixed number of ranges instead (tests, sweeps)
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for size in (self.block_t, self.block_k, self.block_d):
+            assert size >= 1 and size & (size - 1) == 0, f"block sizes are powers of two: {self}"
+        assert self.block_k >= 16 or self.block_t < 16, "tensor-core steps need block_k >= 16"
+
+
+@dataclass(frozen=True)
+class HyperPostConfig:
+    """Launch shape of hyper_post_kernel: one token and `block_d` features per program."""
+
+    block_d: int = 1024
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        assert self.block_d >= 16 and self.block_d & (self.block_d - 1) == 0
+
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+@_jit
+def _project_dot(x, fn, o_t, m_t, k_begin, k_end, stride_x, stride_fn, N: tl.constexpr,
+                 NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
+                 PREC: tl.constexpr):
+    """(x[tokens, range] fn[:, range]^T, sum of x[tokens, range]^2) on tensor cores, fp32."""
+    o_k = tl.arange(0, BK)
+    o_n = tl.arange(0, NP)
+    p_x = x + o_t[:, None].to(tl.int64) * stride_x + o_k[None, :]
+    p_fn = fn + o_n[:, None] * stride_fn + o_k[None, :]
+    b_acc = tl.zeros([BT, NP], dtype=tl.float32)
+    b_ss = tl.zeros([BT], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BK):
+        m_k = k0 + o_k < k_end
+        b_x = tl.load(p_x + k0, mask=m_t[:, None] & m_k[None, :], other=0.0)  # [BT, BK]
+        b_fn = tl.load(p_fn + k0, mask=(o_n < N)[:, None] & m_k[None, :], other=0.0)  # [NP, BK]
+        b_xf = b_x.to(tl.float32)
+        b_ss += tl.sum(b_xf * b_xf, 1)
+        b_acc = tl.dot(b_x.to(DOT), tl.trans(b_fn.to(DOT)), b_acc, input_precision=PREC)
+    return b_acc, b_ss
+
+
+@_jit
+def _project_fma(x, fn, o_t, m_t, k_begin, k_end, stride_x, stride_fn, N: tl.constexpr,
+                 NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """As _project_dot by fp32 FMA into a [BT, NP, BK] tile reduced once (few tokens)."""
+    o_k = tl.arange(0, BK)
+    o_n = tl.arange(0, NP)
+    p_x = x + o_t[:, None].to(tl.int64) * stride_x + o_k[None, :]
+    p_fn = fn + o_n[:, None] * stride_fn + o_k[None, :]
+    b_acc = tl.zeros([BT, NP, BK], dtype=tl.float32)
+    b_ss = tl.zeros([BT, BK], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BK):
+        m_k = k0 + o_k < k_end
+        b_x = tl.load(p_x + k0, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_fn = tl.load(p_fn + k0, mask=(o_n < N)[:, None] & m_k[None, :], other=0.0)
+        b_ss += b_x * b_x
+        b_acc += b_x[:, None, :] * b_fn.to(tl.float32)[None, :, :]
+    return tl.sum(b_acc, 2), tl.sum(b_ss, 1)
+
+
+@_jit
+def _sinkhorn(b_c, eps, ITERS: tl.constexpr):
+    """[BT, S, S]: divide columns by (sum + eps), then ITERS - 1 times rows, then columns."""
+    b_c = b_c / (tl.sum(b_c, 1)[:, None, :] + eps)
+    for _ in range(ITERS - 1):
+        b_c = b_c / (tl.sum(b_c, 2)[:, :, None] + eps)
+        b_c = b_c / (tl.sum(b_c, 1)[:, None, :] + eps)
+    return b_c
+
+
+@_jit
+def _weights(p_tot, base, scale, post, comb, o_t, m_t, K, norm_eps, hc_eps, S: tl.constexpr,
+             ITERS: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr):
+    """From a token block's summed projections (row r at p_tot + r * NP, the sum of squares in
+    column (2 + S) * S): write post and comb, return the pre weights [BT, S]."""
+    o_r = tl.arange(0, BT)
+    o_s = tl.arange(0, S)
+    o_ij = o_s[:, None] * S + o_s[None, :]  # [S, S]
+    p_row = p_tot + o_r[:, None] * NP  # [BT, 1]
+    b_ss = tl.load(p_tot + o_r * NP + (2 + S) * S, cache_modifier=".cg")
+    b_rstd = tl.rsqrt(b_ss / K + norm_eps)[:, None]  # [BT, 1]
+    b_pre = tl.load(p_row + o_s[None, :], cache_modifier=".cg") * b_rstd  # [BT, S]
+    b_pre = tl.sigmoid(b_pre * tl.load(scale) + tl.load(base + o_s)[None, :]) + hc_eps
+    b_post = tl.load(p_row + S + o_s[None, :], cache_modifier=".cg") * b_rstd
+    b_post = 2 * tl.sigmoid(b_post * tl.load(scale + 1) + tl.load(base + S + o_s)[None, :])
+    b_l = tl.load(p_row[:, :, None] + 2 * S + o_ij[None, :, :], cache_modifier=".cg")
+    b_l = b_l * b_rstd[:, :, None] * tl.load(scale + 2) + tl.load(base + 2 * S + o_ij)[None, :, :]
+    b_e = tl.exp(b_l - tl.max(b_l, 2)[:, :, None])  # [BT, S, S]
+    b_c = _sinkhorn(b_e / tl.sum(b_e, 2)[:, :, None] + hc_eps, hc_eps, ITERS)
+    o_t64 = o_t.to(tl.int64)
+    tl.store(post + o_t64[:, None] * S + o_s[None, :], b_post, mask=m_t[:, None])
+    tl.store(comb + o_t64[:, None, None] * (S * S) + o_ij[None, :, :], b_c,
+             mask=m_t[:, None, None])
+    return b_pre
+
+
+@_jit
+def _collapse(x, out, b_pre, o_t, m_t, D, S: tl.constexpr, BD: tl.constexpr):
+    """out[t, :] = sum_s pre[t, s] x[t, s, :] in fp32, rounded once; b_pre [BT, S]."""
+    o_s = tl.arange(0, S)
+    o_d = tl.arange(0, BD)
+    o_t64 = o_t.to(tl.int64)
+    p_x = x + o_t64[:, None, None] * (S * D) + o_s[None, :, None] * D + o_d[None, None, :]
+    p_o = out + o_t64[:, None] * D + o_d[None, :]
+    for d0 in range(0, D, BD):
+        m_d = d0 + o_d < D
+        b_x = tl.load(p_x + d0, mask=m_t[:, None, None] & m_d[None, None, :], other=0.0)
+        b_o = tl.sum(b_x.to(tl.float32) * b_pre[:, :, None], 1)  # [BT, BD]
+        tl.store(p_o + d0, b_o.to(out.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
+
+
+@_jit
+def hyper_pre_kernel(x, fn, base, scale, post, comb, out, part, arrivals, T, D, stride_fn,
+                     K_PER_SPLIT, SPLITS, norm_eps, hc_eps, S: tl.constexpr, ITERS: tl.constexpr,
+                     NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+                     USE_DOT: tl.constexpr, USE_SPLIT: tl.constexpr, DOT: tl.constexpr,
+                     PREC: tl.constexpr):
+    """mHC pre for tokens [i_t * BT, +BT), columns [i_s * K_PER_SPLIT, +K_PER_SPLIT) of the
+    flattened streams; the last range of the token block finishes it (see the module doc)."""
+    i_t, i_s = tl.program_id(0), tl.program_id(1)
+    N: tl.constexpr = (2 + S) * S
+    K = S * D
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    k_begin = i_s * K_PER_SPLIT
+    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    if USE_DOT:
+        b_acc, b_ss = _project_dot(x, fn, o_t, m_t, k_begin, k_end, K, stride_fn, N, NP, BT, BK,
+                                   DOT, PREC)
+    else:
+        b_acc, b_ss = _project_fma(x, fn, o_t, m_t, k_begin, k_end, K, stride_fn, N, NP, BT, BK)
+    o_n = tl.arange(0, NP)
+    # NOTE: fn rows N.. are masked to zero, so column N is free for the sum of squares.
+    b_acc = tl.where(o_n[None, :] == N, b_ss[:, None], b_acc)  # [BT, NP]
+    o_tile = tl.arange(0, BT)[:, None] * NP + o_n[None, :]
+    p_tile = part + (i_t * SPLITS).to(tl.int64) * (BT * NP)
+    tl.store(p_tile + i_s * (BT * NP) + o_tile, b_acc)
+    # Every warp's partial is written before the release, and before the reloads below.
+    tl.debug_barrier()
+    is_last = True
+    if USE_SPLIT:
+        is_last = tl.atomic_add(arrivals + i_t, 1, sem="acq_rel") == SPLITS - 1
+    if is_last:
+        if USE_SPLIT:
+            tl.debug_barrier()
+            b_tot = tl.zeros([BT, NP], dtype=tl.float32)
+            for i in range(SPLITS):
+                b_tot += tl.load(p_tile + i * (BT * NP) + o_tile, cache_modifier=".cg")
+            tl.store(p_tile + o_tile, b_tot)
+            tl.atomic_xchg(arrivals + i_t, 0, sem="relaxed")
+            tl.debug_barrier()
+        b_pre = _weights(p_tile, base, scale, post, comb, o_t, m_t, K, norm_eps, hc_eps, S,
+                         ITERS, NP, BT)
+        _collapse(x, out, b_pre, o_t, m_t, D, S, BD)
+
+
+@_jit
+def hyper_post_kernel(y, x, post, comb, out, D, stride_y, S: tl.constexpr, BD: tl.constexpr):
+    """out[t, j, d] = post[t, j] y[t, d] + sum_i comb[t, i, j] x[t, i, d], features
+    [i_d * BD, +BD); the weights rounded to the streams' dtype first, as the reference does."""
+    i_t, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o_s = tl.arange(0, S)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    dt = out.dtype.element_ty
+    b_y = tl.load(y + i_t * stride_y + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_post = tl.load(post + i_t * S + o_s).to(dt).to(tl.float32)  # [S]
+    b_acc = b_post[:, None] * b_y[None, :]  # [S, BD]
+    p_x = x + i_t * (S * D) + o_d
+    for i in tl.static_range(S):
+        b_x = tl.load(p_x + i * D, mask=m_d, other=0.0).to(tl.float32)  # [BD]
+        b_c = tl.load(comb + (i_t * S + i) * S + o_s).to(dt).to(tl.float32)  # comb[t, i, :]
+        b_acc += b_c[:, None] * b_x[None, :]
+    p_o = out + i_t * (S * D) + o_s[:, None] * D + o_d[None, :]
+    tl.store(p_o, b_acc.to(dt), mask=m_d[None, :])
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _arrivals(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The device's zeroed arrival counters, or None where they cannot be made now (a first
+    launch inside CUDA-graph capture) or are too few."""
+    counters = _ARRIVALS.get(device)
+    if counters is None:
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                if torch.cuda.is_current_stream_capturing():
+                    return None
+        counters = _ARRIVALS[device] = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32,
+                                                   device=device)
+    return counters if tiles <= counters.numel() else None
+
+
+def default_pre_config(num_tokens: int, num_streams: int, num_sms: int,
+                       fp32_products: bool = False) -> HyperPreConfig:
+    """Few tokens: blocks of up to 4 by FMA (the last range of a block collapses it alone, so
+    blocks stay small), a [BT, NP, BK] product tile of 4-8K values. Many: 16-64-token blocks on
+    tensor cores, about one per SM, 64 columns a step (16 with fp32 operands, whose products
+    need far more registers). Collapse tiles [BT, S, BD] of 4K values."""
+    if num_tokens <= DECODE_TOKENS:
+        bt = min(4, triton.next_power_of_2(num_tokens))
+        return HyperPreConfig(block_t=bt, block_k=128 if bt == 1 else 64,
+                              block_d=max(16, 4096 // (bt * num_streams)))
+    bt = min(64, max(16, triton.next_power_of_2(triton.cdiv(num_tokens, num_sms))))
+    return HyperPreConfig(block_t=bt, block_k=16 if fp32_products else 64,
+                          block_d=max(16, 4096 // (bt * num_streams)),
+                          waves=1.0)
+
+
+def default_post_config(num_tokens: int) -> HyperPostConfig:
+    """Narrow feature blocks while tokens are few, so that enough programs run."""
+    return HyperPostConfig(block_d=256 if num_tokens <= DECODE_TOKENS else 1024)
+
+
+def _num_splits(config: HyperPreConfig, tiles: int, k: int, device: torch.device) -> int:
+    """Ranges of the S*D reduction: a fixed number, or enough for `waves` programs per SM."""
+    steps = triton.cdiv(k, config.block_k)
+    if config.splits is not None:
+        return max(1, min(config.splits, steps))
+    want = triton.cdiv(int(_sms(device) * config.waves), tiles)
+    return max(1, min(want, steps // config.min_range_steps))
+
+
+def _dot_type(streams: torch.Tensor, fn: torch.Tensor) -> tuple:
+    """Tensor-core operand type: the model's 16-bit type when streams and fn share it (products
+    exact in fp32), else fp32 with exact products (also under the interpreter)."""
+    half = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+    if streams.dtype == fn.dtype and streams.dtype in half and not _interpreting():
+        return half[streams.dtype], "tf32"
+    return tl.float32, "ieee"
+
+
+def _check_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
+               scale: torch.Tensor) -> None:
+    assert streams.dim() == 3 and streams.is_contiguous(), "streams must be contiguous [T, S, D]"
+    _, s, d = streams.shape
+    assert s & (s - 1) == 0, f"the stream count must be a power of two, got {s}"
+    assert fn.shape == ((2 + s) * s, s * d) and fn.stride(1) == 1, (
+        f"fn must be [(2+S)*S, S*D] = {((2 + s) * s, s * d)} with unit column stride, "
+        f"got {tuple(fn.shape)} / {fn.stride()}")
+    assert base.shape == ((2 + s) * s,) and base.is_contiguous()
+    assert scale.shape == (3,) and scale.is_contiguous()
+    devices = {t.device for t in (streams, fn, base, scale)}
+    assert len(devices) == 1, f"all tensors on one device, got {devices}"
+
+
+def hyper_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+              *, norm_eps: float, hc_eps: float, sinkhorn_iters: int,
+              config: HyperPreConfig | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton `hyper_pre_ref`: (post `[T, S]` fp32, comb `[T, S, S]` fp32, collapsed `[T, D]`).
+
+    One launch, no host sync. Launches on one device must run in stream order (they share the
+    arrival counters)."""
+    _check_pre(streams, fn, base, scale)
+    assert sinkhorn_iters >= 1
+    num_tokens, s, d = streams.shape
+    dev = streams.device
+    post = torch.empty(num_tokens, s, dtype=torch.float32, device=dev)
+    comb = torch.empty(num_tokens, s, s, dtype=torch.float32, device=dev)
+    out = torch.empty(num_tokens, d, dtype=streams.dtype, device=dev)
+    if num_tokens == 0:
+        return post, comb, out
+    dot, prec = _dot_type(streams, fn)
+    cfg = config or default_pre_config(num_tokens, s, _sms(dev), dot == tl.float32)
+    tiles = triton.cdiv(num_tokens, cfg.block_t)
+    splits = _num_splits(cfg, tiles, s * d, dev)
+    arrivals = _arrivals(dev, tiles) if splits > 1 else None
+    if arrivals is None:
+        splits = 1
+    k_per_split = triton.cdiv(triton.cdiv(s * d, splits), cfg.block_k) * cfg.block_k
+    splits = triton.cdiv(s * d, k_per_split)
+    np_ = max(16, triton.next_power_of_2((2 + s) * s + 1))
+    part = torch.empty(tiles * splits * cfg.block_t * np_, dtype=torch.float32, device=dev)
+    hyper_pre_kernel[(tiles, splits)](
+        streams, fn, base, scale, post, comb, out, part, arrivals if splits > 1 else part,
+        num_tokens, d, fn.stride(0), k_per_split, splits, norm_eps, hc_eps, S=s,
+        ITERS=sinkhorn_iters, NP=np_, BT=cfg.block_t, BK=cfg.block_k, BD=cfg.block_d,
+        USE_DOT=cfg.block_t >= 16, USE_SPLIT=splits > 1, DOT=dot, PREC=prec,
+        num_warps=cfg.num_warps)
+    return post, comb, out
+
+
+def hyper_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+               comb: torch.Tensor, *, config: HyperPostConfig | None = None) -> torch.Tensor:
+    """Triton `hyper_post_ref`: block_out `[T, D]`, streams `[T, S, D]`, post `[T, S]`, comb
+    `[T, S, S]` -> `[T, S, D]` in the streams' dtype. One launch, no host sync."""
+    assert streams.dim() == 3 and streams.is_contiguous(), "streams must be contiguous [T, S, D]"
+    num_tokens, s, d = streams.shape
+    assert s & (s - 1) == 0, f"the stream count must be a power of two, got {s}"
+    assert block_out.shape == (num_tokens, d) and block_out.stride(1) == 1
+    assert block_out.dtype == streams.dtype, "block output and streams share the model dtype"
+    assert post.shape == (num_tokens, s) and post.is_contiguous()
+    assert comb.shape == (num_tokens, s, s) and comb.is_contiguous()
+    out = torch.empty_like(streams)
+    if num_tokens == 0:
+        return out
+    cfg = config or default_post_config(num_tokens)
+    hyper_post_kernel[(num_tokens, triton.cdiv(d, cfg.block_d))](
+        block_out, streams, post, comb, out, d, block_out.stride(0), S=s, BD=cfg.block_d,
+        num_warps=cfg.num_warps)
+    return out
+
+
+__all__ = ["HyperPostConfig", "HyperPreConfig", "default_post_config", "default_pre_config",
+           "hyper_post", "hyper_pre"]
