@@ -142,12 +142,27 @@ class Engine(EngineApiMixin):
             return
         logits = self.runner.run(batch)
         sampled = [s for s, need in zip(batch.seqs, batch.needs_sample, strict=True) if need]
-        self._emit(self.scheduler.update(batch, self.sampler.sample(logits, sampled)))
+        token_ids = self._end_failed_rows(sampled, self.sampler.sample(logits, sampled))
+        self._emit(self.scheduler.update(batch, token_ids))
         if self.options.check_integrity:
             self.cache.check_integrity()
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()
+
+    def _end_failed_rows(self, seqs: list[Sequence], token_ids: list[int]) -> list[int]:
+        """End the sequences whose logits processor raised; the other rows' ids, in order.
+
+        NOTE: Scheduler.update skips a finished sequence without taking an id.
+        """
+        errors = self.sampler.errors
+        for row, error in errors.items():
+            seq, choice = seqs[row], self._choices[seqs[row].seq_id]
+            logger.warning("request %s: logits processor failed: %s", choice.request_id, error)
+            self.scheduler.finish(seq, "error")
+            self._finish(seq, choice, StreamDelta(choice.request_id, choice.index, "", [],
+                                                  "error", error=error))
+        return [t for row, t in enumerate(token_ids) if row not in errors]
 
     # The engine thread.
     def _ensure_thread(self) -> None:

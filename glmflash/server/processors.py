@@ -1,6 +1,7 @@
 """Logits processors the server adds to a request: logit_bias and tool_choice enforcement.
 
 Each is stateless (it reads only the output ids so far), so one instance serves all `n` choices.
+They run on the logits' device with no host sync: index tensors are copied to a device once.
 """
 
 from __future__ import annotations
@@ -13,17 +14,32 @@ from glmflash.parsers.tags import ARG_KEY_START, THINK_END, TOOL_CALL_END, TOOL_
 from glmflash.tokenizer import Tokenizer
 
 
+class DeviceCopies:
+    """A host tensor and its copy on each device it was asked for, made once, non-blocking.
+
+    NOTE: indexing a device tensor with a host tensor or list copies it with a host sync.
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.copies = {tensor.device: tensor}
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        if device not in self.copies:
+            self.copies[device] = self.copies[torch.device("cpu")].to(device, non_blocking=True)
+        return self.copies[device]
+
+
 class LogitBias:
     """OpenAI `logit_bias`: add a value in [-100, 100] to the logits of chosen token ids."""
 
     def __init__(self, bias: dict[int, float]) -> None:
-        self.token_ids = torch.tensor(list(bias), dtype=torch.long)
-        self.values = torch.tensor(list(bias.values()), dtype=torch.float32)
+        self.token_ids = DeviceCopies(torch.tensor(list(bias), dtype=torch.long))
+        self.values = DeviceCopies(torch.tensor(list(bias.values()), dtype=torch.float32))
 
     def __call__(self, output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
-        logits = logits.clone()
-        logits[self.token_ids] += self.values.to(logits.dtype)
-        return logits
+        token_ids = self.token_ids.on(logits.device)
+        values = self.values.on(logits.device).to(logits.dtype)
+        return logits.index_add(0, token_ids, values)
 
 
 @dataclass(frozen=True)
@@ -52,7 +68,7 @@ class ForcedToolCall:
     def __init__(self, ids: ToolTokenIds, banned_ids: list[int], name_ids: list[int] | None,
                  *, starts_in_reasoning: bool) -> None:
         self.ids = ids
-        self.banned_ids = torch.tensor(sorted(banned_ids), dtype=torch.long)
+        self.banned_ids = DeviceCopies(torch.tensor(sorted(banned_ids), dtype=torch.long))
         self.name_ids = name_ids
         self.starts_in_reasoning = starts_in_reasoning
 
@@ -82,11 +98,11 @@ def _index(ids: list[int], token_id: int) -> int | None:
 
 def _only(logits: torch.Tensor, allowed: list[int]) -> torch.Tensor:
     out = torch.full_like(logits, float("-inf"))
-    out[allowed] = logits[allowed]
+    for token_id in allowed:
+        # An int index is a view: no index tensor to copy to the device.
+        out[token_id] = logits[token_id]
     return out
 
 
-def _ban(logits: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
-    logits = logits.clone()
-    logits[banned] = float("-inf")
-    return logits
+def _ban(logits: torch.Tensor, banned: DeviceCopies) -> torch.Tensor:
+    return logits.index_fill(0, banned.on(logits.device), float("-inf"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from glmflash import Engine, SamplingParams
-from glmflash.engine.sampler import apply_penalties
+from glmflash.engine.penalties import apply_penalties
 from glmflash.engine.sequence import Sequence
 from tests.engine.scripted import ScriptedOutput
 
