@@ -25,6 +25,8 @@ from glmflash.config import ModelConfig  # noqa: E402
 from glmflash.model.state import cache_bytes  # noqa: E402
 from glmflash.tiny.embedded import embedded_checkpoint  # noqa: E402
 
+WARMUP_STEPS = 3
+
 
 class ForwardTimer:
     """Wraps the model call to accumulate its wall time (on a GPU, until its work is done, so
@@ -44,7 +46,7 @@ class ForwardTimer:
 
 def measure(engine: Engine, batch: int, steps: int, context: int = 16) -> dict[str, float]:
     """Decode `steps` steps of `batch` sequences that start with `context` tokens each."""
-    params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + 1 + WARMUP_STEPS, temperature=0, ignore_eos=True)
     prompts = [[5 + (i + j) % 50 for j in range(context)] for i in range(batch)]
     if context > 16:
         fill_fake_context(engine, prompts, params)
@@ -52,6 +54,8 @@ def measure(engine: Engine, batch: int, steps: int, context: int = 16) -> dict[s
         for prompt in prompts:
             engine.add_request(prompt, params, lambda d: None)
     engine.step()  # prefill (or the first decode over the fake context) of everyone
+    for _ in range(WARMUP_STEPS):  # kernels compile for this batch shape outside the timing
+        engine.step()
     timer = ForwardTimer(engine.runner.model)
     engine.runner.model = timer
     start = time.perf_counter()
