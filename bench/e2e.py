@@ -161,14 +161,16 @@ def run_mode(folder: Path, mode: str, args: argparse.Namespace, bandwidth: dict)
     engine = Engine(folder, device=device, dtype="float32" if device == "cpu" else "bfloat16",
                     **engine_options(mode, args, num_experts))
     clock = CpuExpertClock(engine.runner.model)
-    # Compile and warm the prefill path: two chunks, the second one continuing the first.
-    measure_ttft(engine, min(args.chunked_prefill_size + 16, engine.max_seq_len - 2))
-    ttft = {} if args.no_ttft else {n: measure_ttft(engine, n) for n in args.contexts}
+    ttft = {}
+    if not args.no_ttft:
+        # Compile and warm the prefill path: two chunks, the second one continuing the first.
+        measure_ttft(engine, min(args.chunked_prefill_size + 16, engine.max_seq_len - 2))
+        ttft = {n: measure_ttft(engine, n) for n in args.contexts}
     rows = []
     for context in args.contexts:
         for batch in args.batches:
             row = measure_decode(engine, clock, batch, context, args)
-            row.update(mode=mode, ttft=ttft.get(context) if batch == 1 else None)
+            row.update(mode=mode, ttft=ttft.get(context) if batch == args.batches[0] else None)
             row.update(derive(row, engine, bandwidth, device))
             rows.append(row)
             print(format_row(row), flush=True)
@@ -279,6 +281,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="the tiny config (a CPU smoke run)")
     p.add_argument("--append", action="store_true", help="append the table to bench/RESULTS.md")
     args = p.parse_args()
+    if args.batches:
+        args.batches = sorted(args.batches)
     preset = PRESETS["tiny" if args.tiny else "quick" if args.quick else "release"]
     for name, value in preset.items():
         if getattr(args, name, None) is None:

@@ -82,3 +82,21 @@ def test_load_format_flags():
     assert "load_format" not in engine_options(build_parser().parse_args([]))
     args = cli_parser().parse_args(["generate", "--prompt", "hi", "--load-format", "dummy"])
     assert args.load_format == "dummy"
+
+
+def test_fake_context_makes_the_next_step_a_pure_decode(config_only_dir):
+    """bench/common.py's fill_fake_context: pages and slot taken, the context counts computed."""
+    from bench.common import add_fake_context_requests
+
+    engine = Engine(config_only_dir, load_format="dummy", check_integrity=True, **ENGINE)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    seqs = add_fake_context_requests(engine, 3, 150, params)
+    engine.check_integrity()
+    assert [s.num_computed_tokens for s in seqs] == [150] * 3
+    assert all(len(s.page_ids) * engine.cache.page_size >= 150 for s in seqs)
+    scheduled, run = [], engine.runner.run
+    engine.runner.run = lambda batch: scheduled.append(list(batch.num_tokens)) or run(batch)
+    while engine.scheduler.has_work:
+        engine.step()
+    assert scheduled == [[1, 1, 1], [1, 1, 1]]
+    assert [s.num_output_tokens for s in seqs] == [2] * 3
