@@ -169,8 +169,9 @@ def profile_step(engine) -> StepProfile:
         if is_cuda:
             torch.cuda.synchronize()
     events = prof.events()
+    # NOTE: the profiler mirrors each range on the GPU timeline under the same name: not a kernel.
     device = [e for e in events if e.device_type == DeviceType.CUDA and
-              not e.is_user_annotation and not e.name.startswith(LAYER_RANGE)]
+              not getattr(e, "is_user_annotation", False) and not e.name.startswith(LAYER_RANGE)]
     kernels = [e for e in device if not e.name.startswith(_NOT_KERNELS)]
     per_layer = [0] * len(model.text.layers)
     for e in events:
