@@ -1,6 +1,7 @@
-"""The release-shape end-to-end benchmark: the real Engine (scheduler, runner, sampler) on a
-full-width, reduced-depth GLM-5.3-Flash with random weights (`load_format="dummy"`).
+"""End-to-end benchmark: the real Engine at release width and reduced depth on dummy weights.
 
+The real Engine (scheduler, runner, sampler, in-process) runs a full-width, reduced-depth
+GLM-5.3-Flash with random weights made in memory (`load_format="dummy"`).
 The model is the release config (tests/data/release_config.json) cut to `--layers` layers
 (default 4: three KDA + one MLA, every layer MoE, no MTP, no vision tower), written with the
 tiny tokenizer into a temporary folder that holds no weights. For each mode (all-gpu; hybrid-N:
@@ -313,7 +314,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="glmflash-e2e-") as tmp:
         folder = write_folder(config, Path(tmp))
         for mode in args.modes:
+            start = time.perf_counter()
             rows += run_mode(folder, mode, args, bandwidth)
+            print(f"{mode}: {time.perf_counter() - start:.0f} s including the engine's start",
+                  file=sys.stderr, flush=True)
             gc.collect()
             if is_cuda:
                 torch.cuda.empty_cache()
