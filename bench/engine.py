@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.common import append_results, fill_fake_context  # noqa: E402
+from bench.common import add_fake_context_requests, append_results  # noqa: E402
 from glmflash import Engine, SamplingParams  # noqa: E402
 from glmflash.config import ModelConfig  # noqa: E402
 from glmflash.model.state import cache_bytes  # noqa: E402
@@ -47,12 +47,11 @@ class ForwardTimer:
 def measure(engine: Engine, batch: int, steps: int, context: int = 16) -> dict[str, float]:
     """Decode `steps` steps of `batch` sequences that start with `context` tokens each."""
     params = SamplingParams(max_tokens=steps + 1 + WARMUP_STEPS, temperature=0, ignore_eos=True)
-    prompts = [[5 + (i + j) % 50 for j in range(context)] for i in range(batch)]
     if context > 16:
-        fill_fake_context(engine, prompts, params)
+        add_fake_context_requests(engine, batch, context - 1, params)
     else:
-        for prompt in prompts:
-            engine.add_request(prompt, params, lambda d: None)
+        for i in range(batch):
+            engine.add_request([5 + (i + j) % 50 for j in range(context)], params, lambda d: None)
     engine.step()  # prefill (or the first decode over the fake context) of everyone
     for _ in range(WARMUP_STEPS):  # kernels compile for this batch shape outside the timing
         engine.step()

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from glmflash.engine.options import LOAD_FORMATS
 from glmflash.utils.env import configure_openmp
 from glmflash.utils.logging import setup_logging
 
@@ -34,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     gen.add_argument("--dtype", default=None, help="float32 or bfloat16")
+    gen.add_argument("--load-format", choices=LOAD_FORMATS, default=None,
+                     help="dummy: seeded random weights made in memory (no safetensors needed)")
     tiny = sub.add_parser("make-tiny", help="write the tiny random checkpoint")
     tiny.add_argument("dir", nargs="?", default=None,
                       help="output folder (default: the embedded checkpoint's cache folder)")
@@ -75,7 +78,8 @@ def _generate(args: argparse.Namespace) -> int:
     from glmflash.engine.engine import Engine
     from glmflash.sampling_params import SamplingParams
 
-    engine = Engine(args.model_path, device=args.device, dtype=args.dtype)
+    engine = Engine(args.model_path, device=args.device, dtype=args.dtype,
+                    load_format=args.load_format)
     prompts = args.prompt
     if args.chat:
         prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}])

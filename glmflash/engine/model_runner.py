@@ -12,6 +12,7 @@ from glmflash.config import ModelConfig
 from glmflash.engine.cache import CachePlan
 from glmflash.engine.options import EngineConfig
 from glmflash.engine.scheduler import ScheduledBatch
+from glmflash.model.dummy_weights import fill_dummy_weights
 from glmflash.model.forward_batch import ForwardBatch, build_forward_batch, token_slots_of
 from glmflash.model.glm import GlmForCausalLM
 from glmflash.model.moe import Experts
@@ -21,18 +22,25 @@ from glmflash.utils.device import upload
 
 logger = logging.getLogger(__name__)
 GIB = 1 << 30
+DUMMY_WEIGHT_SEED = 0
 
 
 def load_model(path: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
                options: EngineConfig | None = None,
                warmup_ids: list[int] | None = None) -> GlmForCausalLM:
     """Load the checkpoint; on a GPU with `kt_num_gpu_experts` set, routed experts stay on the
-    CPU (all but N per layer are computed there; `warmup_ids` feed frequency placement)."""
+    CPU (all but N per layer are computed there; `warmup_ids` feed frequency placement).
+
+    With `load_format="dummy"` the weights are seeded random values made in memory instead.
+    """
     options = options or EngineConfig()
     hybrid = device.type == "cuda" and options.kt_num_gpu_experts is not None
     with torch.device("cpu" if hybrid else device):
         model = GlmForCausalLM(config, dtype)
-    load_checkpoint(model, path, num_layers=config.num_hidden_layers)
+    if options.load_format == "dummy":
+        fill_dummy_weights(model, seed=DUMMY_WEIGHT_SEED)
+    else:
+        load_checkpoint(model, path, num_layers=config.num_hidden_layers)
     for module in model.modules():
         if isinstance(module, Experts):
             module.cpu_threads, module.cpu_pools = options.kt_cpuinfer, options.kt_threadpool_count

@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields
 
 from glmflash.utils.validation import require
 
+LOAD_FORMATS = ("auto", "dummy")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -41,6 +43,10 @@ class EngineConfig:
     kt_threadpool_count: int = 1
     """Thread pools of the CPU expert kernel (one per NUMA node), each owning a slice of every
     expert; needs at least as many threads."""
+    load_format: str = "auto"
+    """Where weights come from: "auto" reads the checkpoint's safetensors; "dummy" makes seeded
+    random weights in memory (benchmarks at release shapes: the folder needs only config.json and
+    the tokenizer files)."""
     background_loop: bool = True
     """Drive steps from an engine thread; False: the caller drives `step()` (tests, offline)."""
     check_integrity: bool = False
@@ -69,6 +75,8 @@ class EngineConfig:
             (self.kt_cpuinfer is None or self.kt_cpuinfer >= self.kt_threadpool_count,
              f"kt_cpuinfer ({self.kt_cpuinfer}) must be >= kt_threadpool_count "
              f"({self.kt_threadpool_count}): every pool needs a thread"),
+            (self.load_format in LOAD_FORMATS,
+             f"load_format {self.load_format!r} must be one of {LOAD_FORMATS}"),
         ]
         require(checks)
 

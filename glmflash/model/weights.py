@@ -56,7 +56,9 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
         return files
     shards = sorted(root.glob("*.safetensors"))
     if not shards:
-        raise CheckpointError(f"no *.safetensors files in {root}")
+        raise CheckpointError(f"no weights in {root}: neither {INDEX_FILE} nor any "
+                              "*.safetensors file (load_format='dummy' runs random weights "
+                              "without them)")
     files: dict[str, Path] = {}
     for shard in shards:
         for name in _open(shard).keys():

@@ -8,6 +8,8 @@ import argparse
 import json
 from typing import Any
 
+from glmflash.engine.options import LOAD_FORMATS
+
 DEFAULT_PORT = 30000
 _GPU_EXPERT_FLAGS = ("kt_num_gpu_experts", "kt_gpu_prefill_token_threshold",
                      "kt_expert_placement")
@@ -16,7 +18,7 @@ _MEDIA_FLAGS = ("limit_mm_data_per_request", "mm_process_config", "media_local_r
 _ENGINE_OPTIONS = ("context_length", "max_running_requests", "chunked_prefill_size",
                    "mem_fraction_static", "cache_budget_gb", "max_queued_requests", "seed",
                    "page_size", "kt_method", "kt_num_gpu_experts", "kt_gpu_prefill_token_threshold",
-                   "kt_cpuinfer", "kt_threadpool_count", "kt_expert_placement",
+                   "kt_cpuinfer", "kt_threadpool_count", "kt_expert_placement", "load_format",
                    *_MEDIA_FLAGS)
 # chunked prefill off (SGLang's -1): one chunk as large as any prompt.
 _UNCHUNKED = 2**31 - 1
@@ -93,6 +95,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "glmflash-tiny for the embedded checkpoint)")
     model.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     model.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: by device)")
+    model.add_argument("--load-format", choices=LOAD_FORMATS, default=None,
+                       help="auto: read the checkpoint; dummy: seeded random weights made in "
+                            "memory (benchmarks; the folder needs only config and tokenizer)")
     model.add_argument("--tool-call-parser", default="glm47", choices=("glm47", "none"))
     model.add_argument("--reasoning-parser", default="glm45", choices=("glm45", "none"))
 

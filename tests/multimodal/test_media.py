@@ -9,7 +9,6 @@ import time
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
-import av
 import numpy as np
 import pytest
 
@@ -62,6 +61,7 @@ def media_dir(tmp_path_factory):
 
 
 def _write_wav(path) -> None:
+    av = pytest.importorskip("av")
     with av.open(str(path), "w", format="wav") as container:
         stream = container.add_stream("pcm_s16le", rate=8000, layout="mono")
         frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), np.int16), format="s16",
