@@ -28,7 +28,8 @@ class Router(nn.Module):
         """When set (a `[E]` tensor), every routing choice is counted into it."""
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (expert ids `[T, k]`, fp32 weights `[T, k]`)."""
+        """Returns (expert ids `[T, k]`, fp32 weights `[T, k]`). No host sync (topk, scatter,
+        gather), except `bincount` while `counts` is set."""
         scores = torch.sigmoid(x.float() @ self.weight.float().t())
         choice = scores + self.e_score_correction_bias
         num_tokens = x.shape[0]
@@ -124,7 +125,7 @@ class Experts(nn.Module):
         if self.cpu_kernel is None:
             from glmflash.kernels.cpu_moe import create_cpu_experts
 
-            projections = (self.gate_proj, self.up_proj, self.down_proj)
+            projections = self.projections()
             tensors = [t for p in projections for t in (p.weight.data, p.weight_scale_inv.data)]
             options = {"num_threads": self.cpu_threads} if self.cpu_threads else {}
             if self.cpu_pools > 1:

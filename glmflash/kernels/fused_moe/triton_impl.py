@@ -240,6 +240,22 @@ def _weight_args(w: torch.Tensor, s: torch.Tensor | None) -> tuple:
     return (s, w.stride(0), w.stride(1), s.stride(0), s.stride(1))
 
 
+def sort_pairs(ids: torch.Tensor, num_experts: int, block_m: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sorted block layout of contiguous `ids` `[T, k]`: (pair of each row, int32
+    `[blocks * block_m]`; expert of each block, int32 `[blocks]`, -1 for an unused block)."""
+    num_pairs = ids.numel()
+    # NOTE: each expert hit pads at most block_m - 1 rows and at most min(E, pairs) experts are
+    # hit: a bound from the shapes alone, so the host never reads the counts.
+    max_blocks = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
+    sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
+    fused_moe_align_kernel[(num_experts,)](
+        ids, sorted_pairs, block_expert, num_pairs, num_experts, max_blocks, BLOCK_M=block_m,
+        BLOCK=ALIGN_BLOCK, BINS=triton.next_power_of_2(num_experts + 1), num_warps=4)
+    return sorted_pairs, block_expert
+
+
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
               s_gate: torch.Tensor | None, w_up: torch.Tensor, s_up: torch.Tensor | None,
               w_down: torch.Tensor, s_down: torch.Tensor | None, *, limit: float,
@@ -258,14 +274,8 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
     num_pairs = num_tokens * top_k
     cfg = config or default_config(num_pairs, num_experts)
     bm = cfg.block_m
-    # NOTE: each expert hit pads at most bm - 1 rows, and at most min(E, pairs) experts are hit:
-    # a bound from the shapes alone, so the host never reads the counts.
-    max_blocks = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (bm - 1), bm)
-    sorted_pairs = torch.empty(max_blocks * bm, dtype=torch.int32, device=x.device)
-    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=x.device)
-    fused_moe_align_kernel[(num_experts,)](
-        ids, sorted_pairs, block_expert, num_pairs, num_experts, max_blocks, BLOCK_M=bm,
-        BLOCK=ALIGN_BLOCK, BINS=triton.next_power_of_2(num_experts + 1), num_warps=4)
+    sorted_pairs, block_expert = sort_pairs(ids, num_experts, bm)
+    max_blocks = block_expert.numel()
     has_scale = s_gate is not None
     bk = min(cfg.block_k, block) if has_scale else cfg.block_k
     dot, prec = _dot_type(x)
@@ -288,4 +298,5 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
     return out
 
 
-__all__ = ["DECODE_CONFIG", "PREFILL_CONFIG", "FusedMoeConfig", "default_config", "fused_moe"]
+__all__ = ["DECODE_CONFIG", "PREFILL_CONFIG", "FusedMoeConfig", "default_config", "fused_moe",
+           "sort_pairs"]
