@@ -39,8 +39,11 @@ class FusedMoeConfig:
 
 
 # Decode: few pairs per expert, so 16-row blocks (the smallest tensor-core product) waste least.
+# Every shape fits the shared memory of sm_89 / sm_120 (tools/smem_check.py).
 DECODE_CONFIG = FusedMoeConfig()
-PREFILL_CONFIG = FusedMoeConfig(block_m=64)
+PREFILL_CONFIG = FusedMoeConfig(block_m=64, block_k=64)
+# fp32 operands (the tiny models' tests): FMA products, small tiles keep them out of spills.
+FP32_CONFIG = FusedMoeConfig(block_n=32, block_k=32, num_stages=2)
 # Pairs per expert (on average) from which the prefill shape is used.
 PREFILL_PAIRS_PER_EXPERT = 16
 # Pairs per step of the alignment scan and output columns per program of the sum.
@@ -48,7 +51,9 @@ ALIGN_BLOCK = 256
 SUM_BLOCK = 1024
 
 
-def default_config(num_pairs: int, num_experts: int) -> FusedMoeConfig:
+def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> FusedMoeConfig:
+    if dtype == torch.float32:
+        return FP32_CONFIG
     if num_pairs >= PREFILL_PAIRS_PER_EXPERT * num_experts:
         return PREFILL_CONFIG
     return DECODE_CONFIG
@@ -260,8 +265,8 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
               s_gate: torch.Tensor | None, w_up: torch.Tensor, s_up: torch.Tensor | None,
               w_down: torch.Tensor, s_down: torch.Tensor | None, *, limit: float,
               block: int = 128, config: FusedMoeConfig | None = None) -> torch.Tensor:
-    """Triton `fused_moe_ref`; see ref.py for shapes. `config`: the launch shape (default: by the
-    number of pairs per expert)."""
+    """Triton `fused_moe_ref`; see ref.py for shapes. `config`: the launch shape (default: by x's
+    dtype and the number of pairs per expert)."""
     _check(x, ids, weights, w_gate, s_gate, w_up, s_up, w_down, s_down, block)
     num_tokens, hidden = x.shape
     num_experts, inter, _ = w_gate.shape
@@ -272,7 +277,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
     x = x if x.stride(1) == 1 else x.contiguous()
     ids, weights = ids.contiguous(), weights.contiguous()
     num_pairs = num_tokens * top_k
-    cfg = config or default_config(num_pairs, num_experts)
+    cfg = config or default_config(num_pairs, num_experts, x.dtype)
     bm = cfg.block_m
     sorted_pairs, block_expert = sort_pairs(ids, num_experts, bm)
     max_blocks = block_expert.numel()
@@ -298,5 +303,5 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
     return out
 
 
-__all__ = ["DECODE_CONFIG", "PREFILL_CONFIG", "FusedMoeConfig", "default_config", "fused_moe",
-           "sort_pairs"]
+__all__ = ["DECODE_CONFIG", "FP32_CONFIG", "PREFILL_CONFIG", "FusedMoeConfig", "default_config",
+           "fused_moe", "sort_pairs"]
