@@ -95,13 +95,13 @@ def main() -> None:
     full_s = min(run(layers, args.tokens, "full") for _ in range(2))
     # Compute alone: the slot already holds a layer, so time the expert loop without copies.
     slot = layers[0].backend.streamer.acquire(0)
-    from glmflash.model.moe import experts_loop
+    from glmflash.model.moe import grouped_experts
     x = torch.randn(args.tokens, 4096, device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(0, 288, (args.tokens, 8), device="cuda")
     w = torch.rand(args.tokens, 8, device="cuda")
     start = _sync()
     for _ in layers:
-        experts_loop(x, ids, w, slot, 10.0)
+        grouped_experts(x, ids, w, slot, 10.0)
     compute_s = _sync() - start
     pinned = pinned_bandwidth()
     total_bytes = layer_bytes * len(layers)

@@ -30,6 +30,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from glmflash.kernels.fp8_gemm import triton_impl as fp8  # noqa: E402
+from glmflash.kernels.fused_moe import triton_impl as moe  # noqa: E402
 from glmflash.kernels.hyper import triton_impl as hyper  # noqa: E402
 from glmflash.kernels.indexer import triton_impl as indexer  # noqa: E402
 from glmflash.kernels.kda import triton_impl as kda  # noqa: E402
@@ -68,8 +69,9 @@ def usage(launch: Launch, arch: int) -> Usage:
     params = list(inspect.signature(launch.kernel.fn).parameters)
     signature = {p: "constexpr" if p in launch.constexprs else launch.pointers.get(p, "i32")
                  for p in params}
-    if signature.get("scale") == "i32":
-        signature["scale"] = "fp32"
+    for name in ("scale", "limit"):
+        if signature.get(name) == "i32":
+            signature[name] = "fp32"
     options = {"num_warps": launch.warps}
     if launch.stages is not None:
         options["num_stages"] = launch.stages
@@ -151,6 +153,31 @@ def fp8_launches() -> list[Launch]:
     return out
 
 
+def fused_moe_launches() -> list[Launch]:
+    """The decode and prefill shapes in bf16, and decode in fp32 (the tiny models' tests)."""
+    out = [Launch("fused_moe align", moe.fused_moe_align_kernel,
+                  {"ids": "*i64", "sorted_pairs": "*i32", "block_expert": "*i32"},
+                  dict(BLOCK_M=16, BLOCK=moe.ALIGN_BLOCK, BINS=512), 4)]
+    for cfg, dtype in ((moe.DECODE_CONFIG, "bf16"), (moe.PREFILL_CONFIG, "bf16"),
+                       (moe.FP32_CONFIG, "fp32")):
+        dot, prec = (tl.float32, "ieee") if dtype == "fp32" else (tl.bfloat16, "tf32")
+        consts = dict(BLOCK=128, HAS_SCALE=True, BM=cfg.block_m, BN=cfg.block_n,
+                      BK=cfg.block_k, DOT=dot, PREC=prec)
+        rows = {"sorted_pairs": "*i32", "block_expert": "*i32"}
+        gate_up = dict(rows, x=f"*{dtype}", w_gate="*fp8e4nv", s_gate="*fp32", w_up="*fp8e4nv",
+                       s_up="*fp32", h=f"*{dtype}")
+        down = dict(rows, h=f"*{dtype}", w="*fp8e4nv", s="*fp32", y=f"*{dtype}")
+        name = f"fused_moe {dtype} BM{cfg.block_m} BN{cfg.block_n}"
+        out += [Launch(f"{name} gate/up", moe.fused_moe_gate_up_kernel, gate_up,
+                       dict(consts, TOP_K=8), cfg.num_warps, cfg.num_stages, aligned=("N", "K")),
+                Launch(f"{name} down", moe.fused_moe_down_kernel, down, consts, cfg.num_warps,
+                       cfg.num_stages, aligned=("N", "K"))]
+    out.append(Launch("fused_moe sum", moe.fused_moe_sum_kernel,
+                      {"y": "*bf16", "ids": "*i64", "weights": "*fp32", "out": "*bf16"},
+                      dict(TOP_K=8, BD=moe.SUM_BLOCK), 4, aligned=("D",)))
+    return out
+
+
 def indexer_launches() -> list[Launch]:
     ptrs = {"q": "*bf16", "weights": "*fp32", "pool_keys": "*bf16", "ctx": "*i64",
             "meta": "*i32", "scores": "*fp32"}
@@ -207,7 +234,7 @@ def main() -> None:
                         help="exit 1 when a launch cannot run on one of the architectures")
     args = parser.parse_args()
     launches = (sparse_mla_launches() + kda_launches(not args.skip_prep) + fp8_launches()
-                + indexer_launches() + hyper_launches())
+                + fused_moe_launches() + indexer_launches() + hyper_launches())
     print(f"Triton {triton.__version__}; per launch: KB of shared memory per block (limit in the "
           "header) / registers per thread / stack bytes per thread (spills)")
     print("| kernel | " + " | ".join(f"sm_{a} (<= {BLOCK_LIMIT[a] // 1024})" for a in args.arch)

@@ -1,7 +1,9 @@
 """Where routed experts live: CPU (numba kernel) plus a GPU-resident subset, and layerwise prefill.
 
-Hybrid decode: a layer's CPU experts run on a worker thread (the numba kernel releases the GIL)
-while the GPU runs the shared expert and the resident experts; the CPU result is added on the GPU.
+Hybrid decode: as soon as a layer's routing is known its CPU experts are handed off (copies on a
+side stream, then a worker thread; engine/expert_handoff.py has the order) and run while the GPU
+runs the resident experts (the grouped kernel, with the CPU experts' ids set to -1) and the
+shared expert; the CPU result is added on the GPU. Nothing in it reads the GPU from the host.
 Layerwise prefill: a chunk of at least `prefill_token_threshold` tokens runs every expert of the
 layer on the GPU from a full-layer slot; the next MoE layer's experts are copied into the other
 slot on a side stream while this layer computes (two slots). Resident experts are copied into the
@@ -11,17 +13,19 @@ slot device-to-device, the others host-to-device.
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+from torch import nn
 
-from glmflash.kernels.fp8_gemm import dequantize_block_fp8
+from glmflash.engine.expert_handoff import CpuHandOff, ExpertTimes
 from glmflash.model.forward_batch import build_forward_batch, contiguous_page_table
 from glmflash.model.glm import GlmForCausalLM
-from glmflash.model.moe import Experts, Router, StackedWeight, experts_loop
+from glmflash.model.moe import Experts, Router, StackedWeight, grouped_experts
 from glmflash.model.state import ModelState
 
 logger = logging.getLogger(__name__)
@@ -40,20 +44,15 @@ class ExpertPlacement:
 
 
 class DeviceWeights:
-    """Some experts' weights of one projection on a device, with `expert(e, dtype)`
-    (e indexes the held experts)."""
+    """Some experts' weights of one projection on a device: `weight` `[count, N, K]`, `scale`
+    (None for plain weights) and `fp8_block`, as `grouped_experts` takes them."""
 
     def __init__(self, source: StackedWeight, count: int, device: torch.device) -> None:
-        self.block = source.fp8_block
+        self.fp8_block = source.fp8_block
         self.weight = torch.empty((count, *source.weight.shape[1:]), dtype=source.weight.dtype,
                                   device=device)
         self.scale = torch.empty((count, *source.weight_scale_inv.shape[1:]),
-                                 dtype=torch.float32, device=device) if self.block else None
-
-    def expert(self, e: int, dtype: torch.dtype) -> torch.Tensor:
-        if self.scale is None:
-            return self.weight[e].to(dtype)
-        return dequantize_block_fp8(self.weight[e], self.scale[e], block=self.block, dtype=dtype)
+                                 dtype=torch.float32, device=device) if self.fp8_block else None
 
     def fill(self, source: StackedWeight, start: int, end: int, non_blocking: bool) -> None:
         """Experts start..end of `source` into the same rows here."""
@@ -81,6 +80,8 @@ class LayerwiseStreamer:
                  device: torch.device) -> None:
         self.modules, self.resident, self.device = modules, resident, device
         self.resident_ids = resident_ids
+        self.resident_rows = [torch.tensor(ids, dtype=torch.long, device=device)
+                              for ids in resident_ids]
         self.slots = [tuple(DeviceWeights(p, p.weight.shape[0], device)
                             for p in _projections(modules[0])) for _ in range(2)]
         self.copy_stream = torch.cuda.Stream(device)
@@ -103,8 +104,7 @@ class LayerwiseStreamer:
 
     def _copy(self, index: int, slot_free: torch.cuda.Event) -> torch.cuda.Event:
         module, slot = self.modules[index], self.slots[index % 2]
-        ids = self.resident_ids[index]
-        rows = torch.tensor(ids, device=self.device)
+        ids, rows = self.resident_ids[index], self.resident_rows[index]
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(slot_free)
             resident = self.resident[index] or (None, None, None)
@@ -134,54 +134,101 @@ def _runs_without(ids: list[int], total: int) -> list[tuple[int, int]]:
     return runs
 
 
+@dataclass(slots=True)
+class PendingExperts:
+    """A layer's routed experts between `HybridExperts.start` and `finish`."""
+
+    gpu_out: torch.Tensor | None
+    """The GPU experts' sum (resident or layerwise), queued on the main stream."""
+    cpu_job: Future | None = None
+    """The CPU experts' job; its output waits in the hand-off's pinned buffer."""
+    cpu_inputs: tuple[torch.Tensor, ...] = ()
+    """x and the CPU part's ids and weights: the side stream reads them until the job starts."""
+    gpu_begin: torch.cuda.Event | None = None
+    """Timing on: recorded on the main stream after routing."""
+
+
 class HybridExperts:
     """A MoE layer's routed experts split between resident GPU experts and the CPU kernel."""
 
     def __init__(self, module: Experts, index: int, placement: ExpertPlacement,
                  device: torch.device, streamer: LayerwiseStreamer | None,
-                 resident: tuple | None, resident_ids: list[int],
-                 executor: ThreadPoolExecutor) -> None:
+                 resident: tuple | None, resident_ids: list[int], handoff: CpuHandOff) -> None:
         self.module, self.index, self.device = module, index, device
         self.num_gpu = len(resident_ids)
+        self.num_experts = module.gate_proj.weight.shape[0]
         self.threshold = placement.prefill_token_threshold
-        self.streamer, self.resident, self.executor = streamer, resident, executor
+        self.streamer, self.resident, self.handoff = streamer, resident, handoff
         # Expert id -> row in the resident weights, or -1 for a CPU expert.
-        self.local = torch.full((module.gate_proj.weight.shape[0],), -1, dtype=torch.long,
-                                device=device)
+        self.local = torch.full((self.num_experts,), -1, dtype=torch.long, device=device)
         self.local[torch.tensor(resident_ids, dtype=torch.long, device=device)] = \
             torch.arange(self.num_gpu, device=device)
+        self.times = ExpertTimes()
+        """Summed since the last `take_times()`."""
+        self.record_gpu_times = False
+        """Benchmarks: measure GPU time with CUDA events (read by `take_times`)."""
+        self._gpu_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.finish(self.start(x, ids, weights))
+
+    def start(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> PendingExperts:
+        """Hand the CPU experts off, then queue the resident ones (or the layerwise slot)."""
         if self.streamer is not None and x.shape[0] >= self.threshold:
             slot = self.streamer.acquire(self.index)
-            return experts_loop(x, ids, weights, slot, self.module.limit)
+            return PendingExperts(grouped_experts(x, ids, weights, slot, self.module.limit))
+        pending = PendingExperts(None, gpu_begin=self._event())
         local = self.local[ids]
-        cpu = self._start_cpu(x, ids, weights, local < 0)
+        if self.num_gpu < self.num_experts:
+            pending.cpu_inputs = (x, torch.where(local < 0, ids, -1), weights.float())
+            pending.cpu_job = self.handoff.submit(self.module.cpu_experts(), *pending.cpu_inputs)
         if self.num_gpu:
-            out = experts_loop(x, local, weights, self.resident, self.module.limit)
-        else:
-            out = torch.zeros_like(x)
-        if cpu is not None:
-            out = out + cpu.result().to(self.device, non_blocking=True).to(x.dtype)
-        return out
+            pending.gpu_out = grouped_experts(x, local, weights, self.resident, self.module.limit)
+        return pending
 
-    def _start_cpu(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                   on_cpu: torch.Tensor) -> Future | None:
-        """Run the CPU experts' (token, expert) pairs on the worker thread."""
-        token_idx, slot = torch.where(on_cpu)
-        if token_idx.numel() == 0:
+    def finish(self, pending: PendingExperts) -> torch.Tensor:
+        """Wait for the CPU experts (a host wait) and add their result on the GPU."""
+        if pending.cpu_job is None:
+            return pending.gpu_out
+        if pending.gpu_begin is not None:
+            self._gpu_events.append((pending.gpu_begin, self._event()))
+        begin = time.perf_counter()
+        cpu_s = pending.cpu_job.result()
+        self.times.wait_s += time.perf_counter() - begin
+        self.times.cpu_s += cpu_s
+        self.times.num_calls += 1
+        x = pending.cpu_inputs[0]
+        cpu = self.handoff.output(x.shape[0]).to(x.dtype)
+        return cpu if pending.gpu_out is None else pending.gpu_out + cpu
+
+    def take_times(self) -> ExpertTimes:
+        """The times since the last call. Waits for the recorded GPU events: benchmarks only."""
+        times, self.times = self.times, ExpertTimes()
+        for begin, end in self._gpu_events:
+            end.synchronize()
+            times.gpu_s += begin.elapsed_time(end) / 1e3
+        self._gpu_events.clear()
+        return times
+
+    def _event(self) -> torch.cuda.Event | None:
+        if not self.record_gpu_times:
             return None
-        x_pairs = x[token_idx].float().cpu()
-        ids_pairs = ids[token_idx, slot][:, None].cpu()
-        w_pairs = weights[token_idx, slot][:, None].float().cpu()
-        token_idx, num_tokens = token_idx.cpu(), x.shape[0]
-        kernel = self.module.cpu_experts()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
-        def job() -> torch.Tensor:
-            pairs = kernel.forward(x_pairs, ids_pairs, w_pairs)
-            return torch.zeros(num_tokens, pairs.shape[1]).index_add_(0, token_idx, pairs)
 
-        return self.executor.submit(job)
+def hybrid_layers(model: nn.Module) -> list[HybridExperts]:
+    return [m.backend for m in model.modules()
+            if isinstance(m, Experts) and isinstance(m.backend, HybridExperts)]
+
+
+def take_expert_times(model: nn.Module) -> ExpertTimes:
+    """All hybrid layers' times since the last call, summed (see `HybridExperts.take_times`)."""
+    total = ExpertTimes()
+    for layer in hybrid_layers(model):
+        total.add(layer.take_times())
+    return total
 
 
 def place_experts(model: GlmForCausalLM, placement: ExpertPlacement, device: torch.device) -> None:
@@ -201,10 +248,10 @@ def place_experts(model: GlmForCausalLM, placement: ExpertPlacement, device: tor
             _pin(m)
     streamer = LayerwiseStreamer(modules, resident, resident_ids, device) \
         if placement.prefill_token_threshold is not None else None
-    executor = ThreadPoolExecutor(1, thread_name_prefix="glmflash-cpu-experts")
+    handoff = CpuHandOff(device)
     for i, m in enumerate(modules):
         m.backend = HybridExperts(m, i, placement, device, streamer, resident[i],
-                                  resident_ids[i], executor)
+                                  resident_ids[i], handoff)
     logger.info("experts: %d of %d per layer on the GPU, the rest on the CPU; layerwise prefill %s",
                 placement.num_gpu_experts, num_experts,
                 f"from {placement.prefill_token_threshold} tokens"

@@ -7,6 +7,7 @@ from torch import nn
 
 from glmflash.config import ModelConfig
 from glmflash.kernels.fp8_gemm import FP8_DTYPE, block_scale_shape, dequantize_block_fp8
+from glmflash.kernels.fused_moe import fused_moe
 from glmflash.model.layers import MLP, clamped_swiglu
 
 
@@ -27,7 +28,8 @@ class Router(nn.Module):
         """When set (a `[E]` tensor), every routing choice is counted into it."""
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (expert ids `[T, k]`, fp32 weights `[T, k]`)."""
+        """Returns (expert ids `[T, k]`, fp32 weights `[T, k]`). No host sync (topk, scatter,
+        gather), except `bincount` while `counts` is set."""
         scores = torch.sigmoid(x.float() @ self.weight.float().t())
         choice = scores + self.e_score_correction_bias
         num_tokens = x.shape[0]
@@ -60,6 +62,11 @@ class StackedWeight(nn.Module):
                 torch.empty(block_scale_shape((num_experts, n, k), fp8_block),
                             dtype=torch.float32), requires_grad=False)
 
+    @property
+    def scale(self) -> torch.Tensor | None:
+        """The block scales (`weight_scale_inv`), or None for plain weights."""
+        return self.weight_scale_inv if self.fp8_block else None
+
     def expert(self, e: int, dtype: torch.dtype) -> torch.Tensor:
         if not self.fp8_block:
             return self.weight[e].to(dtype)
@@ -68,8 +75,12 @@ class StackedWeight(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts. FP8 experts on the CPU run on the CPU MoE kernel (numba, or its ref
-    under GLMFLASH_KERNEL_CPU_MOE=ref); otherwise a loop over the experts hit."""
+    """The routed experts. On the GPU the grouped kernel (kernels/fused_moe, no host sync); FP8
+    experts on the CPU run on the CPU MoE kernel (numba, or its ref under
+    GLMFLASH_KERNEL_CPU_MOE=ref); plain CPU experts a loop over the experts hit.
+
+    `start` queues (or hands off) the work and `finish` returns the sum `[T, D]`, so that the
+    caller can queue other work in between (the shared expert, while CPU experts run)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, fp8_block: int | None) -> None:
         super().__init__()
@@ -84,21 +95,37 @@ class Experts(nn.Module):
         """Thread pools of the CPU kernel (`--kt-threadpool-count`), each owning a slice of
         every expert's rows in memory local to its NUMA node."""
         self.backend = None
-        """Set from outside to place experts elsewhere (engine/experts.py: CPU + GPU hybrid)."""
+        """Set from outside to place experts elsewhere (engine/experts.py: CPU + GPU hybrid);
+        it offers the same `start` / `finish`."""
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.finish(self.start(x, ids, weights))
+
+    def start(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> object:
+        """Begin the routed experts of `x` `[T, D]`; returns what `finish` takes."""
         if self.backend is not None:
-            return self.backend(x, ids, weights)
-        if self.gate_proj.fp8_block and x.device.type == "cpu":
+            return self.backend.start(x, ids, weights)
+        if x.device.type != "cpu":
+            return grouped_experts(x, ids, weights, self.projections(), self.limit)
+        if self.gate_proj.fp8_block:
             return self.cpu_experts().forward(x, ids, weights).to(x.dtype)
         return self.loop_forward(x, ids, weights)
+
+    def finish(self, pending: object) -> torch.Tensor:
+        """The routed experts' sum `[T, D]` begun by `start`."""
+        if self.backend is not None:
+            return self.backend.finish(pending)
+        return pending
+
+    def projections(self) -> tuple[StackedWeight, StackedWeight, StackedWeight]:
+        return self.gate_proj, self.up_proj, self.down_proj
 
     def cpu_experts(self):
         """The CPU kernel over these weights, built on first use (zero-copy with one pool)."""
         if self.cpu_kernel is None:
             from glmflash.kernels.cpu_moe import create_cpu_experts
 
-            projections = (self.gate_proj, self.up_proj, self.down_proj)
+            projections = self.projections()
             tensors = [t for p in projections for t in (p.weight.data, p.weight_scale_inv.data)]
             options = {"num_threads": self.cpu_threads} if self.cpu_threads else {}
             if self.cpu_pools > 1:
@@ -112,8 +139,16 @@ class Experts(nn.Module):
 
     def loop_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
                      ) -> torch.Tensor:
-        return experts_loop(x, ids, weights, (self.gate_proj, self.up_proj, self.down_proj),
-                            self.limit)
+        return experts_loop(x, ids, weights, self.projections(), self.limit)
+
+
+def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    projections: tuple, limit: float) -> torch.Tensor:
+    """`fused_moe` over (gate, up, down) objects with `weight` `[E, N, K]`, `scale` (None:
+    plain weights) and `fp8_block`; ids index their E experts, < 0 skip."""
+    gate, up, down = projections
+    return fused_moe(x, ids, weights, gate.weight, gate.scale, up.weight, up.scale, down.weight,
+                     down.scale, limit=limit, block=gate.fp8_block or 128)
 
 
 def experts_loop(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -145,6 +180,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
-        # The shared expert is queued first so the GPU runs it while CPU experts compute.
+        # The routed experts start first: CPU experts (hybrid placement) are handed off as soon
+        # as routing is known, and run while the GPU computes the shared expert.
+        pending = self.experts.start(x, ids, weights)
         shared = self.shared_experts(x)
-        return self.experts(x, ids, weights) + shared
+        return self.experts.finish(pending) + shared

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
 from glmflash.config import ModelConfig
-from glmflash.engine.model_runner import load_model
+from glmflash.engine.experts import (
+    ExpertPlacement,
+    hybrid_layers,
+    place_experts,
+    take_expert_times,
+)
+from glmflash.engine.model_runner import load_model, move_all_but_experts
 from glmflash.engine.options import EngineConfig
-from tests.conftest import PackedRunner
+from glmflash.model.moe import MoE
+from tests.conftest import PackedRunner, load_tiny
 
 pytestmark = pytest.mark.gpu
 
@@ -75,3 +84,64 @@ def test_frequency_placement_keeps_the_most_routed_experts(case):
     got = torch.cat([runner.forward(dict(enumerate(prompts))).cpu()] +
                     [runner.forward(step).cpu() for step in steps])
     assert (got - want).abs().max().item() < HYBRID_ATOL
+
+
+# One MoE layer alone, fp32: the numba kernel and the grouped GPU kernel differ only in the
+# order of fp32 sums.
+LAYER_RTOL = 1e-5
+
+
+def _moe_layers(path, num_gpu: int) -> tuple[MoE, MoE]:
+    """The first MoE layer of the tiny model: all on the GPU, and hybrid with num_gpu resident."""
+    def first(model) -> MoE:
+        return next(m for m in model.modules() if isinstance(m, MoE))
+    device = torch.device("cuda")
+    all_gpu = first(load_tiny(path)).to(device)
+    hybrid = first(load_tiny(path))
+    move_all_but_experts(hybrid, device)
+    place_experts(hybrid, ExpertPlacement(num_gpu), device)
+    return all_gpu, hybrid
+
+
+@contextmanager
+def no_host_sync():
+    """Any CUDA call that makes the host wait for the device raises inside this block."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4])
+@pytest.mark.parametrize("num_gpu", [0, 3, 8])
+def test_decode_moe_layer_makes_no_host_sync(tiny_dirs, num_gpu, num_tokens):
+    all_gpu, hybrid = _moe_layers(tiny_dirs["embedded"], num_gpu)
+    gen = torch.Generator().manual_seed(42)
+    xs = [torch.randn(num_tokens, all_gpu.gate.weight.shape[1], generator=gen).cuda()
+          for _ in range(3)]
+    # compile the kernels, build the CPU kernel, pin the staging buffers
+    all_gpu(xs[0])
+    hybrid(xs[0])
+    with no_host_sync():
+        want = [all_gpu(x) for x in xs]
+        # several calls in a row reuse the pinned buffers while earlier copies may be in flight
+        got = [hybrid(x) for x in xs]
+    for g, w in zip(got, want, strict=True):
+        assert (g - w).abs().max().item() <= LAYER_RTOL * w.abs().max().item()
+
+
+def test_hybrid_times_show_cpu_and_gpu(tiny_dirs):
+    _, hybrid = _moe_layers(tiny_dirs["embedded"], 3)
+    x = torch.randn(2, hybrid.gate.weight.shape[1], device="cuda")
+    hybrid(x)
+    take_expert_times(hybrid)
+    for layer in hybrid_layers(hybrid):
+        layer.record_gpu_times = True
+    for _ in range(3):
+        hybrid(x)
+    times = take_expert_times(hybrid)
+    assert times.num_calls == 3
+    assert times.cpu_s > 0 and times.gpu_s > 0 and times.wait_s >= 0
+    assert take_expert_times(hybrid).num_calls == 0

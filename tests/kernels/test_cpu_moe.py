@@ -160,6 +160,34 @@ def test_ref_matches_per_token_loop(seeded):
     torch.testing.assert_close(got, want, rtol=0, atol=REL_TOL * want.abs().max().item())
 
 
+@pytest.mark.parametrize("num_tokens", [2, 3, 17])
+def test_negative_ids_are_skipped(num_tokens, seeded):
+    num_experts, hidden, inter = SHAPES["edge-200x72"]
+    weights = make_experts(num_experts, hidden, inter, seeded)
+    x = torch.randn(num_tokens, hidden, generator=seeded)
+    ids, topk_weights = make_routing(num_tokens, 4, num_experts, seeded)
+    skip = torch.rand(ids.shape, generator=seeded) < 0.5
+    skip[-1] = True  # a token whose experts all run elsewhere
+    skip[0, 0] = False
+    masked = ids.masked_fill(skip, -1)
+    # Skipping a pair is routing it with weight 0 (up to the ref's fp32 summation order).
+    want = routed_experts_ref(x, ids, topk_weights.masked_fill(skip, 0.0), *weights,
+                              swiglu_limit=10.0)
+    atol = REL_TOL * max(want.abs().max().item(), 1.0)
+    ref = routed_experts_ref(x, masked, topk_weights, *weights, swiglu_limit=10.0)
+    torch.testing.assert_close(ref, want, rtol=0, atol=atol)
+    got = run_numba(weights, x, masked, topk_weights, 10.0)
+    assert torch.equal(got[-1], torch.zeros(hidden))
+    assert (got - want).abs().max().item() <= atol
+
+
+def test_all_ids_negative_gives_zeros(seeded):
+    weights = make_experts(*SHAPES["tiny-64x32"], seeded)
+    ids = torch.full((3, 2), -1)
+    got = run_numba(weights, torch.randn(3, 64, generator=seeded), ids, torch.ones(3, 2), 10.0)
+    assert torch.equal(got, torch.zeros(3, 64))
+
+
 def test_bad_expert_id_is_rejected(seeded):
     weights = make_experts(*SHAPES["tiny-64x32"], seeded)
     experts = NumbaMoeExperts(*weights, swiglu_limit=10.0)

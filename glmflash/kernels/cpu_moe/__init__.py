@@ -33,10 +33,11 @@ class RefMoeExperts:
         """The FP8 weights read (gate, up, down): the arguments themselves."""
         return self.weights[0], self.weights[2], self.weights[4]
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor) -> torch.Tensor:
-        return routed_experts_ref(x, topk_ids, topk_weights, *self.weights,
-                                  swiglu_limit=self.swiglu_limit)
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        result = routed_experts_ref(x, topk_ids, topk_weights, *self.weights,
+                                    swiglu_limit=self.swiglu_limit)
+        return result if out is None else out.copy_(result)
 
     def warmup(self) -> None:
         """Nothing to compile."""

@@ -404,16 +404,18 @@ def _group_nb(topk_ids, topk_weights, counts, hit_ids, pair_offsets, pair_token_
     """Counting sort of the (token, slot) pairs by expert; returns the number of experts hit.
 
     Fills hit_ids[:n] (ascending), pair_offsets[:n + 1] (CSR into the pair arrays),
-    pair_token_ids and pair_weights (one entry per pair, grouped by expert).
+    pair_token_ids and pair_weights (one entry per pair, grouped by expert). Pairs with a
+    negative id are skipped (experts computed elsewhere).
     """
     num_experts = counts.size
     counts[:] = 0
     for t in range(topk_ids.shape[0]):
         for j in range(topk_ids.shape[1]):
             e = topk_ids[t, j]
-            if e < 0 or e >= num_experts:
+            if e >= num_experts:
                 raise ValueError("topk_ids holds an expert id out of range")
-            counts[e] += 1
+            if e >= 0:
+                counts[e] += 1
     num_hit = 0
     offset = 0
     for e in range(num_experts):
@@ -428,6 +430,8 @@ def _group_nb(topk_ids, topk_weights, counts, hit_ids, pair_offsets, pair_token_
     for t in range(topk_ids.shape[0]):
         for j in range(topk_ids.shape[1]):
             e = topk_ids[t, j]
+            if e < 0:
+                continue
             p = counts[e]
             counts[e] = p + 1
             pair_token_ids[p] = t
@@ -744,7 +748,8 @@ class NumbaMoeExperts:
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, D], topk_ids [T, k] int, topk_weights [T, k] -> [T, D] fp32 (or into `out`)."""
+        """x [T, D], topk_ids [T, k] int (< 0: skip the pair), topk_weights [T, k] -> [T, D]
+        fp32 (or into `out`)."""
         num_tokens = x.shape[0]
         if x.ndim != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"x {tuple(x.shape)} does not match hidden {self.hidden}")
@@ -764,7 +769,8 @@ class NumbaMoeExperts:
         self._reserve(ids.size)
         num_hit = _group_nb(ids, weights, self._counts, self._hit_ids, self._pair_offsets,
                             self._pair_token_ids, self._pair_weights)
-        self._run(x_np, self._hit_ids[:num_hit], out.numpy())
+        if num_hit:
+            self._run(x_np, self._hit_ids[:num_hit], out.numpy())
         return out
 
     def _run(self, x_np: np.ndarray, hit_ids: np.ndarray, out_np: np.ndarray) -> None:

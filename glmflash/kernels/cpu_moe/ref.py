@@ -2,7 +2,7 @@
 
 Shapes (E experts, hidden D, expert width I, T tokens, k experts per token, b = block):
     x             [T, D]             any float dtype, computed in fp32
-    topk_ids      [T, k]             int, each expert at most once per token
+    topk_ids      [T, k]             int, each expert at most once per token; < 0 = skip
     topk_weights  [T, k]             routing weights (already normalised and scaled)
     gate_w, up_w  [E, I, D]          float8_e4m3fn
     gate_s, up_s  [E, ceil(I/b), ceil(D/b)]  fp32 scale_inv: W = fp8 * s[n // b, k // b]
@@ -40,6 +40,8 @@ def routed_experts_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     x = x.float()
     out = torch.zeros(x.shape[0], hidden, dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids).tolist():
+        if e < 0:
+            continue
         token_ids, slot_ids = torch.nonzero(topk_ids == e, as_tuple=True)
         w_gate = dequantize_block_fp8(gate_w[e], gate_s[e], block=block)  # [I, D]
         w_up = dequantize_block_fp8(up_w[e], up_s[e], block=block)  # [I, D]

@@ -1,0 +1,307 @@
+"""Triton grouped MoE over stacked expert weights (block-FP8 or plain), with no host read of the
+routing: every size the host uses follows from the tensor shapes.
+
+Four launches (README.md has the layout and why it needs no sync):
+1. `fused_moe_align_kernel`: the T*k (token, slot) pairs sorted by expert into groups padded to
+   BLOCK_M rows, and each row block's expert (-1: an unused block);
+2. `fused_moe_gate_up_kernel`: per row block, its expert's gate and up projections of its rows
+   (weights dequantised in registers), clamped SwiGLU, h in x's dtype;
+3. `fused_moe_down_kernel`: h W_down^T, one output row per pair, in x's dtype;
+4. `fused_moe_sum_kernel`: each token's pairs times their routing weights, summed in slot order.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the package must import without triton; the launchers need it
+    triton = None
+
+
+@dataclass(frozen=True)
+class FusedMoeConfig:
+    """Launch shape of the two grouped GEMMs."""
+
+    block_m: int = 16
+    """Rows per block; each expert's pairs are padded to a multiple of it."""
+    block_n: int = 64
+    """Output columns per program."""
+    block_k: int = 128
+    """Reduction step; with FP8 weights it must divide the scale block."""
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Decode: few pairs per expert, so 16-row blocks (the smallest tensor-core product) waste least.
+# Every shape fits the shared memory of sm_89 / sm_120 (tools/smem_check.py).
+DECODE_CONFIG = FusedMoeConfig()
+PREFILL_CONFIG = FusedMoeConfig(block_m=64, block_k=64)
+# fp32 operands (the tiny models' tests): FMA products, small tiles keep them out of spills.
+FP32_CONFIG = FusedMoeConfig(block_n=32, block_k=32, num_stages=2)
+# Pairs per expert (on average) from which the prefill shape is used.
+PREFILL_PAIRS_PER_EXPERT = 16
+# Pairs per step of the alignment scan and output columns per program of the sum.
+ALIGN_BLOCK = 256
+SUM_BLOCK = 1024
+
+
+def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> FusedMoeConfig:
+    if dtype == torch.float32:
+        return FP32_CONFIG
+    if num_pairs >= PREFILL_PAIRS_PER_EXPERT * num_experts:
+        return PREFILL_CONFIG
+    return DECODE_CONFIG
+
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+@_jit
+def fused_moe_align_kernel(ids, sorted_pairs, block_expert, num_pairs, num_experts, max_blocks,
+                           BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr):
+    """Program e counts every expert's pairs, then writes expert e's group: its pairs in pair
+    order, padding rows (`num_pairs`) up to a multiple of BLOCK_M, and its blocks' expert id.
+    Program 0 also marks the blocks past the last group unused (-1)."""
+    e = tl.program_id(0)
+    o_p = tl.arange(0, BLOCK)
+    o_e = tl.arange(0, BINS)
+    # Ids outside [0, num_experts) (skipped pairs, and the masked tail) count in bin num_experts.
+    b_hist = tl.zeros([BINS], dtype=tl.int32)
+    for p0 in range(0, num_pairs, BLOCK):
+        b_id = tl.load(ids + p0 + o_p, mask=p0 + o_p < num_pairs, other=-1)
+        b_bin = tl.where((b_id >= 0) & (b_id < num_experts), b_id, num_experts)
+        b_hist += tl.histogram(b_bin.to(tl.int32), BINS)
+    b_count = tl.where(o_e < num_experts, b_hist, 0)  # [BINS]
+    b_padded = (b_count + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [BINS]
+    start = tl.sum(tl.where(o_e < e, b_padded, 0), 0)
+    count = tl.sum(tl.where(o_e == e, b_count, 0), 0)
+    num_blocks = tl.sum(tl.where(o_e == e, b_padded, 0), 0) // BLOCK_M
+    b_seen = tl.zeros([BLOCK], dtype=tl.int32)
+    for p0 in range(0, num_pairs, BLOCK):
+        b_id = tl.load(ids + p0 + o_p, mask=p0 + o_p < num_pairs, other=-1)
+        m_hit = b_id == e
+        b_rank = b_seen + tl.cumsum(m_hit.to(tl.int32), 0) - 1  # [BLOCK]
+        tl.store(sorted_pairs + start + b_rank, p0 + o_p, mask=m_hit)
+        b_seen += tl.sum(m_hit.to(tl.int32), 0)
+    o_m = tl.arange(0, BLOCK_M)
+    tl.store(sorted_pairs + start + count + o_m, tl.zeros([BLOCK_M], dtype=tl.int32) + num_pairs,
+             mask=count + o_m < num_blocks * BLOCK_M)
+    b_e = tl.zeros([BLOCK], dtype=tl.int32) + e
+    for b0 in range(0, num_blocks, BLOCK):
+        tl.store(block_expert + start // BLOCK_M + b0 + o_p, b_e, mask=b0 + o_p < num_blocks)
+    if e == 0:
+        b_unused = tl.zeros([BLOCK], dtype=tl.int32) - 1
+        for b0 in range(tl.sum(b_padded, 0) // BLOCK_M, max_blocks, BLOCK):
+            tl.store(block_expert + b0 + o_p, b_unused, mask=b0 + o_p < max_blocks)
+
+
+@_jit
+def _block_rows(sorted_pairs, i_b, num_pairs, BM: tl.constexpr):
+    """Row offsets of block i_b, their pairs, and which rows hold a pair."""
+    o_r = i_b * BM + tl.arange(0, BM)
+    b_pair = tl.load(sorted_pairs + o_r)
+    return o_r, b_pair, b_pair < num_pairs
+
+
+@_jit
+def _dequant(b_w, s, s_off, k0, m_n, BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr,
+             DOT: tl.constexpr):
+    """A [BN, BK] weight tile in DOT: fp8 * its block scale in fp32, then one rounding."""
+    if HAS_SCALE:
+        b_s = tl.load(s + s_off + k0 // BLOCK, mask=m_n, other=0.0)  # [BN]
+        return (b_w.to(tl.float32) * b_s[:, None]).to(DOT)
+    return b_w.to(DOT)
+
+
+@_jit
+def fused_moe_gate_up_kernel(x, sorted_pairs, block_expert, w_gate, s_gate, w_up, s_up, h,
+                             num_pairs, N, K, limit, stride_xm, stride_we, stride_wn, stride_se,
+                             stride_sn, stride_hm, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                             HAS_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                             BK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """h[rows, cols] = silu(min(x Wg^T, L)) * clip(x Wu^T, -L, L) for the rows of one block,
+    all of one expert; a block without an expert returns before reading any weight."""
+    i_b, i_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(block_expert + i_b)
+    if e < 0:
+        return
+    o_r, b_pair, m_r = _block_rows(sorted_pairs, i_b, num_pairs, BM)
+    o_t = tl.where(m_r, b_pair // TOP_K, 0)
+    o_n = i_n * BN + tl.arange(0, BN)
+    o_k = tl.arange(0, BK)
+    m_n = o_n < N
+    p_x = x + o_t[:, None].to(tl.int64) * stride_xm + o_k[None, :]
+    w_off = e.to(tl.int64) * stride_we + o_n[:, None].to(tl.int64) * stride_wn + o_k[None, :]
+    s_off = e.to(tl.int64) * stride_se + (o_n // BLOCK) * stride_sn
+    b_gate = tl.zeros([BM, BN], dtype=tl.float32)
+    b_up = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        m_k = k0 + o_k < K
+        m_w = m_n[:, None] & m_k[None, :]
+        b_x = tl.load(p_x + k0, mask=m_r[:, None] & m_k[None, :], other=0.0).to(DOT)
+        b_wg = _dequant(tl.load(w_gate + w_off + k0, mask=m_w, other=0.0), s_gate, s_off, k0,
+                        m_n, BLOCK, HAS_SCALE, DOT)
+        b_wu = _dequant(tl.load(w_up + w_off + k0, mask=m_w, other=0.0), s_up, s_off, k0,
+                        m_n, BLOCK, HAS_SCALE, DOT)
+        b_gate = tl.dot(b_x, tl.trans(b_wg), b_gate, input_precision=PREC)
+        b_up = tl.dot(b_x, tl.trans(b_wu), b_up, input_precision=PREC)
+    b_gate = tl.minimum(b_gate, limit)
+    b_up = tl.minimum(tl.maximum(b_up, -limit), limit)
+    b_h = b_gate * tl.sigmoid(b_gate) * b_up  # [BM, BN]
+    p_h = h + o_r[:, None].to(tl.int64) * stride_hm + o_n[None, :]
+    tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m_r[:, None] & m_n[None, :])
+
+
+@_jit
+def fused_moe_down_kernel(h, sorted_pairs, block_expert, w, s, y, num_pairs, N, K, stride_hm,
+                          stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+                          BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr, BM: tl.constexpr,
+                          BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
+                          PREC: tl.constexpr):
+    """y[pair, cols] = h[row] W_down^T for the rows of one block, each row into its pair's
+    row of y; a block without an expert returns before reading any weight."""
+    i_b, i_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(block_expert + i_b)
+    if e < 0:
+        return
+    o_r, b_pair, m_r = _block_rows(sorted_pairs, i_b, num_pairs, BM)
+    o_n = i_n * BN + tl.arange(0, BN)
+    o_k = tl.arange(0, BK)
+    m_n = o_n < N
+    p_h = h + o_r[:, None].to(tl.int64) * stride_hm + o_k[None, :]
+    w_off = e.to(tl.int64) * stride_we + o_n[:, None].to(tl.int64) * stride_wn + o_k[None, :]
+    s_off = e.to(tl.int64) * stride_se + (o_n // BLOCK) * stride_sn
+    b_acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        m_k = k0 + o_k < K
+        b_h = tl.load(p_h + k0, mask=m_r[:, None] & m_k[None, :], other=0.0).to(DOT)
+        b_w = _dequant(tl.load(w + w_off + k0, mask=m_n[:, None] & m_k[None, :], other=0.0), s,
+                       s_off, k0, m_n, BLOCK, HAS_SCALE, DOT)
+        b_acc = tl.dot(b_h, tl.trans(b_w), b_acc, input_precision=PREC)
+    p_y = y + tl.where(m_r, b_pair, 0)[:, None].to(tl.int64) * stride_ym + o_n[None, :]
+    tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_r[:, None] & m_n[None, :])
+
+
+@_jit
+def fused_moe_sum_kernel(y, ids, weights, out, num_experts, D, stride_ym, stride_om,
+                         TOP_K: tl.constexpr, BD: tl.constexpr):
+    """out[t] = sum over slots j (in order) of weights[t, j] * y[t * TOP_K + j]; a skipped
+    slot's row of y is never read (it was never written)."""
+    i_t, i_d = tl.program_id(0), tl.program_id(1)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    b_acc = tl.zeros([BD], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        i_p = i_t * TOP_K + j
+        b_e = tl.load(ids + i_p) + o_d * 0  # [BD], the slot's expert in every lane
+        m_y = m_d & (b_e >= 0) & (b_e < num_experts)
+        w = tl.load(weights + i_p).to(tl.float32)
+        b_y = tl.load(y + i_p.to(tl.int64) * stride_ym + o_d, mask=m_y, other=0.0)
+        b_acc += tl.where(m_y, w * b_y.to(tl.float32), 0.0)
+    tl.store(out + i_t.to(tl.int64) * stride_om + o_d, b_acc.to(out.dtype.element_ty), mask=m_d)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _check(x, ids, weights, w_gate, s_gate, w_up, s_up, w_down, s_down, block: int) -> None:
+    num_experts, inter, hidden = w_gate.shape
+    assert x.ndim == 2 and x.shape[1] == hidden, f"x {tuple(x.shape)} vs hidden {hidden}"
+    assert ids.ndim == 2 and ids.shape == weights.shape and ids.shape[0] == x.shape[0]
+    assert not ids.is_floating_point(), "ids must be integers"
+    assert w_up.shape == w_gate.shape and w_up.stride() == w_gate.stride()
+    assert w_down.shape == (num_experts, hidden, inter)
+    assert w_gate.stride(2) == 1 and w_down.stride(2) == 1
+    scales = (s_gate, s_up, s_down)
+    assert all(s is None for s in scales) or all(s is not None for s in scales)
+    if s_gate is not None:
+        want = (num_experts, -(-inter // block), -(-hidden // block))
+        assert s_gate.shape == want and s_up.shape == want and s_up.stride() == s_gate.stride()
+        assert s_down.shape == (num_experts, want[2], want[1])
+        assert block >= 16 and block & (block - 1) == 0
+
+
+def _dot_type(x: torch.Tensor) -> tuple[object, str]:
+    """Operand type and precision of the products: fp32 (exact products) for fp32 x and in the
+    interpreter, else x's 16-bit type."""
+    if x.dtype == torch.float32 or _interpreting():
+        return tl.float32, "ieee"
+    return (tl.float16 if x.dtype == torch.float16 else tl.bfloat16), "tf32"
+
+
+def _weight_args(w: torch.Tensor, s: torch.Tensor | None) -> tuple:
+    """The scale pointer (the weight when unscaled, never read) and the strides."""
+    if s is None:
+        return (w, w.stride(0), w.stride(1), 0, 0)
+    s = s.float()
+    return (s, w.stride(0), w.stride(1), s.stride(0), s.stride(1))
+
+
+def sort_pairs(ids: torch.Tensor, num_experts: int, block_m: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sorted block layout of contiguous `ids` `[T, k]`: (pair of each row, int32
+    `[blocks * block_m]`; expert of each block, int32 `[blocks]`, -1 for an unused block)."""
+    num_pairs = ids.numel()
+    # NOTE: each expert hit pads at most block_m - 1 rows and at most min(E, pairs) experts are
+    # hit: a bound from the shapes alone, so the host never reads the counts.
+    max_blocks = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
+    sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
+    fused_moe_align_kernel[(num_experts,)](
+        ids, sorted_pairs, block_expert, num_pairs, num_experts, max_blocks, BLOCK_M=block_m,
+        BLOCK=ALIGN_BLOCK, BINS=triton.next_power_of_2(num_experts + 1), num_warps=4)
+    return sorted_pairs, block_expert
+
+
+def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
+              s_gate: torch.Tensor | None, w_up: torch.Tensor, s_up: torch.Tensor | None,
+              w_down: torch.Tensor, s_down: torch.Tensor | None, *, limit: float,
+              block: int = 128, config: FusedMoeConfig | None = None) -> torch.Tensor:
+    """Triton `fused_moe_ref`; see ref.py for shapes. `config`: the launch shape (default: by x's
+    dtype and the number of pairs per expert)."""
+    _check(x, ids, weights, w_gate, s_gate, w_up, s_up, w_down, s_down, block)
+    num_tokens, hidden = x.shape
+    num_experts, inter, _ = w_gate.shape
+    top_k = ids.shape[1]
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    if num_tokens == 0 or top_k == 0:
+        return out.zero_()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    ids, weights = ids.contiguous(), weights.contiguous()
+    num_pairs = num_tokens * top_k
+    cfg = config or default_config(num_pairs, num_experts, x.dtype)
+    bm = cfg.block_m
+    sorted_pairs, block_expert = sort_pairs(ids, num_experts, bm)
+    max_blocks = block_expert.numel()
+    has_scale = s_gate is not None
+    bk = min(cfg.block_k, block) if has_scale else cfg.block_k
+    dot, prec = _dot_type(x)
+    shape = dict(BLOCK=block, HAS_SCALE=has_scale, BM=bm, BN=cfg.block_n, BK=bk, DOT=dot,
+                 PREC=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    h = torch.empty(max_blocks * bm, inter, dtype=x.dtype, device=x.device)
+    gate_args = _weight_args(w_gate, s_gate)
+    fused_moe_gate_up_kernel[(max_blocks, triton.cdiv(inter, cfg.block_n))](
+        x, sorted_pairs, block_expert, w_gate, gate_args[0], w_up, _weight_args(w_up, s_up)[0],
+        h, num_pairs, inter, hidden, float(limit), x.stride(0), *gate_args[1:], h.stride(0),
+        TOP_K=top_k, **shape)
+    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    down_args = _weight_args(w_down, s_down)
+    fused_moe_down_kernel[(max_blocks, triton.cdiv(hidden, cfg.block_n))](
+        h, sorted_pairs, block_expert, w_down, down_args[0], y, num_pairs, hidden, inter,
+        h.stride(0), *down_args[1:], y.stride(0), **shape)
+    fused_moe_sum_kernel[(num_tokens, triton.cdiv(hidden, SUM_BLOCK))](
+        y, ids, weights, out, num_experts, hidden, y.stride(0), out.stride(0), TOP_K=top_k,
+        BD=SUM_BLOCK, num_warps=4)
+    return out
+
+
+__all__ = ["DECODE_CONFIG", "FP32_CONFIG", "PREFILL_CONFIG", "FusedMoeConfig", "default_config",
+           "fused_moe", "sort_pairs"]
