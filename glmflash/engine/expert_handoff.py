@@ -102,5 +102,8 @@ def _run_on_worker(kernel, ready: torch.cuda.Event, x: torch.Tensor, ids: torch.
                    weights: torch.Tensor, out: torch.Tensor) -> float:
     ready.synchronize()
     begin = time.perf_counter()
-    kernel.forward(x, ids, weights, out=out)
+    # NOTE: the buffers were made under the model's inference mode; a thread does not inherit
+    # it, and in-place writes to inference tensors are refused outside it.
+    with torch.inference_mode():
+        kernel.forward(x, ids, weights, out=out)
     return time.perf_counter() - begin

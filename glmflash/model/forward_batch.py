@@ -86,8 +86,11 @@ def token_slots_of(page_ids: list[int], start: int, num_tokens: int,
                    page_size: int) -> np.ndarray:
     """Cache slots of positions start..start+num_tokens-1 of a sequence owning `page_ids`."""
     pos = np.arange(start, start + num_tokens, dtype=np.int64)
-    pages = np.asarray(page_ids, dtype=np.int64)[pos // page_size]
-    return pages * page_size + pos % page_size
+    # Only the pages these positions touch are converted: O(new tokens), not O(context).
+    first = start // page_size
+    touched = np.asarray(page_ids[first: (start + num_tokens - 1) // page_size + 1],
+                         dtype=np.int64)
+    return touched[pos // page_size - first] * page_size + pos % page_size
 
 
 def build_forward_batch(input_ids: np.ndarray | list[int], token_slots: np.ndarray,
