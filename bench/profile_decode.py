@@ -2,12 +2,17 @@
 the host operations and kernels that cost the most (torch.profiler).
 
 Usage: python bench/profile_decode.py [--device cuda] [--batch 1] [--steps 5] [--top 25]
+       [--release-layers N]   (a release-width model of N layers on dummy weights, bench/e2e.py)
+       [--cprofile]           (Python functions by own time instead of torch.profiler)
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,13 +30,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--release-layers", type=int, default=0)
+    parser.add_argument("--cprofile", action="store_true")
     args = parser.parse_args()
-    engine = Engine(device=args.device, context_length=512, background_loop=False)
+    engine = make_engine(args)
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request([5 + i, 17, 99, 3] * 8, params, lambda d: None)
     for _ in range(6):  # prefill and warm-up decodes (kernels compile)
         engine.step()
+    if args.cprofile:
+        profile_python(engine, args)
+        return
     activities = [torch.profiler.ProfilerActivity.CPU]
     if args.device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -51,6 +61,32 @@ def main() -> None:
     if args.device == "cuda":
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15,
                                         max_name_column_width=60))
+
+
+def make_engine(args: argparse.Namespace) -> Engine:
+    if not args.release_layers:
+        return Engine(device=args.device, context_length=512, background_loop=False)
+    from bench.e2e import bench_config, write_folder
+
+    folder = write_folder(bench_config(False, args.release_layers), Path(tempfile.mkdtemp()))
+    return Engine(folder, device=args.device, load_format="dummy", context_length=512,
+                  background_loop=False)
+
+
+def profile_python(engine: Engine, args: argparse.Namespace) -> None:
+    """Wall time per step unprofiled, then the Python functions with the most own time."""
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    wall_ms = 1e3 * (time.perf_counter() - start) / args.steps
+    print(f"batch {args.batch}: {wall_ms:.2f} ms per step unprofiled")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.steps):
+        engine.step()
+    profiler.disable()
+    stats = pstats.Stats(profiler).sort_stats("tottime")
+    stats.print_stats(args.top)
 
 
 if __name__ == "__main__":
