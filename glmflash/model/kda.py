@@ -8,7 +8,7 @@ from torch import nn
 from glmflash.config import ModelConfig
 from glmflash.kernels.kda import causal_conv1d, kda
 from glmflash.model.forward_batch import ForwardBatch
-from glmflash.model.layers import Linear
+from glmflash.model.layers import Linear, fused_weight
 from glmflash.model.state import ModelState
 
 
@@ -41,22 +41,33 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: ModelState) -> torch.Tensor:
         num_tokens = x.shape[0]
         heads, d = self.num_heads, self.head_dim
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight,
-                                 self.v_conv1d.weight]).squeeze(1)
-        mixed = causal_conv1d(mixed, conv_weight, state.conv[self.layer_idx], batch.cu_seqlens,
-                              batch.state_slots, batch.is_fresh)
+        # q, k, v in one product; the small projections of x (forget gate, beta, output gate)
+        # in another.
+        mixed = nn.functional.linear(x, fused_weight((self.q_proj, self.k_proj, self.v_proj)))
+        small = nn.functional.linear(x, fused_weight((self.f_a_proj, self.b_proj,
+                                                      self.g_a_proj)))
+        f_a, b, g_a = small.split([d, heads, d], dim=-1)
+        mixed = causal_conv1d(mixed, self.conv_weight(), state.conv[self.layer_idx],
+                              batch.cu_seqlens, batch.state_slots, batch.is_fresh)
         q, k, v = (t.view(num_tokens, heads, d) for t in mixed.chunk(3, dim=-1))
-        beta = torch.sigmoid(self.b_proj(x))
-        o = kda(q, k, v, self.forget_gate(x), beta, state.recurrent[self.layer_idx],
+        o = kda(q, k, v, self.forget_gate(f_a), torch.sigmoid(b), state.recurrent[self.layer_idx],
                 batch.cu_seqlens, batch.state_slots, batch.is_fresh)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(num_tokens, heads, d)
+        gate = self.g_b_proj(g_a).view(num_tokens, heads, d)
         return self.o_proj(self.gated_norm(o, gate).reshape(num_tokens, heads * d))
 
-    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-channel log-decay `[T, H, d]` in (lower_bound, 0), fp32."""
-        f = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias
-        f = f.view(x.shape[0], self.num_heads, self.head_dim)
+    def conv_weight(self) -> torch.Tensor:
+        """The q, k, v conv filters stacked `[3 * width, kernel]` (fp32), made once."""
+        sources = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
+        key = tuple(w.data_ptr() for w in sources)
+        if getattr(self, "_conv_key", None) != key:
+            self._conv_weight = torch.cat(sources).squeeze(1).contiguous()
+            self._conv_key = key
+        return self._conv_weight
+
+    def forget_gate(self, f_a: torch.Tensor) -> torch.Tensor:
+        """Per-channel log-decay `[T, H, d]` in (lower_bound, 0), fp32, from f_a_proj(x)."""
+        f = self.f_b_proj(f_a).float() + self.dt_bias
+        f = f.view(f_a.shape[0], self.num_heads, self.head_dim)
         rate = self.A_log.float().exp().view(1, -1, 1)
         if self.lower_bound is not None:
             return self.lower_bound * torch.sigmoid(rate * f)

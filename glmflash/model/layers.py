@@ -6,13 +6,7 @@ import torch
 from torch import nn
 
 from glmflash.kernels.fp8_gemm import FP8_DTYPE, block_scale_shape, fp8_linear
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """Normalise in fp32, cast back to x's dtype, then scale by the weight in the model dtype."""
-    xf = x.float()
-    y = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return y if weight is None else weight * y
+from glmflash.kernels.rms_norm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -68,3 +62,23 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+def fused_weight(projections: tuple[nn.Module, ...]) -> torch.Tensor:
+    """The weights of plain `Linear`s that read the same input, stacked `[sum N, K]`, so one
+    product replaces several launches. Built once: the parameters become views of the stacked
+    weight (one copy in memory), and it is rebuilt if a parameter is moved or replaced."""
+    assert all(p.bias is None and not p.fp8_block for p in projections)
+    first = projections[0].weight
+    stacked = getattr(projections[0], "_stacked", None)
+    if stacked is not None and stacked.data_ptr() == first.data_ptr() and \
+            stacked.device == first.device:
+        return stacked
+    stacked = torch.cat([p.weight.data for p in projections])
+    offset = 0
+    for p in projections:
+        rows = p.weight.shape[0]
+        p.weight.data = stacked[offset: offset + rows]
+        offset += rows
+    projections[0]._stacked = stacked
+    return stacked

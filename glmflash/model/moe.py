@@ -27,10 +27,17 @@ class Router(nn.Module):
         self.counts: torch.Tensor | None = None
         """When set (a `[E]` tensor), every routing choice is counted into it."""
 
+    def weight_fp32(self) -> torch.Tensor:
+        """The router weight in fp32 (the reference scores in fp32), converted once."""
+        if getattr(self, "_fp32_source", None) != self.weight.data_ptr():
+            self._fp32 = self.weight.float()
+            self._fp32_source = self.weight.data_ptr()
+        return self._fp32
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (expert ids `[T, k]`, fp32 weights `[T, k]`). No host sync (topk, scatter,
         gather), except `bincount` while `counts` is set."""
-        scores = torch.sigmoid(x.float() @ self.weight.float().t())
+        scores = torch.sigmoid(x.float() @ self.weight_fp32().t())
         choice = scores + self.e_score_correction_bias
         num_tokens = x.shape[0]
         grouped = choice.view(num_tokens, self.num_groups, -1)

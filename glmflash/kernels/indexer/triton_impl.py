@@ -27,8 +27,16 @@ BLOCK_P = 64
 MAX_SCORE_ELEMS = 1 << 28
 
 
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
+def _jit(fn=None, *, do_not_specialize: tuple[str, ...] = ()):
+    """triton.jit where triton exists. `do_not_specialize`: integer arguments that change from
+    step to step (context lengths); specialising on them (== 1, % 16) would recompile the kernel
+    in the middle of decoding."""
+    if fn is None:
+        return lambda f: _jit(f, do_not_specialize=do_not_specialize)
+    if triton is None:
+        return fn
+    return triton.jit(fn, do_not_specialize=list(do_not_specialize)) if do_not_specialize \
+        else triton.jit(fn)
 
 
 @_jit
@@ -38,7 +46,7 @@ def _slot_of(page_table, row, pos, stride_pt, PAGE: tl.constexpr, mask):
     return page * PAGE + pos % PAGE
 
 
-@_jit
+@_jit(do_not_specialize=("t_begin", "stride_st"))
 def indexer_score_kernel(q, weights, pool_keys, page_table, rows, positions, num_pools, scores,
                          t_begin, scale, stride_qt, stride_qh, stride_wt, stride_pk, stride_pt,
                          stride_st, NH, D, KPOOL: tl.constexpr, PAGE: tl.constexpr,
@@ -71,7 +79,7 @@ def indexer_score_kernel(q, weights, pool_keys, page_table, rows, positions, num
     tl.store(p_s, b_out, mask=o_p < stride_st)
 
 
-@_jit
+@_jit(do_not_specialize=("t_begin", "num_sel", "stride_pot"))
 def indexer_expand_kernel(pools, page_table, rows, positions, out, t_begin, num_sel, width,
                           stride_pt, stride_pot, stride_ot, KPOOL: tl.constexpr,
                           PAGE: tl.constexpr, SELECT_TAIL: tl.constexpr, BW: tl.constexpr):

@@ -1,0 +1,56 @@
+"""Triton RMSNorm against rms_norm/ref.py: interpreter on CPU, compiled with CUDA."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from glmflash.kernels.rms_norm import rms_norm_ref  # noqa: E402
+from glmflash.kernels.rms_norm.triton_impl import RmsNormConfig, rms_norm  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(shape, dtype, with_weight=True, seed=42):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(*shape, generator=gen) * 3).to(dtype).to(DEVICE)
+    w = (1 + 0.3 * torch.randn(shape[-1], generator=gen)).to(dtype).to(DEVICE) \
+        if with_weight else None
+    return x, w
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (3, 200), (17, 192), (2, 5, 96)],
+                         ids=["one-row", "odd-width", "rows-17", "3d"])
+@pytest.mark.parametrize("rows_per_program", [1, 4])
+def test_rms_norm_fp32_matches_ref(shape, rows_per_program, nan_empty):
+    x, w = _inputs(shape, torch.float32)
+    got = rms_norm(x, w, 1e-5, config=RmsNormConfig(rows_per_program))
+    want = rms_norm_ref(x, w, 1e-5)
+    assert got.shape == want.shape and not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_rms_norm_bf16_rounds_like_ref(with_weight, nan_empty):
+    """Two roundings as the reference: at most one bf16 ulp apart on a GPU (summation order);
+    the interpreter truncates instead of rounding, so up to one ulp per rounding there."""
+    x, w = _inputs((33, 320), torch.bfloat16, with_weight)
+    got, want = rms_norm(x, w, 1e-6).float(), rms_norm_ref(x, w, 1e-6).float()
+    ulps = 1 if DEVICE == "cuda" else 1 + with_weight
+    ulp = want.abs().clamp(min=1e-30) * 2.0 ** -7
+    assert ((got - want).abs() <= ulps * ulp).all()
+    if DEVICE == "cuda":
+        assert (got == want).float().mean() > 0.99
+
+
+@pytest.mark.gpu
+def test_rms_norm_release_width_gpu():
+    x, w = _inputs((2048, 4096), torch.bfloat16)
+    got, want = rms_norm(x, w, 1e-5).float(), rms_norm_ref(x, w, 1e-5).float()
+    assert ((got - want).abs() <= want.abs() * 2.0 ** -7).all()
+    assert (got == want).float().mean() > 0.99
