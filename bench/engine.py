@@ -6,6 +6,7 @@ Usage: python bench/engine.py [--steps N] [--no-append]
        python bench/engine.py --contexts 4096,131072 --batch 32
 With --contexts each of the batch's sequences starts with that much fake context (pages
 allocated, no prefill), and the last line printed is `host_overhead_ms=<first>,<second>,...`.
+--host-only replaces the network by a stub returning logits, so that step time is host work.
 """
 
 from __future__ import annotations
@@ -42,6 +43,19 @@ class ForwardTimer:
             torch.cuda.synchronize(out.device)
         self.seconds += time.perf_counter() - start
         return out
+
+
+class StubModel:
+    """Stands in for the network (--host-only): logits of the right shape on the model's
+    device, so a step's time is the host's own work (schedule, prepare, sample, update, emit)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.vocab_size = model.config.vocab_size
+        self.device = next(model.parameters()).device
+
+    def __call__(self, batch, state, **kwargs):
+        return torch.zeros(batch.logits_index.numel(), self.vocab_size, device=self.device)
 
 
 def measure(engine: Engine, batch: int, steps: int, context: int = 16) -> dict[str, float]:
@@ -84,6 +98,8 @@ def main() -> None:
                         help="comma-separated fake context lengths (one batch size)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (bf16 on cuda)")
+    parser.add_argument("--host-only", action="store_true",
+                        help="replace the network by a stub: the step time is host work alone")
     parser.add_argument("--no-append", action="store_true")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else None
@@ -97,6 +113,8 @@ def main() -> None:
     engine = Engine(device=args.device, dtype=dtype, max_running_requests=max(32, args.batch),
                     context_length=longest + args.steps + 64, cache_budget_gb=budget + 0.1,
                     background_loop=False)
+    if args.host_only:
+        engine.runner.model = StubModel(engine.runner.model)
     if contexts:
         rows = [measure(engine, args.batch, args.steps, c) for c in contexts]
     else:
