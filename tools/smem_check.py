@@ -179,10 +179,10 @@ def fused_moe_launches() -> list[Launch]:
 
 
 def indexer_launches() -> list[Launch]:
-    ptrs = {"q": "*bf16", "weights": "*fp32", "pool_keys": "*bf16", "ctx": "*i64",
-            "meta": "*i32", "scores": "*fp32"}
+    ptrs = {"q": "*bf16", "weights": "*fp32", "pool_keys": "*bf16", "page_table": "*i32",
+            "rows": "*i64", "positions": "*i64", "num_pools": "*i64", "scores": "*fp32"}
     return [Launch("indexer score", indexer.indexer_score_kernel, ptrs,
-                   dict(KPOOL=4, LOG_B=6, BHQ=32, BD=128, BP=indexer.BLOCK_P, DOT=tl.bfloat16,
+                   dict(KPOOL=4, PAGE=64, BHQ=32, BD=128, BP=indexer.BLOCK_P, DOT=tl.bfloat16,
                         PREC="tf32"), 4, aligned=("NH", "D"))]
 
 

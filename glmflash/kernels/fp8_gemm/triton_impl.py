@@ -10,8 +10,6 @@ Two paths, picked by the number of rows (README.md has the measurements):
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 try:
@@ -19,6 +17,8 @@ try:
     import triton.language as tl
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
+
+from glmflash.kernels.triton_utils import ArrivalCounters, interpreting, jit, num_sms
 
 FP8_MAX = tl.constexpr(448.0) if triton is not None else 448.0
 # Rows from which activations are quantised to FP8 (below: weight-only dequantisation).
@@ -48,18 +48,14 @@ WDQ_WARPS = 4
 # Per-device arrival counters of the split-K reduction: one per (row block, column block) tile;
 # every launch leaves them at zero. Allocated once and never replaced, so CUDA graphs that
 # captured a launch stay valid.
-ARRIVAL_SLOTS = 1 << 16
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+_ARRIVALS = ArrivalCounters(1 << 16)
 # W8A8 path tile (bench/sweeps.py, H200): rows, columns, warps, stages. 64x128 / 4 warps was the
 # fastest or within 2% of it at every release shape (400-550 TFLOP/s; 128x128 / 4 warps: 150).
 W8A8_TILE = (64, 128, 4, 4)
 
 
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
 
-
-@_jit
+@jit
 def _dot_range(x, w, ws_row, o_m, o_n, m_m, m_n, k_begin, k_end, K, stride_xm, stride_wn,
                BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
                PREC: tl.constexpr):
@@ -78,7 +74,7 @@ def _dot_range(x, w, ws_row, o_m, o_n, m_m, m_n, k_begin, k_end, K, stride_xm, s
     return b_acc
 
 
-@_jit
+@jit
 def _fma_range(x, w, ws_row, o_n, m_n, k_begin, k_end, K, stride_wn, BLOCK: tl.constexpr,
                BN: tl.constexpr):
     """One row of x against W[cols, range] by FMA: each weight times x * scale in fp32 (no
@@ -94,7 +90,7 @@ def _fma_range(x, w, ws_row, o_n, m_n, k_begin, k_end, K, stride_wn, BLOCK: tl.c
     return tl.sum(b_acc, 1)[None, :]
 
 
-@_jit
+@jit
 def fp8_wdq_gemm_kernel(x, w, ws, y, part, arrivals, M, N, K, stride_xm, stride_wn, stride_wsn,
                         stride_ym, K_PER_SPLIT, SPLITS, BLOCK: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
@@ -138,7 +134,7 @@ def fp8_wdq_gemm_kernel(x, w, ws, y, part, arrivals, M, N, K, stride_xm, stride_
             tl.atomic_xchg(arrivals + tile, 0, sem="relaxed")
 
 
-@_jit
+@jit
 def fp8_act_quant_kernel(x, xq, xs, M, K, stride_xm, stride_qm, stride_sm,
                          BLOCK: tl.constexpr, BM: tl.constexpr):
     """Per row and 128-channel group: scale = amax / 448, xq = x / scale in e4m3."""
@@ -154,7 +150,7 @@ def fp8_act_quant_kernel(x, xq, xs, M, K, stride_xm, stride_qm, stride_sm,
     tl.store(xs + o_m.to(tl.int64) * stride_sm + i_k, b_s, mask=o_m < M)
 
 
-@_jit
+@jit
 def fp8_gemm_kernel(xq, xs, w, ws, y, M, N, K, stride_qm, stride_sm, stride_wn, stride_wsn,
                     stride_ym, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     GROUP_M: tl.constexpr):
@@ -187,14 +183,6 @@ def fp8_gemm_kernel(xq, xs, w, ws, y, M, N, K, stride_qm, stride_sm, stride_wn, 
     tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: int) -> None:
@@ -205,36 +193,22 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block
     assert block >= 16 and block & (block - 1) == 0
 
 
-def _arrivals(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The device's zeroed split-K arrival counters, or None where they cannot be made now (a
-    first launch inside CUDA-graph capture) or are too few."""
-    counters = _ARRIVALS.get(device)
-    if counters is None:
-        if device.type == "cuda":
-            with torch.cuda.device(device):
-                if torch.cuda.is_current_stream_capturing():
-                    return None
-        counters = _ARRIVALS[device] = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32,
-                                                   device=device)
-    return counters if tiles <= counters.numel() else None
-
-
 def fp8_linear_weight_only(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                            block: int) -> torch.Tensor:
     """[M, K] x dequantised [N, K] -> [M, N], K split into ranges so that enough programs stream
     the weight. Launches on one device must run in stream order (they share the counters)."""
     m, k = x2.shape
     n = weight.shape[0]
-    fp32 = x2.dtype == torch.float32 or _interpreting()
+    fp32 = x2.dtype == torch.float32 or interpreting()
     dot = tl.float32 if fp32 else (tl.float16 if x2.dtype == torch.float16 else tl.bfloat16)
     fma = m <= WDQ_FMA_ROWS
     bm = 1 if fma else (16 if m <= 16 else (32 if m <= 32 else 64))
     bn = min(WDQ_FMA_BLOCK_N if fma else WDQ_BLOCK_N, block)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     k_blocks = triton.cdiv(k, block)
-    want = int(_sms(x2.device) * WDQ_WAVES)
+    want = int(num_sms(x2.device) * WDQ_WAVES)
     splits = max(1, min(k_blocks // WDQ_MIN_SPLIT_BLOCKS, triton.cdiv(want, tiles)))
-    arrivals = _arrivals(x2.device, tiles) if splits > 1 else None
+    arrivals = _ARRIVALS.get(x2.device, tiles) if splits > 1 else None
     if arrivals is None:
         splits = 1
     k_per_split = triton.cdiv(k_blocks, splits) * block
@@ -282,7 +256,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, *
     if x2.shape[0] == 0:
         return x.new_empty(*lead, weight.shape[0])
     use_fp8 = x2.shape[0] >= FP8_ACT_MIN_ROWS and x2.dtype != torch.float32 \
-        and not _interpreting()
+        and not interpreting()
     impl = fp8_linear_w8a8 if use_fp8 else fp8_linear_weight_only
     return impl(x2, weight, scale_inv.float(), block).view(*lead, weight.shape[0])
 

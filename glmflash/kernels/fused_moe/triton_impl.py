@@ -12,7 +12,6 @@ Four launches (README.md has the layout and why it needs no sync):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +21,8 @@ try:
     import triton.language as tl
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
+
+from glmflash.kernels.triton_utils import interpreting, jit
 
 
 @dataclass(frozen=True)
@@ -59,11 +60,8 @@ def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> Fuse
     return DECODE_CONFIG
 
 
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
 
-
-@_jit
+@jit
 def fused_moe_align_kernel(ids, sorted_pairs, block_expert, num_pairs, num_experts, max_blocks,
                            BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr):
     """Program e counts every expert's pairs, then writes expert e's group: its pairs in pair
@@ -102,7 +100,7 @@ def fused_moe_align_kernel(ids, sorted_pairs, block_expert, num_pairs, num_exper
             tl.store(block_expert + b0 + o_p, b_unused, mask=b0 + o_p < max_blocks)
 
 
-@_jit
+@jit
 def _block_rows(sorted_pairs, i_b, num_pairs, BM: tl.constexpr):
     """Row offsets of block i_b, their pairs, and which rows hold a pair."""
     o_r = i_b * BM + tl.arange(0, BM)
@@ -110,7 +108,7 @@ def _block_rows(sorted_pairs, i_b, num_pairs, BM: tl.constexpr):
     return o_r, b_pair, b_pair < num_pairs
 
 
-@_jit
+@jit
 def _dequant(b_w, s, s_off, k0, m_n, BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr,
              DOT: tl.constexpr):
     """A [BN, BK] weight tile in DOT: fp8 * its block scale in fp32, then one rounding."""
@@ -120,7 +118,7 @@ def _dequant(b_w, s, s_off, k0, m_n, BLOCK: tl.constexpr, HAS_SCALE: tl.constexp
     return b_w.to(DOT)
 
 
-@_jit
+@jit
 def fused_moe_gate_up_kernel(x, sorted_pairs, block_expert, w_gate, s_gate, w_up, s_up, h,
                              num_pairs, N, K, limit, stride_xm, stride_we, stride_wn, stride_se,
                              stride_sn, stride_hm, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
@@ -159,7 +157,7 @@ def fused_moe_gate_up_kernel(x, sorted_pairs, block_expert, w_gate, s_gate, w_up
     tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m_r[:, None] & m_n[None, :])
 
 
-@_jit
+@jit
 def fused_moe_down_kernel(h, sorted_pairs, block_expert, w, s, y, num_pairs, N, K, stride_hm,
                           stride_we, stride_wn, stride_se, stride_sn, stride_ym,
                           BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr, BM: tl.constexpr,
@@ -189,7 +187,7 @@ def fused_moe_down_kernel(h, sorted_pairs, block_expert, w, s, y, num_pairs, N, 
     tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_r[:, None] & m_n[None, :])
 
 
-@_jit
+@jit
 def fused_moe_sum_kernel(y, ids, weights, out, num_experts, D, stride_ym, stride_om,
                          TOP_K: tl.constexpr, BD: tl.constexpr):
     """out[t] = sum over slots j (in order) of weights[t, j] * y[t * TOP_K + j]; a skipped
@@ -207,9 +205,6 @@ def fused_moe_sum_kernel(y, ids, weights, out, num_experts, D, stride_ym, stride
         b_acc += tl.where(m_y, w * b_y.to(tl.float32), 0.0)
     tl.store(out + i_t.to(tl.int64) * stride_om + o_d, b_acc.to(out.dtype.element_ty), mask=m_d)
 
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _check(x, ids, weights, w_gate, s_gate, w_up, s_up, w_down, s_down, block: int) -> None:
@@ -232,7 +227,7 @@ def _check(x, ids, weights, w_gate, s_gate, w_up, s_up, w_down, s_down, block: i
 def _dot_type(x: torch.Tensor) -> tuple[object, str]:
     """Operand type and precision of the products: fp32 (exact products) for fp32 x and in the
     interpreter, else x's 16-bit type."""
-    if x.dtype == torch.float32 or _interpreting():
+    if x.dtype == torch.float32 or interpreting():
         return tl.float32, "ieee"
     return (tl.float16 if x.dtype == torch.float16 else tl.bfloat16), "tf32"
 

@@ -12,7 +12,6 @@ rounding to the streams' dtype.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -23,11 +22,12 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
+from glmflash.kernels.triton_utils import ArrivalCounters, interpreting, jit, num_sms
+
 # Per-device arrival counters of the split reduction, one per token block; every launch leaves
 # them at zero. Allocated once and never replaced, so CUDA graphs that captured a launch stay
 # valid. Ranges are split only while token blocks are few, so this many is plenty.
-ARRIVAL_SLOTS = 1 << 12
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+_ARRIVALS = ArrivalCounters(1 << 12)
 # Up to this many tokens hyper_pre's default launch takes the few-token (decode) shape.
 DECODE_TOKENS = 64
 
@@ -61,11 +61,8 @@ class HyperPostConfig:
         assert self.block_d >= 16 and self.block_d & (self.block_d - 1) == 0
 
 
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
 
-
-@_jit
+@jit
 def _project_dot(x, fn, o_t, m_t, k_begin, k_end, stride_x, stride_fn, N: tl.constexpr,
                  NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
                  PREC: tl.constexpr):
@@ -86,7 +83,7 @@ def _project_dot(x, fn, o_t, m_t, k_begin, k_end, stride_x, stride_fn, N: tl.con
     return b_acc, b_ss
 
 
-@_jit
+@jit
 def _project_fma(x, fn, o_t, m_t, k_begin, k_end, stride_x, stride_fn, N: tl.constexpr,
                  NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
     """As _project_dot by fp32 FMA into a [BT, NP, BK] tile reduced once (few tokens)."""
@@ -105,7 +102,7 @@ def _project_fma(x, fn, o_t, m_t, k_begin, k_end, stride_x, stride_fn, N: tl.con
     return tl.sum(b_acc, 2), tl.sum(b_ss, 1)
 
 
-@_jit
+@jit
 def _sinkhorn(b_c, eps, ITERS: tl.constexpr):
     """[BT, S, S]: divide columns by (sum + eps), then ITERS - 1 times rows, then columns."""
     b_c = b_c / (tl.sum(b_c, 1)[:, None, :] + eps)
@@ -115,7 +112,7 @@ def _sinkhorn(b_c, eps, ITERS: tl.constexpr):
     return b_c
 
 
-@_jit
+@jit
 def _weights(p_tot, base, scale, post, comb, o_t, m_t, K, norm_eps, hc_eps, S: tl.constexpr,
              ITERS: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr):
     """From a token block's summed projections (row r at p_tot + r * NP, the sum of squares in
@@ -141,7 +138,7 @@ def _weights(p_tot, base, scale, post, comb, o_t, m_t, K, norm_eps, hc_eps, S: t
     return b_pre
 
 
-@_jit
+@jit
 def _collapse(x, out, b_pre, o_t, m_t, D, S: tl.constexpr, BD: tl.constexpr):
     """out[t, :] = sum_s pre[t, s] x[t, s, :] in fp32, rounded once; b_pre [BT, S]."""
     o_s = tl.arange(0, S)
@@ -156,7 +153,7 @@ def _collapse(x, out, b_pre, o_t, m_t, D, S: tl.constexpr, BD: tl.constexpr):
         tl.store(p_o + d0, b_o.to(out.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
 
 
-@_jit
+@jit
 def hyper_pre_kernel(x, fn, base, scale, post, comb, out, part, arrivals, T, D, stride_fn,
                      K_PER_SPLIT, SPLITS, norm_eps, hc_eps, S: tl.constexpr, ITERS: tl.constexpr,
                      NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
@@ -201,7 +198,7 @@ def hyper_pre_kernel(x, fn, base, scale, post, comb, out, part, arrivals, T, D, 
         _collapse(x, out, b_pre, o_t, m_t, D, S, BD)
 
 
-@_jit
+@jit
 def hyper_post_kernel(y, x, post, comb, out, D, stride_y, S: tl.constexpr, BD: tl.constexpr):
     """out[t, j, d] = post[t, j] y[t, d] + sum_i comb[t, i, j] x[t, i, d], features
     [i_d * BD, +BD); the weights rounded to the streams' dtype first, as the reference does."""
@@ -222,28 +219,6 @@ def hyper_post_kernel(y, x, post, comb, out, D, stride_y, S: tl.constexpr, BD: t
     tl.store(p_o, b_acc.to(dt), mask=m_d[None, :])
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _arrivals(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The device's zeroed arrival counters, or None where they cannot be made now (a first
-    launch inside CUDA-graph capture) or are too few."""
-    counters = _ARRIVALS.get(device)
-    if counters is None:
-        if device.type == "cuda":
-            with torch.cuda.device(device):
-                if torch.cuda.is_current_stream_capturing():
-                    return None
-        counters = _ARRIVALS[device] = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32,
-                                                   device=device)
-    return counters if tiles <= counters.numel() else None
 
 
 def default_pre_config(num_tokens: int, num_streams: int, num_sms: int,
@@ -272,7 +247,7 @@ def _num_splits(config: HyperPreConfig, tiles: int, k: int, device: torch.device
     steps = triton.cdiv(k, config.block_k)
     if config.splits is not None:
         return max(1, min(config.splits, steps))
-    want = triton.cdiv(int(_sms(device) * config.waves), tiles)
+    want = triton.cdiv(int(num_sms(device) * config.waves), tiles)
     return max(1, min(want, steps // config.min_range_steps))
 
 
@@ -280,7 +255,7 @@ def _dot_type(streams: torch.Tensor, fn: torch.Tensor) -> tuple:
     """Tensor-core operand type: the model's 16-bit type when streams and fn share it (products
     exact in fp32), else fp32 with exact products (also under the interpreter)."""
     half = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-    if streams.dtype == fn.dtype and streams.dtype in half and not _interpreting():
+    if streams.dtype == fn.dtype and streams.dtype in half and not interpreting():
         return half[streams.dtype], "tf32"
     return tl.float32, "ieee"
 
@@ -317,10 +292,10 @@ def hyper_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale
     if num_tokens == 0:
         return post, comb, out
     dot, prec = _dot_type(streams, fn)
-    cfg = config or default_pre_config(num_tokens, s, _sms(dev), dot == tl.float32)
+    cfg = config or default_pre_config(num_tokens, s, num_sms(dev), dot == tl.float32)
     tiles = triton.cdiv(num_tokens, cfg.block_t)
     splits = _num_splits(cfg, tiles, s * d, dev)
-    arrivals = _arrivals(dev, tiles) if splits > 1 else None
+    arrivals = _ARRIVALS.get(dev, tiles) if splits > 1 else None
     if arrivals is None:
         splits = 1
     k_per_split = triton.cdiv(triton.cdiv(s * d, splits), cfg.block_k) * cfg.block_k

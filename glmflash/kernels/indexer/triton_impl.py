@@ -10,8 +10,6 @@ order differently from the reference.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from glmflash.kernels.indexer.ref import SelectPlan, indexer_write_ref
@@ -22,31 +20,21 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
+from glmflash.kernels.triton_utils import interpreting, jit
+
 # Pools per scoring program, and the most score elements materialised at once (fp32).
 BLOCK_P = 64
 MAX_SCORE_ELEMS = 1 << 28
 
 
-def _jit(fn=None, *, do_not_specialize: tuple[str, ...] = ()):
-    """triton.jit where triton exists. `do_not_specialize`: integer arguments that change from
-    step to step (context lengths); specialising on them (== 1, % 16) would recompile the kernel
-    in the middle of decoding."""
-    if fn is None:
-        return lambda f: _jit(f, do_not_specialize=do_not_specialize)
-    if triton is None:
-        return fn
-    return triton.jit(fn, do_not_specialize=list(do_not_specialize)) if do_not_specialize \
-        else triton.jit(fn)
-
-
-@_jit
+@jit
 def _slot_of(page_table, row, pos, stride_pt, PAGE: tl.constexpr, mask):
     """Cache slot of token position `pos` of the sequence in page-table `row` (int64)."""
     page = tl.load(page_table + row * stride_pt + pos // PAGE, mask=mask, other=0).to(tl.int64)
     return page * PAGE + pos % PAGE
 
 
-@_jit(do_not_specialize=("t_begin", "stride_st"))
+@jit(do_not_specialize=("t_begin", "stride_st"))
 def indexer_score_kernel(q, weights, pool_keys, page_table, rows, positions, num_pools, scores,
                          t_begin, scale, stride_qt, stride_qh, stride_wt, stride_pk, stride_pt,
                          stride_st, NH, D, KPOOL: tl.constexpr, PAGE: tl.constexpr,
@@ -79,7 +67,7 @@ def indexer_score_kernel(q, weights, pool_keys, page_table, rows, positions, num
     tl.store(p_s, b_out, mask=o_p < stride_st)
 
 
-@_jit(do_not_specialize=("t_begin", "num_sel", "stride_pot"))
+@jit(do_not_specialize=("t_begin", "num_sel", "stride_pot"))
 def indexer_expand_kernel(pools, page_table, rows, positions, out, t_begin, num_sel, width,
                           stride_pt, stride_pot, stride_ot, KPOOL: tl.constexpr,
                           PAGE: tl.constexpr, SELECT_TAIL: tl.constexpr, BW: tl.constexpr):
@@ -105,9 +93,6 @@ def indexer_expand_kernel(pools, page_table, rows, positions, out, t_begin, num_
              mask=o_c < width)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
 
 def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor,
                    page_table: torch.Tensor, plan: SelectPlan, *, page_size: int, topk: int,
@@ -123,7 +108,7 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
     assert page_table.stride(1) == 1 and plan.rows.numel() == num_tokens
     max_pools = plan.max_pools
     num_sel = min(topk // kpool, max_pools)
-    fp32 = q.dtype == torch.float32 or _interpreting()
+    fp32 = q.dtype == torch.float32 or interpreting()
     dot = tl.float32 if fp32 else (tl.float16 if q.dtype == torch.float16 else tl.bfloat16)
     bhq = max(16, triton.next_power_of_2(heads))
     per_token = (plan.rows, plan.positions)

@@ -7,7 +7,6 @@ int32 tensor per distinct batch and cached, so the 34 KDA layers of a forward sh
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -19,6 +18,8 @@ try:
     import triton.language as tl
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
+
+from glmflash.kernels.triton_utils import interpreting, jit
 
 # Chunk length of the prefill kernels (sub-chunks of 16 rows inside).
 CHUNK = 64
@@ -62,9 +63,6 @@ class KdaPlan(NamedTuple):
     max_len: int
 
 
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
-
 
 @functools.lru_cache(maxsize=16)
 def _plan(cu_seqlens: tuple[int, ...], state_slots: tuple[int, ...], is_fresh: tuple[bool, ...],
@@ -91,7 +89,7 @@ def _check_heads(t: torch.Tensor, name: str) -> None:
         f"{name} must be [T, H, D] with contiguous heads, got strides {t.stride()}")
 
 
-@_jit
+@jit
 def kda_decode_kernel(q, k, v, g, beta, state, o, meta, scale, stride_q, stride_k, stride_v,
                       stride_g, stride_b, stride_o, H: tl.constexpr, K: tl.constexpr,
                       V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
@@ -124,13 +122,13 @@ def kda_decode_kernel(q, k, v, g, beta, state, o, meta, scale, stride_q, stride_
     tl.store(o + tok * stride_o + i_h * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
 
 
-@_jit
+@jit
 def _row(x, o_r, r):
     """Row r of a register tile, as a vector over its columns."""
     return tl.sum(tl.where(o_r[:, None] == r, x, 0.0), 0)
 
 
-@_jit
+@jit
 def _store_rows(ptr, b_x, t0, t_end, stride_t, col0, NCOL: tl.constexpr, BCOL: tl.constexpr,
                 BR: tl.constexpr):
     o_t = t0 + tl.arange(0, BR)
@@ -140,7 +138,7 @@ def _store_rows(ptr, b_x, t0, t_end, stride_t, col0, NCOL: tl.constexpr, BCOL: t
     tl.store(p, b_x.to(ptr.dtype.element_ty), mask=m)
 
 
-@_jit
+@jit
 def _load_rows(ptr, t0, t_end, stride_t, col0, NCOL: tl.constexpr, BCOL: tl.constexpr,
                BR: tl.constexpr):
     """Rows [t0, t0 + BR) x columns [col0, col0 + BCOL) of a row-major matrix, zero past
@@ -152,7 +150,7 @@ def _load_rows(ptr, t0, t_end, stride_t, col0, NCOL: tl.constexpr, BCOL: tl.cons
     return tl.load(p, mask=m, other=0.0).to(tl.float32)
 
 
-@_jit
+@jit
 def _diag_fallback(b_aq, b_ak, b_q, b_k, b_G, i, BT: tl.constexpr):
     """Diagonal sub-block i one column at a time, for decays too steep for the factored form."""
     o_t = tl.arange(0, BT)
@@ -168,7 +166,7 @@ def _diag_fallback(b_aq, b_ak, b_q, b_k, b_G, i, BT: tl.constexpr):
     return b_aq, b_ak
 
 
-@_jit
+@jit
 def _unit_tril_inverse(b_a, PREC: tl.constexpr, ADOT: tl.constexpr, BT: tl.constexpr):
     """(I + A)^-1 for strictly lower-triangular A [64, 64]: A^64 = 0, so the Neumann series
     sum (-A)^n equals (I - A)(I + A^2)(I + A^4)...(I + A^32): ten products, no row loop."""
@@ -182,7 +180,7 @@ def _unit_tril_inverse(b_a, PREC: tl.constexpr, ADOT: tl.constexpr, BT: tl.const
     return b_t
 
 
-@_jit
+@jit
 def _unit_tril_inverse_rows(b_a, BT: tl.constexpr):
     """(I + A)^-1 for strictly lower-triangular A by forward substitution: row i of the inverse
     is e_i - A[i, :] T, where only the finished rows j < i of T meet A[i, j] != 0."""
@@ -194,7 +192,7 @@ def _unit_tril_inverse_rows(b_a, BT: tl.constexpr):
     return b_t
 
 
-@_jit
+@jit
 def _inverse(b_a, PREC_I: tl.constexpr, IDOT: tl.constexpr, INV_ROWS: tl.constexpr,
              BT: tl.constexpr):
     """(I + A)^-1 of the prep variant: forward substitution (INV_ROWS) or squaring products."""
@@ -205,7 +203,7 @@ def _inverse(b_a, PREC_I: tl.constexpr, IDOT: tl.constexpr, INV_ROWS: tl.constex
     return b_t
 
 
-@_jit
+@jit
 def kda_chunk_prep_kernel(q, k, v, g, beta, w, u, qg, kd, aqk, gl, meta, scale,
                           stride_q, stride_k, stride_v, stride_g, stride_b,
                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -286,7 +284,7 @@ def kda_chunk_prep_kernel(q, k, v, g, beta, w, u, qg, kd, aqk, gl, meta, scale,
               stride_q, stride_k, stride_v, stride_g, H, K, V, BK, BVF, BKC, PREC, DOT)
 
 
-@_jit
+@jit
 def _wy_phase(q, k, v, g, w, u, qg, kd, gl, b_t, b_b, b_rnq, b_rnk, t0, t_end, i_c, i_h,
               stride_q, stride_k, stride_v, stride_g, H: tl.constexpr, K: tl.constexpr,
               V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BKC: tl.constexpr,
@@ -320,7 +318,7 @@ def _wy_phase(q, k, v, g, w, u, qg, kd, gl, b_t, b_b, b_rnq, b_rnk, t0, t_end, i
                     V, BVC, BT)
 
 
-@_jit
+@jit
 def kda_chunk_state_kernel(w, u, qg, kd, aqk, gl, state, o, meta, stride_o,
                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                            BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
@@ -371,26 +369,23 @@ def kda_chunk_state_kernel(w, u, qg, kd, aqk, gl, state, o, meta, stride_o,
     tl.store(p_s, b_s, mask=m_s)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
 
 def _prec(dtype: torch.dtype) -> str:
     # fp32 models keep fp32 products (TF32 would cost ~1e-3); bf16 models round like fla does.
-    return "ieee" if dtype == torch.float32 or _interpreting() else "tf32"
+    return "ieee" if dtype == torch.float32 or interpreting() else "tf32"
 
 
 def _dot_dtype(dtype: torch.dtype):
     """Operand type of the big products: the model dtype, fp32 under the interpreter (whose
     tl.dot multiplies bf16 bit patterns as integers)."""
-    if dtype == torch.float32 or _interpreting():
+    if dtype == torch.float32 or interpreting():
         return tl.float32
     return tl.float16 if dtype == torch.float16 else tl.bfloat16
 
 
 def _products(kind: str, dtype: torch.dtype) -> tuple[str, object]:
     """(input_precision, operand type) of one group of prep products."""
-    if kind in ("ieee", "rows") or dtype == torch.float32 or _interpreting():
+    if kind in ("ieee", "rows") or dtype == torch.float32 or interpreting():
         return "ieee", tl.float32
     if kind == "tf32":
         return "tf32", tl.float32
@@ -486,7 +481,7 @@ def _prefill(q, k, v, g, beta, state, out, plan: KdaPlan, scale: float, strides)
     _launch_state(state, out, buf, plan)
 
 
-@_jit
+@jit
 def causal_conv1d_kernel(x, weight, conv_state, out, meta, stride_x, stride_o, C,
                          HIST: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr,
                          BC: tl.constexpr, WRITE_STATE: tl.constexpr):
@@ -524,7 +519,7 @@ def causal_conv1d_kernel(x, weight, conv_state, out, meta, stride_x, stride_o, C
                            HP)
 
 
-@_jit
+@jit
 def _conv_state_update(x, conv_state, stride_x, C, start, end, slot, fresh, o_c, m_c,
                        HIST: tl.constexpr, HP: tl.constexpr):
     """New history = the last HIST entries of [old history | tokens]; all loads before stores."""
@@ -542,7 +537,7 @@ def _conv_state_update(x, conv_state, stride_x, C, start, end, slot, fresh, o_c,
     tl.store(p_hist + o_j[None, :], b_new, mask=m_c[:, None] & m_j[None, :])
 
 
-@_jit
+@jit
 def causal_conv1d_state_kernel(x, conv_state, meta, stride_x, C, HIST: tl.constexpr,
                                HP: tl.constexpr, BC: tl.constexpr):
     i_n, i_c = tl.program_id(0), tl.program_id(1)

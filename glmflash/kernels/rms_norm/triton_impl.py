@@ -13,6 +13,8 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
+from glmflash.kernels.triton_utils import jit
+
 
 class RmsNormConfig(NamedTuple):
     rows_per_program: int = 1
@@ -22,11 +24,8 @@ class RmsNormConfig(NamedTuple):
 DEFAULT_CONFIG = RmsNormConfig()
 
 
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
 
-
-@_jit
+@jit
 def rms_norm_kernel(x, weight, out, num_rows, D, eps, stride_x, stride_o,
                     HAS_WEIGHT: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr):
     """Rows i_r*ROWS .. +ROWS of x `[R, D]`: y = x * rsqrt(mean(x^2) + eps) in fp32, rounded to

@@ -9,7 +9,6 @@ over the one latent head) and keeps an fp32 online softmax. With several slot ra
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -18,6 +17,8 @@ try:
     import triton.language as tl
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
+
+from glmflash.kernels.triton_utils import interpreting, jit, num_sms
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +44,8 @@ WIDE_TOKENS = 16
 _FITTED: dict[tuple, tuple[int, int, int | None]] = {}
 
 
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
 
-
-@_jit
+@jit
 def sparse_mla_kernel(q, latent, slots, o, part_o, part_ml, scale, T, H, W, R,
                       stride_qt, stride_qh, stride_l, stride_s, stride_ot, stride_oh,
                       SPLIT_W, NUM_SPLITS: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
@@ -119,7 +117,7 @@ def sparse_mla_kernel(q, latent, slots, o, part_o, part_ml, scale, T, H, W, R,
             tl.store(part_ml + row * 2 + 1, b_l, mask=m_h)
 
 
-@_jit
+@jit
 def sparse_mla_combine_kernel(part_o, part_ml, o, H, R, stride_ot, stride_oh,
                               NUM_SPLITS: tl.constexpr, BS: tl.constexpr, BR: tl.constexpr):
     """out[t, h] = sum_s l_s e^(m_s - M) o_s / sum_s l_s e^(m_s - M); zeros if nothing valid."""
@@ -141,18 +139,13 @@ def sparse_mla_combine_kernel(part_o, part_ml, o, H, R, stride_ot, stride_oh,
              mask=o_r < R)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
 
 def _num_splits(programs: int, width: int, bn: int, device: torch.device) -> int:
     """Slot ranges per token so that about SPLIT_WAVES programs run per SM, each range at least
     one bn-slot step."""
     if programs == 0 or width == 0:
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
-        else 4
-    want = int(sms * SPLIT_WAVES) // programs
+    want = int(num_sms(device) * SPLIT_WAVES) // programs
     return max(1, min(want, triton.cdiv(width, bn)))
 
 
@@ -198,7 +191,7 @@ def _launch(q_lat, latent, slots, out, scale: float, br: int, bh: int, value_blo
     splits = _num_splits(num_tokens * head_blocks * value_blocks, width, bn, q_lat.device)
     split_w = triton.cdiv(triton.cdiv(width, splits), bn) * bn if width else bn
     splits = triton.cdiv(width, split_w) if width else 1
-    fp32 = q_lat.dtype == torch.float32 or _interpreting()
+    fp32 = q_lat.dtype == torch.float32 or interpreting()
     dot = tl.float32 if fp32 else (tl.float16 if q_lat.dtype == torch.float16 else tl.bfloat16)
     part_dt = torch.float32 if q_lat.dtype == torch.float32 else q_lat.dtype
     part_o = torch.empty(num_tokens * splits * heads, rank, dtype=part_dt,

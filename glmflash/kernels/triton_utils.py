@@ -1,0 +1,66 @@
+"""What the Triton launchers share: the jit wrapper, interpreter detection, the device's SM
+count, and per-device arrival counters for launches whose last program finishes the work."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+except ImportError:  # the package must import without triton; the launchers need it
+    triton = None
+
+
+def jit(fn=None, *, do_not_specialize: tuple[str, ...] = ()):
+    """`triton.jit` where triton exists (the plain function otherwise, so modules import).
+
+    `do_not_specialize`: integer arguments that change from step to step (context lengths);
+    specialising on them (== 1, % 16) would recompile the kernel in the middle of decoding.
+    """
+    if fn is None:
+        return lambda f: jit(f, do_not_specialize=do_not_specialize)
+    if triton is None:
+        return fn
+    if do_not_specialize:
+        return triton.jit(fn, do_not_specialize=list(do_not_specialize))
+    return triton.jit(fn)
+
+
+def interpreting() -> bool:
+    """Running under TRITON_INTERPRET (numpy on the CPU)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 stands in for the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class ArrivalCounters:
+    """Zeroed int32 counters per device that launches count their finished programs in; the
+    last program of a tile resets its counter, so every launch leaves them at zero. Launches
+    sharing one set must run in stream order."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.by_device: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device, tiles: int) -> torch.Tensor | None:
+        """The device's counters, or None where they cannot be made now (a first launch inside
+        CUDA-graph capture) or are too few for `tiles`."""
+        counters = self.by_device.get(device)
+        if counters is None:
+            if device.type == "cuda":
+                with torch.cuda.device(device):
+                    if torch.cuda.is_current_stream_capturing():
+                        return None
+            counters = self.by_device[device] = torch.zeros(self.slots, dtype=torch.int32,
+                                                            device=device)
+        return counters if tiles <= counters.numel() else None
+
+    def __getitem__(self, device: torch.device) -> torch.Tensor:
+        return self.by_device[device]
