@@ -136,17 +136,21 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
         self.apply_page_updates(batch.page_updates)
         ids, slots, cu_seqlens, prefix_lens = [], [], [0], []
+        page = self.page_size
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             start = seq.num_computed_tokens
-            ids.append(seq.token_ids[start:start + n])
-            slots.append(token_slots_of(seq.page_ids, start, n, self.page_size))
+            if n == 1:  # a decode: plain Python is cheaper than numpy for one token
+                ids.append(seq.token_ids[start])
+                slots.append(seq.page_ids[start // page] * page + start % page)
+            else:
+                ids.extend(seq.token_ids[start:start + n])
+                slots.extend(token_slots_of(seq.page_ids, start, n, page).tolist())
             cu_seqlens.append(cu_seqlens[-1] + n)
             prefix_lens.append(start)
         sampled = [b for b, need in enumerate(batch.needs_sample) if need]
         forward_batch = build_forward_batch(
-            np.concatenate([np.asarray(i, dtype=np.int64) for i in ids]), np.concatenate(slots),
-            cu_seqlens, prefix_lens, [seq.state_slot for seq in batch.seqs], self.page_table,
-            self.page_size, logit_seqs=sampled)
+            ids, slots, cu_seqlens, prefix_lens, [seq.state_slot for seq in batch.seqs],
+            self.page_table, self.page_size, logit_seqs=sampled)
         forward_batch.input_embeds = self._input_embeds(batch, forward_batch.input_ids,
                                                         cu_seqlens)
         return forward_batch

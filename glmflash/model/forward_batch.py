@@ -93,7 +93,7 @@ def token_slots_of(page_ids: list[int], start: int, num_tokens: int,
     return touched[pos // page_size - first] * page_size + pos % page_size
 
 
-def build_forward_batch(input_ids: np.ndarray | list[int], token_slots: np.ndarray,
+def build_forward_batch(input_ids: np.ndarray | list[int], token_slots: np.ndarray | list[int],
                         cu_seqlens: list[int], prefix_lens: list[int], state_slots: list[int],
                         page_table: torch.Tensor, page_size: int, *,
                         logit_seqs: list[int] | None = None,
