@@ -3,6 +3,9 @@ chat_stream.py, completions.py; plumbing in routing.py, streaming.py, middleware
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
@@ -54,6 +57,7 @@ async def retrieve_model(request: Request) -> Response:
 @api_route
 async def chat_completions(request: Request) -> Response:
     state = _state(request)
+    state.check_admitting()
     body = parse_chat_request(await read_json(request), supports_media=state.bridge.supports_media)
     model = state.resolve_model(body.model)
     if body.stream:
@@ -65,6 +69,7 @@ async def chat_completions(request: Request) -> Response:
 @api_route
 async def completions(request: Request) -> Response:
     state = _state(request)
+    state.check_admitting()
     body = parse_completion_request(await read_json(request))
     model = state.resolve_model(body.model)
     if body.stream:
@@ -75,7 +80,11 @@ async def completions(request: Request) -> Response:
 
 @api_route
 async def health(request: Request) -> Response:
-    if _state(request).bridge.is_closed:
+    state = _state(request)
+    failure = state.engine.failure
+    if failure is not None:
+        return JSONResponse({"status": "engine stopped", "error": failure}, status_code=503)
+    if state.lifecycle.is_draining or state.bridge.is_closed:
         return JSONResponse({"status": "shutting down"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
@@ -83,6 +92,20 @@ async def health(request: Request) -> Response:
 @api_route
 async def metrics(request: Request) -> Response:
     return Response(_state(request).bridge.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: Starlette) -> AsyncIterator[None]:
+    """While the server runs, a task watches the engine thread (see Lifecycle.watch_engine)."""
+    lifecycle = app.state.server.lifecycle
+    watcher = asyncio.create_task(lifecycle.watch_engine())
+    try:
+        yield
+    finally:
+        watcher.cancel()
+        lifecycle.close()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
 
 
 def create_app(engine: Engine, config: ServerConfig, *,
@@ -100,7 +123,7 @@ def create_app(engine: Engine, config: ServerConfig, *,
     ]
     middleware = [Middleware(ApiMiddleware, api_key=config.api_key,
                              metrics=state.bridge.metrics)]
-    app = Starlette(routes=routes, middleware=middleware,
+    app = Starlette(routes=routes, middleware=middleware, lifespan=_lifespan,
                     exception_handlers={HTTPException: http_exception})
     app.state.server = state
     return app

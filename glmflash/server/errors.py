@@ -55,6 +55,11 @@ def overloaded() -> ApiError:
                     headers={"Retry-After": str(OVERLOADED_RETRY_AFTER_S)})
 
 
+def unavailable(message: str, code: str) -> ApiError:
+    """The server cannot serve this request now (shutting down, or its engine died)."""
+    return ApiError(503, message, type="server_error", code=code)
+
+
 def context_length_exceeded(max_len: int, num_prompt_tokens: int, max_tokens: int | None,
                             param: str) -> ApiError:
     if max_tokens is None:

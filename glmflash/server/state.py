@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 from glmflash.sampling_params import SamplingParams
 from glmflash.server.async_engine import AsyncEngine
-from glmflash.server.errors import bad_request, context_length_exceeded, model_not_found
+from glmflash.server.errors import (
+    bad_request,
+    context_length_exceeded,
+    model_not_found,
+    unavailable,
+)
+from glmflash.server.lifecycle import DEFAULT_GRACEFUL_TIMEOUT_S, Lifecycle
 from glmflash.server.logprobs import TokenText
 from glmflash.server.processors import LogitBias
 from glmflash.server.protocol import SamplingRequest
@@ -36,6 +42,8 @@ class ServerConfig:
     """glm47, or none (tool-call markup stays in `content`)."""
     reasoning_parser: str = "glm45"
     """glm45, or none (reasoning stays in `content`)."""
+    graceful_shutdown_timeout_s: float = DEFAULT_GRACEFUL_TIMEOUT_S
+    """After SIGINT/SIGTERM, how long running requests may go on before they are ended."""
 
 
 @dataclass
@@ -58,11 +66,17 @@ class ServerState:
                  request_hook: RequestHook | None = None) -> None:
         self.engine = engine
         self.bridge = AsyncEngine(engine)
+        self.lifecycle = Lifecycle(self.bridge, config.graceful_shutdown_timeout_s)
         self.config = config
         self.request_hook = request_hook
         self.created = int(time.time())
         self.token_text = TokenText(engine.tokenizer)
         self.sampling_defaults = read_generation_defaults(engine.model_path)
+
+    def check_admitting(self) -> None:
+        """503 once the server drains for shutdown or its engine has died."""
+        if self.lifecycle.is_draining or self.bridge.is_closed:
+            raise unavailable("The server is shutting down.", "shutting_down")
 
     def resolve_model(self, name: str | None) -> str:
         if name is None:

@@ -73,6 +73,10 @@ class LiveServer:
     server: uvicorn.Server
     thread: threading.Thread
 
+    @property
+    def app_state(self):
+        return self.server.config.app.state.server
+
     def client(self, **kwargs) -> openai.OpenAI:
         kwargs.setdefault("api_key", "unused")
         return openai.OpenAI(base_url=f"{self.url}/v1", max_retries=0, timeout=60, **kwargs)
