@@ -185,6 +185,8 @@ class Engine(EngineApiMixin):
                     self._drain_inbox(block=True)
                 if not self._stopping:
                     self._guarded_step()
+            # Requests still in flight at shutdown end now and give their cache back.
+            self._fail_seqs(self._live_seqs(), "the engine was shut down")
         except BaseException as exc:  # noqa: B036 - the thread must not end silently
             self._die(exc)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from glmflash.utils.preflight import max_cpu_threads
 from glmflash.utils.validation import require
 
 
@@ -71,6 +72,10 @@ class EngineConfig:
              f"({self.kt_threadpool_count}): every pool needs a thread"),
         ]
         require(checks)
+        if self.kt_cpuinfer is not None:
+            limit = max_cpu_threads()
+            require([(self.kt_cpuinfer <= limit, f"kt_cpuinfer ({self.kt_cpuinfer}) is more than "
+                      f"the {limit} CPU threads this process can use")])
 
     @classmethod
     def from_options(cls, options: dict) -> EngineConfig:

@@ -19,6 +19,7 @@ from glmflash.server.chat import chat_completion
 from glmflash.server.chat_stream import chat_completion_stream
 from glmflash.server.completions import completion, completion_stream
 from glmflash.server.errors import model_not_found
+from glmflash.server.limits import BodyLimitMiddleware
 from glmflash.server.metrics import CONTENT_TYPE
 from glmflash.server.middleware import ApiMiddleware
 from glmflash.server.protocol import parse_chat_request, parse_completion_request
@@ -58,7 +59,8 @@ async def retrieve_model(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     state = _state(request)
     state.check_admitting()
-    body = parse_chat_request(await read_json(request), supports_media=state.bridge.supports_media)
+    raw = await read_json(request, state.max_json_separators)
+    body = parse_chat_request(raw, supports_media=state.bridge.supports_media)
     model = state.resolve_model(body.model)
     if body.stream:
         events, group = await chat_completion_stream(state, body, model)
@@ -70,7 +72,7 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     state = _state(request)
     state.check_admitting()
-    body = parse_completion_request(await read_json(request))
+    body = parse_completion_request(await read_json(request, state.max_json_separators))
     model = state.resolve_model(body.model)
     if body.stream:
         events, group = await completion_stream(state, body, model)
@@ -122,7 +124,8 @@ def create_app(engine: Engine, config: ServerConfig, *,
         Route("/metrics", metrics, methods=["GET"]),
     ]
     middleware = [Middleware(ApiMiddleware, api_key=config.api_key,
-                             metrics=state.bridge.metrics)]
+                             metrics=state.bridge.metrics),
+                  Middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)]
     app = Starlette(routes=routes, middleware=middleware, lifespan=_lifespan,
                     exception_handlers={HTTPException: http_exception})
     app.state.server = state

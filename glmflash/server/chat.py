@@ -22,6 +22,7 @@ from glmflash.engine.outputs import Choice
 from glmflash.parsers.tags import THINK_END, THINK_START, TOOL_CALL_START
 from glmflash.parsers.tool_parser import ChatOutputParser, ToolCall
 from glmflash.server.errors import bad_request
+from glmflash.server.limits import chat_texts
 from glmflash.server.logprobs import chat_logprobs
 from glmflash.server.processors import ForcedToolCall, ToolTokenIds
 from glmflash.server.protocol import ChatCompletionRequest
@@ -70,6 +71,7 @@ def render_prompt(state: ServerState, request: ChatCompletionRequest) -> str:
 
 def prepare_chat(state: ServerState, request: ChatCompletionRequest,
                  ) -> tuple[PreparedRequest, ChatPlan]:
+    state.check_prompt_size(chat_texts(request.messages), request.max_tokens, "messages")
     text = render_prompt(state, request)
     ids = state.engine.tokenizer.encode(text)
     mm = _prepare_media(state, ids, request) if request.media else None

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
+from glmflash.server.args import DEFAULT_GRACEFUL_TIMEOUT_S
 from glmflash.server.async_engine import EngineUnavailable
 
 if TYPE_CHECKING:
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
     from glmflash.server.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
-DEFAULT_GRACEFUL_TIMEOUT_S = 30.0
 # How often the event loop checks that the engine thread is alive.
 ENGINE_WATCH_INTERVAL_S = 0.25
 # uvicorn cancels connections still open this long after our own deadline (a backstop only).
@@ -48,6 +48,8 @@ class Lifecycle:
         self.request_exit: Callable[[], None] = lambda: None
         """Set by the launcher: makes uvicorn stop accepting connections and wind down."""
         self._deadline: asyncio.TimerHandle | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        """The server's event loop, once it runs (begin_shutdown must run on it)."""
 
     def begin_shutdown(self) -> None:
         """First call: stop admitting and start the grace period; second call: end now."""
@@ -80,6 +82,7 @@ class Lifecycle:
 
     async def watch_engine(self) -> None:
         """Poll the engine thread; on its death, fail what is open and ask the server to exit."""
+        self.loop = asyncio.get_running_loop()
         while True:
             error = self.bridge.engine.failure
             if error is not None:
