@@ -111,7 +111,8 @@ def _plan(state: ServerState, request: ChatCompletionRequest, prompt: str) -> Ch
 
 def _tool_choice_processors(state: ServerState, request: ChatCompletionRequest,
                             plan: ChatPlan) -> list:
-    """tool_choice required / named: force a call after the reasoning (see ForcedToolCall)."""
+    """tool_choice required / named: force a call to a known function after the reasoning (see
+    ForcedToolCall)."""
     choice = request.tool_choice
     if plan.tools is None or choice.mode not in ("required", "function"):
         return []
@@ -120,8 +121,10 @@ def _tool_choice_processors(state: ServerState, request: ChatCompletionRequest,
     if ids is None:
         raise bad_request("tool_choice 'required' and named functions need the GLM tool tags in "
                           "the tokenizer", param="tool_choice")
-    name_ids = tokenizer.encode(choice.name) if choice.mode == "function" else None
-    return [ForcedToolCall(ids, list(state.engine.eos_token_ids), name_ids,
+    names = [choice.name] if choice.mode == "function" else \
+        [tool["function"]["name"] for tool in plan.tools]
+    banned = [*state.engine.eos_token_ids, *request.stop_token_ids]
+    return [ForcedToolCall(ids, banned, [tokenizer.encode(name) for name in names],
                            starts_in_reasoning=plan.starts_in_reasoning)]
 
 
