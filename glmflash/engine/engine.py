@@ -24,6 +24,7 @@ from glmflash.engine.outputs import Result, StreamDelta
 from glmflash.engine.sampler import Sampler
 from glmflash.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, TokenDelta
 from glmflash.engine.sequence import Sequence
+from glmflash.multimodal.fetch import UrlPolicy
 from glmflash.sampling_params import SamplingParams, wrap_seed
 from glmflash.tokenizer import Tokenizer
 from glmflash.utils.logging import setup_logging
@@ -86,7 +87,10 @@ class Engine(EngineApiMixin):
         self.media = MediaPreparer(self.config, self.tokenizer,
                                    limits=self.options.limit_mm_data_per_request,
                                    process=self.options.mm_process_config,
-                                   local_root=self.options.media_local_root)
+                                   local_root=self.options.media_local_root,
+                                   url_policy=UrlPolicy.create(
+                                       self.options.allowed_media_domains,
+                                       self.options.allow_private_media_urls))
         self._choices: dict[int, _Choice] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()

@@ -28,6 +28,10 @@ class EngineConfig:
     """`{"image": {"max_pixels": ...}, "video": {"fps": ..., "max_frames": ...}}`."""
     media_local_root: str | None = None
     """Local image/video paths are read only under this folder (None: refused)."""
+    allowed_media_domains: tuple[str, ...] | None = None
+    """http(s) media only from these hosts (None: any public host)."""
+    allow_private_media_urls: bool = False
+    """Let media URLs reach loopback, private and link-local addresses (trusted networks)."""
     kt_method: str = "FP8"
     """CPU expert format: FP8 (the checkpoint's own), the only one that honours swiglu_limit."""
     kt_num_gpu_experts: int | None = None

@@ -18,7 +18,8 @@ DEFAULT_MAX_REQUEST_BYTES = 32 << 20
 DEFAULT_GRACEFUL_TIMEOUT_S = 30.0
 _GPU_EXPERT_FLAGS = ("kt_num_gpu_experts", "kt_gpu_prefill_token_threshold",
                      "kt_expert_placement")
-_MEDIA_FLAGS = ("limit_mm_data_per_request", "mm_process_config", "media_local_root")
+_MEDIA_FLAGS = ("limit_mm_data_per_request", "mm_process_config", "media_local_root",
+                "allowed_media_domains", "allow_private_media_urls")
 # Flags passed to Engine(**options) under their own names (EngineConfig fields).
 _ENGINE_OPTIONS = ("context_length", "max_running_requests", "chunked_prefill_size",
                    "mem_fraction_static", "cache_budget_gb", "max_queued_requests", "seed",
@@ -167,6 +168,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help='e.g. \'{"image": {"max_pixels": 1003520}}\'')
     media.add_argument("--media-local-root", default=None, metavar="DIR",
                        help="allow local image/video paths under DIR (default: refused)")
+    media.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                       help="fetch http(s) media only from these hosts (default: any public "
+                            "host)")
+    media.add_argument("--allow-private-media-urls", action="store_true", default=None,
+                       help="let media URLs reach loopback, private and link-local addresses "
+                            "(default: refused; trusted networks only)")
     _document_defaults(parser)
     return parser
 
