@@ -24,6 +24,7 @@ from glmflash.engine.outputs import Result, StreamDelta
 from glmflash.engine.sampler import Sampler
 from glmflash.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, TokenDelta
 from glmflash.engine.sequence import Sequence
+from glmflash.engine.warmup import warm_up_kernels
 from glmflash.multimodal.fetch import UrlPolicy
 from glmflash.sampling_params import SamplingParams, wrap_seed
 from glmflash.tokenizer import Tokenizer
@@ -91,6 +92,8 @@ class Engine(EngineApiMixin):
                                    url_policy=UrlPolicy.create(
                                        self.options.allowed_media_domains,
                                        self.options.allow_private_media_urls))
+        if not self.options.skip_kernel_warmup:
+            warm_up_kernels(self)
         self._choices: dict[int, _Choice] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()

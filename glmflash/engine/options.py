@@ -46,6 +46,8 @@ class EngineConfig:
     kt_threadpool_count: int = 1
     """Thread pools of the CPU expert kernel (one per NUMA node), each owning a slice of every
     expert; needs at least as many threads."""
+    skip_kernel_warmup: bool = False
+    """Do not run the start-up forwards that compile and warm the model's kernels."""
     background_loop: bool = True
     """Drive steps from an engine thread; False: the caller drives `step()` (tests, offline)."""
     check_integrity: bool = False

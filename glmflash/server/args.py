@@ -25,7 +25,7 @@ _ENGINE_OPTIONS = ("context_length", "max_running_requests", "chunked_prefill_si
                    "mem_fraction_static", "cache_budget_gb", "max_queued_requests", "seed",
                    "page_size", "kt_method", "kt_num_gpu_experts", "kt_gpu_prefill_token_threshold",
                    "kt_cpuinfer", "kt_threadpool_count", "kt_expert_placement",
-                   *_MEDIA_FLAGS)
+                   "skip_kernel_warmup", *_MEDIA_FLAGS)
 # chunked prefill off (SGLang's -1): one chunk as large as any prompt.
 _UNCHUNKED = 2**31 - 1
 
