@@ -102,3 +102,34 @@ def test_a_dead_engine_fails_health_requests_and_the_exit_status(doomed):
     assert health.status_code == 503 and "SystemExit" in health.json()["error"]
     again = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "stream": False})
     assert again.status_code == 503 and again.json()["error"]["code"] == "shutting_down"
+
+
+def test_serve_returns_exit_status_1_when_the_engine_dies(tiny_dirs):
+    from glmflash import Engine
+    from glmflash.server.launch import bind_socket, serve
+    from glmflash.server.state import ServerConfig
+
+    engine = Engine(tiny_dirs["embedded"], device="cpu", dtype="float32", context_length=256)
+    sock = bind_socket("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    status: list[int] = []
+    thread = threading.Thread(target=lambda: status.append(
+        serve(engine, ServerConfig((MODEL,)), sock, log_level="warning")))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+    def die(batch):
+        raise SystemExit("simulated thread death")
+    engine.runner.run = die
+    response = httpx.post(f"{url}/v1/chat/completions", timeout=30,
+                          json={"model": MODEL, "messages": HI, "max_tokens": 3})
+    assert response.status_code == 500 and "engine stopped" in response.text
+    thread.join(30)
+    assert status == [1]
