@@ -8,7 +8,7 @@
   configurations) and the layerwise expert path when `kt_gpu_prefill_token_threshold` is set.
   On a CPU the same small schedule runs (cheap: it exercises the path, there is nothing to
   compile). The dummy sequences take cache pages and state slots like any request and give them
-  back.
+  back; a phase the cache cannot hold at once is skipped.
 """
 
 from __future__ import annotations
@@ -72,38 +72,62 @@ def _numba_cache_dir() -> str | None:
 def warm_up_kernels(engine: Engine) -> None:
     """Run the dummy schedule through the real runner and sampler, then free its cache."""
     start = time.perf_counter()
-    steps = _schedule(engine)
+    phases = [p for p in (_small_phase(engine), _long_phase(engine)) if p and _fits(engine, p)]
+    steps = [step for phase in phases for step in phase]
     logger.info("warming up the model kernels on %s: %d forwards (%s)", engine.device,
                 len(steps), ", ".join(name for name, _ in steps))
-    seqs = {id(s): s for _, batch in steps for s in batch.seqs}.values()
-    try:
-        for _, batch in steps:
-            _run(engine, batch)
-    finally:
-        for seq in seqs:
-            engine.cache.free(seq)
+    for phase in phases:
+        try:
+            for _, batch in phase:
+                _run(engine, batch)
+        finally:
+            for seq in _seqs(phase):
+                engine.cache.free(seq)
     engine.cache.check_integrity()
     logger.info("model kernels warm in %.1f s", time.perf_counter() - start)
 
 
-def _schedule(engine: Engine) -> list[tuple[str, ScheduledBatch]]:
-    """The dummy batches, in order; their state slots are taken here, pages as they run."""
+Phase = list[tuple[str, ScheduledBatch]]
+
+
+def _small_phase(engine: Engine) -> Phase:
+    """Two sequences (one if the engine runs one at a time): chunked, alongside, decoding."""
     a, b = (_dummy(engine, -1 - i, n) for i, n in enumerate(SMALL_PROMPTS))
-    cache = engine.cache
-    cache.allocate(a, FIRST_CHUNK)
-    cache.allocate(b, b.num_tokens)
-    steps = [("prefill", ScheduledBatch([a, b], [FIRST_CHUNK, b.num_tokens], [False, True]))]
     rest = a.num_tokens - FIRST_CHUNK
-    steps.append(("prefix prefill + decode", ScheduledBatch([a, b], [rest, 1], [True, True])))
-    steps.append(("decode x2", ScheduledBatch([a, b], [1, 1], [True, True])))
-    steps.append(("decode x1", ScheduledBatch([a], [1], [True])))
+    if engine.cache.plan.num_state_slots < 2:
+        return [("prefill", ScheduledBatch([a], [FIRST_CHUNK], [False])),
+                ("prefix prefill", ScheduledBatch([a], [rest], [True])),
+                ("decode x1", ScheduledBatch([a], [1], [True]))]
+    return [("prefill", ScheduledBatch([a, b], [FIRST_CHUNK, b.num_tokens], [False, True])),
+            ("prefix prefill + decode", ScheduledBatch([a, b], [rest, 1], [True, True])),
+            ("decode x2", ScheduledBatch([a, b], [1, 1], [True, True])),
+            ("decode x1", ScheduledBatch([a], [1], [True]))]
+
+
+def _long_phase(engine: Engine) -> Phase:
     long_len = _long_prefill_len(engine)
-    if long_len:
-        c = _dummy(engine, -3, long_len)
-        if cache.can_allocate(c, long_len):
-            cache.allocate(c, long_len)
-            steps.append((f"prefill of {long_len}", ScheduledBatch([c], [long_len], [True])))
-    return steps
+    if not long_len:
+        return []
+    c = _dummy(engine, -3, long_len)
+    return [(f"prefill of {long_len}", ScheduledBatch([c], [long_len], [True]))]
+
+
+def _seqs(phase: Phase) -> list[Sequence]:
+    return list({id(s): s for _, batch in phase for s in batch.seqs}.values())
+
+
+def _fits(engine: Engine, phase: Phase) -> bool:
+    """Whether the phase's sequences fit the cache at once (a tiny test cache may not)."""
+    cache, seqs = engine.cache, _seqs(phase)
+    totals = {id(s): 0 for s in seqs}
+    for _, batch in phase:
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            totals[id(seq)] += n
+    pages = sum(-(-t // cache.page_size) for t in totals.values())
+    if len(seqs) <= len(cache.free_state_slots) and pages <= cache.num_free_pages:
+        return True
+    logger.debug("warm-up phase %s skipped: the cache is too small", phase[0][0])
+    return False
 
 
 def _long_prefill_len(engine: Engine) -> int:
@@ -123,7 +147,10 @@ def _dummy(engine: Engine, seq_id: int, num_tokens: int) -> Sequence:
 def _run(engine: Engine, batch: ScheduledBatch) -> None:
     """One step as the engine runs it: pages for the new tokens, forward, sample, advance."""
     for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
-        engine.cache.append(seq, n)
+        if seq.state_slot is None:
+            engine.cache.allocate(seq, n)
+        else:
+            engine.cache.append(seq, n)
     logits = engine.runner.run(batch)
     sampled = [s for s, need in zip(batch.seqs, batch.needs_sample, strict=True) if need]
     tokens = engine.sampler.sample(logits, sampled)

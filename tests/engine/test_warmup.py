@@ -76,3 +76,11 @@ def test_cpu_expert_kernels_report_the_numba_cache(engines, caplog):
     # This process compiled or loaded them already, so the cache index is there now.
     assert "loading the CPU expert kernels from Numba's cache in" in caplog.text
     assert "CPU expert kernels ready in" in caplog.text
+
+
+def test_a_one_slot_engine_warms_one_sequence(tiny_dirs, caplog):
+    with caplog.at_level(logging.INFO, logger="glmflash.engine.warmup"):
+        engine = Engine(tiny_dirs["embedded"], device="cpu", dtype="float32", context_length=64,
+                        max_running_requests=1, background_loop=False)
+    assert "3 forwards (prefill, prefix prefill, decode x1)" in caplog.text
+    assert engine.cache.num_free_pages == engine.cache.plan.num_pages
