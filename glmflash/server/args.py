@@ -111,7 +111,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     model.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: by device)")
     model.add_argument("--tool-call-parser", default="glm47", choices=("glm47", "none"))
     model.add_argument("--reasoning-parser", default="glm45", choices=("glm45", "none"))
-    model.add_argument("--skip-kernel-warmup", action="store_true",
+    model.add_argument("--skip-kernel-warmup", action="store_true", default=None,
                        help="do not compile and warm the GPU kernels at start (the first "
                             "requests pay for it)")
 
