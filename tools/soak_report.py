@@ -105,8 +105,12 @@ def markdown(report: Report, missed: list[str]) -> str:
         by_kind.setdefault(kind, []).append(f"{outcome} {n}")
     num_valid = sum(n for (k, _), n in tally.outcomes.items() if k in VALID_KINDS)
     num_hostile = sum(n for (k, _), n in tally.outcomes.items() if k in HOSTILE_KINDS)
+    num_actions = sum(tally.actions.values())
+    hostile_share = sum(tally.actions[k] for k in HOSTILE_KINDS) / max(num_actions, 1)
     rows = [
         ("requests (all kinds)", str(sum(tally.outcomes.values()))),
+        ("client actions, hostile share (a burst is one action)",
+         f"{num_actions}, {hostile_share:.1%}"),
         *[(f"  {kind}", ", ".join(parts)) for kind, parts in by_kind.items()],
         ("valid requests lost (goal 0)", f"{report.num_lost} of {num_valid}"),
         ("hostile requests not 4xx (goal 0)", f"{report.num_not_4xx} of {num_hostile}"),

@@ -37,6 +37,8 @@ class Tally:
     """Outcomes by (kind, outcome), latencies of valid requests, and a few failure examples."""
 
     outcomes: Counter = field(default_factory=Counter)
+    actions: Counter = field(default_factory=Counter)
+    """Client actions by kind (a burst is one action of many requests)."""
     latencies: list[float] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
@@ -66,6 +68,7 @@ class Traffic:
         kinds, weights = zip(*self.weights.items(), strict=True)
         while time.monotonic() < deadline:
             kind = self.rng.choices(kinds, weights)[0]
+            self.tally.actions[kind] += 1
             try:
                 await getattr(self, f"_{kind}")(client)
             except (httpx.HTTPError, OSError, ValueError) as exc:
