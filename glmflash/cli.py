@@ -3,44 +3,58 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from glmflash.engine.options import LOAD_FORMATS
+from glmflash.utils.cli_args import (
+    ArgumentParser,
+    HelpFormatter,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    probability,
+)
 from glmflash.utils.env import configure_openmp
 from glmflash.utils.logging import setup_logging
+from glmflash.utils.preflight import check_device, check_model_path, run_reporting_errors
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="glmflash", description="GLM-5.3-Flash inference engine")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from glmflash import __version__
     from glmflash.server.args import add_server_args
 
+    parser = ArgumentParser(prog="glmflash", description="GLM-5.3-Flash inference engine")
+    parser.add_argument("--version", action="version", version=f"glmflash {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
     add_server_args(sub.add_parser("serve", help="run the OpenAI-compatible server",
                                    description="OpenAI-compatible GLM-5.3-Flash server",
-                                   allow_abbrev=False))
-    gen = sub.add_parser("generate", help="generate text from a prompt")
+                                   formatter_class=HelpFormatter, allow_abbrev=False))
+    gen = sub.add_parser("generate", help="generate text from a prompt",
+                         formatter_class=HelpFormatter)
     gen.add_argument("--model-path", default=None,
                      help="checkpoint folder (default: the embedded tiny checkpoint)")
     gen.add_argument("--prompt", action="append", required=True,
                      help="prompt text; repeat for several prompts")
     gen.add_argument("--chat", action="store_true",
                      help="wrap each prompt as a user message through the chat template")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-tokens", type=positive_int, default=32, help="most tokens per prompt")
+    gen.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-p", type=probability, default=1.0, help="nucleus mass, in (0, 1]")
+    gen.add_argument("--top-k", type=non_negative_int, default=0, help="0: no top-k cut")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    gen.add_argument("--dtype", default=None, help="float32 or bfloat16")
+    gen.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: by device)")
     gen.add_argument("--load-format", choices=LOAD_FORMATS, default=None,
                      help="dummy: seeded random weights made in memory (no safetensors needed)")
-    tiny = sub.add_parser("make-tiny", help="write the tiny random checkpoint")
+    gen.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    tiny = sub.add_parser("make-tiny", help="write the tiny random checkpoint",
+                          formatter_class=HelpFormatter)
     tiny.add_argument("dir", nargs="?", default=None,
                       help="output folder (default: the embedded checkpoint's cache folder)")
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--seed", type=int, default=0, help="weights seed")
+    tiny.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return parser
 
 
@@ -52,13 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_server(args)
     setup_logging()
-    from glmflash.model.weights import CheckpointError
-
-    try:
-        return _make_tiny(args) if args.command == "make-tiny" else _generate(args)
-    except (ValueError, CheckpointError, OSError) as exc:
-        logging.getLogger("glmflash.cli").error("%s", exc)
-        return 2
+    command = _make_tiny if args.command == "make-tiny" else _generate
+    return run_reporting_errors(lambda: command(args), debug=args.debug)
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
@@ -75,8 +84,14 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from glmflash.engine.engine import Engine
     from glmflash.sampling_params import SamplingParams
+
+    # Every flag is checked before the model loads (minutes for the release checkpoint).
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    check_device(args.device)
+    check_model_path(args.model_path)
+    from glmflash.engine.engine import Engine
 
     engine = Engine(args.model_path, device=args.device, dtype=args.dtype,
                     load_format=args.load_format)
@@ -84,8 +99,6 @@ def _generate(args: argparse.Namespace) -> int:
     if args.chat:
         prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}])
                    for p in prompts]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     for result in engine.generate(prompts, params):
         sys.stdout.write(result.text + "\n")
     return 0

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from glmflash.utils.validation import require
+
+# Seeds are 64-bit signed integers (what every generator takes); choice i of a request with
+# seed s samples with wrap_seed(s + i).
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty")
 
 
 @dataclass
@@ -40,6 +47,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        require((math.isfinite(getattr(self, name)), f"{name} must be a finite number")
+                for name in _FLOAT_FIELDS)
         checks = [
             (self.max_tokens >= 1, "max_tokens must be at least 1"),
             (self.temperature >= 0, "temperature must be >= 0"),
@@ -51,9 +60,16 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
+            (self.seed is None or MIN_SEED <= self.seed <= MAX_SEED,
+             f"seed must be in [{MIN_SEED}, {MAX_SEED}]"),
         ]
         require(checks)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+
+def wrap_seed(seed: int) -> int:
+    """`seed` folded into [MIN_SEED, MAX_SEED] (two's complement), e.g. for derived seeds."""
+    return (seed - MIN_SEED) % 2**64 + MIN_SEED

@@ -7,7 +7,7 @@ import json
 import logging
 from collections.abc import Iterable, Mapping
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +66,7 @@ class Tokenizer:
         """Load tokenizer.json, tokenizer_config.json, chat_template.jinja (and the optional
         generation_config.json) from a checkpoint folder."""
         path = Path(path)
-        backend = _BackendTokenizer.from_file(str(path / "tokenizer.json"))
+        backend = _load_backend(path / "tokenizer.json")
         config = _read_json(path / "tokenizer_config.json")
         template_path = path / "chat_template.jinja"
         if template_path.is_file():
@@ -81,6 +81,16 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of ids, added tokens included."""
         return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """Most bytes of text one token stands for (added tokens included): a cheap lower bound
+        of a text's token count is its length divided by this."""
+        vocab = self._backend.get_vocab(with_added_tokens=True)
+        if type(self._backend.decoder).__name__ == "ByteLevel":
+            # byte-level tokens spell each byte with one character
+            return max(len(token) for token in vocab)
+        return max(len(token.encode("utf-8")) for token in vocab)
 
     @property
     def special_tokens_map(self) -> dict[str, str]:
@@ -301,8 +311,21 @@ def _token_content(token: Any) -> str | None:
     return token if isinstance(token, str) else None
 
 
+def _load_backend(path: Path) -> _BackendTokenizer:
+    """The `tokenizers` object of tokenizer.json; a missing or unreadable file names itself."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; the checkpoint folder needs its tokenizer")
+    try:
+        return _BackendTokenizer.from_file(str(path))
+    except Exception as exc:  # the Rust library raises a bare Exception
+        raise ValueError(f"{path} is not a valid tokenizer file ({exc})") from None
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
-    with path.open(encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with path.open(encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc})") from None

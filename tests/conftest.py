@@ -15,6 +15,7 @@ from glmflash.model.glm import GlmForCausalLM
 from glmflash.model.state import ModelState
 from glmflash.model.weights import load_checkpoint
 from glmflash.tiny.checkpoint import make_tiny_checkpoint
+from tests.multimodal.fake_net import fake_net  # noqa: F401 - a fixture for media-fetch tests
 
 # Measured on the tiny models in fp32 (spec/model.md §9.3: 1e-5...1e-3 is the reference's own
 # cached-vs-uncached spread); see tests/model/README.md for the figures.

@@ -22,15 +22,17 @@ from glmflash.engine.multimodal import MediaPreparer, collect_media
 from glmflash.engine.options import EngineConfig
 from glmflash.engine.outputs import Result, StreamDelta
 from glmflash.engine.sampler import Sampler
-from glmflash.engine.scheduler import Scheduler, SchedulerConfig, TokenDelta
+from glmflash.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, TokenDelta
 from glmflash.engine.sequence import Sequence
-from glmflash.sampling_params import SamplingParams
+from glmflash.engine.warmup import warm_up_kernels
+from glmflash.multimodal.fetch import UrlPolicy
+from glmflash.sampling_params import SamplingParams, wrap_seed
 from glmflash.tokenizer import Tokenizer
 from glmflash.utils.logging import setup_logging
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Engine", "EngineOverloaded", "Result"]
+__all__ = ["Engine", "EngineDead", "EngineOverloaded", "Result"]
 WARMUP_TOKENS = 1024
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -41,12 +43,17 @@ class EngineOverloaded(RuntimeError):
     """More choices are in flight (queued or running) than max_queued_requests allows."""
 
 
+class EngineDead(RuntimeError):
+    """The engine thread stopped after a fatal error; no request can be served any more."""
+
+
 @dataclass
 class _Choice:
     request_id: str
     index: int
     sink: Sink
     detok: SequenceDetokenizer
+    seq: Sequence
 
 
 class Engine(EngineApiMixin):
@@ -81,7 +88,12 @@ class Engine(EngineApiMixin):
         self.media = MediaPreparer(self.config, self.tokenizer,
                                    limits=self.options.limit_mm_data_per_request,
                                    process=self.options.mm_process_config,
-                                   local_root=self.options.media_local_root)
+                                   local_root=self.options.media_local_root,
+                                   url_policy=UrlPolicy.create(
+                                       self.options.allowed_media_domains,
+                                       self.options.allow_private_media_urls))
+        if not self.options.skip_kernel_warmup:
+            warm_up_kernels(self)
         self._choices: dict[int, _Choice] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -89,6 +101,9 @@ class Engine(EngineApiMixin):
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._stopping = False
+        self._batch: ScheduledBatch | None = None
+        self.fatal_error: str | None = None
+        """Why the engine thread stopped (a device failure or an error the loop cannot survive)."""
         self.num_pending = 0
         logger.info("engine ready: %s on %s (%s), context %d", self.model_path, self.device,
                     self.dtype, self.max_seq_len)
@@ -103,6 +118,8 @@ class Engine(EngineApiMixin):
         """
         if mm is not None:
             prompt_token_ids = mm.token_ids
+        if self.failure is not None:
+            raise EngineDead(f"the engine has stopped: {self.failure}")
         self._validate_prompt(prompt_token_ids)
         limit = self.options.max_queued_requests
         if limit is not None and self.num_pending >= limit:
@@ -111,10 +128,10 @@ class Engine(EngineApiMixin):
         seqs = []
         for index in range(n):
             choice_params = params if params.seed is None or index == 0 else \
-                _with_seed(params, params.seed + index)
+                _with_seed(params, wrap_seed(params.seed + index))
             seq = Sequence(next(self._seq_ids), prompt_token_ids, choice_params)
             self._choices[seq.seq_id] = _Choice(request_id, index, sink,
-                                                SequenceDetokenizer(self.tokenizer, seq))
+                                                SequenceDetokenizer(self.tokenizer, seq), seq)
             seqs.append(seq)
         with self._lock:
             self.num_pending += n
@@ -134,16 +151,26 @@ class Engine(EngineApiMixin):
             self._thread.join(timeout=30)
             self._thread = None
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot serve any more (its thread died), or None while it can."""
+        thread = self._thread
+        if self.fatal_error is None and thread is not None and not thread.is_alive() \
+                and not self._stopping:
+            return "the engine thread exited unexpectedly"
+        return self.fatal_error
+
     def step(self) -> None:
         """Take in submissions and aborts, then run one scheduled batch (if any)."""
         self._drain_inbox(block=False)
-        batch = self.scheduler.schedule()
+        self._batch = batch = self.scheduler.schedule()
         if batch is None:
             return
         logits = self.runner.run(batch)
         sampled = [s for s, need in zip(batch.seqs, batch.needs_sample, strict=True) if need]
         token_ids = self._end_failed_rows(sampled, self.sampler.sample(logits, sampled))
         self._emit(self.scheduler.update(batch, token_ids))
+        self._batch = None
         if self.options.check_integrity:
             self.cache.check_integrity()
 
@@ -174,15 +201,37 @@ class Engine(EngineApiMixin):
                 self._thread.start()
 
     def _loop(self) -> None:
-        while not self._stopping:
-            try:
+        try:
+            while not self._stopping:
                 if not self.scheduler.has_work:
                     self._drain_inbox(block=True)
                 if not self._stopping:
-                    self.step()
-            except Exception as exc:  # a failed step ends its requests, not the engine
-                logger.exception("engine step failed")
-                self._fail_all(f"{type(exc).__name__}: {exc}")
+                    self._guarded_step()
+            # Requests still in flight at shutdown end now and give their cache back.
+            self._fail_seqs(self._live_seqs(), "the engine was shut down")
+        except BaseException as exc:  # noqa: B036 - the thread must not end silently
+            self._die(exc)
+
+    def _guarded_step(self) -> None:
+        """One step; a failed step ends the requests it was running, not the engine."""
+        try:
+            self.step()
+        except Exception as exc:
+            if is_device_lost(exc):
+                raise
+            batch, self._batch = self._batch, None
+            logger.exception("engine step failed; ending the %s requests it ran",
+                             "all" if batch is None else len(batch.seqs))
+            seqs = batch.seqs if batch is not None else self._live_seqs()
+            self._fail_seqs(seqs, f"{type(exc).__name__}: {exc}")
+
+    def _die(self, exc: BaseException) -> None:
+        self.fatal_error = f"{type(exc).__name__}: {exc}"
+        logger.critical("the engine thread stopped: %s", self.fatal_error, exc_info=exc)
+        try:
+            self._fail_seqs(self._live_seqs(), f"the engine stopped: {self.fatal_error}")
+        except Exception:
+            logger.exception("could not end the requests in flight")
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -235,12 +284,21 @@ class Engine(EngineApiMixin):
                     self._finish(seq, choice, StreamDelta(request_id, choice.index, "", [],
                                                           "abort"))
 
-    def _fail_all(self, error: str) -> None:
-        for seq_id, choice in list(self._choices.items()):
-            seq = self.scheduler.abort(seq_id)
-            if seq is not None:
-                self._finish(seq, choice, StreamDelta(choice.request_id, choice.index, "", [],
-                                                      "error", error=error))
+    def _live_seqs(self) -> list[Sequence]:
+        """Every sequence with an unfinished choice: queued, running or still in the inbox."""
+        return [choice.seq for choice in list(self._choices.values())]
+
+    def _fail_seqs(self, seqs: list[Sequence], error: str) -> None:
+        """End `seqs` with an error delta and give their pages and state slots back."""
+        for seq in seqs:
+            choice = self._choices.get(seq.seq_id)
+            if choice is None:
+                continue
+            self.scheduler.abort(seq.seq_id)
+            self.cache.free(seq)
+            seq.finish("error")
+            self._finish(seq, choice, StreamDelta(choice.request_id, choice.index, "", [],
+                                                  "error", error=error))
 
     def _emit(self, deltas: list[TokenDelta]) -> None:
         for delta in deltas:
@@ -264,7 +322,8 @@ class Engine(EngineApiMixin):
                 choice.sink(out)
 
     def _finish(self, seq: Sequence, choice: _Choice, delta: StreamDelta) -> None:
-        del self._choices[seq.seq_id]
+        if self._choices.pop(seq.seq_id, None) is None:
+            return
         self.sampler.release(seq)
         with self._lock:
             self.num_pending -= 1
@@ -280,6 +339,15 @@ class Engine(EngineApiMixin):
         if len(token_ids) >= self.max_seq_len:
             raise ValueError(f"prompt of {len(token_ids)} tokens does not fit the context length "
                              f"of {self.max_seq_len} tokens")
+
+
+def is_device_lost(exc: Exception) -> bool:
+    """A CUDA error other than out-of-memory leaves the context unusable: every later step
+    would fail too, so the engine stops instead of failing requests one step at a time."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", ())
+    return isinstance(exc, accelerator_error) or "CUDA error" in str(exc)
 
 
 def warmup_text() -> str:

@@ -79,10 +79,9 @@ def embed_prompt(model: GlmForCausalLM, config: ModelConfig, mm) -> torch.Tensor
 
 def warm_up_cpu_experts(model: GlmForCausalLM) -> None:
     """Build and compile the CPU expert kernels at start, not on the first request."""
-    for module in model.modules():
-        if isinstance(module, Experts) and module.gate_proj.fp8_block and \
-                module.gate_proj.weight.device.type == "cpu":
-            module.cpu_experts().warmup()
+    from glmflash.engine.warmup import warm_up_cpu_experts
+
+    warm_up_cpu_experts(model)
 
 
 def plan_cache(model_config: ModelConfig, config: EngineConfig, max_seq_len: int,

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from glmflash.config import ModelConfig
+from glmflash.multimodal.fetch import UrlPolicy
 from glmflash.multimodal.media import (
     FetchConfig,
     MediaError,
@@ -59,11 +60,13 @@ class MediaPreparer:
     """Turns a rendered prompt plus media sources into the expanded prompt and pixel inputs."""
 
     def __init__(self, config: ModelConfig, tokenizer, *, limits: dict | None = None,
-                 process: dict | None = None, local_root: str | None = None) -> None:
+                 process: dict | None = None, local_root: str | None = None,
+                 url_policy: UrlPolicy | None = None) -> None:
         self.config, self.tokenizer = config, tokenizer
         self.limits = MediaLimits.from_dict(limits or {})
         self.process = MultimodalProcessConfig.from_dict(process)
-        self.fetch = FetchConfig(local_root=Path(local_root) if local_root else None)
+        self.fetch = FetchConfig(local_root=Path(local_root) if local_root else None,
+                                 url_policy=url_policy or UrlPolicy())
 
     def prepare(self, token_ids: list[int], sources: MediaSources) -> MultimodalPrompt:
         self.limits.check(len(sources.images), len(sources.videos))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from glmflash.utils.preflight import max_cpu_threads
 from glmflash.utils.validation import require
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -29,6 +30,10 @@ class EngineConfig:
     """`{"image": {"max_pixels": ...}, "video": {"fps": ..., "max_frames": ...}}`."""
     media_local_root: str | None = None
     """Local image/video paths are read only under this folder (None: refused)."""
+    allowed_media_domains: tuple[str, ...] | None = None
+    """http(s) media only from these hosts (None: any public host)."""
+    allow_private_media_urls: bool = False
+    """Let media URLs reach loopback, private and link-local addresses (trusted networks)."""
     kt_method: str = "FP8"
     """CPU expert format: FP8 (the checkpoint's own), the only one that honours swiglu_limit."""
     kt_num_gpu_experts: int | None = None
@@ -47,6 +52,8 @@ class EngineConfig:
     """Where weights come from: "auto" reads the checkpoint's safetensors; "dummy" makes seeded
     random weights in memory (benchmarks at release shapes: the folder needs only config.json and
     the tokenizer files)."""
+    skip_kernel_warmup: bool = False
+    """Do not run the start-up forwards that compile and warm the model's kernels."""
     background_loop: bool = True
     """Drive steps from an engine thread; False: the caller drives `step()` (tests, offline)."""
     check_integrity: bool = False
@@ -79,6 +86,10 @@ class EngineConfig:
              f"load_format {self.load_format!r} must be one of {LOAD_FORMATS}"),
         ]
         require(checks)
+        if self.kt_cpuinfer is not None:
+            limit = max_cpu_threads()
+            require([(self.kt_cpuinfer <= limit, f"kt_cpuinfer ({self.kt_cpuinfer}) is more than "
+                      f"the {limit} CPU threads this process can use")])
 
     @classmethod
     def from_options(cls, options: dict) -> EngineConfig:

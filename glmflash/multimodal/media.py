@@ -1,7 +1,8 @@
 """Where request media come from and what a request may carry.
 
-Sources are `data:` URLs, http(s) URLs (fetched with a deadline and a byte cap) and, when a local
-root is configured, local paths or `file://` URLs under it. Anything unreadable, too large or
+Sources are `data:` URLs, http(s) URLs (fetched with a deadline and a byte cap, never from a
+private address unless allowed: fetch.py) and, when a local root is configured, local paths or
+`file://` URLs under it. Anything unreadable, too large or
 not decodable raises `MediaError`, a `ValueError` the server maps to a 400.
 """
 
@@ -11,10 +12,7 @@ import base64
 import binascii
 import io
 import logging
-import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -22,6 +20,7 @@ from typing import Any
 
 from PIL import Image
 
+from glmflash.multimodal.fetch import FetchError, UrlPolicy, http_get
 from glmflash.multimodal.image import PIXELS_PER_TOKEN, ImageProcessConfig
 from glmflash.multimodal.video import (
     VideoDecodeError,
@@ -31,8 +30,6 @@ from glmflash.multimodal.video import (
 )
 
 logger = logging.getLogger(__name__)
-
-_CHUNK = 1 << 16
 
 
 class MediaError(ValueError):
@@ -109,6 +106,8 @@ class FetchConfig:
     """RGB bytes of the sampled frames at their original size (checked before decoding)."""
     local_root: Path | None = None
     """Local paths and file:// URLs are served only under this folder; None refuses them."""
+    url_policy: UrlPolicy = UrlPolicy()
+    """Which http(s) hosts may be fetched (public addresses only, by default)."""
 
 
 def fetch_bytes(source: str, *, max_bytes: int, config: FetchConfig) -> bytes:
@@ -116,7 +115,7 @@ def fetch_bytes(source: str, *, max_bytes: int, config: FetchConfig) -> bytes:
     if source.startswith("data:"):
         return _data_url_bytes(source, max_bytes)
     if _is_remote(source):
-        return _http_bytes(source, max_bytes, config.timeout_s)
+        return _http_bytes(source, max_bytes, config)
     return _read_local(local_path(source, config), max_bytes)
 
 
@@ -156,33 +155,14 @@ def _data_url_bytes(url: str, max_bytes: int) -> bytes:
     return data
 
 
-def _http_bytes(url: str, max_bytes: int, timeout_s: float) -> bytes:
-    deadline = time.monotonic() + timeout_s
-    request = urllib.request.Request(url, headers={"User-Agent": "glmflash"})
+def _http_bytes(url: str, max_bytes: int, config: FetchConfig) -> bytes:
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            length = response.headers.get("Content-Length")
-            if length is not None and length.isdigit() and int(length) > max_bytes:
-                raise MediaError(f"{url}: {length} bytes, over the {max_bytes}-byte limit")
-            body = bytearray()
-            while chunk := response.read(_CHUNK):
-                body += chunk
-                if len(body) > max_bytes:
-                    raise MediaError(f"{url}: more than the {max_bytes}-byte limit")
-                if time.monotonic() > deadline:
-                    raise TimeoutError
-            logger.debug("fetched %d bytes from %s", len(body), url)
-            return bytes(body)
-    except urllib.error.HTTPError as exc:
-        raise MediaError(f"{url}: HTTP {exc.code} {exc.reason}") from exc
-    except TimeoutError as exc:
-        raise MediaError(f"{url}: timed out after {timeout_s:g} s") from exc
-    except urllib.error.URLError as exc:
-        if isinstance(exc.reason, TimeoutError):
-            raise MediaError(f"{url}: timed out after {timeout_s:g} s") from exc
-        raise MediaError(f"{url}: cannot fetch ({exc.reason})") from exc
-    except OSError as exc:
-        raise MediaError(f"{url}: cannot fetch ({exc})") from exc
+        body = http_get(url, max_bytes=max_bytes, timeout_s=config.timeout_s,
+                        policy=config.url_policy)
+    except FetchError as exc:
+        raise MediaError(str(exc)) from None
+    logger.debug("fetched %d bytes from %s", len(body), url)
+    return body
 
 
 def _read_local(path: Path, max_bytes: int) -> bytes:

@@ -3,6 +3,9 @@ chat_stream.py, completions.py; plumbing in routing.py, streaming.py, middleware
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
@@ -16,6 +19,7 @@ from glmflash.server.chat import chat_completion
 from glmflash.server.chat_stream import chat_completion_stream
 from glmflash.server.completions import completion, completion_stream
 from glmflash.server.errors import model_not_found
+from glmflash.server.limits import BodyLimitMiddleware
 from glmflash.server.metrics import CONTENT_TYPE
 from glmflash.server.middleware import ApiMiddleware
 from glmflash.server.protocol import parse_chat_request, parse_completion_request
@@ -54,7 +58,9 @@ async def retrieve_model(request: Request) -> Response:
 @api_route
 async def chat_completions(request: Request) -> Response:
     state = _state(request)
-    body = parse_chat_request(await read_json(request), supports_media=state.bridge.supports_media)
+    state.check_admitting()
+    raw = await read_json(request, state.max_json_separators)
+    body = parse_chat_request(raw, supports_media=state.bridge.supports_media)
     model = state.resolve_model(body.model)
     if body.stream:
         events, group = await chat_completion_stream(state, body, model)
@@ -65,7 +71,8 @@ async def chat_completions(request: Request) -> Response:
 @api_route
 async def completions(request: Request) -> Response:
     state = _state(request)
-    body = parse_completion_request(await read_json(request))
+    state.check_admitting()
+    body = parse_completion_request(await read_json(request, state.max_json_separators))
     model = state.resolve_model(body.model)
     if body.stream:
         events, group = await completion_stream(state, body, model)
@@ -75,7 +82,11 @@ async def completions(request: Request) -> Response:
 
 @api_route
 async def health(request: Request) -> Response:
-    if _state(request).bridge.is_closed:
+    state = _state(request)
+    failure = state.engine.failure
+    if failure is not None:
+        return JSONResponse({"status": "engine stopped", "error": failure}, status_code=503)
+    if state.lifecycle.is_draining or state.bridge.is_closed:
         return JSONResponse({"status": "shutting down"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
@@ -83,6 +94,20 @@ async def health(request: Request) -> Response:
 @api_route
 async def metrics(request: Request) -> Response:
     return Response(_state(request).bridge.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: Starlette) -> AsyncIterator[None]:
+    """While the server runs, a task watches the engine thread (see Lifecycle.watch_engine)."""
+    lifecycle = app.state.server.lifecycle
+    watcher = asyncio.create_task(lifecycle.watch_engine())
+    try:
+        yield
+    finally:
+        watcher.cancel()
+        lifecycle.close()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
 
 
 def create_app(engine: Engine, config: ServerConfig, *,
@@ -99,8 +124,9 @@ def create_app(engine: Engine, config: ServerConfig, *,
         Route("/metrics", metrics, methods=["GET"]),
     ]
     middleware = [Middleware(ApiMiddleware, api_key=config.api_key,
-                             metrics=state.bridge.metrics)]
-    app = Starlette(routes=routes, middleware=middleware,
+                             metrics=state.bridge.metrics),
+                  Middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)]
+    app = Starlette(routes=routes, middleware=middleware, lifespan=_lifespan,
                     exception_handlers={HTTPException: http_exception})
     app.state.server = state
     return app

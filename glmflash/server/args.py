@@ -6,20 +6,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
 from glmflash.engine.options import LOAD_FORMATS
+from glmflash.utils.cli_args import ArgumentParser, HelpFormatter, non_negative_float
 
 DEFAULT_PORT = 30000
+# Past this, 413 (a 24 MiB image fits as base64; larger media come by URL). JSON parsing holds
+# the GIL: 32 MiB of text parses in about 0.1 s.
+DEFAULT_MAX_REQUEST_BYTES = 32 << 20
+DEFAULT_GRACEFUL_TIMEOUT_S = 30.0
 _GPU_EXPERT_FLAGS = ("kt_num_gpu_experts", "kt_gpu_prefill_token_threshold",
                      "kt_expert_placement")
-_MEDIA_FLAGS = ("limit_mm_data_per_request", "mm_process_config", "media_local_root")
+_MEDIA_FLAGS = ("limit_mm_data_per_request", "mm_process_config", "media_local_root",
+                "allowed_media_domains", "allow_private_media_urls")
 # Flags passed to Engine(**options) under their own names (EngineConfig fields).
 _ENGINE_OPTIONS = ("context_length", "max_running_requests", "chunked_prefill_size",
                    "mem_fraction_static", "cache_budget_gb", "max_queued_requests", "seed",
                    "page_size", "kt_method", "kt_num_gpu_experts", "kt_gpu_prefill_token_threshold",
                    "kt_cpuinfer", "kt_threadpool_count", "kt_expert_placement", "load_format",
-                   *_MEDIA_FLAGS)
+                   "skip_kernel_warmup", *_MEDIA_FLAGS)
 # chunked prefill off (SGLang's -1): one chunk as large as any prompt.
 _UNCHUNKED = 2**31 - 1
 
@@ -56,9 +63,12 @@ def _chunk_size(text: str) -> int:
 
 def _number(text: str) -> float:
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
 
 
 def _fraction(text: str) -> float:
@@ -87,6 +97,11 @@ def _json_object(text: str) -> dict[str, Any]:
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Every server flag (the one place the server CLI is defined)."""
+    from glmflash import __version__
+
+    parser.add_argument("--version", action="version", version=f"glmflash {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of a start-up error")
     model = parser.add_argument_group("model")
     model.add_argument("--model-path", default=None,
                        help="checkpoint folder (default: the embedded tiny checkpoint)")
@@ -100,6 +115,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "memory (benchmarks; the folder needs only config and tokenizer)")
     model.add_argument("--tool-call-parser", default="glm47", choices=("glm47", "none"))
     model.add_argument("--reasoning-parser", default="glm45", choices=("glm45", "none"))
+    model.add_argument("--skip-kernel-warmup", action="store_true", default=None,
+                       help="do not compile and warm the GPU kernels at start (the first "
+                            "requests pay for it)")
 
     http = parser.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1")
@@ -108,6 +126,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="require `Authorization: Bearer KEY` on /v1 routes")
     http.add_argument("--log-level", default="info",
                       choices=("debug", "info", "warning", "error"))
+    http.add_argument("--max-request-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
+                      metavar="BYTES", help="larger request bodies are refused (413)")
+    http.add_argument("--graceful-shutdown-timeout", type=non_negative_float,
+                      default=DEFAULT_GRACEFUL_TIMEOUT_S, metavar="SECONDS",
+                      help="on SIGINT/SIGTERM, how long running requests may finish before they "
+                           "are ended with an error")
 
     engine = parser.add_argument_group("engine")
     engine.add_argument("--context-length", type=_positive_int, default=None)
@@ -148,13 +172,36 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help='e.g. \'{"image": {"max_pixels": 1003520}}\'')
     media.add_argument("--media-local-root", default=None, metavar="DIR",
                        help="allow local image/video paths under DIR (default: refused)")
+    media.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                       help="fetch http(s) media only from these hosts (default: any public "
+                            "host)")
+    media.add_argument("--allow-private-media-urls", action="store_true", default=None,
+                       help="let media URLs reach loopback, private and link-local addresses "
+                            "(default: refused; trusted networks only)")
+    _document_defaults(parser)
     return parser
 
 
+def _document_defaults(parser: argparse.ArgumentParser) -> None:
+    """--help names every default: the flag's own, or the engine's for flags left unset."""
+    from dataclasses import MISSING, fields
+
+    from glmflash.engine.options import EngineConfig
+
+    engine = {f.name: f.default for f in fields(EngineConfig) if f.default is not MISSING}
+    for action in parser._actions:
+        if not action.option_strings or "default:" in (action.help or ""):
+            continue
+        if action.default is None and engine.get(action.dest) is not None:
+            action.help = f"{action.help or ''} (engine default: {engine[action.dest]})".lstrip()
+        elif action.help is None and action.default not in (None, False):
+            action.help = "(default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m glmflash.launch_server",
-                                     description="OpenAI-compatible GLM-5.3-Flash server",
-                                     allow_abbrev=False)
+    parser = ArgumentParser(prog="python -m glmflash.launch_server",
+                            description="OpenAI-compatible GLM-5.3-Flash server",
+                            formatter_class=HelpFormatter, allow_abbrev=False)
     return add_server_args(parser)
 
 

@@ -4,7 +4,8 @@
 prompt fails before any response header is sent) and returns a `RequestGroup`: an async iterator
 over the choices' StreamDeltas, fed through one asyncio.Queue by the engine thread. Leaving the
 group's `async with` block early (client disconnect, error, cancellation) aborts every request
-still running, which frees its cache pages and state slot.
+still running, which frees its cache pages and state slot. `fail_open` ends every open group
+with an error (shutdown past its grace period, or a dead engine).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from glmflash.engine.engine import EngineOverloaded
+from glmflash.engine.engine import EngineDead, EngineOverloaded
 from glmflash.engine.outputs import StreamDelta
 from glmflash.sampling_params import SamplingParams
-from glmflash.server.errors import bad_request, internal_error, overloaded
+from glmflash.server.errors import ApiError, bad_request, internal_error, overloaded, unavailable
 from glmflash.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -32,12 +33,21 @@ class EngineFailure(Exception):
     """The engine ended a choice with an error (a failed step)."""
 
 
+class EngineUnavailable(EngineFailure):
+    """The server stopped a request: it is shutting down, or the engine has died."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.metrics = ServerMetrics(engine)
         self.is_closed = False
         self._ids = itertools.count()
+        self.open_groups: set[RequestGroup] = set()
 
     @property
     def supports_media(self) -> bool:
@@ -46,6 +56,8 @@ class AsyncEngine:
     def submit(self, prompts: list[list[int]], params: SamplingParams, n: int, prefix: str,
                mm: list | None = None) -> RequestGroup:
         """Queue one engine request of `n` choices per prompt (`mm`: their media inputs)."""
+        if self.is_closed:
+            raise unavailable("The server is shutting down.", "shutting_down")
         group = RequestGroup(self, asyncio.get_running_loop(), len(prompts) * n)
         base = f"{prefix}-{next(self._ids)}"
         try:
@@ -57,10 +69,19 @@ class AsyncEngine:
         except EngineOverloaded as exc:
             group.abort()
             raise overloaded() from exc
+        except EngineDead as exc:
+            group.abort()
+            raise unavailable(str(exc), "engine_dead") from exc
         except ValueError as exc:
             group.abort()
             raise bad_request(str(exc), param="prompt") from exc
+        self.open_groups.add(group)
         return group
+
+    def fail_open(self, failure: EngineUnavailable) -> None:
+        """End every open request with `failure` (on the event loop)."""
+        for group in list(self.open_groups):
+            group.fail(failure)
 
     def shutdown(self) -> None:
         self.is_closed = True
@@ -76,7 +97,7 @@ class RequestGroup:
         self.loop = loop
         self.request_ids: list[str] = []
         self.num_open = num_choices
-        self._queue: asyncio.Queue[tuple[int, StreamDelta]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[int, StreamDelta | EngineFailure]] = asyncio.Queue()
         self._submitted_at = time.perf_counter()
         self._last_token_at: dict[tuple[int, int], float] = {}
 
@@ -98,8 +119,13 @@ class RequestGroup:
 
     def close(self) -> None:
         """Abort whatever is still running (a no-op once every choice has finished)."""
+        self.bridge.open_groups.discard(self)
         if self.num_open:
             self.abort()
+
+    def fail(self, failure: EngineFailure) -> None:
+        """Make the consumer raise `failure` at its next delta (it then aborts the rest)."""
+        self._queue.put_nowait((-1, failure))
 
     def abort(self) -> None:
         for request_id in self.request_ids:
@@ -110,6 +136,8 @@ class RequestGroup:
     async def __aiter__(self) -> AsyncIterator[tuple[int, StreamDelta]]:
         while self.num_open:
             prompt_index, delta = await self._queue.get()
+            if isinstance(delta, EngineFailure):
+                raise delta
             self._observe(prompt_index, delta)
             if delta.finish_reason == "error":
                 raise EngineFailure(delta.error or "generation failed")
@@ -132,8 +160,11 @@ class RequestGroup:
                 metrics.prompt_tokens.inc(delta.num_prompt_tokens)
             if not self.num_open:
                 metrics.e2e_latency.observe(now - self._submitted_at)
+                self.bridge.open_groups.discard(self)
 
 
-def failure_error(exc: EngineFailure):
+def failure_error(exc: EngineFailure) -> ApiError:
+    if isinstance(exc, EngineUnavailable):
+        return unavailable(str(exc), exc.code)
     logger.error("generation failed: %s", exc)
     return internal_error(f"generation failed: {exc}")

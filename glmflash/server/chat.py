@@ -22,6 +22,7 @@ from glmflash.engine.outputs import Choice
 from glmflash.parsers.tags import THINK_END, THINK_START, TOOL_CALL_START
 from glmflash.parsers.tool_parser import ChatOutputParser, ToolCall
 from glmflash.server.errors import bad_request
+from glmflash.server.limits import chat_texts
 from glmflash.server.logprobs import chat_logprobs
 from glmflash.server.processors import ForcedToolCall, ToolTokenIds
 from glmflash.server.protocol import ChatCompletionRequest
@@ -70,6 +71,7 @@ def render_prompt(state: ServerState, request: ChatCompletionRequest) -> str:
 
 def prepare_chat(state: ServerState, request: ChatCompletionRequest,
                  ) -> tuple[PreparedRequest, ChatPlan]:
+    state.check_prompt_size(chat_texts(request.messages), request.max_tokens, "messages")
     text = render_prompt(state, request)
     ids = state.engine.tokenizer.encode(text)
     mm = _prepare_media(state, ids, request) if request.media else None
@@ -109,7 +111,8 @@ def _plan(state: ServerState, request: ChatCompletionRequest, prompt: str) -> Ch
 
 def _tool_choice_processors(state: ServerState, request: ChatCompletionRequest,
                             plan: ChatPlan) -> list:
-    """tool_choice required / named: force a call after the reasoning (see ForcedToolCall)."""
+    """tool_choice required / named: force a call to a known function after the reasoning (see
+    ForcedToolCall)."""
     choice = request.tool_choice
     if plan.tools is None or choice.mode not in ("required", "function"):
         return []
@@ -118,8 +121,10 @@ def _tool_choice_processors(state: ServerState, request: ChatCompletionRequest,
     if ids is None:
         raise bad_request("tool_choice 'required' and named functions need the GLM tool tags in "
                           "the tokenizer", param="tool_choice")
-    name_ids = tokenizer.encode(choice.name) if choice.mode == "function" else None
-    return [ForcedToolCall(ids, list(state.engine.eos_token_ids), name_ids,
+    names = [choice.name] if choice.mode == "function" else \
+        [tool["function"]["name"] for tool in plan.tools]
+    banned = [*state.engine.eos_token_ids, *request.stop_token_ids]
+    return [ForcedToolCall(ids, banned, [tokenizer.encode(name) for name in names],
                            starts_in_reasoning=plan.starts_in_reasoning)]
 
 

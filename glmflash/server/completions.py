@@ -22,6 +22,9 @@ from glmflash.server.streaming import collect
 
 def prepare_completion(state: ServerState, request: CompletionRequest) -> PreparedRequest:
     tokenizer = state.engine.tokenizer
+    for prompt in request.prompts:
+        if isinstance(prompt, str):
+            state.check_prompt_size([prompt], request.max_tokens, "prompt")
     prompts = [p if isinstance(p, list) else tokenizer.encode(p) for p in request.prompts]
     if not all(prompts):
         raise bad_request("'prompt' must not be empty", param="prompt")

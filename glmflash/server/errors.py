@@ -55,10 +55,15 @@ def overloaded() -> ApiError:
                     headers={"Retry-After": str(OVERLOADED_RETRY_AFTER_S)})
 
 
+def unavailable(message: str, code: str) -> ApiError:
+    """The server cannot serve this request now (shutting down, or its engine died)."""
+    return ApiError(503, message, type="server_error", code=code)
+
+
 def context_length_exceeded(max_len: int, num_prompt_tokens: int, max_tokens: int | None,
-                            param: str) -> ApiError:
-    if max_tokens is None:
-        detail = f"your prompt contains {num_prompt_tokens} tokens"
+                            param: str, *, at_least: bool = False) -> ApiError:
+    if max_tokens is None or at_least:
+        detail = f"your prompt contains {'at least ' if at_least else ''}{num_prompt_tokens} tokens"
     else:
         detail = (f"you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in "
                   f"the prompt, {max_tokens} in the completion)")

@@ -5,10 +5,14 @@ JSON `null` counts as absent (the field's default), as in OpenAI's API.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from typing import Any
 
 from glmflash.server.errors import bad_request
+
+# Integers past 2**53 lose precision as floats (and 10**400 does not convert at all).
+_MAX_EXACT_INT = 2**53
 
 
 class Fields:
@@ -57,7 +61,13 @@ class Fields:
     def number(self, name: str, default: float | None = None, *, lo: float | None = None,
                hi: float | None = None) -> float | None:
         value = self.get(name, (int, float), "a number", default)
-        return self._in_range(name, None if value is None else float(value), lo, hi)
+        if value is None:
+            return None
+        # NOTE: Python's JSON reader accepts NaN, Infinity and 1e999 (inf); none is a number here.
+        if isinstance(value, float) and not math.isfinite(value) or \
+                isinstance(value, int) and abs(value) > _MAX_EXACT_INT:
+            raise self.fail(name, f"must be a finite number, got {value!r:.40}")
+        return self._in_range(name, float(value), lo, hi)
 
     def boolean(self, name: str, default: bool = False) -> bool:
         return self.get(name, (bool,), "a boolean", default)

@@ -1,12 +1,14 @@
 """Logits processors the server adds to a request: logit_bias and tool_choice enforcement.
 
 Each is stateless (it reads only the output ids so far), so one instance serves all `n` choices.
-They run on the logits' device with no host sync: index tensors are copied to a device once.
+The special-token scans are list.index calls (C loops), cheap at any output length. They run
+on the logits' device with no host sync: index tensors are copied to a device once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -60,38 +62,90 @@ class ToolTokenIds:
 class ForcedToolCall:
     """tool_choice `required` or a named function: after the reasoning, the answer is a call.
 
-    Reasoning runs freely (but may not end the generation); once `</think>` is out, the next token
-    is `<tool_call>`; for a named function its name follows, then `<arg_key>` or `</tool_call>`.
-    End-of-sequence tokens stay banned until the first call is closed; after it, nothing is forced.
+    It follows the output parsers' state, read from the special tokens at their places, not
+    from any occurrence: the reasoning ends at the first `</think>` or `<tool_call>`; content
+    starts after it; the first call opens at the first `<tool_call>` of the content and closes at
+    the first `</tool_call>` after that. So a tag the model writes inside its reasoning (a
+    `</tool_call>` there once switched enforcement off) changes nothing.
+
+    * reasoning: free, but end-of-sequence and stop tokens are banned;
+    * content, no call yet: the next token is `<tool_call>`;
+    * inside the first call: the name is one of `names` (token by token), then `<arg_key>` or
+      `</tool_call>`; the arguments are free but may not end the generation, open another call
+      or close a think block (the parser would not read the call);
+    * after the first call: nothing is forced.
     """
 
-    def __init__(self, ids: ToolTokenIds, banned_ids: list[int], name_ids: list[int] | None,
+    def __init__(self, ids: ToolTokenIds, banned_ids: list[int], names: list[list[int]],
                  *, starts_in_reasoning: bool) -> None:
         self.ids = ids
-        self.banned_ids = DeviceCopies(torch.tensor(sorted(banned_ids), dtype=torch.long))
-        self.name_ids = name_ids
+        self.banned_ids = DeviceCopies(torch.tensor(sorted(set(banned_ids)), dtype=torch.long))
+        self.banned_in_call = DeviceCopies(torch.tensor(
+            sorted({*banned_ids, ids.call_start, ids.think_end}), dtype=torch.long))
+        self.names = NameTrie(names)
         self.starts_in_reasoning = starts_in_reasoning
 
     def __call__(self, output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
-        if self.ids.call_end in output_ids:
-            return logits
-        start = _index(output_ids, self.ids.call_start)
-        if start is None:
-            if not self.starts_in_reasoning or self.ids.think_end in output_ids:
-                return _only(logits, [self.ids.call_start])
+        content_start = self._content_start(output_ids)
+        if content_start is None:
             return _ban(logits, self.banned_ids)
-        if self.name_ids is not None:
-            num_after = len(output_ids) - start - 1
-            if num_after < len(self.name_ids):
-                return _only(logits, [self.name_ids[num_after]])
-            if num_after == len(self.name_ids):
-                return _only(logits, [self.ids.arg_key, self.ids.call_end])
-        return _ban(logits, self.banned_ids)
+        call_start = _find(output_ids, self.ids.call_start, content_start)
+        if call_start is None:
+            return _only(logits, [self.ids.call_start])
+        if _find(output_ids, self.ids.call_end, call_start + 1) is not None:
+            return logits
+        allowed = self.names.next_ids(output_ids[call_start + 1:])
+        if allowed is None:
+            return _ban(logits, self.banned_in_call)
+        ends = [self.ids.arg_key, self.ids.call_end] if allowed.is_complete else []
+        return _only(logits, [*allowed.ids, *ends])
+
+    def _content_start(self, output_ids: list[int]) -> int | None:
+        """Where the content begins (None: still reasoning), as the reasoning parser splits."""
+        if not self.starts_in_reasoning:
+            return 0
+        think_end = _find(output_ids, self.ids.think_end, 0)
+        call_start = _find(output_ids, self.ids.call_start, 0)
+        if call_start is not None and (think_end is None or call_start < think_end):
+            return call_start
+        return None if think_end is None else think_end + 1
 
 
-def _index(ids: list[int], token_id: int) -> int | None:
+class NameChoice(NamedTuple):
+    ids: list[int]
+    """Token ids that continue some allowed name."""
+    is_complete: bool
+    """The tokens so far spell a whole allowed name."""
+
+
+class NameTrie:
+    """The allowed function names as token sequences, walked one token at a time."""
+
+    def __init__(self, names: list[list[int]]) -> None:
+        self.root: dict = {}
+        for name in names:
+            node = self.root
+            for token_id in name:
+                node = node.setdefault(token_id, {})
+            node[_END] = {}
+
+    def next_ids(self, prefix: list[int]) -> NameChoice | None:
+        """What may follow `prefix`; None once `prefix` has left the name (the arguments)."""
+        node = self.root
+        for token_id in prefix:
+            if token_id not in node:
+                return None
+            node = node[token_id]
+        return NameChoice([t for t in node if t is not _END], _END in node)
+
+
+# Marks the end of a name in NameTrie (never a token id).
+_END = object()
+
+
+def _find(ids: list[int], token_id: int, start: int) -> int | None:
     try:
-        return ids.index(token_id)
+        return ids.index(token_id, start)
     except ValueError:
         return None
 

@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from glmflash.sampling_params import MAX_SEED, MIN_SEED
 from glmflash.server.errors import bad_request
 from glmflash.server.fields import Fields
 from glmflash.server.messages import ToolChoice, parse_messages, parse_tool_choice, parse_tools
@@ -22,6 +23,9 @@ MAX_STOP_STRINGS = 4
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+MAX_TOP_K = 2**31 - 1
+# Token ids are below 2**31; a longer key is not one (and int() of 5000 digits raises).
+_MAX_TOKEN_ID_DIGITS = 10
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 _SAMPLING_FIELDS = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p",
@@ -121,13 +125,13 @@ def _sampling_fields(body: Fields) -> dict[str, Any]:
         "max_tokens": body.integer("max_tokens", lo=1),
         "temperature": body.number("temperature", lo=0, hi=2),
         "top_p": _positive(body, "top_p", body.number("top_p", lo=0, hi=1)),
-        "top_k": body.integer("top_k", lo=-1),
+        "top_k": body.integer("top_k", lo=-1, hi=MAX_TOP_K),
         "min_p": body.number("min_p", lo=0, hi=1),
         "presence_penalty": body.number("presence_penalty", 0.0, lo=-2, hi=2),
         "frequency_penalty": body.number("frequency_penalty", 0.0, lo=-2, hi=2),
         "repetition_penalty": _positive(body, "repetition_penalty",
                                         body.number("repetition_penalty", 1.0, lo=0, hi=2)),
-        "seed": body.integer("seed"),
+        "seed": body.integer("seed", lo=MIN_SEED, hi=MAX_SEED),
         "stop": _stop(body),
         "stop_token_ids": _int_list(body, "stop_token_ids"),
         "ignore_eos": body.boolean("ignore_eos"),
@@ -167,7 +171,7 @@ def _logit_bias(body: Fields) -> dict[int, float]:
         return {}
     out = {}
     for key in bias.raw:
-        if not key.isdigit():
+        if not (key.isascii() and key.isdigit() and len(key) <= _MAX_TOKEN_ID_DIGITS):
             raise body.fail("logit_bias", f"keys must be token ids, got {key!r}")
         out[int(key)] = bias.number(key, lo=-100, hi=100)
     return out

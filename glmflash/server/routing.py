@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 from glmflash.server.async_engine import EngineFailure, failure_error
 from glmflash.server.errors import ApiError, bad_request, internal_error, not_found
+from glmflash.server.limits import check_json_size
 from glmflash.server.streaming import ClientDisconnected
 
 logger = logging.getLogger(__name__)
@@ -27,8 +28,10 @@ def error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
-async def read_json(request: Request) -> Any:
+async def read_json(request: Request, max_separators: int | None = None) -> Any:
     body = await request.body()
+    if max_separators is not None:
+        check_json_size(body, max_separators)
     try:
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:

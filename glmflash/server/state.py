@@ -6,14 +6,22 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from glmflash.sampling_params import SamplingParams
+from glmflash.server.args import DEFAULT_GRACEFUL_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
 from glmflash.server.async_engine import AsyncEngine
-from glmflash.server.errors import bad_request, context_length_exceeded, model_not_found
+from glmflash.server.errors import (
+    bad_request,
+    context_length_exceeded,
+    model_not_found,
+    unavailable,
+)
+from glmflash.server.lifecycle import Lifecycle
+from glmflash.server.limits import max_json_separators, min_num_tokens
 from glmflash.server.logprobs import TokenText
 from glmflash.server.processors import LogitBias
 from glmflash.server.protocol import SamplingRequest
@@ -36,6 +44,10 @@ class ServerConfig:
     """glm47, or none (tool-call markup stays in `content`)."""
     reasoning_parser: str = "glm45"
     """glm45, or none (reasoning stays in `content`)."""
+    graceful_shutdown_timeout_s: float = DEFAULT_GRACEFUL_TIMEOUT_S
+    """After SIGINT/SIGTERM, how long running requests may go on before they are ended."""
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    """Larger request bodies are answered 413 without being read."""
 
 
 @dataclass
@@ -58,11 +70,19 @@ class ServerState:
                  request_hook: RequestHook | None = None) -> None:
         self.engine = engine
         self.bridge = AsyncEngine(engine)
+        self.lifecycle = Lifecycle(self.bridge, config.graceful_shutdown_timeout_s)
         self.config = config
         self.request_hook = request_hook
         self.created = int(time.time())
         self.token_text = TokenText(engine.tokenizer)
         self.sampling_defaults = read_generation_defaults(engine.model_path)
+        self.max_json_separators = max_json_separators(engine.max_seq_len)
+        logger.debug("prompt bound: at most %d bytes per token", engine.tokenizer.max_token_bytes)
+
+    def check_admitting(self) -> None:
+        """503 once the server drains for shutdown or its engine has died."""
+        if self.lifecycle.is_draining or self.bridge.is_closed:
+            raise unavailable("The server is shutting down.", "shutting_down")
 
     def resolve_model(self, name: str | None) -> str:
         if name is None:
@@ -70,6 +90,13 @@ class ServerState:
         if name not in self.config.served_model_names:
             raise model_not_found(name)
         return name
+
+    def check_prompt_size(self, texts: Iterable[str], requested: int | None, param: str) -> None:
+        """context_length_exceeded before tokenizing when the text alone cannot fit."""
+        num_tokens = min_num_tokens(texts, self.engine.tokenizer.max_token_bytes)
+        if num_tokens >= self.engine.max_seq_len:
+            raise context_length_exceeded(self.engine.max_seq_len, num_tokens, requested, param,
+                                          at_least=True)
 
     def max_tokens_for(self, num_prompt_tokens: int, requested: int | None, param: str) -> int:
         """The request's output budget; 400 context_length_exceeded when it cannot fit."""

@@ -21,7 +21,11 @@ from glmflash.multimodal import (
     load_image,
     load_video,
 )
+from glmflash.multimodal.fetch import UrlPolicy
 from tests.multimodal.conftest import make_video, random_image
+
+# The test server listens on 127.0.0.1, a private address the default policy refuses.
+LOOPBACK = UrlPolicy(allow_private=True)
 
 
 def _png_bytes(image) -> bytes:
@@ -83,7 +87,7 @@ def server(media_dir):
 
 def test_image_from_data_url_path_and_http(media_dir, server):
     expected = np.asarray(random_image(0, 40, 60).convert("RGBA"))
-    config = FetchConfig(local_root=media_dir)
+    config = FetchConfig(local_root=media_dir, url_policy=LOOPBACK)
     sources = [_data_url((media_dir / "cat.png").read_bytes()), str(media_dir / "cat.png"),
                (media_dir / "cat.png").as_uri(), f"{server}/cat.png"]
     for source in sources:
@@ -91,7 +95,8 @@ def test_image_from_data_url_path_and_http(media_dir, server):
 
 
 def test_video_from_data_url_path_and_http(media_dir, server):
-    config, process = FetchConfig(local_root=media_dir), VideoProcessConfig()
+    config = FetchConfig(local_root=media_dir, url_policy=LOOPBACK)
+    process = VideoProcessConfig()
     expected = decode_video(media_dir / "clip.mp4", process)
     data = (media_dir / "clip.mp4").read_bytes()
     for source in [_data_url(data, "video/mp4"), str(media_dir / "clip.mp4"),
@@ -103,15 +108,15 @@ def test_video_from_data_url_path_and_http(media_dir, server):
 
 def test_http_errors(server):
     with pytest.raises(MediaError, match="timed out after 0.3 s"):
-        load_image(f"{server}/slow", FetchConfig(timeout_s=0.3))
+        load_image(f"{server}/slow", FetchConfig(timeout_s=0.3, url_policy=LOOPBACK))
     with pytest.raises(MediaError, match="HTTP 404"):
-        load_image(f"{server}/missing.png", FetchConfig())
+        load_image(f"{server}/missing.png", FetchConfig(url_policy=LOOPBACK))
     with pytest.raises(MediaError, match="over the 100-byte limit"):
-        load_image(f"{server}/cat.png", FetchConfig(max_image_bytes=100))
+        load_image(f"{server}/cat.png", FetchConfig(max_image_bytes=100, url_policy=LOOPBACK))
     with pytest.raises(MediaError, match="more than the 1000-byte limit"):
-        load_image(f"{server}/stream", FetchConfig(max_image_bytes=1000))
-    with pytest.raises(MediaError, match="cannot fetch"):
-        load_image("http://127.0.0.1:9/x.png", FetchConfig(timeout_s=2))
+        load_image(f"{server}/stream", FetchConfig(max_image_bytes=1000, url_policy=LOOPBACK))
+    with pytest.raises(MediaError, match="could not be fetched"):
+        load_image("http://127.0.0.1:9/x.png", FetchConfig(timeout_s=2, url_policy=LOOPBACK))
 
 
 def test_corrupt_media(media_dir):

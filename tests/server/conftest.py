@@ -73,6 +73,10 @@ class LiveServer:
     server: uvicorn.Server
     thread: threading.Thread
 
+    @property
+    def app_state(self):
+        return self.server.config.app.state.server
+
     def client(self, **kwargs) -> openai.OpenAI:
         kwargs.setdefault("api_key", "unused")
         return openai.OpenAI(base_url=f"{self.url}/v1", max_retries=0, timeout=60, **kwargs)
@@ -95,11 +99,14 @@ class LiveServer:
         self.engine.shutdown()
 
 
-def start_server(tiny_dir, *, api_key: str | None = None, **engine_options) -> LiveServer:
+def start_server(tiny_dir, *, api_key: str | None = None, graceful_shutdown_timeout_s: float = 30,
+                 **engine_options) -> LiveServer:
     engine = Engine(tiny_dir, device="cpu", dtype="float32", context_length=CONTEXT_LENGTH,
                     **engine_options)
     hook = ScriptHook(engine)
-    app = create_app(engine, ServerConfig((MODEL, "alias"), api_key=api_key), request_hook=hook)
+    config = ServerConfig((MODEL, "alias"), api_key=api_key,
+                          graceful_shutdown_timeout_s=graceful_shutdown_timeout_s)
+    app = create_app(engine, config, request_hook=hook)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

@@ -6,10 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from transformers import PreTrainedTokenizerFast
 
-from glmflash.server.processors import ForcedToolCall, ToolTokenIds
 from tests.server.conftest import MODEL
 
 TOOLS = [{"type": "function", "function": {
@@ -99,30 +97,6 @@ def test_named_tool_choice_forces_the_call(live, client):
     (call,) = out.choices[0].message.tool_calls
     assert call.function.name == "get_time"
     assert "# Tools" in live.hook.prepared[-1].prompt_text
-
-
-def _ids(live) -> ToolTokenIds:
-    return ToolTokenIds.from_tokenizer(live.engine.tokenizer)
-
-
-def test_forced_tool_call_processor(live):
-    ids, eos = _ids(live), sorted(live.engine.eos_token_ids)
-    name = [7, 8]
-    forced = ForcedToolCall(ids, eos, name, starts_in_reasoning=True)
-    row = torch.zeros(1088)
-
-    def allowed(output_ids):
-        return set(torch.nonzero(forced(output_ids, row) > float("-inf")).flatten().tolist())
-
-    assert allowed([1, 2]) == set(range(1088)) - set(eos)
-    assert allowed([1, ids.think_end]) == {ids.call_start}
-    assert allowed([1, ids.think_end, ids.call_start]) == {7}
-    assert allowed([1, ids.think_end, ids.call_start, 7]) == {8}
-    assert allowed([1, ids.think_end, ids.call_start, 7, 8]) == {ids.arg_key, ids.call_end}
-    assert allowed([ids.call_start, 7, 8, ids.arg_key, 3]) == set(range(1088)) - set(eos)
-    assert allowed([ids.call_start, 7, 8, ids.call_end]) == set(range(1088))
-    required = ForcedToolCall(ids, eos, None, starts_in_reasoning=False)
-    assert set(torch.nonzero(required([], row) == 0).flatten().tolist()) == {ids.call_start}
 
 
 def test_template_matches_transformers(live, client, tiny_dirs):

@@ -1,0 +1,1 @@
+"""Developer tools (run as scripts; importable as `tools.*` from the repository root)."""
