@@ -151,6 +151,8 @@ def _run(engine: Engine, batch: ScheduledBatch) -> None:
             engine.cache.allocate(seq, n)
         else:
             engine.cache.append(seq, n)
+    # The runner's page table learns the pages this step handed out, as from the scheduler.
+    batch.page_updates = engine.cache.take_page_updates()
     logits = engine.runner.run(batch)
     sampled = [s for s, need in zip(batch.seqs, batch.needs_sample, strict=True) if need]
     tokens = engine.sampler.sample(logits, sampled)

@@ -241,7 +241,7 @@ def test_a_raising_processor_fails_only_its_row():
 
 def test_tool_processors_on_rows():
     ids = ToolTokenIds(think_end=10, call_start=11, call_end=12, arg_key=13)
-    forced = ForcedToolCall(ids, [0, 1], [7, 8], starts_in_reasoning=True)
+    forced = ForcedToolCall(ids, [0, 1], [[7, 8]], starts_in_reasoning=True)
     row = torch.zeros(VOCAB)
     assert forced([2, 10, 11, 7, 8], row).isfinite().nonzero().flatten().tolist() == [12, 13]
     assert not forced([2], row)[[0, 1]].isfinite().any() and forced([2], row)[2] == 0
@@ -298,7 +298,7 @@ def test_gpu_sampling_has_no_host_sync_and_matches_the_cpu():
             _seq(4, SamplingParams(temperature=0, logprobs=0,
                                    logits_processors=[LogitBias({3: 4.0, 8: -2.0})])),
             _seq(5, SamplingParams(temperature=0.8, seed=14, logits_processors=[
-                ForcedToolCall(ids, [0, 1], [7, 8], starts_in_reasoning=True)]), outputs=[2, 10]),
+                ForcedToolCall(ids, [0, 1], [[7, 8]], starts_in_reasoning=True)]), outputs=[2, 10]),
         ]
 
     cpu_seqs, gpu_seqs = batch(), batch()

@@ -53,6 +53,8 @@ def test_the_warm_up_leaves_no_trace(engines):
         engine.check_integrity()
         assert engine.cache.num_free_pages == engine.cache.plan.num_pages
         assert len(engine.cache.free_state_slots) == engine.cache.plan.num_state_slots
+        # Every page the warm-up took reached the runner's page table with its own forward.
+        assert not engine.cache.page_updates
     prompts = ["The first request", "and another one"]
     assert [r.token_ids for r in warm.generate(prompts, PARAMS)] == \
         [r.token_ids for r in cold.generate(prompts, PARAMS)]
