@@ -55,7 +55,7 @@ def test_chat_plain_answer(engine):
 def test_penalties_change_scores():
     seq = Sequence(0, [1, 2], SamplingParams(repetition_penalty=2.0, presence_penalty=1.0,
                                              frequency_penalty=0.5))
-    seq.token_ids += [3, 3]
+    seq.token_ids.extend([3, 3])
     row = torch.tensor([1.0, 2.0, -2.0, 4.0, 5.0])
     out = apply_penalties(row, seq)
     # ids 1,2,3 seen: positive / 2, negative * 2; id 3 seen twice in the output: -1 - 2*0.5.

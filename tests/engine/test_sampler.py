@@ -26,7 +26,7 @@ PROBS = [0.3, 0.2, 0.15, 0.1, 0.08, 0.06, 0.04, 0.03, 0.02, 0.01, 0.007, 0.003]
 
 def _seq(seq_id: int, params: SamplingParams, prompt=(1, 2, 3), outputs=()) -> Sequence:
     seq = Sequence(seq_id, list(prompt), params)
-    seq.token_ids += list(outputs)
+    seq.token_ids.extend(outputs)
     return seq
 
 
