@@ -17,6 +17,7 @@ from glmflash.config import ModelConfig
 from glmflash.engine.api import EngineApiMixin
 from glmflash.engine.cache import CacheManager
 from glmflash.engine.detokenizer import SequenceDetokenizer
+from glmflash.engine.loop import EngineLoopMixin
 from glmflash.engine.model_runner import ModelRunner, embed_prompt, load_model, plan_cache
 from glmflash.engine.multimodal import MediaPreparer, collect_media
 from glmflash.engine.options import EngineConfig
@@ -56,7 +57,7 @@ class _Choice:
     seq: Sequence
 
 
-class Engine(EngineApiMixin):
+class Engine(EngineApiMixin, EngineLoopMixin):
     """Loads a checkpoint (the embedded tiny one when `model_path` is None) and serves requests."""
 
     def __init__(self, model_path: str | Path | None = None, device: str | None = None,
@@ -191,66 +192,6 @@ class Engine(EngineApiMixin):
                                                   "error", error=error))
         return [t for row, t in enumerate(token_ids) if row not in errors]
 
-    # The engine thread.
-    def _ensure_thread(self) -> None:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._stopping = False
-                self._thread = threading.Thread(target=self._loop, name="glmflash-engine",
-                                                daemon=True)
-                self._thread.start()
-
-    def _loop(self) -> None:
-        try:
-            while not self._stopping:
-                if not self.scheduler.has_work:
-                    self._drain_inbox(block=True)
-                if not self._stopping:
-                    self._guarded_step()
-            # Requests still in flight at shutdown end now and give their cache back.
-            self._fail_seqs(self._live_seqs(), "the engine was shut down")
-        except BaseException as exc:  # noqa: B036 - the thread must not end silently
-            self._die(exc)
-
-    def _guarded_step(self) -> None:
-        """One step; a failed step ends the requests it was running, not the engine."""
-        try:
-            self.step()
-        except Exception as exc:
-            if is_device_lost(exc):
-                raise
-            batch, self._batch = self._batch, None
-            logger.exception("engine step failed; ending the %s requests it ran",
-                             "all" if batch is None else len(batch.seqs))
-            seqs = batch.seqs if batch is not None else self._live_seqs()
-            self._fail_seqs(seqs, f"{type(exc).__name__}: {exc}")
-
-    def _die(self, exc: BaseException) -> None:
-        self.fatal_error = f"{type(exc).__name__}: {exc}"
-        logger.critical("the engine thread stopped: %s", self.fatal_error, exc_info=exc)
-        try:
-            self._fail_seqs(self._live_seqs(), f"the engine stopped: {self.fatal_error}")
-        except Exception:
-            logger.exception("could not end the requests in flight")
-
-    def _drain_inbox(self, block: bool) -> None:
-        try:
-            message = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            kind, payload = message
-            if kind == "add":
-                self._admit(*payload)
-            elif kind == "abort":
-                self._abort(payload)
-            elif kind == "stop":
-                return
-            try:
-                message = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-
     def _admit(self, seqs: list[Sequence], mm) -> None:
         if mm is not None:
             try:
@@ -339,15 +280,6 @@ class Engine(EngineApiMixin):
         if len(token_ids) >= self.max_seq_len:
             raise ValueError(f"prompt of {len(token_ids)} tokens does not fit the context length "
                              f"of {self.max_seq_len} tokens")
-
-
-def is_device_lost(exc: Exception) -> bool:
-    """A CUDA error other than out-of-memory leaves the context unusable: every later step
-    would fail too, so the engine stops instead of failing requests one step at a time."""
-    if isinstance(exc, torch.cuda.OutOfMemoryError):
-        return False
-    accelerator_error = getattr(torch, "AcceleratorError", ())
-    return isinstance(exc, accelerator_error) or "CUDA error" in str(exc)
 
 
 def warmup_text() -> str:
