@@ -11,6 +11,7 @@ import torch
 from glmflash.engine.rng import to_int64
 from glmflash.engine.sequence import Sequence
 from glmflash.sampling_params import SamplingParams
+from glmflash.utils.device import upload
 
 if TYPE_CHECKING:
     from glmflash.engine.penalties import PenaltyState
@@ -109,7 +110,4 @@ def to_device(columns: list[list], dtype: torch.dtype, device: torch.device) -> 
     sizes = [len(column) for column in columns]
     if not flat:
         return [torch.empty(0, dtype=dtype, device=device) for _ in columns]
-    host = torch.tensor(flat, dtype=dtype)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return list(host.to(device, non_blocking=True).split(sizes))
+    return list(upload(flat, device, dtype).split(sizes))

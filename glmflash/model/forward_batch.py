@@ -39,8 +39,6 @@ class ForwardBatch:
     """`[R, P]` int32 page ids per state slot: token position p of the sequence in slot r lives
     in cache slot `page_table[r, p // page_size] * page_size + p % page_size`."""
     page_size: int
-    seq_info: torch.Tensor
-    """`[3B + 1]` int64 on the device: cu_seqlens (B+1), prefix_lens (B), state_slots (B)."""
     logits_index: torch.Tensor
     """`[N]` rows of `input_ids` whose logits the forward returns (without `all_logits`)."""
     input_embeds: torch.Tensor | None = None
@@ -49,31 +47,9 @@ class ForwardBatch:
     """Per-forward results that every layer shares (e.g. the indexer's write plan)."""
 
     @property
-    def num_seqs(self) -> int:
-        return len(self.prefix_lens)
-
-    @property
-    def cu_seqlens_gpu(self) -> torch.Tensor:
-        return self.seq_info[: self.num_seqs + 1]
-
-    @property
-    def prefix_lens_gpu(self) -> torch.Tensor:
-        return self.seq_info[self.num_seqs + 1: 2 * self.num_seqs + 1]
-
-    @property
-    def state_slots_gpu(self) -> torch.Tensor:
-        return self.seq_info[2 * self.num_seqs + 1:]
-
-    @property
     def is_fresh(self) -> list[bool]:
         """Sequences whose first token is in this forward (their fixed state starts at zero)."""
         return [p == 0 for p in self.prefix_lens]
-
-    @property
-    def seq_lens(self) -> list[int]:
-        """Context length of each sequence after this forward."""
-        return [p + self.cu_seqlens[b + 1] - self.cu_seqlens[b]
-                for b, p in enumerate(self.prefix_lens)]
 
     def cached(self, key: str, build: Callable[[], Any]) -> Any:
         """`build()` once per forward; later layers get the same value."""
@@ -108,17 +84,14 @@ def build_forward_batch(input_ids: np.ndarray | list[int], token_slots: np.ndarr
     last_rows = [cu_seqlens[b + 1] - 1 for b in logit_seqs]
     packed = np.concatenate([np.asarray(input_ids, dtype=np.int64).reshape(-1),
                              np.asarray(token_slots, dtype=np.int64).reshape(-1),
-                             np.asarray(cu_seqlens + prefix_lens + state_slots + last_rows,
-                                        dtype=np.int64)])
+                             np.asarray(last_rows, dtype=np.int64)])
     device_ints = upload(packed, page_table.device)
-    seq_end = 2 * num_tokens + 3 * len(prefix_lens) + 1
     return ForwardBatch(input_ids=device_ints[:num_tokens],
                         cu_seqlens=list(cu_seqlens), prefix_lens=list(prefix_lens),
                         state_slots=list(state_slots),
                         token_slots=device_ints[num_tokens: 2 * num_tokens],
                         page_table=page_table, page_size=page_size,
-                        seq_info=device_ints[2 * num_tokens: seq_end],
-                        logits_index=device_ints[seq_end:], input_embeds=input_embeds)
+                        logits_index=device_ints[2 * num_tokens:], input_embeds=input_embeds)
 
 
 def contiguous_page_table(num_slots: int, max_tokens: int, page_size: int,
