@@ -97,10 +97,13 @@ def write_folder(raw: dict, root: Path) -> Path:
 
 
 def engine_options(mode: str, args: argparse.Namespace, num_experts: int) -> dict:
-    longest = max(args.contexts) + args.warmup + args.steps + args.layer_steps + 64
+    longest = max(args.contexts) + args.warmup + args.steps + args.layer_steps + \
+        args.replay_steps + 64
+    mode, _, graphs = mode.partition("+")
     options = dict(load_format="dummy", background_loop=False,
                    max_running_requests=max(args.batches), context_length=longest,
-                   chunked_prefill_size=args.chunked_prefill_size)
+                   chunked_prefill_size=args.chunked_prefill_size,
+                   disable_cuda_graph=graphs != "graph", cuda_graph_bs=args.batches)
     if mode.startswith("hybrid-"):
         options.update(kt_num_gpu_experts=min(int(mode.split("-", 1)[1]), num_experts),
                        kt_cpuinfer=os.cpu_count(),
@@ -131,6 +134,7 @@ def measure_decode(engine: Engine, clock: CpuExpertClock, batch: int, context: i
     """Timed pure-decode steps of `batch` sequences at `context` tokens, then a pass with
     per-layer clocks and routing capture, then one profiled step."""
     total = args.warmup + args.steps + args.layer_steps + 1
+    total += args.replay_steps + 1 if engine.runner.graphs is not None else 0
     params = SamplingParams(max_tokens=total, temperature=0, ignore_eos=True)
     seqs = add_fake_context_requests(engine, batch, context, params)
     for _ in range(args.warmup):
@@ -141,7 +145,11 @@ def measure_decode(engine: Engine, clock: CpuExpertClock, batch: int, context: i
         engine.step()
     step_s = (time.perf_counter() - start) / args.steps
     cpu_ms = 1e3 * (clock.seconds - cpu_before) / args.steps
-    model = engine.runner.model
+    model, graphs = engine.runner.model, engine.runner.graphs
+    replay = timed_replays(engine, graphs, args.replay_steps) if graphs is not None else None
+    # Layer clocks, routing and the per-layer launch count come from eager steps (hooks do not
+    # run inside a replay).
+    engine.runner.graphs = None
     with LayerProbe(model) as probe:
         start = time.perf_counter()
         for _ in range(args.layer_steps):
@@ -149,10 +157,23 @@ def measure_decode(engine: Engine, clock: CpuExpertClock, batch: int, context: i
         hooked_s = (time.perf_counter() - start) / args.layer_steps
     layer_ms, hits = probe.layer_ms(), probe.expert_hits()
     profile = profile_step(engine)
+    engine.runner.graphs = graphs
     assert not engine.scheduler.has_work, "the decode sequences should all have finished"
     return dict(batch=batch, context=context, tok_s=batch / step_s, step_ms=1e3 * step_s,
                 cpu_ms=cpu_ms, hooked_ms=1e3 * hooked_s, layer_ms=layer_ms, profile=profile,
-                bytes=step_bytes(model, batch, context, hits))
+                bytes=step_bytes(model, batch, context, hits), replay=replay)
+
+
+def timed_replays(engine: Engine, graphs, steps: int) -> tuple[float, object]:
+    """Mean GPU time of a replayed forward (CUDA events around it) over `steps` steps, and the
+    profile of one more step: its kernels' summed time is what the replay is held against."""
+    graphs.replay_events = []
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    times = [a.elapsed_time(b) for a, b in graphs.replay_events]
+    graphs.replay_events = None
+    return sum(times) / max(len(times), 1), profile_step(engine)
 
 
 def run_mode(folder: Path, mode: str, args: argparse.Namespace, bandwidth: dict) -> list[dict]:
@@ -204,6 +225,7 @@ def derive(row: dict, engine: Engine, bandwidth: dict, device: str) -> dict:
 
 
 HEADER = ("| mode | batch | context | TTFT s | decode tok/s | step ms | GPU busy ms | "
+          "replay ms / its kernels ms (host ms) | "
           "CPU experts ms | launches/layer KDA / MLA | layer ms KDA / MLA | "
           "45-layer step ms (tok/s) | GB/step device + CPU | roofline ms | roofline / measured |")
 
@@ -226,12 +248,23 @@ def _launches(row: dict, num_layers: int) -> str:
     return f"{_num(row['launches'][KDA], '.0f')} / {_num(row['launches'][MLA], '.0f')} {whole}"
 
 
+def _replay(row: dict) -> str:
+    """Graph rows: the replayed forward's GPU time, the summed time of the kernels of one
+    replay, and the step's wall time not spent in the replay (host work not overlapped)."""
+    if row.get("replay") is None:
+        return "-"
+    replay_ms, profile = row["replay"]
+    return (f"{replay_ms:.2f} / {profile.gpu_busy_ms:.2f} "
+            f"({row['step_ms'] - replay_ms:.2f})")
+
+
 def format_row(row: dict) -> str:
     profile, nbytes = row["profile"], row["bytes"]
     busy = profile.gpu_busy_ms if profile.num_kernels else None
     cpu = row["cpu_ms"] if row["cpu_ms"] > 0 else None
     return (f"| {row['mode']} | {row['batch']} | {row['context']} | {_num(row['ttft'], '.2f')} | "
             f"{row['tok_s']:.1f} | {row['step_ms']:.2f} | {_num(busy, '.2f')} | "
+            f"{_replay(row)} | "
             f"{_num(cpu, '.2f')} | {_launches(row, len(row['layer_ms']))} | "
             f"{_num(row['kda_ms'], '.2f')} / {_num(row['mla_ms'], '.2f')} | "
             f"{row['release_ms']:.1f} ({row['batch'] / row['release_ms'] * 1e3:.1f}) | "
@@ -251,7 +284,9 @@ def describe(config: dict, args: argparse.Namespace, bandwidth: dict, dtype: str
             f"layerwise prefill from {args.layerwise_threshold} tokens; {args.steps} timed "
             f"steps per point. Same run: {hbm}CPU read probe {bandwidth['cpu']:.1f} GB/s.\n\n"
             "45-layer: the step with each layer's measured time counted 34x (KDA) and 11x (MLA); "
-            "every layer MoE (the release's first 3 are dense). Roofline: the step's bytes "
+            "every layer MoE (the release's first 3 are dense). +graph: decode replayed from "
+            "CUDA graphs (layer clocks, launches and routing from eager steps). Roofline: the "
+            "step's bytes "
             "(device: non-expert weights, the batch's embedding rows, experts hit there, KV and "
             "state, KDA state read and written; CPU: the CPU experts hit, FP8 + scales) at the "
             "bandwidths above, device and CPU in sequence.\n\n")
@@ -259,7 +294,8 @@ def describe(config: dict, args: argparse.Namespace, bandwidth: dict, dtype: str
 
 def e2e_ratio(rows: list[dict]) -> tuple[float, str]:
     ones = [r for r in rows if r["batch"] == min(r2["batch"] for r2 in rows)]
-    chosen = next((r for r in ones if r["mode"] == "hybrid-0"), ones[0])
+    chosen = next((r for r in ones if r["mode"] == "hybrid-0+graph"),
+                  next((r for r in ones if r["mode"] == "hybrid-0"), ones[0]))
     return chosen["ratio"], (f"{chosen['mode']}, batch {chosen['batch']}, "
                              f"context {chosen['context']}")
 
@@ -268,12 +304,15 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=4, help="decoder layers (every 4th is MLA)")
     p.add_argument("--modes", nargs="+", default=None,
-                   help="all-gpu, hybrid-N (N resident experts per layer), or cpu; default: "
-                        "all-gpu hybrid-0 hybrid-32 with CUDA, else cpu")
+                   help="all-gpu, hybrid-N (N resident experts per layer), each with +graph "
+                        "for CUDA-graph decode, or cpu; default: all-gpu hybrid-0 hybrid-32, "
+                        "each with and without graphs, with CUDA, else cpu")
     p.add_argument("--batches", type=int, nargs="+", default=None)
     p.add_argument("--contexts", type=int, nargs="+", default=None,
                    help="decode contexts and TTFT prompt lengths (tokens)")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps per point")
+    p.add_argument("--replay-steps", type=int, default=8,
+                   help="graph modes: steps whose replay is timed with CUDA events")
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--layerwise-threshold", type=int, default=1024,
                    help="hybrid: prefill chunks of at least this many tokens stream experts")
@@ -289,13 +328,14 @@ def parse_args() -> argparse.Namespace:
         if getattr(args, name, None) is None:
             setattr(args, name, value)
     if args.modes is None:
-        args.modes = ["all-gpu", "hybrid-0", "hybrid-32"] if torch.cuda.is_available() \
-            else ["cpu"]
+        args.modes = [m + g for m in ("all-gpu", "hybrid-0", "hybrid-32")
+                      for g in ("", "+graph")] if torch.cuda.is_available() else ["cpu"]
     for mode in args.modes:
-        valid = mode in ("all-gpu", "cpu") or (mode.startswith("hybrid-")
-                                               and mode[len("hybrid-"):].isdigit())
-        if not valid:
-            p.error(f"unknown mode {mode!r}: all-gpu, hybrid-N or cpu")
+        base, _, graphs = mode.partition("+")
+        valid = base in ("all-gpu", "cpu") or (base.startswith("hybrid-")
+                                               and base[len("hybrid-"):].isdigit())
+        if not valid or graphs not in ("", "graph") or (graphs and base == "cpu"):
+            p.error(f"unknown mode {mode!r}: all-gpu, hybrid-N (each optionally +graph) or cpu")
         if mode != "cpu" and not torch.cuda.is_available():
             p.error(f"mode {mode} needs a CUDA device")
     return args

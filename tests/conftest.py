@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from glmflash.config import ModelConfig
-from glmflash.model.forward_batch import build_forward_batch, token_slots_of
+from glmflash.model.forward_batch import (
+    build_forward_batch,
+    decode_batch,
+    pack_decode,
+    token_slots_of,
+)
 from glmflash.model.glm import GlmForCausalLM
 from glmflash.model.state import ModelState
 from glmflash.model.weights import load_checkpoint
@@ -100,6 +105,19 @@ class PackedRunner:
         batch = build_forward_batch(ids, np.concatenate(token_slots), cu, prefix, slots,
                                     self.page_table, self.PAGE_SIZE)
         return self.model(batch, self.state, all_logits=all_logits, layer_outputs=layer_outputs)
+
+    def decode(self, tokens: dict[int, int], max_pools: int) -> torch.Tensor:
+        """One new token per sequence through the device-resident decode form."""
+        seqs = list(tokens)
+        positions = [self.done[s] for s in seqs]
+        token_slots = [int(token_slots_of(self.pages[s].tolist(), p, 1, self.PAGE_SIZE)[0])
+                       for s, p in zip(seqs, positions, strict=True)]
+        packed = pack_decode(list(tokens.values()), token_slots, positions, seqs)
+        for s in seqs:
+            self.done[s] += 1
+        batch = decode_batch(torch.from_numpy(packed).to(self.device), self.page_table,
+                             self.PAGE_SIZE, max_pools)
+        return self.model(batch, self.state)
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ import torch
 from glmflash.config import ModelConfig
 from glmflash.engine.api import EngineApiMixin
 from glmflash.engine.cache import CacheManager
+from glmflash.engine.cuda_graph import graph_batch_sizes, graphs_unsupported
 from glmflash.engine.detokenizer import SequenceDetokenizer
 from glmflash.engine.loop import EngineLoopMixin
 from glmflash.engine.model_runner import ModelRunner, embed_prompt, load_model, plan_cache
@@ -95,6 +96,7 @@ class Engine(EngineApiMixin, EngineLoopMixin):
                                        self.options.allow_private_media_urls))
         if not self.options.skip_kernel_warmup:
             warm_up_kernels(self)
+        self._capture_graphs()
         self._choices: dict[int, _Choice] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -151,6 +153,22 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        self.runner.close()
+
+    def _capture_graphs(self) -> None:
+        """Decode CUDA graphs at start-up, unless off or impossible here (said once)."""
+        options = self.options
+        if options.disable_cuda_graph:
+            return
+        why_not = graphs_unsupported(self.device)
+        sizes = graph_batch_sizes(options.cuda_graph_bs, options.cuda_graph_max_bs,
+                                  options.max_running_requests,
+                                  options.kt_gpu_prefill_token_threshold)
+        if why_not is None and sizes:
+            self.runner.capture_graphs(sizes)
+        elif options.cuda_graph_bs is not None or self.device.type == "cuda":
+            logger.info("decode runs without CUDA graphs: %s",
+                        why_not or "no batch size to capture")
 
     @property
     def failure(self) -> str | None:

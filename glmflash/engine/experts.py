@@ -146,6 +146,8 @@ class PendingExperts:
     """x and the CPU part's ids and weights: the side stream reads them until the job starts."""
     gpu_begin: torch.cuda.Event | None = None
     """Timing on: recorded on the main stream after routing."""
+    captured: bool = False
+    """The CPU part went through the graph hand-off (a captured decode)."""
 
 
 class HybridExperts:
@@ -163,6 +165,8 @@ class HybridExperts:
         self.local = torch.full((self.num_experts,), -1, dtype=torch.long, device=device)
         self.local[torch.tensor(resident_ids, dtype=torch.long, device=device)] = \
             torch.arange(self.num_gpu, device=device)
+        self.graph_handoff = None
+        """The hand-off of captured decodes (engine/graph_handoff.py), set by the graph runner."""
         self.times = ExpertTimes()
         """Summed since the last `take_times()`."""
         self.record_gpu_times = False
@@ -174,6 +178,8 @@ class HybridExperts:
 
     def start(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> PendingExperts:
         """Hand the CPU experts off, then queue the resident ones (or the layerwise slot)."""
+        if self.graph_handoff is not None and torch.cuda.is_current_stream_capturing():
+            return self._start_captured(x, ids, weights)
         if self.streamer is not None and x.shape[0] >= self.threshold:
             slot = self.streamer.acquire(self.index)
             return PendingExperts(grouped_experts(x, ids, weights, slot, self.module.limit))
@@ -186,8 +192,25 @@ class HybridExperts:
             pending.gpu_out = grouped_experts(x, local, weights, self.resident, self.module.limit)
         return pending
 
+    def _start_captured(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+                        ) -> PendingExperts:
+        """Inside a graph capture: the CPU part goes through the graph hand-off."""
+        local = self.local[ids]
+        pending = PendingExperts(None)
+        if self.num_gpu < self.num_experts:
+            self.graph_handoff.start(self.index, x, torch.where(local < 0, ids, -1),
+                                     weights.float())
+            pending.cpu_inputs, pending.captured = (x,), True
+        if self.num_gpu:
+            pending.gpu_out = grouped_experts(x, local, weights, self.resident, self.module.limit)
+        return pending
+
     def finish(self, pending: PendingExperts) -> torch.Tensor:
         """Wait for the CPU experts (a host wait) and add their result on the GPU."""
+        if pending.captured:
+            x = pending.cpu_inputs[0]
+            cpu = self.graph_handoff.finish(x.shape[0], x.dtype)
+            return cpu if pending.gpu_out is None else pending.gpu_out + cpu
         if pending.cpu_job is None:
             return pending.gpu_out
         if pending.gpu_begin is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -13,7 +14,13 @@ from glmflash.engine.cache import CachePlan
 from glmflash.engine.options import EngineConfig
 from glmflash.engine.scheduler import ScheduledBatch
 from glmflash.model.dummy_weights import fill_dummy_weights
-from glmflash.model.forward_batch import ForwardBatch, build_forward_batch, token_slots_of
+from glmflash.model.forward_batch import (
+    ForwardBatch,
+    build_forward_batch,
+    decode_batch,
+    pack_decode,
+    token_slots_of,
+)
 from glmflash.model.glm import GlmForCausalLM
 from glmflash.model.moe import Experts
 from glmflash.model.state import ModelState, cache_bytes
@@ -23,6 +30,8 @@ from glmflash.utils.device import upload
 logger = logging.getLogger(__name__)
 GIB = 1 << 30
 DUMMY_WEIGHT_SEED = 0
+# Pools scored by the narrowest decode selection (16K tokens at the release's kpool of 4).
+FIRST_SELECTION_WIDTH = 4096
 
 
 def load_model(path: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
@@ -96,6 +105,8 @@ def plan_cache(model_config: ModelConfig, config: EngineConfig, max_seq_len: int
         budget = config.cache_budget_gb * GIB
     slots = config.max_running_requests
     pages_per_seq = -(-max_seq_len // page)
+    # NOTE: the ModelRunner adds one slot and one page (its reserve for padding rows) beyond
+    # the budget.
     pages = int((budget - slots * per_slot) // (page * per_token))
     pages = min(pages, slots * pages_per_seq)
     if pages < pages_per_seq:
@@ -111,29 +122,112 @@ def plan_cache(model_config: ModelConfig, config: EngineConfig, max_seq_len: int
     return plan
 
 
+class DecodeHostRows(NamedTuple):
+    """A batch of decodes on the host, one entry per sequence."""
+
+    input_ids: list[int]
+    token_slots: list[int]
+    positions: list[int]
+    state_slots: list[int]
+    num_pools: int
+    """The most complete indexer pools of any of the sequences after this step."""
+
+
+def selection_widths(max_pools: int, first: int = FIRST_SELECTION_WIDTH) -> list[int]:
+    """Pools a decode's indexer scores: 4x steps from `first` up to the longest sequence's."""
+    widths, width = [], min(first, max_pools)
+    while width < max_pools:
+        widths.append(width)
+        width *= 4
+    return widths + [max_pools]
+
+
 class ModelRunner:
     """Turns a ScheduledBatch into a ForwardBatch with O(batch + new tokens) host work.
 
     The device page table (one row per state slot) persists across steps; the host sends only
     the pages handed out since the previous step. Nothing per step depends on context length.
+    Batches of decodes take the device-resident decode form, replayed from CUDA graphs once
+    `capture_graphs` has run. One state slot and one page beyond the plan are reserved for the
+    padding rows of replays; no sequence is ever given them.
     """
 
     def __init__(self, model: GlmForCausalLM, plan: CachePlan) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.page_size = plan.page_size
-        self.state = ModelState(model.config, num_token_slots=plan.num_token_slots,
-                                num_state_slots=plan.num_state_slots, dtype=model.dtype,
+        self.dummy_slot, self.dummy_page = plan.num_state_slots, plan.num_pages
+        self.state = ModelState(model.config, num_token_slots=plan.num_token_slots + plan.page_size,
+                                num_state_slots=plan.num_state_slots + 1, dtype=model.dtype,
                                 device=self.device)
-        self.page_table = torch.zeros(plan.num_state_slots, plan.max_pages_per_seq,
+        self.page_table = torch.zeros(plan.num_state_slots + 1, plan.max_pages_per_seq,
                                       dtype=torch.int32, device=self.device)
+        self.page_table[self.dummy_slot] = self.dummy_page
+        self.kpool = model.config.index_kpool
+        self.pool_widths = selection_widths(plan.max_pages_per_seq * plan.page_size // self.kpool)
+        self.graphs = None
+        """The CudaGraphRunner once `capture_graphs` has run."""
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits `[num sampled, V]` of the sequences whose chunk reaches their last token."""
+        rows = self.decode_rows(batch)
+        if rows is not None and self.graphs is not None \
+                and self.graphs.can_replay(len(rows.input_ids)):
+            self.apply_page_updates(batch.page_updates)
+            return self.graphs.replay(rows)
         return self.model(self.prepare(batch), self.state)
+
+    def capture_graphs(self, batch_sizes: list[int]) -> None:
+        from glmflash.engine.cuda_graph import CudaGraphRunner
+
+        self.graphs = CudaGraphRunner(self, batch_sizes)
+        self.graphs.capture()
+
+    def close(self) -> None:
+        if self.graphs is not None:
+            self.graphs.close()
+
+    def decode_rows(self, batch: ScheduledBatch) -> DecodeHostRows | None:
+        """The batch as decodes, or None when a sequence has more than one new token, none
+        cached before, a prompt row or no token to sample."""
+        if not all(batch.needs_sample) or any(n != 1 for n in batch.num_tokens):
+            return None
+        page = self.page_size
+        ids, slots, positions, state_slots = [], [], [], []
+        for seq in batch.seqs:
+            start = seq.num_computed_tokens
+            if start == 0 or (seq.prompt_embeds is not None and start < seq.num_prompt_tokens):
+                return None
+            ids.append(seq.token_ids[start])
+            slots.append(seq.page_ids[start // page] * page + start % page)
+            positions.append(start)
+            state_slots.append(seq.state_slot)
+        return DecodeHostRows(ids, slots, positions, state_slots,
+                              (max(positions) + 1) // self.kpool)
+
+    def padding_rows(self, num_rows: int) -> DecodeHostRows:
+        """Rows that touch only the reserved slot and page."""
+        return DecodeHostRows([0] * num_rows, [self.dummy_page * self.page_size] * num_rows,
+                              [0] * num_rows, [self.dummy_slot] * num_rows, 0)
+
+    def pack_decode(self, rows: DecodeHostRows, pad_to: int | None = None) -> np.ndarray:
+        """The decode batch's device words (`pack_decode`), padded to `pad_to` rows."""
+        num_pad = (pad_to or len(rows.input_ids)) - len(rows.input_ids)
+        pad = self.padding_rows(num_pad)
+        return pack_decode(rows.input_ids + pad.input_ids, rows.token_slots + pad.token_slots,
+                           rows.positions + pad.positions, rows.state_slots + pad.state_slots,
+                           [0] * len(rows.input_ids) + [1] * num_pad)
+
+    def pool_width(self, num_pools: int) -> int:
+        """The narrowest selection width that holds `num_pools` pools."""
+        return next(w for w in self.pool_widths if w >= num_pools)
 
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
         self.apply_page_updates(batch.page_updates)
+        rows = self.decode_rows(batch)
+        if rows is not None:
+            return decode_batch(upload(self.pack_decode(rows), self.device), self.page_table,
+                                self.page_size, self.pool_width(rows.num_pools))
         ids, slots, cu_seqlens, prefix_lens = [], [], [0], []
         page = self.page_size
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):

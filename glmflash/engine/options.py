@@ -52,6 +52,13 @@ class EngineConfig:
     """Where weights come from: "auto" reads the checkpoint's safetensors; "dummy" makes seeded
     random weights in memory (benchmarks at release shapes: the folder needs only config.json and
     the tokenizer files)."""
+    cuda_graph_bs: tuple[int, ...] | None = None
+    """Decode batch sizes captured as CUDA graphs (default 1, 2, 4, 8, 16, 32, capped by
+    `cuda_graph_max_bs` and `max_running_requests`)."""
+    cuda_graph_max_bs: int | None = None
+    """The largest decode batch replayed from a graph; larger ones run eagerly."""
+    disable_cuda_graph: bool = False
+    """Run every decode step eagerly (no capture at start-up)."""
     skip_kernel_warmup: bool = False
     """Do not run the start-up forwards that compile and warm the model's kernels."""
     background_loop: bool = True
@@ -82,6 +89,10 @@ class EngineConfig:
             (self.kt_cpuinfer is None or self.kt_cpuinfer >= self.kt_threadpool_count,
              f"kt_cpuinfer ({self.kt_cpuinfer}) must be >= kt_threadpool_count "
              f"({self.kt_threadpool_count}): every pool needs a thread"),
+            (self.cuda_graph_bs is None or all(b >= 1 for b in self.cuda_graph_bs),
+             "cuda_graph_bs sizes must be >= 1"),
+            (self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
+             "cuda_graph_max_bs must be >= 1"),
             (self.load_format in LOAD_FORMATS,
              f"load_format {self.load_format!r} must be one of {LOAD_FORMATS}"),
         ]
@@ -97,4 +108,7 @@ class EngineConfig:
         unknown = sorted(set(options) - known)
         if unknown:
             raise TypeError(f"unknown Engine options {unknown}; known: {sorted(known)}")
-        return cls(**{k: v for k, v in options.items() if v is not None})
+        values = {k: v for k, v in options.items() if v is not None}
+        if values.get("cuda_graph_bs") is not None:
+            values["cuda_graph_bs"] = tuple(values["cuda_graph_bs"])
+        return cls(**values)

@@ -18,6 +18,25 @@ from glmflash.utils.device import upload
 
 
 @dataclass
+class DecodeRows:
+    """The geometry of B decodes (one new token per sequence, which has earlier tokens) held in
+    device tensors, so that one recorded forward serves every batch of B decodes: a CUDA graph
+    replays it after new values are copied into the same tensors. No host value in it depends on
+    the sequences except `max_pools`, a bound."""
+
+    positions: torch.Tensor
+    """`[B]` int64 position of each new token (the tokens its sequence has cached)."""
+    state_slots: torch.Tensor
+    """`[B]` int64 state slot (and page-table row) of each sequence."""
+    kda_meta: torch.Tensor
+    """`[B, 3]` int32 rows (token row, state slot, fresh) of the KDA decode kernel."""
+    conv_meta: torch.Tensor
+    """`[B, 5]` int32 rows (first token, start, end, state slot, fresh) of the conv kernel."""
+    max_pools: int
+    """Pools the indexer scores per row: at least every row's number of complete pools."""
+
+
+@dataclass
 class ForwardBatch:
     """B sequences, each contributing `cu_seqlens[b+1] - cu_seqlens[b]` new tokens.
 
@@ -26,13 +45,14 @@ class ForwardBatch:
 
     input_ids: torch.Tensor
     """`[T]` token ids of the new tokens, sequences back to back."""
-    cu_seqlens: list[int]
-    """B+1 offsets of each sequence's new tokens in `input_ids`."""
-    prefix_lens: list[int]
-    """Tokens each sequence already has in the cache before this forward."""
-    state_slots: list[int]
+    cu_seqlens: list[int] | None
+    """B+1 offsets of each sequence's new tokens in `input_ids` (None in a decode batch)."""
+    prefix_lens: list[int] | None
+    """Tokens each sequence already has in the cache before this forward (None in a decode
+    batch)."""
+    state_slots: list[int] | None
     """Fixed-size state slot per sequence (KDA recurrent + conv state, indexer tail); also the
-    sequence's row of `page_table`."""
+    sequence's row of `page_table` (None in a decode batch)."""
     token_slots: torch.Tensor
     """`[T]` cache slot that each new token's MLA latent is written to."""
     page_table: torch.Tensor
@@ -43,6 +63,8 @@ class ForwardBatch:
     """`[N]` rows of `input_ids` whose logits the forward returns (without `all_logits`)."""
     input_embeds: torch.Tensor | None = None
     """`[T, D]` embeddings overriding the lookup (multimodal rows already merged)."""
+    decode: DecodeRows | None = None
+    """Set for a batch of decodes: their geometry on the device, in place of the host lists."""
     memo: dict[str, Any] = field(default_factory=dict)
     """Per-forward results that every layer shares (e.g. the indexer's write plan)."""
 
@@ -100,3 +122,41 @@ def contiguous_page_table(num_slots: int, max_tokens: int, page_size: int,
     layout of tests and one-off forwards that own a whole cache."""
     pages = -(-max_tokens // page_size)
     return torch.arange(num_slots * pages, dtype=torch.int32, device=device).view(num_slots, pages)
+
+
+DECODE_INT64_FIELDS = 5  # input id, token slot, position, state slot, logits row
+DECODE_INT32_FIELDS = 8  # KDA meta (3), conv meta (5)
+DECODE_WIDTH = DECODE_INT64_FIELDS + DECODE_INT32_FIELDS // 2
+"""int64 words per decode row in the packed upload."""
+
+
+def pack_decode(input_ids: list[int], token_slots: list[int], positions: list[int],
+                state_slots: list[int], fresh: list[int] | None = None) -> np.ndarray:
+    """The host side of a decode batch: one int64 array of `DECODE_WIDTH * B` words, laid out
+    as `decode_batch` reads it. `fresh` marks rows whose state starts at zero (padding rows)."""
+    num = len(input_ids)
+    fresh = fresh if fresh is not None else [0] * num
+    rows = np.arange(num, dtype=np.int32)
+    slots32 = np.asarray(state_slots, dtype=np.int32)
+    fresh32 = np.asarray(fresh, dtype=np.int32)
+    kda_meta = np.stack([rows, slots32, fresh32], axis=1)
+    conv_meta = np.stack([rows, rows, rows + 1, slots32, fresh32], axis=1)
+    int32_part = np.concatenate([kda_meta.reshape(-1), conv_meta.reshape(-1)])
+    int64_part = np.asarray([input_ids, token_slots, positions, state_slots, np.arange(num)],
+                            dtype=np.int64).reshape(-1)
+    return np.concatenate([int64_part, int32_part.view(np.int64)])
+
+
+def decode_batch(packed: torch.Tensor, page_table: torch.Tensor, page_size: int,
+                 max_pools: int) -> ForwardBatch:
+    """The ForwardBatch of B decodes whose inputs are views of `packed` (device, from
+    `pack_decode`): writing new values into `packed` changes the batch in place."""
+    num = packed.numel() // DECODE_WIDTH
+    ints = packed[: DECODE_INT64_FIELDS * num].view(DECODE_INT64_FIELDS, num)
+    metas = packed[DECODE_INT64_FIELDS * num:].view(torch.int32)
+    rows = DecodeRows(positions=ints[2], state_slots=ints[3],
+                      kda_meta=metas[: 3 * num].view(num, 3),
+                      conv_meta=metas[3 * num:].view(num, 5), max_pools=max_pools)
+    return ForwardBatch(input_ids=ints[0], cu_seqlens=None, prefix_lens=None, state_slots=None,
+                        token_slots=ints[1], page_table=page_table, page_size=page_size,
+                        logits_index=ints[4], decode=rows)

@@ -6,7 +6,15 @@ import torch
 from torch import nn
 
 from glmflash.config import ModelConfig
-from glmflash.kernels.indexer import indexer_select, indexer_write, select_plan, write_plan
+from glmflash.kernels.indexer import (
+    SelectPlan,
+    decode_select_plan,
+    indexer_select,
+    indexer_write,
+    indexer_write_decode,
+    select_plan,
+    write_plan,
+)
 from glmflash.model.forward_batch import ForwardBatch
 from glmflash.model.layers import Linear
 from glmflash.model.state import ModelState
@@ -39,16 +47,33 @@ class Indexer(nn.Module):
         """
         keys = self.k_norm(self.wk(x))
         gates = nn.functional.linear(x, self.index_kpool_compress_gate)
-        tail = state.index_tail[self.layer_idx]
-        geometry = (batch.cu_seqlens, batch.prefix_lens, batch.state_slots)
-        writes = batch.cached("indexer_write", lambda: write_plan(
-            *geometry, tail.shape[0], self.kpool, x.device))
-        indexer_write(keys, gates, self.index_kpool_compress_ape, state.pool_keys[self.layer_idx],
-                      tail, batch.page_table, writes, page_size=batch.page_size)
+        self.write(keys, gates, batch, state)
         q = self.wq_b(q_latent).view(x.shape[0], self.num_heads, self.head_dim)
         weights = self.weights_proj(x).float() * self.num_heads ** -0.5
-        selects = batch.cached("indexer_select", lambda: select_plan(
-            *geometry, self.kpool, x.device))
+        selects = batch.cached("indexer_select", lambda: self.select_plan(batch, x.device))
         return indexer_select(q, weights, state.pool_keys[self.layer_idx], batch.page_table,
                               selects, page_size=batch.page_size, topk=self.topk,
                               kpool=self.kpool, select_tail=self.select_tail)
+
+    def write(self, keys: torch.Tensor, gates: torch.Tensor, batch: ForwardBatch,
+              state: ModelState) -> None:
+        """Fold this forward's keys into the pooled keys and the tails."""
+        tail, pool_keys = state.index_tail[self.layer_idx], state.pool_keys[self.layer_idx]
+        ape = self.index_kpool_compress_ape
+        if batch.decode is not None:
+            indexer_write_decode(keys, gates, ape, pool_keys, tail, batch.page_table,
+                                 batch.decode.state_slots, batch.decode.positions,
+                                 page_size=batch.page_size)
+            return
+        writes = batch.cached("indexer_write", lambda: write_plan(
+            batch.cu_seqlens, batch.prefix_lens, batch.state_slots, tail.shape[0], self.kpool,
+            keys.device))
+        indexer_write(keys, gates, ape, pool_keys, tail, batch.page_table, writes,
+                      page_size=batch.page_size)
+
+    def select_plan(self, batch: ForwardBatch, device: torch.device) -> SelectPlan:
+        if batch.decode is not None:
+            return decode_select_plan(batch.decode.state_slots, batch.decode.positions,
+                                      self.kpool, batch.decode.max_pools)
+        return select_plan(batch.cu_seqlens, batch.prefix_lens, batch.state_slots, self.kpool,
+                           device)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from glmflash.config import ModelConfig
-from glmflash.kernels.kda import causal_conv1d, kda
+from glmflash.kernels.kda import causal_conv1d, causal_conv1d_decode, kda, kda_decode
 from glmflash.model.forward_batch import ForwardBatch
 from glmflash.model.layers import Linear, fused_weight
 from glmflash.model.state import ModelState
@@ -47,11 +47,20 @@ class KimiDeltaAttention(nn.Module):
         small = nn.functional.linear(x, fused_weight((self.f_a_proj, self.b_proj,
                                                       self.g_a_proj)))
         f_a, b, g_a = small.split([d, heads, d], dim=-1)
-        mixed = causal_conv1d(mixed, self.conv_weight(), state.conv[self.layer_idx],
-                              batch.cu_seqlens, batch.state_slots, batch.is_fresh)
+        conv_state, recurrent = state.conv[self.layer_idx], state.recurrent[self.layer_idx]
+        if batch.decode is not None:
+            mixed = causal_conv1d_decode(mixed, self.conv_weight(), conv_state,
+                                         batch.decode.conv_meta)
+        else:
+            mixed = causal_conv1d(mixed, self.conv_weight(), conv_state, batch.cu_seqlens,
+                                  batch.state_slots, batch.is_fresh)
         q, k, v = (t.view(num_tokens, heads, d) for t in mixed.chunk(3, dim=-1))
-        o = kda(q, k, v, self.forget_gate(f_a), torch.sigmoid(b), state.recurrent[self.layer_idx],
-                batch.cu_seqlens, batch.state_slots, batch.is_fresh)
+        g, beta = self.forget_gate(f_a), torch.sigmoid(b)
+        if batch.decode is not None:
+            o = kda_decode(q, k, v, g, beta, recurrent, batch.decode.kda_meta)
+        else:
+            o = kda(q, k, v, g, beta, recurrent, batch.cu_seqlens, batch.state_slots,
+                    batch.is_fresh)
         gate = self.g_b_proj(g_a).view(num_tokens, heads, d)
         return self.o_proj(self.gated_norm(o, gate).reshape(num_tokens, heads * d))
 

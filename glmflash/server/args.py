@@ -26,7 +26,8 @@ _ENGINE_OPTIONS = ("context_length", "max_running_requests", "chunked_prefill_si
                    "mem_fraction_static", "cache_budget_gb", "max_queued_requests", "seed",
                    "page_size", "kt_method", "kt_num_gpu_experts", "kt_gpu_prefill_token_threshold",
                    "kt_cpuinfer", "kt_threadpool_count", "kt_expert_placement", "load_format",
-                   "skip_kernel_warmup", *_MEDIA_FLAGS)
+                   "skip_kernel_warmup", "cuda_graph_bs", "cuda_graph_max_bs",
+                   "disable_cuda_graph", *_MEDIA_FLAGS)
 # chunked prefill off (SGLang's -1): one chunk as large as any prompt.
 _UNCHUNKED = 2**31 - 1
 
@@ -148,7 +149,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     engine.add_argument("--seed", type=int, default=None, help="default sampling seed")
     engine.add_argument("--tp-size", type=_positive_int, default=1)
     engine.add_argument("--cuda-graph-bs", type=_positive_int, nargs="+", default=None,
-                        metavar="BS")
+                        metavar="BS", help="decode batch sizes captured as CUDA graphs "
+                        "(default 1 2 4 8 16 32)")
+    engine.add_argument("--cuda-graph-max-bs", type=_positive_int, default=None,
+                        help="largest decode batch replayed from a graph")
+    engine.add_argument("--disable-cuda-graph", action="store_true", default=None,
+                        help="decode without CUDA graphs")
 
     kt = parser.add_argument_group("routed experts on the CPU (GPU machines: hybrid)")
     kt.add_argument("--kt-weight-path", default=None,
@@ -232,9 +238,9 @@ def inapplicable_flags(args: argparse.Namespace, device_type: str, num_gpus: int
     """One line per flag that is accepted but has no effect here, saying why."""
     on_gpu = device_type == "cuda"
     reasons: dict[str, str] = {}
-    if args.cuda_graph_bs:
-        reasons["cuda_graph_bs"] = "decode CUDA graphs are not implemented yet" if on_gpu \
-            else "CUDA graphs need a CUDA device"
+    if not on_gpu:
+        reasons.update({dest: "CUDA graphs need a CUDA device" for dest in
+                        ("cuda_graph_bs", "cuda_graph_max_bs") if getattr(args, dest)})
     if args.tp_size > 1:
         why = f"only {num_gpus} CUDA device(s) visible" if num_gpus < args.tp_size \
             else "tensor parallelism is not implemented yet"

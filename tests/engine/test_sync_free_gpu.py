@@ -39,11 +39,12 @@ def _decode_steps_without_sync(engine: Engine, steps: int) -> None:
         engine.scheduler.update(batch, token_ids)
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("hybrid", [False, True], ids=["all-gpu", "hybrid"])
-def test_decode_step_has_no_host_sync(tiny_dirs, hybrid):
+def test_decode_step_has_no_host_sync(tiny_dirs, hybrid, graphs):
     options = dict(kt_num_gpu_experts=2, kt_cpuinfer=2) if hybrid else {}
     engine = Engine(tiny_dirs["embedded"], device="cuda", dtype="bfloat16", context_length=512,
-                    background_loop=False, **options)
+                    background_loop=False, disable_cuda_graph=not graphs, **options)
     try:
         _requests(engine)
         engine.step()  # admission and prefill (may sync: not a decode step)

@@ -53,6 +53,7 @@ def test_flags_map_to_engine_options():
     seed = engine_options(build_parser().parse_args(SEED_FLAGS))
     assert seed["kt_cpuinfer"] == 1 and seed["kt_method"] == "FP8"
     assert seed["limit_mm_data_per_request"] == {"image": 4}
+    assert seed["cuda_graph_bs"] == [1, 2, 4]
     assert args.port == 30000 and args.tool_call_parser == "glm47"
     assert args.reasoning_parser == "glm45"
 
@@ -68,7 +69,7 @@ def test_inapplicable_flags_one_line_each():
     gpu = build_parser().parse_args(["--cuda-graph-bs", "8", "--tp-size", "2", "--kt-cpuinfer",
                                      "8", "--cache-budget-gb", "4"])
     assert [line.split(":")[0] for line in inapplicable_flags(gpu, "cuda", 8, True)] == [
-        "--cuda-graph-bs 8", "--tp-size 2", "--kt-cpuinfer 8", "--cache-budget-gb 4.0"]
+        "--tp-size 2", "--kt-cpuinfer 8", "--cache-budget-gb 4.0"]
     hybrid = build_parser().parse_args(["--kt-num-gpu-experts", "4", "--kt-cpuinfer", "8",
                                         "--kt-gpu-prefill-token-threshold", "512"])
     assert inapplicable_flags(hybrid, "cuda", 1, True) == []

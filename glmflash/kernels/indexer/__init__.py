@@ -5,7 +5,8 @@ Both reach a sequence's earlier tokens through the page table. The per-forward p
 shared by every indexer layer. CUDA tensors go to the Triton selection (triton_impl.py), CPU
 tensors to ref.py; `GLMFLASH_KERNEL_INDEXER_SELECT` (or `GLMFLASH_KERNEL_INDEXER` for both)
 `=ref|triton` forces one. `indexer_write` is the reference on every device (a few gathers and
-scatters, no host sync).
+scatters, no host sync). Batches of decodes take `decode_select_plan` and `indexer_write_decode`,
+whose rows and positions stay on the device (CUDA graphs).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from glmflash.kernels.indexer.ref import (
     SelectPlan,
     WritePlan,
     compress_pools,
+    decode_select_plan,
     indexer_select_ref,
+    indexer_write_decode,
     indexer_write_ref,
     select_plan,
     write_plan,
@@ -37,5 +40,6 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
                 kpool=kpool, select_tail=select_tail)
 
 
-__all__ = ["SelectPlan", "WritePlan", "compress_pools", "indexer_select", "indexer_select_ref",
-           "indexer_write", "indexer_write_ref", "select_plan", "write_plan"]
+__all__ = ["SelectPlan", "WritePlan", "compress_pools", "decode_select_plan", "indexer_select",
+           "indexer_select_ref", "indexer_write", "indexer_write_decode", "indexer_write_ref",
+           "select_plan", "write_plan"]

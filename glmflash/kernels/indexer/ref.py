@@ -91,6 +91,29 @@ def indexer_write_ref(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor
     tail.view(-1, 2 * dim)[plan.tail_targets] = source[plan.tail_sources]
 
 
+def indexer_write_decode(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor,
+                         pool_keys: torch.Tensor, tail: torch.Tensor, page_table: torch.Tensor,
+                         rows: torch.Tensor, positions: torch.Tensor, *, page_size: int) -> None:
+    """`indexer_write_ref` for one new token per sequence, with the rows and positions on the
+    device (fixed shapes, nothing read on the host: a CUDA graph can replay it).
+
+    The token at position p goes to slot p % kpool of its pool. When it completes the pool, the
+    pool is compressed from the tail rows and it; otherwise it joins the tail. Both writes are
+    made for every row, the one that does not apply writing back what is already there.
+    """
+    kpool, dim = ape.shape
+    new = torch.cat([keys, gates], dim=-1).to(tail.dtype)  # [B, 2D]
+    offset = positions % kpool
+    completes = (offset == kpool - 1)[:, None]
+    pool = torch.cat([tail[rows], new[:, None]], dim=1)  # [B, kpool, 2D]
+    pooled = compress_pools(pool[..., :dim], pool[..., dim:], ape).to(pool_keys.dtype)
+    # A pool starts at a multiple of kpool, so its first token's slot locates its key.
+    target = token_slots(page_table, rows, positions - offset, page_size) // kpool
+    pool_keys[target] = torch.where(completes, pooled, pool_keys[target])
+    column = offset.clamp(max=kpool - 2)
+    tail[rows, column] = torch.where(completes, tail[rows, column], new)
+
+
 class SelectRows(NamedTuple):
     """A group of query rows scored together."""
 
@@ -134,6 +157,16 @@ def select_plan(cu_seqlens: list[int], prefix_lens: list[int], state_slots: list
             idx = torch.arange(cu_seqlens[b], cu_seqlens[b + 1], device=device)
             groups.append(SelectRows(idx, pools, True))
     return SelectPlan(dev_rows, dev_pos, dev_pools, max((p for p, _ in spans), default=0), groups)
+
+
+def decode_select_plan(rows: torch.Tensor, positions: torch.Tensor, kpool: int,
+                       max_pools: int) -> SelectPlan:
+    """The plan of one query per sequence from device rows and positions: one group scored over
+    `max_pools` pools (a bound on every row's complete pools), nothing read on the host."""
+    num_pools = torch.div(positions + 1, kpool, rounding_mode="floor")
+    every = torch.arange(rows.numel(), device=rows.device)
+    return SelectPlan(rows, positions, num_pools, max_pools,
+                      [SelectRows(every, max_pools, False)] if rows.numel() else [])
 
 
 def indexer_select_ref(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor,

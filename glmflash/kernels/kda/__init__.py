@@ -38,4 +38,32 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
                    chunk_size=chunk_size)
 
 
-__all__ = ["causal_conv1d", "causal_conv1d_ref", "kda", "kda_ref"]
+def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor, state: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """`kda` over one token per sequence, with the rows on the device: `meta` `[B, 3]` int32
+    (token row, state slot, fresh). The Triton path reads nothing on the host (CUDA graphs);
+    the reference reads `meta` back."""
+    if use_triton(q, "kda"):
+        from glmflash.kernels.kda import triton_impl
+
+        return triton_impl.kda_decode(q, k, v, g, beta, state, meta)
+    rows = meta.tolist()
+    return kda_ref(q, k, v, g, beta, state, list(range(len(rows) + 1)), [r[1] for r in rows],
+                   [bool(r[2]) for r in rows])
+
+
+def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                         meta: torch.Tensor) -> torch.Tensor:
+    """`causal_conv1d` over one token per sequence: `meta` `[B, 5]` int32 (token row, start,
+    end, state slot, fresh), as `kda_decode`."""
+    if use_triton(x, "causal_conv1d", "kda"):
+        from glmflash.kernels.kda import triton_impl
+
+        return triton_impl.causal_conv1d_decode(x, weight, conv_state, meta)
+    rows = meta.tolist()
+    return causal_conv1d_ref(x, weight, conv_state, list(range(len(rows) + 1)),
+                             [r[3] for r in rows], [bool(r[4]) for r in rows])
+
+
+__all__ = ["causal_conv1d", "causal_conv1d_decode", "causal_conv1d_ref", "kda", "kda_decode",
+           "kda_ref"]

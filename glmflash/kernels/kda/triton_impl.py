@@ -417,19 +417,37 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     out = torch.empty(num_tokens, heads, dv, dtype=q.dtype, device=q.device)
     plan = _plan(tuple(cu_seqlens), tuple(state_slots), tuple(bool(f) for f in is_fresh),
                  q.device)
-    scale = dk ** -0.5
-    bk = triton.next_power_of_2(dk)
-    strides = (q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0))
     if plan.num_decode:
-        bv, warps = DECODE_WIDE if plan.num_decode >= DECODE_WIDE_BATCH else DECODE_NARROW
-        bv = min(bv, triton.next_power_of_2(dv))
-        grid = (plan.num_decode, heads, triton.cdiv(dv, bv))
-        kda_decode_kernel[grid](q, k, v, g, beta, state, out, plan.meta, scale, *strides,
-                                out.stride(0), H=heads, K=dk, V=dv, BK=bk, BV=bv,
-                                num_warps=warps)
+        _launch_decode(q, k, v, g, beta, state, out, plan.meta, plan.num_decode)
     if plan.num_prefill:
-        _prefill(q, k, v, g, beta, state, out, plan, scale, strides)
+        strides = (q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0))
+        _prefill(q, k, v, g, beta, state, out, plan, dk ** -0.5, strides)
     return out
+
+
+def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor, state: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """One token per sequence, rows described on the device: `meta` `[B, 3]` int32 (token row,
+    state slot, fresh). Nothing is read on the host, so a CUDA graph can replay it."""
+    for t, name in ((q, "q"), (k, "k"), (v, "v"), (g, "g")):
+        _check_heads(t, name)
+    assert state.dtype == torch.float32 and state.is_contiguous()
+    assert meta.dtype == torch.int32 and meta.is_contiguous() and meta.shape[1] == 3
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
+    if meta.shape[0]:
+        _launch_decode(q, k, v, g, beta, state, out, meta, meta.shape[0])
+    return out
+
+
+def _launch_decode(q, k, v, g, beta, state, out, meta: torch.Tensor, num_decode: int) -> None:
+    heads, dk, dv = q.shape[1], q.shape[2], v.shape[2]
+    bv, warps = DECODE_WIDE if num_decode >= DECODE_WIDE_BATCH else DECODE_NARROW
+    bv = min(bv, triton.next_power_of_2(dv))
+    grid = (num_decode, heads, triton.cdiv(dv, bv))
+    kda_decode_kernel[grid](q, k, v, g, beta, state, out, meta, dk ** -0.5, q.stride(0),
+                            k.stride(0), v.stride(0), g.stride(0), beta.stride(0),
+                            out.stride(0), H=heads, K=dk, V=dv, BK=triton.next_power_of_2(dk),
+                            BV=bv, num_warps=warps)
 
 
 class PrefillBuffers(NamedTuple):
@@ -598,4 +616,20 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     return out
 
 
-__all__ = ["causal_conv1d", "kda"]
+def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                         meta: torch.Tensor) -> torch.Tensor:
+    """One token per sequence, rows described on the device: `meta` `[B, 5]` int32 (token row,
+    its start, its end, state slot, fresh), as `_conv_plan` lays out single-token blocks."""
+    channels = x.shape[1]
+    hist = weight.shape[1] - 1
+    assert x.stride(1) == 1 and weight.is_contiguous() and conv_state.is_contiguous()
+    assert meta.dtype == torch.int32 and meta.is_contiguous() and meta.shape[1] == 5
+    out = torch.empty_like(x)
+    if meta.shape[0]:
+        causal_conv1d_kernel[(meta.shape[0], triton.cdiv(channels, 256))](
+            x, weight, conv_state, out, meta, x.stride(0), out.stride(0), channels, HIST=hist,
+            HP=triton.next_power_of_2(hist), BT=1, BC=256, WRITE_STATE=True, num_warps=4)
+    return out
+
+
+__all__ = ["causal_conv1d", "causal_conv1d_decode", "kda", "kda_decode"]

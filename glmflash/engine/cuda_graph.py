@@ -1,0 +1,170 @@
+"""Decode steps replayed from CUDA graphs.
+
+One graph per (batch size, selection width), captured at start-up after the cache is planned and
+the kernels are warm, into one memory pool, largest first. A decode forward reads its batch only
+from device tensors (model/forward_batch.py `DecodeRows`), so a graph replays any batch of its
+size once the batch's values are copied into its input buffer. The selection width (pools the
+indexer scores per sequence) is the one host value a decode forward depends on: widths grow by
+4x up to the cache's longest sequence, and a batch takes the narrowest that holds its longest
+sequence. A batch of n decodes replays the smallest captured size >= n; rows n.. are padding:
+the runner's reserved state slot and page, position 0, fresh state, no CPU experts. Steps with
+prefill tokens, more decodes than the largest size, or prompt rows run eagerly.
+
+Hybrid CPU experts run inside the graphs through host nodes (engine/graph_handoff.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from glmflash.engine.experts import hybrid_layers
+from glmflash.model.forward_batch import decode_batch
+from glmflash.utils.device import upload
+from glmflash.utils.env import kernel_override
+
+if TYPE_CHECKING:
+    from glmflash.engine.graph_handoff import GraphHandOff
+    from glmflash.engine.model_runner import DecodeHostRows, ModelRunner
+
+logger = logging.getLogger(__name__)
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+# Ops whose reference implementation reads device values on the host (not capturable).
+_CAPTURED_OPS = ("kda", "causal_conv1d", "indexer", "indexer_select", "sparse_mla", "fused_moe",
+                 "cpu_moe")
+
+
+@dataclass
+class CapturedDecode:
+    graph: torch.cuda.CUDAGraph
+    packed: torch.Tensor
+    """The inputs, as `pack_decode` lays them out; a replay reads them."""
+    logits: torch.Tensor
+    """The output `[B, V]`; a replay overwrites it."""
+
+
+def graph_batch_sizes(requested: tuple[int, ...] | None, max_batch_size: int | None,
+                      max_running_requests: int, layerwise_threshold: int | None
+                      ) -> list[int]:
+    """The sizes to capture: the requested ones (default 1..32), capped by `max_batch_size`
+    and `max_running_requests`, and below the layerwise prefill threshold (a batch that large
+    takes the layerwise expert path eagerly)."""
+    limit = min(max_batch_size or max_running_requests, max_running_requests)
+    if layerwise_threshold is not None:
+        limit = min(limit, layerwise_threshold - 1)
+    return sorted({b for b in (requested or DEFAULT_BATCH_SIZES) if b <= limit})
+
+
+def graphs_unsupported(device: torch.device) -> str | None:
+    """Why decode graphs cannot be captured here, or None."""
+    if device.type != "cuda":
+        return f"CUDA graphs need a CUDA device, not {device.type}"
+    forced = [op for op in _CAPTURED_OPS if kernel_override(op) == "ref"]
+    if forced:
+        return f"the reference kernels forced for {forced} read device values on the host"
+    return None
+
+
+class CudaGraphRunner:
+    """Owns the captured decode graphs of one ModelRunner and their input buffers."""
+
+    def __init__(self, runner: ModelRunner, batch_sizes: list[int]) -> None:
+        self.runner = runner
+        self.batch_sizes = sorted(batch_sizes)
+        self.graphs: dict[tuple[int, int], CapturedDecode] = {}
+        self.handoff: GraphHandOff | None = None
+        self.num_replays = 0
+        self.replay_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
+        """Benchmarks: a list to collect (start, end) CUDA events around each replay."""
+
+    def can_replay(self, num_rows: int) -> bool:
+        return bool(self.graphs) and num_rows <= self.batch_sizes[-1]
+
+    def capture(self) -> None:
+        device = self.runner.device
+        start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
+        self._attach_handoff()
+        pool = None
+        for width in reversed(self.runner.pool_widths):
+            for size in reversed(self.batch_sizes):
+                captured = self._capture(size, width, pool)
+                pool = captured.graph.pool()
+                self.graphs[(size, width)] = captured
+        torch.cuda.synchronize(device)
+        used = (free_before - torch.cuda.mem_get_info(device)[0]) / 2**20
+        logger.info("CUDA graphs: decode of %s sequences x selection widths %s pools, %d graphs "
+                    "captured in %.1f s, %.0f MiB%s", self.batch_sizes, self.runner.pool_widths,
+                    len(self.graphs), time.perf_counter() - start, used,
+                    "; CPU experts inside them" if self.handoff else "")
+
+    def replay(self, rows: DecodeHostRows) -> torch.Tensor:
+        """Logits `[n, V]` of n decodes (n <= the largest captured size)."""
+        num_rows = len(rows.input_ids)
+        size = next(b for b in self.batch_sizes if b >= num_rows)
+        captured = self.graphs[(size, self.runner.pool_width(rows.num_pools))]
+        packed = self.runner.pack_decode(rows, pad_to=size)
+        captured.packed.copy_(torch.from_numpy(packed).pin_memory(), non_blocking=True)
+        if self.handoff is not None:
+            self.handoff.set_live_rows(num_rows)
+        events = self._timing_events()
+        captured.graph.replay()
+        if events is not None:
+            events[1].record()
+        if self.handoff is not None:
+            self.handoff.check()
+        self.num_replays += 1
+        return captured.logits[:num_rows]
+
+    def _timing_events(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        if self.replay_events is None:
+            return None
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        events[0].record()
+        self.replay_events.append(events)
+        return events
+
+    def close(self) -> None:
+        if self.handoff is not None:
+            self.handoff.close()
+            self.handoff = None
+
+    def _attach_handoff(self) -> None:
+        layers = [layer for layer in hybrid_layers(self.runner.model)
+                  if layer.num_gpu < layer.num_experts]
+        if not layers:
+            return
+        from glmflash.engine.graph_handoff import GraphHandOff
+        from glmflash.kernels.cpu_moe import NumbaMoeExperts
+
+        kernels = [layer.module.cpu_experts() for layer in layers]
+        if not all(isinstance(k, NumbaMoeExperts) for k in kernels):
+            raise RuntimeError("CPU experts in CUDA graphs need the Numba kernel")
+        top_k = self.runner.model.config.num_experts_per_tok
+        self.handoff = GraphHandOff(kernels, self.batch_sizes[-1], top_k, self.runner.device)
+        for layer in hybrid_layers(self.runner.model):
+            layer.graph_handoff = self.handoff
+
+    def _capture(self, size: int, width: int, pool) -> CapturedDecode:
+        runner = self.runner
+        packed = upload(runner.pack_decode(runner.padding_rows(size)), runner.device)
+
+        def forward() -> torch.Tensor:
+            # A new ForwardBatch per forward: its memo must not carry values across them.
+            batch = decode_batch(packed, runner.page_table, runner.page_size, width)
+            return runner.model(batch, runner.state)
+
+        # Warm-up outside the capture (compiles, fits launch shapes), on a side stream.
+        side = torch.cuda.Stream(runner.device)
+        side.wait_stream(torch.cuda.current_stream(runner.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream(runner.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = forward()
+        return CapturedDecode(graph, packed, logits)
