@@ -71,11 +71,19 @@ def measure(engine: Engine, batch: int, steps: int, context: int = 16) -> dict[s
         engine.step()
     timer = ForwardTimer(engine.runner.model)
     engine.runner.model = timer
+    graphs = engine.runner.graphs
+    if graphs is not None:
+        graphs.replay_events = []
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     wall = time.perf_counter() - start
     engine.runner.model = timer.model
+    if graphs is not None:
+        # Replayed steps: the model's time is the replays' GPU time (CUDA events around them).
+        torch.cuda.synchronize()
+        timer.seconds += sum(a.elapsed_time(b) for a, b in graphs.replay_events) / 1e3
+        graphs.replay_events = None
     while engine.scheduler.has_work:
         engine.step()
     return {"batch": batch, "context": context, "tok_s": batch * steps / wall,
@@ -101,6 +109,7 @@ def main() -> None:
     parser.add_argument("--host-only", action="store_true",
                         help="replace the network by a stub: the step time is host work alone")
     parser.add_argument("--no-append", action="store_true")
+    parser.add_argument("--disable-cuda-graph", action="store_true")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else None
     longest = max(contexts) if contexts else 512
@@ -112,7 +121,7 @@ def main() -> None:
     budget = (seqs * (longest + args.steps + 128) * per_token + seqs * per_slot) / 2**30
     engine = Engine(device=args.device, dtype=dtype, max_running_requests=max(32, args.batch),
                     context_length=longest + args.steps + 64, cache_budget_gb=budget + 0.1,
-                    background_loop=False)
+                    background_loop=False, disable_cuda_graph=args.disable_cuda_graph)
     if args.host_only:
         engine.runner.model = StubModel(engine.runner.model)
     if contexts:
@@ -122,7 +131,8 @@ def main() -> None:
     text = _table(rows)
     print(text)
     if not args.no_append:
-        append_results("Engine decode on the tiny model (bench/engine.py)", text)
+        graphs = " (CUDA graphs)" if engine.runner.graphs is not None else ""
+        append_results(f"Engine decode on the tiny model (bench/engine.py){graphs}", text)
     if contexts:
         print("host_overhead_ms=" + ",".join(f"{r['host_ms']:.3f}" for r in rows))
 
