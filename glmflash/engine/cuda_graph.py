@@ -43,6 +43,9 @@ class CapturedDecode:
     graph: torch.cuda.CUDAGraph
     packed: torch.Tensor
     """The inputs, as `pack_decode` lays them out; a replay reads them."""
+    staging: torch.Tensor
+    """Page-locked host copy of `packed`, rewritten per replay: the previous replay's copy out
+    of it is done, since the engine waits for each step's sampled ids."""
     logits: torch.Tensor
     """The output `[B, V]`; a replay overwrites it."""
 
@@ -106,8 +109,8 @@ class CudaGraphRunner:
         num_rows = len(rows.input_ids)
         size = next(b for b in self.batch_sizes if b >= num_rows)
         captured = self.graphs[(size, self.runner.pool_width(rows.num_pools))]
-        packed = self.runner.pack_decode(rows, pad_to=size)
-        captured.packed.copy_(torch.from_numpy(packed).pin_memory(), non_blocking=True)
+        captured.staging.numpy()[:] = self.runner.pack_decode(rows, pad_to=size)
+        captured.packed.copy_(captured.staging, non_blocking=True)
         if self.handoff is not None:
             self.handoff.set_live_rows(num_rows)
         events = self._timing_events()
@@ -167,4 +170,5 @@ class CudaGraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             logits = forward()
-        return CapturedDecode(graph, packed, logits)
+        return CapturedDecode(graph, packed, torch.empty_like(packed, device="cpu").pin_memory(),
+                              logits)

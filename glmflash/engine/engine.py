@@ -86,7 +86,8 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         self.scheduler = Scheduler(
             SchedulerConfig(self.options.max_running_requests, self.options.chunked_prefill_size,
                             self.max_seq_len), self.cache, self.eos_token_ids)
-        self.sampler = Sampler(self.options.seed)
+        self.sampler = Sampler(self.options.seed, sleep_while_waiting=self.device.type == "cuda"
+                               and self.options.kt_num_gpu_experts is not None)
         self.media = MediaPreparer(self.config, self.tokenizer,
                                    limits=self.options.limit_mm_data_per_request,
                                    process=self.options.mm_process_config,

@@ -39,7 +39,10 @@ class SampleOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, *, sleep_while_waiting: bool = False) -> None:
+        """`sleep_while_waiting`: the host waits for the copy back asleep instead of spinning
+        (hybrid serving: a spinning host thread takes a core from the CPU experts)."""
+        self.sleep_while_waiting = sleep_while_waiting
         self.generator = torch.Generator()
         """Draws the key of unseeded rows once per step."""
         if seed is not None:
@@ -71,7 +74,7 @@ class Sampler:
         t = SamplingTensors.build(seqs, logits.shape[1], logits.device, self._step_key(seqs),
                                   self.penalties)
         if t.is_plain_greedy:
-            return _copy_back(logits, logits.argmax(dim=-1), seqs, t, {})
+            return self._copy_back(logits, logits.argmax(dim=-1), seqs, t, {})
         raw = logits.float()
         logits, errors = apply_processors(raw, seqs, t.processor_rows)
         if t.penalties is not None:
@@ -79,10 +82,14 @@ class Sampler:
         token_ids = choose(logits, t)
         if t.penalties is not None:
             self.penalties.count(token_ids, t.penalties)
-        return _copy_back(raw, token_ids, seqs, t, errors)
+        return self._copy_back(raw, token_ids, seqs, t, errors)
 
     def release(self, seq: Sequence) -> None:
         self.penalties.release(seq.seq_id)
+
+    def _copy_back(self, raw: torch.Tensor, token_ids: torch.Tensor, seqs: list[Sequence],
+                   t: SamplingTensors, errors: dict[int, str]) -> SampleOutput:
+        return _copy_back(raw, token_ids, seqs, t, errors, self.sleep_while_waiting)
 
     def _step_key(self, seqs: list[Sequence]) -> int:
         """A fresh key when an unseeded row draws: reproducible for a fixed engine seed."""
@@ -158,7 +165,7 @@ def filtered_probs(logits: torch.Tensor, top_k: int, top_p: float, min_p: float)
 
 
 def _copy_back(raw: torch.Tensor, token_ids: torch.Tensor, seqs: list[Sequence],
-               t: SamplingTensors, errors: dict[int, str]) -> SampleOutput:
+               t: SamplingTensors, errors: dict[int, str], blocking: bool) -> SampleOutput:
     """Pack the ids and the requested logprobs into one int32 tensor and copy it to the host."""
     parts = [token_ids.int()]
     if t.logprob_rows is not None:
@@ -172,7 +179,7 @@ def _copy_back(raw: torch.Tensor, token_ids: torch.Tensor, seqs: list[Sequence],
     if packed.is_cuda:
         packed_cpu = torch.empty(packed.shape, dtype=torch.int32, pin_memory=True)
         packed_cpu.copy_(packed, non_blocking=True)
-        copy_done = torch.cuda.Event()
+        copy_done = torch.cuda.Event(blocking=blocking)
         copy_done.record()
     else:
         packed_cpu = packed

@@ -6,7 +6,14 @@ import torch
 from torch import nn
 
 from glmflash.config import ModelConfig
-from glmflash.kernels.kda import causal_conv1d, causal_conv1d_decode, kda, kda_decode
+from glmflash.kernels.kda import (
+    causal_conv1d,
+    causal_conv1d_decode,
+    gated_rms_norm,
+    kda,
+    kda_decode,
+    kda_gates,
+)
 from glmflash.model.forward_batch import ForwardBatch
 from glmflash.model.layers import Linear, fused_weight
 from glmflash.model.state import ModelState
@@ -55,14 +62,14 @@ class KimiDeltaAttention(nn.Module):
             mixed = causal_conv1d(mixed, self.conv_weight(), conv_state, batch.cu_seqlens,
                                   batch.state_slots, batch.is_fresh)
         q, k, v = (t.view(num_tokens, heads, d) for t in mixed.chunk(3, dim=-1))
-        g, beta = self.forget_gate(f_a), torch.sigmoid(b)
+        g, beta = kda_gates(self.f_b_proj(f_a), self.dt_bias, self.A_log, b, self.lower_bound)
         if batch.decode is not None:
             o = kda_decode(q, k, v, g, beta, recurrent, batch.decode.kda_meta)
         else:
             o = kda(q, k, v, g, beta, recurrent, batch.cu_seqlens, batch.state_slots,
                     batch.is_fresh)
-        gate = self.g_b_proj(g_a).view(num_tokens, heads, d)
-        return self.o_proj(self.gated_norm(o, gate).reshape(num_tokens, heads * d))
+        return self.o_proj(gated_rms_norm(o, self.g_b_proj(g_a), self.o_norm.weight,
+                                          self.norm_eps))
 
     def conv_weight(self) -> torch.Tensor:
         """The q, k, v conv filters stacked `[3 * width, kernel]` (fp32), made once."""
@@ -72,21 +79,6 @@ class KimiDeltaAttention(nn.Module):
             self._conv_weight = torch.cat(sources).squeeze(1).contiguous()
             self._conv_key = key
         return self._conv_weight
-
-    def forget_gate(self, f_a: torch.Tensor) -> torch.Tensor:
-        """Per-channel log-decay `[T, H, d]` in (lower_bound, 0), fp32, from f_a_proj(x)."""
-        f = self.f_b_proj(f_a).float() + self.dt_bias
-        f = f.view(f_a.shape[0], self.num_heads, self.head_dim)
-        rate = self.A_log.float().exp().view(1, -1, 1)
-        if self.lower_bound is not None:
-            return self.lower_bound * torch.sigmoid(rate * f)
-        return -rate * nn.functional.softplus(f, threshold=20.0)
-
-    def gated_norm(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """Per-head RMSNorm with the weight and sigmoid gate applied in fp32 (spec §3.6)."""
-        of = o.float()
-        of = of * torch.rsqrt(of.square().mean(-1, keepdim=True) + self.norm_eps)
-        return (self.o_norm.weight.float() * of * torch.sigmoid(gate.float())).to(o.dtype)
 
 
 def _conv_weight(channels: int, kernel: int) -> nn.Module:

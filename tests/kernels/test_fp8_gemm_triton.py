@@ -121,3 +121,22 @@ def test_release_shapes_gpu(m, n, k):
     rel = ((got - want).norm() / want.norm()).item()
     # Weight-only: bf16 rounding (~3e-3); W8A8 (M >= 64): e4m3 activations add ~2-3%.
     assert rel < (5e-3 if m < triton_impl.FP8_ACT_MIN_ROWS else 4e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [64, 67, 2048])
+def test_blockwise_scaled_mm_on_a_non_square_scale_grid_gpu(m):
+    """cuBLAS's block-scaled GEMM with a 3 x 2 weight-scale grid (a transposed scale layout is
+    silently accepted only on square grids) and M not a multiple of 4."""
+    if not triton_impl.scaled_mm_fits(torch.empty(1, 256, device="cuda", dtype=torch.bfloat16),
+                                      torch.empty(384, 256, device="cuda"), 128):
+        pytest.skip("no cuBLASLt block scaling on this GPU")
+    x, w, s = _case(m, 384, 256, torch.bfloat16)
+    got = triton_impl.fp8_linear_scaled_mm(x, w, s, 128)
+    same_numerics = triton_impl.fp8_linear_w8a8(x, w, s, 128)
+    want = fp8_linear_ref(x.float(), w, s)
+    assert got.shape == (m, 384)
+    # The same W8A8 products as the Triton GEMM, summed in another order.
+    torch.testing.assert_close(got.float(), same_numerics.float(), rtol=1e-2, atol=1e-2)
+    assert ((got.float() - want).norm() / want.norm()).item() < 3e-2
+    assert torch.equal(triton_impl.fp8_linear(x, w, s), got), "M >= 64 takes this path"

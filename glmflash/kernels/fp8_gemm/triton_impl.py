@@ -5,7 +5,8 @@ Two paths, picked by the number of rows (README.md has the measurements):
   rounding: fp8 * scale in fp32, then one cast) and multiplied in bf16 - one row by FMA in fp32
   instead - split over K so that enough programs stream the weight;
 - many rows (prefill): activations are quantised per token and 128-channel group (DeepSeek /
-  HF style) by a small kernel, then an FP8 x FP8 GEMM applies both scales per K block.
+  HF style) by a small kernel, then an FP8 x FP8 GEMM applies both scales per K block: cuBLASLt's
+  block-scaled `torch._scaled_mm` on SM90, this file's Triton GEMM elsewhere.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def fp8_wdq_gemm_kernel(x, w, ws, y, part, arrivals, M, N, K, stride_xm, stride_
 
 
 @jit
-def fp8_act_quant_kernel(x, xq, xs, M, K, stride_xm, stride_qm, stride_sm,
+def fp8_act_quant_kernel(x, xq, xs, M, K, stride_xm, stride_qm, stride_sm, stride_sk,
                          BLOCK: tl.constexpr, BM: tl.constexpr):
     """Per row and 128-channel group: scale = amax / 448, xq = x / scale in e4m3."""
     i_m, i_k = tl.program_id(0), tl.program_id(1)
@@ -147,7 +148,7 @@ def fp8_act_quant_kernel(x, xq, xs, M, K, stride_xm, stride_qm, stride_sm,
     b_s = tl.maximum(tl.max(tl.abs(b_x), 1), 1e-12) / FP8_MAX  # [BM]
     b_q = (b_x / b_s[:, None]).to(xq.dtype.element_ty)
     tl.store(xq + o_m[:, None].to(tl.int64) * stride_qm + o_k[None, :], b_q, mask=m)
-    tl.store(xs + o_m.to(tl.int64) * stride_sm + i_k, b_s, mask=o_m < M)
+    tl.store(xs + o_m.to(tl.int64) * stride_sm + i_k * stride_sk, b_s, mask=o_m < M)
 
 
 @jit
@@ -224,17 +225,30 @@ def fp8_linear_weight_only(x2: torch.Tensor, weight: torch.Tensor, scale_inv: to
     return out
 
 
+def quantize_activations(x2: torch.Tensor, fp8_dtype: torch.dtype, block: int,
+                         rows: int | None = None, scales_m_major: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[M, K]` -> e4m3 `[rows, K]` and fp32 scales `[rows, ceil(K/block)]`, one per (row,
+    block channels); `rows` >= M pads (rows past M are left unwritten). `scales_m_major`: the
+    scales' row stride is 1 (cuBLAS's layout for block-scaled `_scaled_mm`)."""
+    m, k = x2.shape
+    rows = rows or m
+    k_blocks = triton.cdiv(k, block)
+    xq = torch.empty(rows, k, dtype=fp8_dtype, device=x2.device)
+    xs = torch.empty(k_blocks, rows, dtype=torch.float32, device=x2.device).t() \
+        if scales_m_major else torch.empty(rows, k_blocks, dtype=torch.float32, device=x2.device)
+    fp8_act_quant_kernel[(triton.cdiv(m, 16), k_blocks)](
+        x2, xq, xs, m, k, x2.stride(0), xq.stride(0), xs.stride(0), xs.stride(1), BLOCK=block,
+        BM=16, num_warps=4)
+    return xq, xs
+
+
 def fp8_linear_w8a8(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                     block: int) -> torch.Tensor:
     """Quantise activations per (row, 128 channels), then the FP8 GEMM."""
     m, k = x2.shape
     n = weight.shape[0]
-    k_blocks = triton.cdiv(k, block)
-    xq = torch.empty(m, k, dtype=weight.dtype, device=x2.device)
-    xs = torch.empty(m, k_blocks, dtype=torch.float32, device=x2.device)
-    fp8_act_quant_kernel[(triton.cdiv(m, 16), k_blocks)](
-        x2, xq, xs, m, k, x2.stride(0), xq.stride(0), xs.stride(0), BLOCK=block, BM=16,
-        num_warps=4)
+    xq, xs = quantize_activations(x2, weight.dtype, block)
     out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     bm, bn, warps, stages = W8A8_TILE
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
@@ -242,6 +256,28 @@ def fp8_linear_w8a8(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
                           weight.stride(0), scale_inv.stride(0), out.stride(0), BLOCK=block,
                           BM=bm, BN=bn, GROUP_M=8, num_warps=warps, num_stages=stages)
     return out
+
+
+def fp8_linear_scaled_mm(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                         block: int) -> torch.Tensor:
+    """W8A8 through cuBLASLt's block scaling (`torch._scaled_mm` with 1x128 activation scales,
+    M-major, and the checkpoint's 128x128 weight scales); M padded to a multiple of 4."""
+    m = x2.shape[0]
+    xq, xs = quantize_activations(x2, weight.dtype, block, rows=-(-m // 4) * 4,
+                                  scales_m_major=True)
+    out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale_inv.t(),
+                           out_dtype=x2.dtype)
+    return out[:m]
+
+
+def scaled_mm_fits(x2: torch.Tensor, weight: torch.Tensor, block: int) -> bool:
+    """Whether cuBLASLt's block-scaled FP8 GEMM serves this product: SM90 (Hopper) only - SM89
+    and SM120 have no 1x128 / 128x128 block scaling in cuBLASLt, and run the Triton GEMM - and
+    128-aligned weights with 128-wide blocks."""
+    n, k = weight.shape
+    return (x2.is_cuda and block == 128 and n % 128 == 0 and k % 128 == 0
+            and x2.dtype in (torch.bfloat16, torch.float16) and not interpreting()
+            and torch.cuda.get_device_capability(x2.device) == (9, 0))
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, *,
@@ -257,8 +293,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, *
         return x.new_empty(*lead, weight.shape[0])
     use_fp8 = x2.shape[0] >= FP8_ACT_MIN_ROWS and x2.dtype != torch.float32 \
         and not interpreting()
-    impl = fp8_linear_w8a8 if use_fp8 else fp8_linear_weight_only
+    impl = fp8_linear_weight_only
+    if use_fp8:
+        impl = fp8_linear_scaled_mm if scaled_mm_fits(x2, weight, block) else fp8_linear_w8a8
     return impl(x2, weight, scale_inv.float(), block).view(*lead, weight.shape[0])
 
 
-__all__ = ["fp8_linear", "fp8_linear_w8a8", "fp8_linear_weight_only"]
+__all__ = ["fp8_linear", "fp8_linear_scaled_mm", "fp8_linear_w8a8", "fp8_linear_weight_only",
+           "quantize_activations", "scaled_mm_fits"]

@@ -10,7 +10,12 @@ from __future__ import annotations
 import torch
 
 from glmflash.kernels.dispatch import use_triton
-from glmflash.kernels.kda.ref import causal_conv1d_ref, kda_ref
+from glmflash.kernels.kda.ref import (
+    causal_conv1d_ref,
+    gated_rms_norm_ref,
+    kda_gates_ref,
+    kda_ref,
+)
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
@@ -65,5 +70,25 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
                              [r[3] for r in rows], [bool(r[4]) for r in rows])
 
 
-__all__ = ["causal_conv1d", "causal_conv1d_decode", "causal_conv1d_ref", "kda", "kda_decode",
-           "kda_ref"]
+def kda_gates(f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, b: torch.Tensor,
+              lower_bound: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forget-gate log-decay and beta from their projections; see `kda_gates_ref`."""
+    if use_triton(f, "kda_gates", "kda"):
+        from glmflash.kernels.kda.gates_triton import kda_gates as impl
+    else:
+        impl = kda_gates_ref
+    return impl(f, dt_bias, a_log, b, lower_bound)
+
+
+def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """The output's gated per-head RMSNorm; see `gated_rms_norm_ref`."""
+    if use_triton(o, "kda_gates", "kda"):
+        from glmflash.kernels.kda.gates_triton import gated_rms_norm as impl
+    else:
+        impl = gated_rms_norm_ref
+    return impl(o, gate, weight, eps)
+
+
+__all__ = ["causal_conv1d", "causal_conv1d_decode", "causal_conv1d_ref", "gated_rms_norm",
+           "gated_rms_norm_ref", "kda", "kda_decode", "kda_gates", "kda_gates_ref", "kda_ref"]

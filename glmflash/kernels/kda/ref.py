@@ -127,3 +127,28 @@ def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
     last = cum[:, -1:]
     s_new = last.transpose(1, 2).exp() * s0 + (k * (last - cum).exp()).transpose(1, 2) @ delta
     return out, s_new
+
+
+def kda_gates_ref(f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, b: torch.Tensor,
+                  lower_bound: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forget gate's log-decay `[T, H, d]` fp32 and beta `[T, H]` (b's dtype) from the
+    projections f `[T, H * d]` and b `[T, H]` (spec/model.md §3.3): with a lower bound,
+    `lb * sigmoid(exp(A_log) * (f + dt_bias))`, else `-exp(A_log) * softplus(f + dt_bias)`."""
+    heads = a_log.shape[0]
+    f = (f.float() + dt_bias).view(f.shape[0], heads, -1)
+    rate = a_log.float().exp().view(1, -1, 1)
+    if lower_bound is not None:
+        g = lower_bound * torch.sigmoid(rate * f)
+    else:
+        g = -rate * F.softplus(f, threshold=20.0)
+    return g, torch.sigmoid(b)
+
+
+def gated_rms_norm_ref(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+    """Per-head RMSNorm of o `[T, H, d]` with the weight `[d]` and the sigmoid of gate
+    `[T, H * d]` applied in fp32 (spec §3.6); `[T, H * d]` in o's dtype."""
+    of = o.float()
+    of = of * torch.rsqrt(of.square().mean(-1, keepdim=True) + eps)
+    gate = gate.float().view(o.shape)
+    return (weight.float() * of * torch.sigmoid(gate)).to(o.dtype).reshape(o.shape[0], -1)
