@@ -257,6 +257,8 @@ class Engine(EngineApiMixin, EngineLoopMixin):
                 else None
             out = StreamDelta(choice.request_id, choice.index, text.text, delta.token_ids, reason,
                               logprobs, seq.num_prompt_tokens, seq.num_output_tokens)
+            if seq.prompt_logprobs is not None and seq.num_output_tokens == len(delta.token_ids):
+                out.prompt_logprobs = seq.prompt_logprobs
             if reason:
                 self._finish(seq, choice, out)
             else:

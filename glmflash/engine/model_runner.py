@@ -11,6 +11,7 @@ import torch
 from glmflash.config import ModelConfig
 from glmflash.engine.cache import CachePlan
 from glmflash.engine.options import EngineConfig
+from glmflash.engine.prompt_logprobs import plan_prompt_logprob_rows, record_prompt_logprobs
 from glmflash.engine.scheduler import ScheduledBatch
 from glmflash.model.dummy_weights import fill_dummy_weights
 from glmflash.model.forward_batch import ForwardBatch, build_forward_batch, token_slots_of
@@ -129,10 +130,20 @@ class ModelRunner:
                                       dtype=torch.int32, device=self.device)
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits `[num sampled, V]` of the sequences whose chunk reaches their last token."""
-        return self.model(self.prepare(batch), self.state)
+        """Logits `[num sampled, V]` of the sequences whose chunk reaches their last token.
 
-    def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
+        Prompt log-probabilities asked for are scored on the way and stored on their sequences.
+        """
+        prompt_rows = plan_prompt_logprob_rows(batch)
+        if prompt_rows is None:
+            return self.model(self.prepare(batch), self.state)
+        logits = self.model(self.prepare(batch, prompt_rows.rows), self.state)
+        num_sampled = logits.shape[0] - len(prompt_rows.rows)
+        record_prompt_logprobs(logits[num_sampled:], prompt_rows)
+        return logits[:num_sampled]
+
+    def prepare(self, batch: ScheduledBatch,
+                extra_logit_rows: list[int] | None = None) -> ForwardBatch:
         self.apply_page_updates(batch.page_updates)
         ids, slots, cu_seqlens, prefix_lens = [], [], [0], []
         page = self.page_size
@@ -149,7 +160,8 @@ class ModelRunner:
         sampled = [b for b, need in enumerate(batch.needs_sample) if need]
         forward_batch = build_forward_batch(
             ids, slots, cu_seqlens, prefix_lens, [seq.state_slot for seq in batch.seqs],
-            self.page_table, self.page_size, logit_seqs=sampled)
+            self.page_table, self.page_size, logit_seqs=sampled,
+            extra_logit_rows=extra_logit_rows)
         forward_batch.input_embeds = self._input_embeds(batch, forward_batch.input_ids,
                                                         cu_seqlens)
         return forward_batch
