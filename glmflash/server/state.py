@@ -25,6 +25,7 @@ from glmflash.server.limits import max_json_separators, min_num_tokens
 from glmflash.server.logprobs import TokenPieces, TokenText
 from glmflash.server.processors import LogitBias
 from glmflash.server.protocol import SamplingRequest
+from glmflash.server.responses_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 
 if TYPE_CHECKING:
     from glmflash.engine.engine import Engine
@@ -48,6 +49,8 @@ class ServerConfig:
     """After SIGINT/SIGTERM, how long running requests may go on before they are ended."""
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     """Larger request bodies are answered 413 without being read."""
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
+    """/v1/responses kept for previous_response_id (least recently used dropped first)."""
 
 
 @dataclass
@@ -75,6 +78,7 @@ class ServerState:
         self.request_hook = request_hook
         self.created = int(time.time())
         self.token_text = TokenText(engine.tokenizer)
+        self.responses = ResponseStore(config.max_stored_responses)
         self.sampling_defaults = read_generation_defaults(engine.model_path)
         self.max_json_separators = max_json_separators(engine.max_seq_len)
         logger.debug("prompt bound: at most %d bytes per token", engine.tokenizer.max_token_bytes)

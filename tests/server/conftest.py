@@ -29,8 +29,8 @@ def _fail_at_second_token(output_ids: list[int], logits):
 
 
 class ScriptHook:
-    """Test-only request hook, driven by the last user message of a chat request (or the first
-    prompt of a completion request):
+    """Test-only request hook, driven by the last user message or tool result of a chat request
+    (or the first prompt of a completion request):
 
     * `SCRIPT:<text>`: the model outputs `<text>` then `<|observation|>` (a stop token);
     * `PREFIX:<text>`: the model outputs `<text>`, then continues freely;
@@ -61,12 +61,12 @@ class ScriptHook:
 
     @staticmethod
     def _last_user_text(request) -> str:
-        """The last user message of a chat request; a completion request's first text prompt."""
+        """The last user or tool message of a chat request; a completion's first text prompt."""
         prompts = getattr(request, "prompts", None)
         if prompts:
             return prompts[0] if isinstance(prompts[0], str) else ""
-        users = [m for m in getattr(request, "messages", []) if m["role"] == "user"]
-        content = users[-1]["content"] if users else None
+        turns = [m for m in getattr(request, "messages", []) if m["role"] in ("user", "tool")]
+        content = turns[-1]["content"] if turns else None
         return content if isinstance(content, str) else ""
 
 
