@@ -105,10 +105,10 @@ class LiveServer:
 
 
 def start_server(tiny_dir, *, api_key: str | None = None, graceful_shutdown_timeout_s: float = 30,
-                 **engine_options) -> LiveServer:
+                 hook_type: type = ScriptHook, **engine_options) -> LiveServer:
     engine = Engine(tiny_dir, device="cpu", dtype="float32", context_length=CONTEXT_LENGTH,
                     **engine_options)
-    hook = ScriptHook(engine)
+    hook = hook_type(engine)
     config = ServerConfig((MODEL, "alias"), api_key=api_key,
                           graceful_shutdown_timeout_s=graceful_shutdown_timeout_s)
     app = create_app(engine, config, request_hook=hook)
