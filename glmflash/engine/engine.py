@@ -207,6 +207,7 @@ class Engine(EngineApiMixin, EngineLoopMixin):
             for seq in seqs:
                 seq.prompt_embeds = embeds
         for seq in seqs:
+            self.runner.prompt_logprobs.admit(seq)
             self.scheduler.add(seq)
 
     def prepare_multimodal(self, token_ids: list[int], messages: list[dict]):
@@ -268,6 +269,7 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         if self._choices.pop(seq.seq_id, None) is None:
             return
         self.sampler.release(seq)
+        self.runner.prompt_logprobs.release(seq)
         with self._lock:
             self.num_pending -= 1
         delta.num_prompt_tokens = seq.num_prompt_tokens

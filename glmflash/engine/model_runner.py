@@ -11,7 +11,7 @@ import torch
 from glmflash.config import ModelConfig
 from glmflash.engine.cache import CachePlan
 from glmflash.engine.options import EngineConfig
-from glmflash.engine.prompt_logprobs import plan_prompt_logprob_rows, record_prompt_logprobs
+from glmflash.engine.prompt_logprobs import PromptLogprobTracker
 from glmflash.engine.scheduler import ScheduledBatch
 from glmflash.model.dummy_weights import fill_dummy_weights
 from glmflash.model.forward_batch import ForwardBatch, build_forward_batch, token_slots_of
@@ -128,18 +128,19 @@ class ModelRunner:
                                 device=self.device)
         self.page_table = torch.zeros(plan.num_state_slots, plan.max_pages_per_seq,
                                       dtype=torch.int32, device=self.device)
+        self.prompt_logprobs = PromptLogprobTracker()
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits `[num sampled, V]` of the sequences whose chunk reaches their last token.
 
         Prompt log-probabilities asked for are scored on the way and stored on their sequences.
         """
-        prompt_rows = plan_prompt_logprob_rows(batch)
+        prompt_rows = self.prompt_logprobs.plan(batch)
         if prompt_rows is None:
             return self.model(self.prepare(batch), self.state)
         logits = self.model(self.prepare(batch, prompt_rows.rows), self.state)
         num_sampled = logits.shape[0] - len(prompt_rows.rows)
-        record_prompt_logprobs(logits[num_sampled:], prompt_rows)
+        self.prompt_logprobs.record(logits[num_sampled:], prompt_rows)
         return logits[:num_sampled]
 
     def prepare(self, batch: ScheduledBatch,

@@ -4,7 +4,8 @@ The logits at prompt position p give the distribution of token p + 1. A prefill 
 positions [start, start + n) of a sequence that asked therefore adds extra logit rows for the
 positions whose next prompt token still lacks its entry; the runner appends these rows after the
 sampled ones (ForwardBatch.logits_index), so a batch where nobody asked is unchanged. Chunked
-prefill just fills the list chunk by chunk; a recompute after preemption finds it complete.
+prefill just fills the list chunk by chunk; a recompute after preemption continues or finds it
+complete. The engine tells the runner's tracker which sequences are admitted and finished.
 The values are the raw model distribution (no temperature, penalties or processors), as vLLM's.
 """
 
@@ -32,18 +33,38 @@ class PromptLogprobRows:
     """The most top alternatives any owner asked for."""
 
 
-def plan_prompt_logprob_rows(batch: ScheduledBatch) -> PromptLogprobRows | None:
-    """The rows this batch must score, or None (the common case: nobody asked)."""
-    if all(seq.prompt_logprobs is None for seq in batch.seqs):
-        return None
-    plan = PromptLogprobRows([], [], [], 0)
-    offset = 0
-    for seq, num_tokens in zip(batch.seqs, batch.num_tokens, strict=True):
-        start = seq.num_computed_tokens
-        if seq.prompt_logprobs is not None:
-            _add_rows(plan, seq, offset, start, start + num_tokens)
-        offset += num_tokens
-    return plan if plan.rows else None
+class PromptLogprobTracker:
+    """The sequences still missing prompt log-probabilities, so that a step where there are
+    none (the common case) costs one set test instead of a pass over the batch."""
+
+    def __init__(self) -> None:
+        self.missing: set[int] = set()
+
+    def admit(self, seq: Sequence) -> None:
+        if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
+            self.missing.add(seq.seq_id)
+
+    def release(self, seq: Sequence) -> None:
+        self.missing.discard(seq.seq_id)
+
+    def plan(self, batch: ScheduledBatch) -> PromptLogprobRows | None:
+        """The rows this batch must score, or None."""
+        if not self.missing:
+            return None
+        plan = PromptLogprobRows([], [], [], 0)
+        offset = 0
+        for seq, num_tokens in zip(batch.seqs, batch.num_tokens, strict=True):
+            if seq.seq_id in self.missing:
+                start = seq.num_computed_tokens
+                _add_rows(plan, seq, offset, start, start + num_tokens)
+            offset += num_tokens
+        return plan if plan.rows else None
+
+    def record(self, logits: torch.Tensor, plan: PromptLogprobRows) -> None:
+        record_prompt_logprobs(logits, plan)
+        for seq, _ in plan.owners:
+            if len(seq.prompt_logprobs) == seq.num_prompt_tokens:
+                self.missing.discard(seq.seq_id)
 
 
 def _add_rows(plan: PromptLogprobRows, seq: Sequence, offset: int, start: int, end: int) -> None:

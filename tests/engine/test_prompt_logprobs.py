@@ -88,5 +88,7 @@ def test_every_choice_gets_them_and_bad_values_raise(engines):
     params = SamplingParams(max_tokens=1, temperature=1.0, seed=3, prompt_logprobs=1)
     (result,) = engines[0].generate(prompt_token_ids=[[5, 6, 7, 8]], sampling_params=params, n=2)
     assert len(result.prompt_logprobs) == 4
+    # Nothing is left tracked: later steps skip the prompt-logprob pass entirely.
+    assert all(not engine.runner.prompt_logprobs.missing for engine in engines)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)
