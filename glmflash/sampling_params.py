@@ -33,6 +33,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     """Return the log-probabilities of this many top tokens (plus the sampled one) per step."""
+    prompt_logprobs: int | None = None
+    """Return, for every prompt token after the first, its log-probability given the tokens
+    before it plus this many top alternatives (as vLLM); computed during prefill."""
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -56,6 +59,8 @@ class SamplingParams:
             (self.top_k >= 0, "top_k must be >= 0 (or -1 for no cut)"),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             "prompt_logprobs must be in [0, 20]"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),

@@ -226,6 +226,7 @@ class Engine(EngineApiMixin, EngineLoopMixin):
             for seq in seqs:
                 seq.prompt_embeds = embeds
         for seq in seqs:
+            self.runner.prompt_logprobs.admit(seq)
             self.scheduler.add(seq)
 
     def prepare_multimodal(self, token_ids: list[int], messages: list[dict]):
@@ -276,6 +277,8 @@ class Engine(EngineApiMixin, EngineLoopMixin):
                 else None
             out = StreamDelta(choice.request_id, choice.index, text.text, delta.token_ids, reason,
                               logprobs, seq.num_prompt_tokens, seq.num_output_tokens)
+            if seq.prompt_logprobs is not None and seq.num_output_tokens == len(delta.token_ids):
+                out.prompt_logprobs = seq.prompt_logprobs
             if reason:
                 self._finish(seq, choice, out)
             else:
@@ -285,6 +288,7 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         if self._choices.pop(seq.seq_id, None) is None:
             return
         self.sampler.release(seq)
+        self.runner.prompt_logprobs.release(seq)
         with self._lock:
             self.num_pending -= 1
         delta.num_prompt_tokens = seq.num_prompt_tokens

@@ -12,6 +12,7 @@ import torch
 from glmflash.config import ModelConfig
 from glmflash.engine.cache import CachePlan
 from glmflash.engine.options import EngineConfig
+from glmflash.engine.prompt_logprobs import PromptLogprobTracker
 from glmflash.engine.scheduler import ScheduledBatch
 from glmflash.model.dummy_weights import fill_dummy_weights
 from glmflash.model.forward_batch import (
@@ -167,9 +168,19 @@ class ModelRunner:
         self.pool_widths = selection_widths(plan.max_pages_per_seq * plan.page_size // self.kpool)
         self.graphs = None
         """The CudaGraphRunner once `capture_graphs` has run."""
+        self.prompt_logprobs = PromptLogprobTracker()
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits `[num sampled, V]` of the sequences whose chunk reaches their last token."""
+        """Logits `[num sampled, V]` of the sequences whose chunk reaches their last token.
+
+        Prompt log-probabilities asked for are scored on the way and stored on their sequences.
+        """
+        prompt_rows = self.prompt_logprobs.plan(batch)
+        if prompt_rows is not None:
+            logits = self.model(self.prepare(batch, prompt_rows.rows), self.state)
+            num_sampled = logits.shape[0] - len(prompt_rows.rows)
+            self.prompt_logprobs.record(logits[num_sampled:], prompt_rows)
+            return logits[:num_sampled]
         rows = self.decode_rows(batch)
         if rows is not None and self.graphs is not None \
                 and self.graphs.can_replay(len(rows.input_ids)):
@@ -222,9 +233,10 @@ class ModelRunner:
         """The narrowest selection width that holds `num_pools` pools."""
         return next(w for w in self.pool_widths if w >= num_pools)
 
-    def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
+    def prepare(self, batch: ScheduledBatch,
+                extra_logit_rows: list[int] | None = None) -> ForwardBatch:
         self.apply_page_updates(batch.page_updates)
-        rows = self.decode_rows(batch)
+        rows = None if extra_logit_rows else self.decode_rows(batch)
         if rows is not None:
             return decode_batch(upload(self.pack_decode(rows), self.device), self.page_table,
                                 self.page_size, self.pool_width(rows.num_pools))
@@ -243,7 +255,8 @@ class ModelRunner:
         sampled = [b for b, need in enumerate(batch.needs_sample) if need]
         forward_batch = build_forward_batch(
             ids, slots, cu_seqlens, prefix_lens, [seq.state_slot for seq in batch.seqs],
-            self.page_table, self.page_size, logit_seqs=sampled)
+            self.page_table, self.page_size, logit_seqs=sampled,
+            extra_logit_rows=extra_logit_rows)
         forward_batch.input_embeds = self._input_embeds(batch, forward_batch.input_ids,
                                                         cu_seqlens)
         return forward_batch

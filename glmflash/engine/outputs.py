@@ -20,6 +20,9 @@ class StreamDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """On a choice's first delta when SamplingParams.prompt_logprobs was set: per prompt token
+    {token id: logprob} of it and the top alternatives, None for the first token."""
 
 
 @dataclass
@@ -39,6 +42,8 @@ class Result:
     prompt_token_ids: list[int]
     choices: list[Choice]
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """See StreamDelta.prompt_logprobs (the same for every choice)."""
 
     @property
     def token_ids(self) -> list[int]:
@@ -65,6 +70,7 @@ class ResultCollector:
         self.prompt_token_ids = prompt_token_ids
         self.choices = [Choice(i, [], "", "") for i in range(n)]
         self.error: str | None = None
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def add(self, delta: StreamDelta) -> None:
         choice = self.choices[delta.index]
@@ -76,10 +82,13 @@ class ResultCollector:
             choice.finish_reason = delta.finish_reason
         if delta.error:
             self.error = delta.error
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
     @property
     def is_done(self) -> bool:
         return all(c.finish_reason for c in self.choices)
 
     def result(self) -> Result:
-        return Result(self.request_id, self.prompt_token_ids, self.choices, self.error)
+        return Result(self.request_id, self.prompt_token_ids, self.choices, self.error,
+                      self.prompt_logprobs)

@@ -31,6 +31,12 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.logprobs: list[dict[int, float]] = []
+        self.prompt_logprobs: list[dict[int, float] | None] | None = \
+            [None] if params.prompt_logprobs is not None else None
+        """Per prompt token so far, {token id: logprob} of the token and the top alternatives
+        (None for the first token); None when not asked. NOTE: these come from the prefill's
+        logits, so a prefix cache must not skip the positions still missing here (a request
+        that asks simply bypasses the cache)."""
         self.state_slot: int | None = None
         self.page_ids: list[int] = []
         self.prompt_embeds = None

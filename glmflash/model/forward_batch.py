@@ -60,7 +60,8 @@ class ForwardBatch:
     in cache slot `page_table[r, p // page_size] * page_size + p % page_size`."""
     page_size: int
     logits_index: torch.Tensor
-    """`[N]` rows of `input_ids` whose logits the forward returns (without `all_logits`)."""
+    """`[N]` rows of `input_ids` whose logits the forward returns (without `all_logits`): the
+    last new token of each sampled sequence, then any extra rows (prompt log-probabilities)."""
     input_embeds: torch.Tensor | None = None
     """`[T, D]` embeddings overriding the lookup (multimodal rows already merged)."""
     decode: DecodeRows | None = None
@@ -95,15 +96,19 @@ def build_forward_batch(input_ids: np.ndarray | list[int], token_slots: np.ndarr
                         cu_seqlens: list[int], prefix_lens: list[int], state_slots: list[int],
                         page_table: torch.Tensor, page_size: int, *,
                         logit_seqs: list[int] | None = None,
+                        extra_logit_rows: list[int] | None = None,
                         input_embeds: torch.Tensor | None = None) -> ForwardBatch:
     """A ForwardBatch whose integer inputs reach the device in one asynchronous copy.
 
-    `logit_seqs`: the sequences whose last new token's logits are wanted (default: all).
+    `logit_seqs`: the sequences whose last new token's logits are wanted (default: all);
+    `extra_logit_rows`: more rows whose logits are wanted, after those.
     """
     num_tokens = cu_seqlens[-1]
     if logit_seqs is None:
         logit_seqs = list(range(len(prefix_lens)))
     last_rows = [cu_seqlens[b + 1] - 1 for b in logit_seqs]
+    if extra_logit_rows:
+        last_rows += extra_logit_rows
     packed = np.concatenate([np.asarray(input_ids, dtype=np.int64).reshape(-1),
                              np.asarray(token_slots, dtype=np.int64).reshape(-1),
                              np.asarray(last_rows, dtype=np.int64)])

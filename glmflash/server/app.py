@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP surface: Starlette routes only (the work lives in chat.py,
-chat_stream.py, completions.py; plumbing in routing.py, streaming.py, middleware.py)."""
+chat_stream.py, completions.py, responses*.py; plumbing in routing.py, streaming.py,
+middleware.py)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from glmflash.server import responses
 from glmflash.server.chat import chat_completion
 from glmflash.server.chat_stream import chat_completion_stream
 from glmflash.server.completions import completion, completion_stream
-from glmflash.server.errors import model_not_found
+from glmflash.server.errors import model_not_found, not_found
 from glmflash.server.limits import BodyLimitMiddleware
 from glmflash.server.metrics import CONTENT_TYPE
 from glmflash.server.middleware import ApiMiddleware
 from glmflash.server.protocol import parse_chat_request, parse_completion_request
+from glmflash.server.responses_request import parse_responses_request
+from glmflash.server.responses_stream import create_response_stream
 from glmflash.server.routing import api_route, http_exception, read_json
 from glmflash.server.state import RequestHook, ServerConfig, ServerState
 from glmflash.server.streaming import sse_response, until_disconnected
@@ -81,6 +85,36 @@ async def completions(request: Request) -> Response:
 
 
 @api_route
+async def create_response(request: Request) -> Response:
+    state = _state(request)
+    state.check_admitting()
+    body = parse_responses_request(await read_json(request, state.max_json_separators))
+    model = state.resolve_model(body.model)
+    if body.stream:
+        events, group = await create_response_stream(state, body, model)
+        return sse_response(events, group.close, is_named=True)
+    return JSONResponse(await until_disconnected(request, responses.create_response(
+        state, body, model)))
+
+
+@api_route
+async def retrieve_response(request: Request) -> Response:
+    response_id = request.path_params["response_id"]
+    stored = _state(request).responses.get(response_id)
+    if stored is None:
+        raise not_found(f"Response with id '{response_id}' not found.")
+    return JSONResponse(stored.response)
+
+
+@api_route
+async def delete_response(request: Request) -> Response:
+    response_id = request.path_params["response_id"]
+    if not _state(request).responses.delete(response_id):
+        raise not_found(f"Response with id '{response_id}' not found.")
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+@api_route
 async def health(request: Request) -> Response:
     state = _state(request)
     failure = state.engine.failure
@@ -120,6 +154,9 @@ def create_app(engine: Engine, config: ServerConfig, *,
         Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]

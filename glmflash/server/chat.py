@@ -21,6 +21,7 @@ import jinja2
 from glmflash.engine.outputs import Choice
 from glmflash.parsers.tags import THINK_END, THINK_START, TOOL_CALL_START
 from glmflash.parsers.tool_parser import ChatOutputParser, ToolCall
+from glmflash.sampling_params import SamplingParams
 from glmflash.server.errors import bad_request
 from glmflash.server.limits import chat_texts
 from glmflash.server.logprobs import chat_logprobs
@@ -139,7 +140,7 @@ async def chat_completion(state: ServerState, request: ChatCompletionRequest,
     group = state.bridge.submit(prepared.prompt_token_ids, prepared.params, request.n, "chatcmpl",
                                 prepared.mm)
     (result,) = await collect(group, 1, request.n)
-    choices = [_choice(state, request, plan, c) for c in result.choices]
+    choices = [_choice(state, request, plan, c, prepared.params) for c in result.choices]
     num_prompt = len(prepared.prompt_token_ids[0])
     num_output = sum(len(c.token_ids) for c in result.choices)
     usage = {"prompt_tokens": num_prompt, "completion_tokens": num_output,
@@ -152,7 +153,7 @@ async def chat_completion(state: ServerState, request: ChatCompletionRequest,
 
 
 def _choice(state: ServerState, request: ChatCompletionRequest, plan: ChatPlan,
-            choice: Choice) -> dict[str, Any]:
+            choice: Choice, params: SamplingParams) -> dict[str, Any]:
     parsed = plan.new_parser().parse(choice.text)
     calls = [c for i, c in enumerate(parsed.tool_calls) if keep_tool_call(plan, i)]
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content,
@@ -162,9 +163,10 @@ def _choice(state: ServerState, request: ChatCompletionRequest, plan: ChatPlan,
     _check_json(request, parsed.content, calls)
     logprobs = None
     if request.logprobs is not None:
-        logprobs = {"content": chat_logprobs(state.token_text, choice.token_ids,
-                                             choice.logprobs or [], request.logprobs),
-                    "refusal": None}
+        pieces = state.token_pieces(params).pieces(choice.token_ids, choice.finish_reason)
+        content = chat_logprobs(state.token_text, pieces,
+                                choice.token_ids, choice.logprobs or [], request.logprobs)
+        logprobs = {"content": content, "refusal": None}
     return {"index": choice.index, "message": message, "logprobs": logprobs,
             "finish_reason": plan.finish_reason(choice.finish_reason, bool(calls))}
 

@@ -5,8 +5,9 @@ Per choice: a first chunk with the role, then one chunk per parsed piece (`reaso
 stream_options.include_usage every chunk has `usage: null` and a last chunk (no choices) has the
 totals. Every delta carries `reasoning_content` (null when absent) so that reading
 `delta.reasoning_content` from the OpenAI SDK never raises.
-Log-probabilities of an engine delta ride on the first chunk made from it (an empty delta when
-the parsers held all its text back).
+Log-probabilities travel with text: a token's entry waits until a chunk with content, reasoning
+or a tool call is sent (its bytes may be an incomplete UTF-8 character, or markup the parsers
+hold back) and rides on it; what is left at the end rides on the finish_reason chunk.
 """
 
 from __future__ import annotations
@@ -19,25 +20,34 @@ from typing import Any
 
 from glmflash.engine.outputs import StreamDelta
 from glmflash.parsers.tool_parser import ChatDelta, ChatOutputParser
+from glmflash.sampling_params import SamplingParams
 from glmflash.server.async_engine import RequestGroup
 from glmflash.server.chat import ChatPlan, keep_tool_call, prepare_chat
-from glmflash.server.logprobs import chat_logprobs
+from glmflash.server.logprobs import TokenPieces, chat_logprobs
 from glmflash.server.protocol import ChatCompletionRequest
 from glmflash.server.state import ServerState
 
 
 class _ChoiceState:
-    def __init__(self, plan: ChatPlan) -> None:
+    def __init__(self, plan: ChatPlan, pieces: TokenPieces) -> None:
         self.parser: ChatOutputParser = plan.new_parser()
+        self.pieces = pieces
         self.token_ids: list[int] = []
+        self.unsent_logprobs: list[dict[str, Any]] = []
         self.has_tool_calls = False
+
+    def take_logprobs(self) -> dict[str, Any] | None:
+        if not self.unsent_logprobs:
+            return None
+        content, self.unsent_logprobs = self.unsent_logprobs, []
+        return {"content": content, "refusal": None}
 
 
 class ChatStream:
     def __init__(self, state: ServerState, request: ChatCompletionRequest, plan: ChatPlan,
-                 model: str) -> None:
+                 model: str, params: SamplingParams) -> None:
         self.state, self.request, self.plan = state, request, plan
-        self.choices = [_ChoiceState(plan) for _ in range(request.n)]
+        self.choices = [_ChoiceState(plan, state.token_pieces(params)) for _ in range(request.n)]
         self.header = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
                        "created": int(time.time()), "model": model, "system_fingerprint": None}
 
@@ -57,15 +67,13 @@ class ChatStream:
         if delta.finish_reason is not None:
             pieces += choice.parser.finish()
         deltas = [d for d in (self._openai_delta(choice, p) for p in pieces) if d is not None]
-        logprobs = self._logprobs(delta)
-        if logprobs is not None and not deltas:
-            deltas = [{"reasoning_content": None}]
-        chunks = [self.chunk(delta.index, d, logprobs=logprobs if i == 0 else None)
+        self._add_logprobs(choice, delta)
+        chunks = [self.chunk(delta.index, d, logprobs=choice.take_logprobs() if i == 0 else None)
                   for i, d in enumerate(deltas)]
         if delta.finish_reason is not None:
             reason = self.plan.finish_reason(delta.finish_reason, choice.has_tool_calls)
             chunks.append(self.chunk(delta.index, {"reasoning_content": None},
-                                     finish_reason=reason))
+                                     logprobs=choice.take_logprobs(), finish_reason=reason))
         return chunks
 
     def _openai_delta(self, choice: _ChoiceState, piece: ChatDelta) -> dict[str, Any] | None:
@@ -79,12 +87,12 @@ class ChatStream:
             return {"reasoning_content": piece.reasoning_content}
         return {"content": piece.content, "reasoning_content": None}
 
-    def _logprobs(self, delta: StreamDelta) -> dict[str, Any] | None:
+    def _add_logprobs(self, choice: _ChoiceState, delta: StreamDelta) -> None:
         if self.request.logprobs is None or not delta.token_ids:
-            return None
-        content = chat_logprobs(self.state.token_text, delta.token_ids, delta.logprobs or [],
-                                self.request.logprobs)
-        return {"content": content, "refusal": None}
+            return
+        pieces = choice.pieces.pieces(delta.token_ids, delta.finish_reason)
+        choice.unsent_logprobs += chat_logprobs(self.state.token_text, pieces, delta.token_ids,
+                                                delta.logprobs or [], self.request.logprobs)
 
     def usage_chunk(self, num_prompt_tokens: int) -> dict[str, Any]:
         num_output = sum(len(c.token_ids) for c in self.choices)
@@ -102,7 +110,7 @@ async def chat_completion_stream(state: ServerState, request: ChatCompletionRequ
     prepared, plan = await asyncio.to_thread(prepare_chat, state, request)
     group = state.bridge.submit(prepared.prompt_token_ids, prepared.params, request.n, "chatcmpl",
                                 prepared.mm)
-    stream = ChatStream(state, request, plan, model)
+    stream = ChatStream(state, request, plan, model, prepared.params)
 
     async def events() -> AsyncIterator[dict[str, Any]]:
         async with group:

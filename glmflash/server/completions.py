@@ -14,7 +14,7 @@ from typing import Any
 from glmflash.engine.outputs import StreamDelta
 from glmflash.server.async_engine import RequestGroup
 from glmflash.server.errors import bad_request
-from glmflash.server.logprobs import CompletionLogprobs
+from glmflash.server.logprobs import CompletionLogprobs, TokenPieces
 from glmflash.server.protocol import CompletionRequest
 from glmflash.server.state import PreparedRequest, ServerState
 from glmflash.server.streaming import collect
@@ -30,7 +30,9 @@ def prepare_completion(state: ServerState, request: CompletionRequest) -> Prepar
         raise bad_request("'prompt' must not be empty", param="prompt")
     for ids in prompts:
         state.max_tokens_for(len(ids), request.max_tokens, "prompt")
-    prepared = PreparedRequest(prompts, state.sampling_params(request, request.max_tokens))
+    prompt_logprobs = request.logprobs if request.echo else None
+    prepared = PreparedRequest(prompts, state.sampling_params(request, request.max_tokens,
+                                                              prompt_logprobs=prompt_logprobs))
     state.run_hook(request, prepared)
     return prepared
 
@@ -41,6 +43,33 @@ def _echo_texts(state: ServerState, request: CompletionRequest,
         return [""] * len(prepared.prompt_token_ids)
     return [p if isinstance(p, str) else state.engine.tokenizer.decode(ids)
             for p, ids in zip(request.prompts, prepared.prompt_token_ids, strict=True)]
+
+
+class ChoiceLogprobs:
+    """One choice's `logprobs` object (the echoed prompt's tokens first), and the entries a
+    stream has not sent yet: they go out with the chunk whose text they make."""
+
+    def __init__(self, state: ServerState, request: CompletionRequest,
+                 prepared: PreparedRequest) -> None:
+        self.data = CompletionLogprobs(state.token_text, request.logprobs or 0)
+        self.pieces = state.token_pieces(prepared.params)
+        self.tokenizer = state.engine.tokenizer
+        self.num_sent = 0
+
+    def add_prompt(self, token_ids: list[int],
+                   prompt_logprobs: list[dict[int, float] | None] | None) -> None:
+        assert prompt_logprobs is not None and len(prompt_logprobs) == len(token_ids)
+        pieces = TokenPieces(self.tokenizer, skip_special_tokens=False).whole(token_ids)
+        self.data.add(pieces, token_ids, prompt_logprobs)
+
+    def add(self, token_ids: list[int], logprobs: list[dict[int, float]] | None,
+            finish_reason: str | None) -> None:
+        self.data.add(self.pieces.pieces(token_ids, finish_reason), token_ids, logprobs or [])
+
+    def take_unsent(self) -> dict[str, list]:
+        part = {key: values[self.num_sent:] for key, values in self.data.data.items()}
+        self.num_sent = len(self.data.data["tokens"])
+        return part
 
 
 def _header(model: str) -> dict[str, Any]:
@@ -65,26 +94,36 @@ async def completion(state: ServerState, request: CompletionRequest, model: str,
         for choice in result.choices:
             logprobs = None
             if request.logprobs is not None:
-                logprobs = CompletionLogprobs(state.token_text, request.logprobs)
-                logprobs.add(choice.token_ids, choice.logprobs or [])
+                logprobs = ChoiceLogprobs(state, request, prepared)
+                if request.echo:
+                    logprobs.add_prompt(prepared.prompt_token_ids[p], result.prompt_logprobs)
+                logprobs.add(choice.token_ids, choice.logprobs, choice.finish_reason)
             choices.append({"index": p * request.n + choice.index,
                             "text": echoes[p] + choice.text,
-                            "logprobs": None if logprobs is None else logprobs.data,
+                            "logprobs": None if logprobs is None else logprobs.data.data,
                             "finish_reason": choice.finish_reason})
     num_output = sum(len(c.token_ids) for r in results for c in r.choices)
     return {**_header(model), "choices": choices, "usage": _usage(prepared, num_output)}
 
 
 class CompletionStream:
+    """Chunks of a streamed completion. With `logprobs`, a chunk carries the entries of the
+    tokens whose text it holds (an incomplete UTF-8 character's tokens wait for the chunk that
+    completes it), and an echo goes out with the first delta, beside its prompt logprobs."""
+
     def __init__(self, state: ServerState, request: CompletionRequest,
                  prepared: PreparedRequest, model: str) -> None:
         self.request, self.prepared = request, prepared
         self.header = _header(model)
         self.echoes = _echo_texts(state, request, prepared)
         num_choices = len(prepared.prompt_token_ids) * request.n
-        self.logprobs = [CompletionLogprobs(state.token_text, request.logprobs or 0)
-                         for _ in range(num_choices)]
+        self.logprobs = [ChoiceLogprobs(state, request, prepared) for _ in range(num_choices)]
+        self.has_started = [False] * num_choices
         self.num_output_tokens = 0
+
+    @property
+    def echoes_upfront(self) -> bool:
+        return self.request.echo and self.request.logprobs is None
 
     def chunk(self, index: int, text: str, logprobs: Any = None,
               finish_reason: str | None = None) -> dict[str, Any]:
@@ -96,6 +135,8 @@ class CompletionStream:
         return out
 
     def first_chunks(self) -> list[dict[str, Any]]:
+        if not self.echoes_upfront:
+            return []
         n = self.request.n
         return [self.chunk(p * n + i, echo) for p, echo in enumerate(self.echoes) if echo
                 for i in range(n)]
@@ -103,13 +144,20 @@ class CompletionStream:
     def on_delta(self, prompt_index: int, delta: StreamDelta) -> dict[str, Any] | None:
         index = prompt_index * self.request.n + delta.index
         self.num_output_tokens += len(delta.token_ids)
-        logprobs = None
-        if self.request.logprobs is not None and delta.token_ids:
-            logprobs = self.logprobs[index].add(delta.token_ids, delta.logprobs or [])
-        if not delta.text and logprobs is None and delta.finish_reason is None:
+        text = delta.text
+        if self.request.echo and not self.echoes_upfront and not self.has_started[index]:
+            text = self.echoes[prompt_index] + text
+            self.logprobs[index].add_prompt(self.prepared.prompt_token_ids[prompt_index],
+                                            delta.prompt_logprobs)
+        self.has_started[index] = True
+        if self.request.logprobs is not None:
+            self.logprobs[index].add(delta.token_ids, delta.logprobs, delta.finish_reason)
+        if not text and delta.finish_reason is None:
             return None
-        return self.chunk(index, delta.text, logprobs, delta.finish_reason)
-
+        logprobs = None
+        if self.request.logprobs is not None:
+            logprobs = self.logprobs[index].take_unsent()
+        return self.chunk(index, text, logprobs, delta.finish_reason)
     def usage_chunk(self) -> dict[str, Any]:
         return {**self.header, "choices": [],
                 "usage": _usage(self.prepared, self.num_output_tokens)}

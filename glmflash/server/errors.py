@@ -44,6 +44,12 @@ def not_found(message: str) -> ApiError:
     return ApiError(404, message, code="not_found")
 
 
+def unsupported_media_type(content_type: str) -> ApiError:
+    return ApiError(415, f"Unsupported Content-Type {content_type[:100]!r}: send the request "
+                    "body as JSON with 'Content-Type: application/json'.",
+                    code="unsupported_media_type")
+
+
 def unauthorized() -> ApiError:
     return ApiError(401, "Incorrect or missing API key: send it as `Authorization: Bearer KEY`.",
                     code="invalid_api_key")

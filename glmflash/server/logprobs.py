@@ -3,10 +3,11 @@ and legacy completions (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from functools import lru_cache
 from typing import Any
 
-from glmflash.tokenizer import Tokenizer
+from glmflash.tokenizer import IncrementalDetokenizer, Tokenizer
 
 # JSON has no -Infinity; a token the model rules out reports this instead.
 MIN_LOGPROB = -9999.0
@@ -57,6 +58,36 @@ class TokenText:
         return list(text.encode("utf-8"))
 
 
+class TokenPieces:
+    """The text each token adds to its choice's decode, so that a choice's logprob tokens join
+    to its text: a token ending inside a multi-byte character adds "" and the token that
+    completes the character adds all of it; a stop token that ended the choice adds ""."""
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool,
+                 stop_token_ids: Collection[int] = ()) -> None:
+        self.decoder = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
+        self.stop_token_ids = stop_token_ids
+
+    def pieces(self, token_ids: list[int], finish_reason: str | None = None) -> list[str]:
+        """Pieces of the next tokens; `finish_reason` once they end the choice."""
+        ends_on_stop_token = finish_reason == "stop" and bool(token_ids) and \
+            token_ids[-1] in self.stop_token_ids
+        shown = token_ids[:-1] if ends_on_stop_token else token_ids
+        out = [self.decoder.add([token_id]) for token_id in shown]
+        if ends_on_stop_token:
+            out.append("")
+        if finish_reason is not None and out:
+            out[-1] += self.decoder.flush()
+        return out
+
+    def whole(self, token_ids: list[int]) -> list[str]:
+        """Pieces of a complete text's tokens (an echoed prompt)."""
+        out = [self.decoder.add([token_id]) for token_id in token_ids]
+        if out:
+            out[-1] += self.decoder.flush()
+        return out
+
+
 def _value(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
 
@@ -65,19 +96,24 @@ def _top(logprobs: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(logprobs.items(), key=lambda item: -item[1])[:k]
 
 
-def chat_logprobs(texts: TokenText, token_ids: list[int], logprobs: list[dict[int, float]],
-                  k: int) -> list[dict[str, Any]]:
-    """`choices[].logprobs.content` entries for these tokens."""
+def chat_logprobs(texts: TokenText, pieces: list[str], token_ids: list[int],
+                  logprobs: list[dict[int, float]], k: int) -> list[dict[str, Any]]:
+    """`choices[].logprobs.content` entries for these tokens (`pieces`: their TokenPieces)."""
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         return {"token": texts.text(token_id), "logprob": _value(logprob),
                 "bytes": texts.bytes(token_id)}
 
-    return [{**entry(t, lp[t]), "top_logprobs": [entry(i, v) for i, v in _top(lp, k)]}
-            for t, lp in zip(token_ids, logprobs, strict=True)]
+    return [{**entry(t, lp[t]), "token": piece,
+             "top_logprobs": [entry(i, v) for i, v in _top(lp, k)]}
+            for piece, t, lp in zip(pieces, token_ids, logprobs, strict=True)]
 
 
 class CompletionLogprobs:
-    """Accumulates one completion choice's `logprobs` object; offsets count characters."""
+    """Accumulates one completion choice's `logprobs` object; offsets count characters.
+
+    `top_logprobs` holds the k most likely tokens plus the chosen one (so `logprobs: 0` still
+    names it); a prompt's first token has null logprob and top_logprobs.
+    """
 
     def __init__(self, texts: TokenText, k: int, offset: int = 0) -> None:
         self.texts = texts
@@ -86,17 +122,21 @@ class CompletionLogprobs:
         self.data: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                       "text_offset": []}
 
-    def add(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict[str, list]:
+    def add(self, pieces: list[str], token_ids: list[int],
+            logprobs: list[dict[int, float] | None]) -> dict[str, list]:
         """Append tokens; returns the object for just these tokens (a streaming chunk's)."""
         part: dict[str, list] = {key: [] for key in self.data}
-        for token_id, lp in zip(token_ids, logprobs, strict=True):
-            text = self.texts.text(token_id)
-            part["tokens"].append(text)
-            part["token_logprobs"].append(_value(lp[token_id]))
-            part["top_logprobs"].append({self.texts.text(i): _value(v)
-                                         for i, v in _top(lp, self.k)})
+        for piece, token_id, lp in zip(pieces, token_ids, logprobs, strict=True):
+            part["tokens"].append(piece)
+            part["token_logprobs"].append(None if lp is None else _value(lp[token_id]))
+            part["top_logprobs"].append(None if lp is None else self._top(token_id, lp))
             part["text_offset"].append(self.offset)
-            self.offset += len(text)
+            self.offset += len(piece)
         for key, values in part.items():
             self.data[key] += values
         return part
+
+    def _top(self, token_id: int, logprobs: dict[int, float]) -> dict[str, float]:
+        top = dict(_top(logprobs, self.k))
+        top[token_id] = logprobs[token_id]
+        return {self.texts.text(i): _value(v) for i, v in _top(top, len(top))}

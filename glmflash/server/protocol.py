@@ -109,9 +109,6 @@ def parse_completion_request(raw: Any) -> CompletionRequest:
         request.max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
     request.logprobs = body.integer("logprobs", lo=0, hi=MAX_COMPLETION_LOGPROBS)
     request.echo = body.boolean("echo")
-    if request.echo and request.logprobs is not None:
-        raise bad_request("'echo' together with 'logprobs' is not supported: this server does "
-                          "not compute prompt log-probabilities", param="echo")
     request.prompts = _prompts(body)
     return request
 
@@ -169,12 +166,11 @@ def _logit_bias(body: Fields) -> dict[int, float]:
     bias = body.object("logit_bias")
     if bias is None:
         return {}
-    out = {}
-    for key in bias.raw:
-        if not (key.isascii() and key.isdigit() and len(key) <= _MAX_TOKEN_ID_DIGITS):
-            raise body.fail("logit_bias", f"keys must be token ids, got {key!r}")
-        out[int(key)] = bias.number(key, lo=-100, hi=100)
-    return out
+    bad = [key for key in bias.raw
+           if not (key.isascii() and key.isdigit() and len(key) <= _MAX_TOKEN_ID_DIGITS)]
+    if bad:
+        raise body.fail("logit_bias", f"keys must be token ids, got {', '.join(map(repr, bad))}")
+    return {int(key): bias.number(key, lo=-100, hi=100) for key in bias.raw}
 
 
 def _chat_logprobs(body: Fields) -> int | None:

@@ -14,7 +14,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from glmflash.server.async_engine import EngineFailure, failure_error
-from glmflash.server.errors import ApiError, bad_request, internal_error, not_found
+from glmflash.server.errors import (
+    ApiError,
+    bad_request,
+    internal_error,
+    not_found,
+    unsupported_media_type,
+)
 from glmflash.server.limits import check_json_size
 from glmflash.server.streaming import ClientDisconnected
 
@@ -29,6 +35,11 @@ def error_response(error: ApiError) -> JSONResponse:
 
 
 async def read_json(request: Request, max_separators: int | None = None) -> Any:
+    """The JSON body. A Content-Type other than JSON is a 415 (as peers answer); none at all is
+    taken as JSON."""
+    content_type = request.headers.get("content-type")
+    if content_type is not None and not is_json_media_type(content_type):
+        raise unsupported_media_type(content_type)
     body = await request.body()
     if max_separators is not None:
         check_json_size(body, max_separators)
@@ -36,6 +47,12 @@ async def read_json(request: Request, max_separators: int | None = None) -> Any:
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise bad_request(f"We could not parse the JSON body of your request: {exc}") from exc
+
+
+def is_json_media_type(content_type: str) -> bool:
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    return media_type == "application/json" or (media_type.startswith("application/")
+                                                 and media_type.endswith("+json"))
 
 
 def api_route(handler: Handler) -> Handler:

@@ -22,9 +22,10 @@ from glmflash.server.errors import (
 )
 from glmflash.server.lifecycle import Lifecycle
 from glmflash.server.limits import max_json_separators, min_num_tokens
-from glmflash.server.logprobs import TokenText
+from glmflash.server.logprobs import TokenPieces, TokenText
 from glmflash.server.processors import LogitBias
 from glmflash.server.protocol import SamplingRequest
+from glmflash.server.responses_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 
 if TYPE_CHECKING:
     from glmflash.engine.engine import Engine
@@ -48,6 +49,8 @@ class ServerConfig:
     """After SIGINT/SIGTERM, how long running requests may go on before they are ended."""
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     """Larger request bodies are answered 413 without being read."""
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
+    """/v1/responses kept for previous_response_id (least recently used dropped first)."""
 
 
 @dataclass
@@ -75,6 +78,7 @@ class ServerState:
         self.request_hook = request_hook
         self.created = int(time.time())
         self.token_text = TokenText(engine.tokenizer)
+        self.responses = ResponseStore(config.max_stored_responses)
         self.sampling_defaults = read_generation_defaults(engine.model_path)
         self.max_json_separators = max_json_separators(engine.max_seq_len)
         logger.debug("prompt bound: at most %d bytes per token", engine.tokenizer.max_token_bytes)
@@ -110,12 +114,15 @@ class ServerState:
         return requested
 
     def sampling_params(self, request: SamplingRequest, max_tokens: int,
-                        processors: list | None = None) -> SamplingParams:
+                        processors: list | None = None, *,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         vocab_size = self.engine.config.vocab_size
         for name, ids in (("stop_token_ids", request.stop_token_ids),
                           ("logit_bias", list(request.logit_bias))):
-            if any(i >= vocab_size for i in ids):
-                raise bad_request(f"'{name}' holds token ids outside [0, {vocab_size})", name)
+            outside = [str(i) for i in ids if i >= vocab_size]
+            if outside:
+                raise bad_request(f"'{name}' holds token ids outside [0, {vocab_size}): "
+                                  f"{', '.join(outside)}", name)
         processors = list(processors or [])
         if request.logit_bias:
             processors.insert(0, LogitBias(request.logit_bias))
@@ -128,10 +135,19 @@ class ServerState:
             min_p=_pick(request.min_p, defaults.get("min_p"), 0.0),
             seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
             ignore_eos=request.ignore_eos, logprobs=request.logprobs,
+            prompt_logprobs=prompt_logprobs,
             repetition_penalty=request.repetition_penalty,
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
             skip_special_tokens=request.skip_special_tokens, logits_processors=processors)
+
+    def token_pieces(self, params: SamplingParams) -> TokenPieces:
+        """Per-token text of one choice's output (its logprob tokens)."""
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= self.engine.eos_token_ids
+        return TokenPieces(self.engine.tokenizer, skip_special_tokens=params.skip_special_tokens,
+                           stop_token_ids=stops)
 
     def run_hook(self, request: Any, prepared: PreparedRequest) -> None:
         if self.request_hook is not None:

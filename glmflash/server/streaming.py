@@ -28,30 +28,37 @@ class ClientDisconnected(Exception):
     """The client closed the connection before the response was ready."""
 
 
-def sse_event(payload: dict[str, Any]) -> bytes:
+def sse_event(payload: dict[str, Any], *, is_named: bool = False) -> bytes:
+    """One SSE frame; `is_named` adds an `event:` line naming the payload's type (the Responses
+    API's framing; an error payload is the `error` event)."""
     text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    if is_named:
+        return f"event: {payload.get('type', 'error')}\ndata: {text}\n\n".encode()
     return f"data: {text}\n\n".encode()
 
 
-async def _sse_frames(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+async def _sse_frames(events: AsyncIterator[dict[str, Any]],
+                      is_named: bool) -> AsyncIterator[bytes]:
     try:
         async for payload in events:
-            yield sse_event(payload)
+            yield sse_event(payload, is_named=is_named)
     except ApiError as exc:
-        yield sse_event(exc.body())
+        yield sse_event(exc.body(), is_named=is_named)
     except EngineFailure as exc:
-        yield sse_event(failure_error(exc).body())
+        yield sse_event(failure_error(exc).body(), is_named=is_named)
     except Exception:
         logger.exception("stream failed")
-        yield sse_event(internal_error().body())
-    yield DONE
+        yield sse_event(internal_error().body(), is_named=is_named)
+    if not is_named:
+        yield DONE
 
 
-def sse_response(events: AsyncIterator[dict[str, Any]],
-                 on_close: Callable[[], None]) -> StreamingResponse:
+def sse_response(events: AsyncIterator[dict[str, Any]], on_close: Callable[[], None], *,
+                 is_named: bool = False) -> StreamingResponse:
     """A client disconnect cancels the stream; `on_close` runs after it in every case (it aborts
-    the request if it is still running, even when the stream never started)."""
-    return StreamingResponse(_sse_frames(events), media_type="text/event-stream",
+    the request if it is still running, even when the stream never started). Named streams
+    (the Responses API) end with their last event instead of `data: [DONE]`."""
+    return StreamingResponse(_sse_frames(events, is_named), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                              background=BackgroundTask(on_close))
 

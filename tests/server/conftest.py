@@ -29,7 +29,8 @@ def _fail_at_second_token(output_ids: list[int], logits):
 
 
 class ScriptHook:
-    """Test-only request hook, driven by the last user message of a chat request:
+    """Test-only request hook, driven by the last user message or tool result of a chat request
+    (or the first prompt of a completion request):
 
     * `SCRIPT:<text>`: the model outputs `<text>` then `<|observation|>` (a stop token);
     * `PREFIX:<text>`: the model outputs `<text>`, then continues freely;
@@ -60,8 +61,12 @@ class ScriptHook:
 
     @staticmethod
     def _last_user_text(request) -> str:
-        users = [m for m in getattr(request, "messages", []) if m["role"] == "user"]
-        content = users[-1]["content"] if users else None
+        """The last user or tool message of a chat request; a completion's first text prompt."""
+        prompts = getattr(request, "prompts", None)
+        if prompts:
+            return prompts[0] if isinstance(prompts[0], str) else ""
+        turns = [m for m in getattr(request, "messages", []) if m["role"] in ("user", "tool")]
+        content = turns[-1]["content"] if turns else None
         return content if isinstance(content, str) else ""
 
 
@@ -100,10 +105,10 @@ class LiveServer:
 
 
 def start_server(tiny_dir, *, api_key: str | None = None, graceful_shutdown_timeout_s: float = 30,
-                 **engine_options) -> LiveServer:
+                 hook_type: type = ScriptHook, **engine_options) -> LiveServer:
     engine = Engine(tiny_dir, device="cpu", dtype="float32", context_length=CONTEXT_LENGTH,
                     **engine_options)
-    hook = ScriptHook(engine)
+    hook = hook_type(engine)
     config = ServerConfig((MODEL, "alias"), api_key=api_key,
                           graceful_shutdown_timeout_s=graceful_shutdown_timeout_s)
     app = create_app(engine, config, request_hook=hook)

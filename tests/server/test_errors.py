@@ -109,7 +109,6 @@ def test_bad_media_is_a_400(live, parts, message):
     ({"model": MODEL, "prompt": [1, "a"]}, "prompt"),
     ({"model": MODEL}, "prompt"),
     ({"model": MODEL, "prompt": "hi", "logprobs": 6}, "logprobs"),
-    ({"model": MODEL, "prompt": "hi", "logprobs": 1, "echo": True}, "echo"),
 ])
 def test_invalid_completion_fields(live, body, param):
     assert _error(_post(live, "/v1/completions", json=body), 400)["param"] == param
