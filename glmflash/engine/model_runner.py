@@ -13,13 +13,13 @@ from glmflash.config import ModelConfig
 from glmflash.engine.cache import CachePlan
 from glmflash.engine.options import EngineConfig
 from glmflash.engine.scheduler import ScheduledBatch
+from glmflash.engine.step_inputs import StepInputs, collect_inputs
 from glmflash.model.dummy_weights import fill_dummy_weights
 from glmflash.model.forward_batch import (
     ForwardBatch,
     build_forward_batch,
     decode_batch,
     pack_decode,
-    token_slots_of,
 )
 from glmflash.model.glm import GlmForCausalLM
 from glmflash.model.moe import Experts
@@ -223,29 +223,21 @@ class ModelRunner:
         return next(w for w in self.pool_widths if w >= num_pools)
 
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
-        self.apply_page_updates(batch.page_updates)
         rows = self.decode_rows(batch)
         if rows is not None:
+            self.apply_page_updates(batch.page_updates)
             return decode_batch(upload(self.pack_decode(rows), self.device), self.page_table,
                                 self.page_size, self.pool_width(rows.num_pools))
-        ids, slots, cu_seqlens, prefix_lens = [], [], [0], []
-        page = self.page_size
-        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
-            start = seq.num_computed_tokens
-            if n == 1:  # a decode: plain Python is cheaper than numpy for one token
-                ids.append(seq.token_ids[start])
-                slots.append(seq.page_ids[start // page] * page + start % page)
-            else:
-                ids.extend(seq.token_ids[start:start + n])
-                slots.extend(token_slots_of(seq.page_ids, start, n, page).tolist())
-            cu_seqlens.append(cu_seqlens[-1] + n)
-            prefix_lens.append(start)
-        sampled = [b for b, need in enumerate(batch.needs_sample) if need]
+        return self.prepare_inputs(collect_inputs(batch, self.page_size))
+
+    def prepare_inputs(self, inputs: StepInputs) -> ForwardBatch:
+        """The device side of a varlen step: page-table updates, one upload, spliced rows."""
+        self.apply_page_updates(inputs.page_updates)
         forward_batch = build_forward_batch(
-            ids, slots, cu_seqlens, prefix_lens, [seq.state_slot for seq in batch.seqs],
-            self.page_table, self.page_size, logit_seqs=sampled)
-        forward_batch.input_embeds = self._input_embeds(batch, forward_batch.input_ids,
-                                                        cu_seqlens)
+            inputs.input_ids, inputs.token_slots, inputs.cu_seqlens, inputs.prefix_lens,
+            inputs.state_slots, self.page_table, self.page_size, logit_seqs=inputs.logit_seqs)
+        forward_batch.input_embeds = self._input_embeds(forward_batch.input_ids,
+                                                        inputs.embed_rows)
         return forward_batch
 
     def apply_page_updates(self, updates: list[tuple[int, int, int]]) -> None:
@@ -254,16 +246,12 @@ class ModelRunner:
             slot, index, page = upload(np.asarray(updates, dtype=np.int64).T, self.device)
             self.page_table[slot, index] = page.to(torch.int32)
 
-    def _input_embeds(self, batch: ScheduledBatch, input_ids: torch.Tensor,
-                      cu_seqlens: list[int]) -> torch.Tensor | None:
+    def _input_embeds(self, input_ids: torch.Tensor,
+                      embed_rows: list[tuple[int, torch.Tensor]]) -> torch.Tensor | None:
         """Token embeddings with the stored visual rows of multimodal prompts spliced in."""
-        if all(seq.prompt_embeds is None for seq in batch.seqs):
+        if not embed_rows:
             return None
         embeds = self.model.text.embed_tokens(input_ids)
-        for b, seq in enumerate(batch.seqs):
-            start = seq.num_computed_tokens
-            end = min(start + batch.num_tokens[b], seq.num_prompt_tokens)
-            if seq.prompt_embeds is not None and start < end:
-                row = cu_seqlens[b]
-                embeds[row: row + end - start] = seq.prompt_embeds[start:end]
+        for row, rows in embed_rows:
+            embeds[row: row + rows.shape[0]] = rows.to(embeds.device)
         return embeds
