@@ -50,6 +50,13 @@ def load_model(path: Path, config: ModelConfig, device: torch.device, dtype: tor
         fill_dummy_weights(model, seed=DUMMY_WEIGHT_SEED)
     else:
         load_checkpoint(model, path, num_layers=config.num_hidden_layers)
+    return place_model(model, device, options, hybrid, warmup_ids)
+
+
+def place_model(model: GlmForCausalLM, device: torch.device, options: EngineConfig,
+                hybrid: bool, warmup_ids: list[int] | None = None) -> GlmForCausalLM:
+    """After loading: CPU expert kernels built and warm; with `hybrid`, everything but the
+    routed experts moved to `device` and the resident experts placed."""
     for module in model.modules():
         if isinstance(module, Experts):
             module.cpu_threads, module.cpu_pools = options.kt_cpuinfer, options.kt_threadpool_count
