@@ -102,6 +102,10 @@ class ParallelRunner(ModelRunner):
         self.num_steps += 1
         # The other ranks now wait in this step's first all-reduce.
         maybe_fail(f"step{self.num_steps}", 0)
+        # Decodes take the device-resident decode form here, the varlen form on the other ranks:
+        # the same layers and all-reduces, so the ranks stay in step.
+        if self.decode_rows(batch) is not None:
+            return super().prepare(batch)
         return self.prepare_inputs(inputs)
 
     def run(self, batch: ScheduledBatch):
@@ -118,6 +122,7 @@ class ParallelRunner(ModelRunner):
         if self.closed:
             return
         self.closed = True
+        super().close()
         if self.failure is None:
             try:
                 self.group.send((STOP, None))
