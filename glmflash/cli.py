@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: by device)")
     gen.add_argument("--load-format", choices=LOAD_FORMATS, default=None,
                      help="dummy: seeded random weights made in memory (no safetensors needed)")
+    gen.add_argument("--tp-size", type=positive_int, default=None,
+                     help="ranks (processes) the model is split over: heads and FFN widths")
+    gen.add_argument("--ep-size", type=positive_int, default=None,
+                     help="1: routed experts split by width; --tp-size: experts divided")
     gen.add_argument("--debug", action="store_true", help="show the traceback of an error")
     tiny = sub.add_parser("make-tiny", help="write the tiny random checkpoint",
                           formatter_class=HelpFormatter)
@@ -94,13 +98,17 @@ def _generate(args: argparse.Namespace) -> int:
     from glmflash.engine.engine import Engine
 
     engine = Engine(args.model_path, device=args.device, dtype=args.dtype,
-                    load_format=args.load_format)
-    prompts = args.prompt
-    if args.chat:
-        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}])
-                   for p in prompts]
-    for result in engine.generate(prompts, params):
-        sys.stdout.write(result.text + "\n")
+                    load_format=args.load_format, tp_size=args.tp_size, ep_size=args.ep_size)
+    try:
+        prompts = args.prompt
+        if args.chat:
+            prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}])
+                       for p in prompts]
+        for result in engine.generate(prompts, params):
+            sys.stdout.write(result.text + "\n")
+    finally:
+        # Also on Ctrl-C and errors: the other ranks of a split model stop with this one.
+        engine.shutdown()
     return 0
 
 

@@ -63,7 +63,8 @@ class Engine(EngineApiMixin, EngineLoopMixin):
 
     def __init__(self, model_path: str | Path | None = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, **options) -> None:
-        setup_logging(options.pop("log_level", None))
+        log_level = options.pop("log_level", None)
+        setup_logging(log_level)
         self.options = EngineConfig.from_options(options)
         if model_path is None:
             from glmflash.tiny.embedded import embedded_checkpoint
@@ -77,11 +78,8 @@ class Engine(EngineApiMixin, EngineLoopMixin):
                                                               8192)
         warmup_ids = self.tokenizer.encode(warmup_text())[:WARMUP_TOKENS] \
             if self.options.kt_expert_placement == "frequency" else None
-        model = load_model(self.model_path, self.config, self.device, self.dtype, self.options,
-                           warmup_ids=warmup_ids)
-        plan = plan_cache(self.config, self.options, self.max_seq_len, self.device, self.dtype)
+        self.runner, plan = self._start_runner(log_level, warmup_ids)
         self.cache = CacheManager(plan)
-        self.runner = ModelRunner(model, plan)
         self.eos_token_ids = frozenset(self.config.eos_token_id) | set(self.tokenizer.eos_token_ids)
         self.scheduler = Scheduler(
             SchedulerConfig(self.options.max_running_requests, self.options.chunked_prefill_size,
@@ -96,8 +94,16 @@ class Engine(EngineApiMixin, EngineLoopMixin):
                                        self.options.allowed_media_domains,
                                        self.options.allow_private_media_urls))
         if not self.options.skip_kernel_warmup:
-            warm_up_kernels(self)
-        self._capture_graphs()
+            try:
+                warm_up_kernels(self)
+            except BaseException:
+                self.runner.close()
+                raise
+        try:
+            self._capture_graphs()
+        except BaseException:
+            self.runner.close()
+            raise
         self._choices: dict[int, _Choice] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -111,6 +117,25 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         self.num_pending = 0
         logger.info("engine ready: %s on %s (%s), context %d", self.model_path, self.device,
                     self.dtype, self.max_seq_len)
+
+    def _start_runner(self, log_level: str | None, warmup_ids: list[int] | None):
+        """The model on this device, or this rank's part of it with the other ranks started."""
+        if self.options.tp_size == 1:
+            model = load_model(self.model_path, self.config, self.device, self.dtype,
+                               self.options, warmup_ids=warmup_ids)
+            plan = plan_cache(self.config, self.options, self.max_seq_len, self.device,
+                              self.dtype)
+            return ModelRunner(model, plan), plan
+        from glmflash.distributed.parallel import ParallelConfig
+        from glmflash.engine.parallel_runner import RankSpec, start_ranks
+
+        parallel = ParallelConfig(self.options.tp_size, self.options.ep_size,
+                                  experts_on_rank0=self.device.type == "cuda"
+                                  and self.options.kt_num_gpu_experts is not None)
+        runner = start_ranks(RankSpec(self.model_path, self.config, self.device.type, self.dtype,
+                                      self.options, self.max_seq_len, parallel,
+                                      log_level=log_level), warmup_ids)
+        return runner, runner.plan
 
     # Submission, from any thread.
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, sink: Sink, *,
@@ -161,7 +186,9 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         options = self.options
         if options.disable_cuda_graph:
             return
-        why_not = graphs_unsupported(self.device)
+        # The other ranks of a split model would have to capture with rank 0 (docs/parallelism.md).
+        why_not = "tensor-parallel ranks run eager" if options.tp_size > 1 \
+            else graphs_unsupported(self.device)
         sizes = graph_batch_sizes(options.cuda_graph_bs, options.cuda_graph_max_bs,
                                   options.max_running_requests,
                                   options.kt_gpu_prefill_token_threshold)

@@ -79,6 +79,8 @@ class EngineLoopMixin:
 def is_device_lost(exc: Exception) -> bool:
     """A CUDA error other than out-of-memory leaves the context unusable: every later step
     would fail too, so the engine stops instead of failing requests one step at a time."""
+    if getattr(exc, "ends_engine", False):  # e.g. a rank of a split model failed
+        return True
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         return False
     accelerator_error = getattr(torch, "AcceleratorError", ())

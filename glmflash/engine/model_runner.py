@@ -14,13 +14,13 @@ from glmflash.engine.cache import CachePlan
 from glmflash.engine.options import EngineConfig
 from glmflash.engine.prompt_logprobs import PromptLogprobTracker
 from glmflash.engine.scheduler import ScheduledBatch
+from glmflash.engine.step_inputs import StepInputs, collect_inputs
 from glmflash.model.dummy_weights import fill_dummy_weights
 from glmflash.model.forward_batch import (
     ForwardBatch,
     build_forward_batch,
     decode_batch,
     pack_decode,
-    token_slots_of,
 )
 from glmflash.model.glm import GlmForCausalLM
 from glmflash.model.moe import Experts
@@ -51,6 +51,13 @@ def load_model(path: Path, config: ModelConfig, device: torch.device, dtype: tor
         fill_dummy_weights(model, seed=DUMMY_WEIGHT_SEED)
     else:
         load_checkpoint(model, path, num_layers=config.num_hidden_layers)
+    return place_model(model, device, options, hybrid, warmup_ids)
+
+
+def place_model(model: GlmForCausalLM, device: torch.device, options: EngineConfig,
+                hybrid: bool, warmup_ids: list[int] | None = None) -> GlmForCausalLM:
+    """After loading: CPU expert kernels built and warm; with `hybrid`, everything but the
+    routed experts moved to `device` and the resident experts placed."""
     for module in model.modules():
         if isinstance(module, Experts):
             module.cpu_threads, module.cpu_pools = options.kt_cpuinfer, options.kt_threadpool_count
@@ -235,30 +242,22 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch,
                 extra_logit_rows: list[int] | None = None) -> ForwardBatch:
-        self.apply_page_updates(batch.page_updates)
         rows = None if extra_logit_rows else self.decode_rows(batch)
         if rows is not None:
+            self.apply_page_updates(batch.page_updates)
             return decode_batch(upload(self.pack_decode(rows), self.device), self.page_table,
                                 self.page_size, self.pool_width(rows.num_pools))
-        ids, slots, cu_seqlens, prefix_lens = [], [], [0], []
-        page = self.page_size
-        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
-            start = seq.num_computed_tokens
-            if n == 1:  # a decode: plain Python is cheaper than numpy for one token
-                ids.append(seq.token_ids[start])
-                slots.append(seq.page_ids[start // page] * page + start % page)
-            else:
-                ids.extend(seq.token_ids[start:start + n])
-                slots.extend(token_slots_of(seq.page_ids, start, n, page).tolist())
-            cu_seqlens.append(cu_seqlens[-1] + n)
-            prefix_lens.append(start)
-        sampled = [b for b, need in enumerate(batch.needs_sample) if need]
+        return self.prepare_inputs(collect_inputs(batch, self.page_size, extra_logit_rows))
+
+    def prepare_inputs(self, inputs: StepInputs) -> ForwardBatch:
+        """The device side of a varlen step: page-table updates, one upload, spliced rows."""
+        self.apply_page_updates(inputs.page_updates)
         forward_batch = build_forward_batch(
-            ids, slots, cu_seqlens, prefix_lens, [seq.state_slot for seq in batch.seqs],
-            self.page_table, self.page_size, logit_seqs=sampled,
-            extra_logit_rows=extra_logit_rows)
-        forward_batch.input_embeds = self._input_embeds(batch, forward_batch.input_ids,
-                                                        cu_seqlens)
+            inputs.input_ids, inputs.token_slots, inputs.cu_seqlens, inputs.prefix_lens,
+            inputs.state_slots, self.page_table, self.page_size, logit_seqs=inputs.logit_seqs,
+            extra_logit_rows=inputs.extra_logit_rows)
+        forward_batch.input_embeds = self._input_embeds(forward_batch.input_ids,
+                                                        inputs.embed_rows)
         return forward_batch
 
     def apply_page_updates(self, updates: list[tuple[int, int, int]]) -> None:
@@ -267,16 +266,12 @@ class ModelRunner:
             slot, index, page = upload(np.asarray(updates, dtype=np.int64).T, self.device)
             self.page_table[slot, index] = page.to(torch.int32)
 
-    def _input_embeds(self, batch: ScheduledBatch, input_ids: torch.Tensor,
-                      cu_seqlens: list[int]) -> torch.Tensor | None:
+    def _input_embeds(self, input_ids: torch.Tensor,
+                      embed_rows: list[tuple[int, torch.Tensor]]) -> torch.Tensor | None:
         """Token embeddings with the stored visual rows of multimodal prompts spliced in."""
-        if all(seq.prompt_embeds is None for seq in batch.seqs):
+        if not embed_rows:
             return None
         embeds = self.model.text.embed_tokens(input_ids)
-        for b, seq in enumerate(batch.seqs):
-            start = seq.num_computed_tokens
-            end = min(start + batch.num_tokens[b], seq.num_prompt_tokens)
-            if seq.prompt_embeds is not None and start < end:
-                row = cu_seqlens[b]
-                embeds[row: row + end - start] = seq.prompt_embeds[start:end]
+        for row, rows in embed_rows:
+            embeds[row: row + rows.shape[0]] = rows.to(embeds.device)
         return embeds

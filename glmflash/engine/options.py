@@ -48,6 +48,12 @@ class EngineConfig:
     kt_threadpool_count: int = 1
     """Thread pools of the CPU expert kernel (one per NUMA node), each owning a slice of every
     expert; needs at least as many threads."""
+    tp_size: int = 1
+    """Ranks (one process per GPU, or per CPU share): attention heads and FFN widths divided
+    among them; rank 0 (this process) owns the scheduler and starts the others."""
+    ep_size: int = 1
+    """1: routed experts split by width over the tp_size ranks; tp_size: experts divided
+    among the ranks (expert parallel). With kt_num_gpu_experts they all live on rank 0."""
     load_format: str = "auto"
     """Where weights come from: "auto" reads the checkpoint's safetensors; "dummy" makes seeded
     random weights in memory (benchmarks at release shapes: the folder needs only config.json and
@@ -93,6 +99,11 @@ class EngineConfig:
              "cuda_graph_bs sizes must be >= 1"),
             (self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
              "cuda_graph_max_bs must be >= 1"),
+            (self.tp_size >= 1, "tp_size must be >= 1"),
+            (self.ep_size in (1, self.tp_size),
+             f"ep_size ({self.ep_size}) must be 1 or tp_size ({self.tp_size})"),
+            (self.tp_size == 1 or self.kt_expert_placement == "front",
+             "kt_expert_placement 'frequency' needs tp_size 1 (its warm-up runs on one rank)"),
             (self.load_format in LOAD_FORMATS,
              f"load_format {self.load_format!r} must be one of {LOAD_FORMATS}"),
         ]

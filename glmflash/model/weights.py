@@ -34,6 +34,23 @@ class CheckpointError(RuntimeError):
     """A checkpoint that does not fit the model; the message names the tensor and the file."""
 
 
+class CheckpointLayout:
+    """How this process's parameters relate to the checkpoint: here, one to one. A rank of a
+    split model (glmflash/distributed) overrides it to read only its part of each tensor."""
+
+    def skip_reason(self, name: str) -> str | None:
+        """Why the tensor `name` is not loaded here (None: it is)."""
+        return None
+
+    def local_expert(self, target: str, index: int) -> int | None:
+        """Row of the stacked parameter `target` that expert `index` goes to (None: not here)."""
+        return index
+
+    def read(self, handle, name: str, target: str) -> torch.Tensor:
+        """The part of tensor `name` that parameter `target` holds."""
+        return handle.get_tensor(name)
+
+
 @dataclass
 class LoadReport:
     num_loaded: int = 0
@@ -67,8 +84,9 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
 
 
 def load_checkpoint(model: nn.Module, path: str | Path, *, num_layers: int,
-                    progress: bool = True) -> LoadReport:
+                    progress: bool = True, layout: CheckpointLayout | None = None) -> LoadReport:
     """Copy every checkpoint tensor into `model`; every parameter must be written exactly once."""
+    layout = layout or CheckpointLayout()
     params = dict(model.named_parameters())
     files = checkpoint_files(path)
     report, written = LoadReport(), set()
@@ -81,12 +99,13 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, num_layers: int,
         handle = _open(shard)
         for name in shard_names:
             bar.update(1)
-            reason = _skip_reason(name, num_layers, params)
-            if reason:
+            reason = _skip_reason(name, num_layers, params) or layout.skip_reason(name)
+            target, index = (None, None) if reason else _target(name, params, shard, layout)
+            if target is None:
+                reason = reason or "routed experts held by other ranks"
                 report.skipped[reason] = report.skipped.get(reason, 0) + 1
                 continue
-            target, index = _target(name, params, shard)
-            tensor = _read(handle, name, shard)
+            tensor = _read(handle, name, target, shard, layout)
             _copy(params[target], index, tensor, name, shard)
             written.add((target, index))
             report.num_loaded += 1
@@ -104,9 +123,10 @@ def _open(shard: Path):
         raise CheckpointError(f"{shard}: cannot read safetensors file ({exc})") from exc
 
 
-def _read(handle, name: str, shard: Path) -> torch.Tensor:
+def _read(handle, name: str, target: str, shard: Path, layout: CheckpointLayout
+          ) -> torch.Tensor:
     try:
-        return handle.get_tensor(name)
+        return layout.read(handle, name, target)
     except Exception as exc:
         raise CheckpointError(f"tensor {name} in {shard}: cannot read ({exc})") from exc
 
@@ -120,11 +140,16 @@ def _skip_reason(name: str, num_layers: int, params: dict[str, nn.Parameter]) ->
     return None
 
 
-def _target(name: str, params: dict[str, nn.Parameter], shard: Path) -> tuple[str, int | None]:
+def _target(name: str, params: dict[str, nn.Parameter], shard: Path, layout: CheckpointLayout
+            ) -> tuple[str | None, int | None]:
+    """(parameter, expert row or None) of a tensor; (None, None) for an expert held elsewhere."""
     expert = _EXPERT.match(name)
     if expert:
         prefix, e, proj, kind = expert.groups()
-        target, index = f"{prefix}.{proj}.{kind}", int(e)
+        target, index = f"{prefix}.{proj}.{kind}", layout.local_expert(
+            f"{prefix}.{proj}.{kind}", int(e))
+        if index is None:
+            return None, None
     else:
         target, index = name, None
     if target not in params:

@@ -27,7 +27,7 @@ _ENGINE_OPTIONS = ("context_length", "max_running_requests", "chunked_prefill_si
                    "page_size", "kt_method", "kt_num_gpu_experts", "kt_gpu_prefill_token_threshold",
                    "kt_cpuinfer", "kt_threadpool_count", "kt_expert_placement", "load_format",
                    "skip_kernel_warmup", "cuda_graph_bs", "cuda_graph_max_bs",
-                   "disable_cuda_graph", *_MEDIA_FLAGS)
+                   "disable_cuda_graph", "ep_size", *_MEDIA_FLAGS)
 # chunked prefill off (SGLang's -1): one chunk as large as any prompt.
 _UNCHUNKED = 2**31 - 1
 
@@ -147,7 +147,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     engine.add_argument("--cache-budget-gb", type=_positive_float, default=None,
                         help="CPU: GiB for the cache")
     engine.add_argument("--seed", type=int, default=None, help="default sampling seed")
-    engine.add_argument("--tp-size", type=_positive_int, default=1)
+    engine.add_argument("--tp-size", type=_positive_int, default=1,
+                        help="ranks (one process per GPU) the model is split over")
+    engine.add_argument("--ep-size", type=_positive_int, default=None,
+                        help="1: routed experts split by width; --tp-size: experts divided "
+                        "among the ranks")
     engine.add_argument("--cuda-graph-bs", type=_positive_int, nargs="+", default=None,
                         metavar="BS", help="decode batch sizes captured as CUDA graphs "
                         "(default 1 2 4 8 16 32)")
@@ -215,10 +219,28 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Engine(**options) keyword arguments from the flags (unset flags keep engine defaults)."""
     options = {name: getattr(args, name) for name in _ENGINE_OPTIONS
                if getattr(args, name) is not None}
+    if _tp_applies(args):
+        options["tp_size"] = args.tp_size
+    elif "ep_size" in options:
+        del options["ep_size"]
     if _too_few_threads_for_pools(args):
         # reported by inapplicable_flags; the engine would refuse the pair
         del options["kt_threadpool_count"]
     return options
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _tp_applies(args: argparse.Namespace) -> bool:
+    """--tp-size > 1 splits the model over CPU processes with --device cpu, else over GPUs when
+    enough are visible; the published four-GPU command on a smaller machine serves on one."""
+    if args.tp_size == 1:
+        return False
+    return args.device == "cpu" or _visible_gpus() >= args.tp_size
 
 
 def _too_few_threads_for_pools(args: argparse.Namespace) -> bool:
@@ -241,10 +263,11 @@ def inapplicable_flags(args: argparse.Namespace, device_type: str, num_gpus: int
     if not on_gpu:
         reasons.update({dest: "CUDA graphs need a CUDA device" for dest in
                         ("cuda_graph_bs", "cuda_graph_max_bs") if getattr(args, dest)})
-    if args.tp_size > 1:
-        why = f"only {num_gpus} CUDA device(s) visible" if num_gpus < args.tp_size \
-            else "tensor parallelism is not implemented yet"
-        reasons["tp_size"] = f"{why}; serving on one device"
+    if args.tp_size > 1 and args.device != "cpu" and num_gpus < args.tp_size:
+        reasons["tp_size"] = f"only {num_gpus} CUDA device(s) visible; serving on one device " \
+            "(--device cpu splits the model over CPU processes)"
+        if args.ep_size is not None:
+            reasons["ep_size"] = "no expert parallelism on one device"
     reasons.update(_expert_reasons(args, device_type))
     if not supports_media:
         reasons.update({dest: "this build has no image or video input" for dest in _MEDIA_FLAGS

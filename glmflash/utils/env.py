@@ -39,3 +39,14 @@ def configure_openmp() -> None:
     torch is imported; a value the user set is kept.
     """
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+
+def dist_timeout_s() -> float:
+    """GLMFLASH_DIST_TIMEOUT_S: how long a rank waits in a collective (or for the others to
+    join) before it gives up; a rank that exits ends the others' wait at once on gloo."""
+    return float(os.environ.get("GLMFLASH_DIST_TIMEOUT_S", "600"))
+
+
+def test_fault() -> str | None:
+    """GLMFLASH_TEST_FAULT="<rank>:<point>": that rank raises there (tests of rank failure)."""
+    return os.environ.get("GLMFLASH_TEST_FAULT") or None

@@ -69,7 +69,10 @@ def test_inapplicable_flags_one_line_each():
     gpu = build_parser().parse_args(["--cuda-graph-bs", "8", "--tp-size", "2", "--kt-cpuinfer",
                                      "8", "--cache-budget-gb", "4"])
     assert [line.split(":")[0] for line in inapplicable_flags(gpu, "cuda", 8, True)] == [
-        "--tp-size 2", "--kt-cpuinfer 8", "--cache-budget-gb 4.0"]
+        "--kt-cpuinfer 8", "--cache-budget-gb 4.0"]
+    cpu_ranks = build_parser().parse_args(["--device", "cpu", "--tp-size", "2", "--ep-size", "2"])
+    assert engine_options(cpu_ranks) == {"tp_size": 2, "ep_size": 2}
+    assert inapplicable_flags(cpu_ranks, "cpu", 0, True) == []
     hybrid = build_parser().parse_args(["--kt-num-gpu-experts", "4", "--kt-cpuinfer", "8",
                                         "--kt-gpu-prefill-token-threshold", "512"])
     assert inapplicable_flags(hybrid, "cuda", 1, True) == []
