@@ -126,12 +126,11 @@ def test_release_shapes_gpu(m, n, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [64, 67, 2048])
 def test_blockwise_scaled_mm_on_a_non_square_scale_grid_gpu(m):
-    """cuBLAS's block-scaled GEMM with a 3 x 2 weight-scale grid (a transposed scale layout is
+    """cuBLAS's block-scaled GEMM with a 3 x 4 weight-scale grid (a transposed scale layout is
     silently accepted only on square grids) and M not a multiple of 4."""
-    if not triton_impl.scaled_mm_fits(torch.empty(1, 256, device="cuda", dtype=torch.bfloat16),
-                                      torch.empty(384, 256, device="cuda"), 128):
+    x, w, s = _case(m, 384, 512, torch.bfloat16)
+    if not triton_impl.scaled_mm_fits(x, w, 128):
         pytest.skip("no cuBLASLt block scaling on this GPU")
-    x, w, s = _case(m, 384, 256, torch.bfloat16)
     got = triton_impl.fp8_linear_scaled_mm(x, w, s, 128)
     same_numerics = triton_impl.fp8_linear_w8a8(x, w, s, 128)
     want = fp8_linear_ref(x.float(), w, s)
@@ -140,3 +139,13 @@ def test_blockwise_scaled_mm_on_a_non_square_scale_grid_gpu(m):
     torch.testing.assert_close(got.float(), same_numerics.float(), rtol=1e-2, atol=1e-2)
     assert ((got.float() - want).norm() / want.norm()).item() < 3e-2
     assert torch.equal(triton_impl.fp8_linear(x, w, s), got), "M >= 64 takes this path"
+
+
+@pytest.mark.gpu
+def test_scale_rows_cublas_misreads_stay_on_triton_gpu():
+    """K/128 not a multiple of 4: cuBLASLt would return wrong results, the Triton GEMM runs."""
+    x, w, s = _case(64, 384, 256, torch.bfloat16)
+    assert not triton_impl.scaled_mm_fits(x, w, 128)
+    got = triton_impl.fp8_linear(x, w, s)
+    want = fp8_linear_ref(x.float(), w, s)
+    assert ((got.float() - want).norm() / want.norm()).item() < 3e-2

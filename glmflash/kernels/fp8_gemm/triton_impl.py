@@ -273,9 +273,14 @@ def fp8_linear_scaled_mm(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torc
 def scaled_mm_fits(x2: torch.Tensor, weight: torch.Tensor, block: int) -> bool:
     """Whether cuBLASLt's block-scaled FP8 GEMM serves this product: SM90 (Hopper) only - SM89
     and SM120 have no 1x128 / 128x128 block scaling in cuBLASLt, and run the Triton GEMM - and
-    128-aligned weights with 128-wide blocks."""
+    128-aligned weights with 128-wide blocks, K a multiple of 512.
+
+    NOTE: the weight scales are read with a leading dimension of K/128 floats; unless that is a
+    multiple of 4 (16 bytes) cuBLASLt accepts the call and returns wrong results
+    (bench/scaled_mm_layouts.py).
+    """
     n, k = weight.shape
-    return (x2.is_cuda and block == 128 and n % 128 == 0 and k % 128 == 0
+    return (x2.is_cuda and block == 128 and n % 128 == 0 and k % 512 == 0
             and x2.dtype in (torch.bfloat16, torch.float16) and not interpreting()
             and torch.cuda.get_device_capability(x2.device) == (9, 0))
 
