@@ -105,7 +105,9 @@ def main() -> None:
     compute_s = _sync() - start
     pinned = pinned_bandwidth()
     total_bytes = layer_bytes * len(layers)
-    hidden = max(0.0, min(1.0, (copy_s + compute_s - full_s) / copy_s))
+    # Work that overlapped: what the two would take one after the other, less the pipeline.
+    overlapped = max(0.0, copy_s + compute_s - full_s)
+    shorter = min(copy_s, compute_s)
     rows = [
         "| what | value |", "|---|---|",
         f"| layers x bytes per layer | {len(layers)} x {layer_bytes / 1e9:.2f} GB |",
@@ -115,7 +117,11 @@ def main() -> None:
         f"| MoE compute alone ({args.tokens} tokens, top-8) | {compute_s * 1e3:.0f} ms |",
         f"| pipelined transfer + compute | {full_s * 1e3:.0f} ms "
         f"(transfer {copy_s * 1e3:.0f} ms) |",
-        f"| transfer hidden under compute | {hidden:.0%} |",
+        f"| compute / transfer (goal <= 30%) | {compute_s / copy_s:.1%} |",
+        f"| overlapped / the shorter of the two (all of it: 100%) | "
+        f"{min(1.0, overlapped / shorter):.0%} |",
+        f"| pipelined / the longer of the two (1.00: nothing added to it) | "
+        f"{full_s / max(copy_s, compute_s):.3f} |",
     ]
     table = "\n".join(rows)
     print(table)
