@@ -8,6 +8,7 @@ Every time is the median of CUDA-graph replays (bench/kernels.py `graph_ms`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import sys
 from pathlib import Path
@@ -91,14 +92,10 @@ def _sweep_sparse_mla_batch(b: int) -> None:
 
 def sweep_fp8(w8a8: bool) -> None:
     from glmflash.kernels.fp8_gemm import quantize_block_fp8
-    from glmflash.kernels.fp8_gemm import triton_impl as ti
 
-    with restoring(ti, "WDQ_BLOCK_N", "WDQ_WAVES", "WDQ_STAGES", "WDQ_WARPS", "W8A8_TILE",
-                   "WDQ_FMA_ROWS"):
-        ti.WDQ_FMA_ROWS = 0  # the product path at M = 1 too (fp8row sweeps the FMA path)
-        for k, n in FP8_SHAPES:
-            wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda"))
-            _sweep_fp8_shape(k, n, wq, ws, w8a8)
+    for k, n in FP8_SHAPES:
+        wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda"))
+        _sweep_fp8_shape(k, n, wq, ws, w8a8)
 
 
 def _sweep_fp8_shape(k: int, n: int, wq: torch.Tensor, ws: torch.Tensor, w8a8: bool) -> None:
@@ -110,8 +107,10 @@ def _sweep_fp8_shape(k: int, n: int, wq: torch.Tensor, ws: torch.Tensor, w8a8: b
         best = None
         for bn, waves, stages, warps in itertools.product((32, 64, 128), (2.0, 4.0, 8.0),
                                                           (2, 4), (4, 8)):
-            ti.WDQ_BLOCK_N, ti.WDQ_WAVES, ti.WDQ_STAGES, ti.WDQ_WARPS = bn, waves, stages, warps
-            ms = graph_ms([lambda x=x, w=w: ti.fp8_linear_weight_only(x, w, ws, 128)
+            # the product path at M = 1 too (fp8row sweeps the FMA path)
+            config = dataclasses.replace(ti.DEFAULT_CONFIG, wdq_fma_rows=0, wdq_block_n=bn,
+                                         wdq_waves=waves, wdq_stages=stages, wdq_warps=warps)
+            ms = graph_ms([lambda x=x, w=w, c=config: ti.fp8_linear_weight_only(x, w, ws, 128, c)
                            for w in wqs])
             best = min(best or (ms, ()), (ms, (bn, waves, stages, warps)))
             print(f"fp8 wdq {k}->{n} M={m} BN={bn} waves={waves} stages={stages} "
@@ -122,8 +121,8 @@ def _sweep_fp8_shape(k: int, n: int, wq: torch.Tensor, ws: torch.Tensor, w8a8: b
     x = torch.randn(2048, k, device="cuda").bfloat16()
     for tile in ((128, 128, 8, 4), (128, 128, 4, 4), (64, 128, 4, 4), (128, 256, 8, 3),
                  (128, 64, 4, 4), (64, 256, 8, 3)):
-        ti.W8A8_TILE = tile
-        ms = graph_ms(lambda: ti.fp8_linear_w8a8(x, wq, ws, 128))
+        config = dataclasses.replace(ti.DEFAULT_CONFIG, w8a8_tile=tile)
+        ms = graph_ms(lambda c=config: ti.fp8_linear_w8a8(x, wq, ws, 128, c))
         print(f"fp8 w8a8 {k}->{n} M=2048 tile={tile}: {ms * 1e3:.1f} us "
               f"{2 * 2048 * n * k / ms / 1e9:.0f} TFLOP/s", flush=True)
 
@@ -133,19 +132,17 @@ def sweep_fp8_one_row() -> None:
     from glmflash.kernels.fp8_gemm import quantize_block_fp8
     from glmflash.kernels.fp8_gemm import triton_impl as ti
 
-    with restoring(ti, "WDQ_FMA_ROWS", "WDQ_BLOCK_N", "WDQ_FMA_BLOCK_N", "WDQ_WAVES"):
-        for k, n in FP8_SHAPES:
-            wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda"))
-            wqs = rotated(wq)
-            x = torch.randn(1, k, device="cuda").bfloat16()
-            for fma, bn, waves in itertools.product((0, 1), (32, 64), (2.0, 4.0, 8.0)):
-                ti.WDQ_FMA_ROWS = fma
-                ti.WDQ_BLOCK_N = ti.WDQ_FMA_BLOCK_N = bn
-                ti.WDQ_WAVES = waves
-                ms = graph_ms([lambda x=x, w=w, ws=ws: ti.fp8_linear_weight_only(x, w, ws, 128)
-                               for w in wqs])
-                print(f"fp8 one row {k}->{n} fma={fma} BN={bn} waves={waves}: "
-                      f"{ms * 1e3:.1f} us {n * k / ms / 1e6:.0f} GB/s", flush=True)
+    for k, n in FP8_SHAPES:
+        wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda"))
+        wqs = rotated(wq)
+        x = torch.randn(1, k, device="cuda").bfloat16()
+        for fma, bn, waves in itertools.product((0, 1), (32, 64), (2.0, 4.0, 8.0)):
+            config = dataclasses.replace(ti.DEFAULT_CONFIG, wdq_fma_rows=fma, wdq_block_n=bn,
+                                         wdq_fma_block_n=bn, wdq_waves=waves)
+            ms = graph_ms([lambda x=x, w=w, ws=ws, c=config:
+                           ti.fp8_linear_weight_only(x, w, ws, 128, c) for w in wqs])
+            print(f"fp8 one row {k}->{n} fma={fma} BN={bn} waves={waves}: "
+                  f"{ms * 1e3:.1f} us {n * k / ms / 1e6:.0f} GB/s", flush=True)
 
 
 def main() -> None:

@@ -142,10 +142,12 @@ def fp8_launches() -> list[Launch]:
     out = [Launch(f"fp8 weight-only BM{bm} BN{bn}{' FMA' if bm == 1 else ''}",
                   fp8.fp8_wdq_gemm_kernel, wdq,
                   dict(BLOCK=128, BM=bm, BN=bn, DOT=tl.bfloat16, PREC="tf32",
-                       FMA=bm == 1), fp8.WDQ_WARPS, fp8.WDQ_STAGES,
+                       FMA=bm == 1), fp8.DEFAULT_CONFIG.wdq_warps, fp8.DEFAULT_CONFIG.wdq_stages,
                   aligned=("N", "K", "K_PER_SPLIT"))
-           for bm, bn in ((1, fp8.WDQ_FMA_BLOCK_N), (16, fp8.WDQ_BLOCK_N), (64, fp8.WDQ_BLOCK_N))]
-    bm, bn, warps, stages = fp8.W8A8_TILE
+           for bm, bn in ((1, fp8.DEFAULT_CONFIG.wdq_fma_block_n),
+                          (16, fp8.DEFAULT_CONFIG.wdq_block_n),
+                          (64, fp8.DEFAULT_CONFIG.wdq_block_n))]
+    bm, bn, warps, stages = fp8.DEFAULT_CONFIG.w8a8_tile
     w8a8 = {"xq": "*fp8e4nv", "xs": "*fp32", "w": "*fp8e4nv", "ws": "*fp32", "y": "*bf16"}
     out.append(Launch(f"fp8 w8a8 {bm}x{bn}", fp8.fp8_gemm_kernel, w8a8,
                       dict(BLOCK=128, BM=bm, BN=bn, GROUP_M=8), warps, stages,

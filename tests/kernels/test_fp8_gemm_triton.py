@@ -3,6 +3,7 @@ with CUDA both paths at release shapes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -62,11 +63,11 @@ def test_weight_only_bf16_split_k(nan_empty):
 
 
 @pytest.mark.parametrize("fma_rows", [0, 1], ids=["products", "fma"])
-def test_one_row_bf16_paths(fma_rows, monkeypatch, nan_empty):
-    monkeypatch.setattr(triton_impl, "WDQ_FMA_ROWS", fma_rows)
+def test_one_row_bf16_paths(fma_rows, nan_empty):
+    config = dataclasses.replace(triton_impl.DEFAULT_CONFIG, wdq_fma_rows=fma_rows)
     x, w, s = _case(1, 130, 1100, torch.bfloat16)
     want = fp8_linear_ref(x.float(), w, s)
-    got = triton_impl.fp8_linear(x, w, s).float()
+    got = triton_impl.fp8_linear(x, w, s, config=config).float()
     if fma_rows:
         # exact weights and fp32 sums: only the final cast to bf16, within one ulp of each
         # element (2^-7 relative; the interpreter truncates where the GPU rounds to nearest)
@@ -120,7 +121,7 @@ def test_release_shapes_gpu(m, n, k):
     got = triton_impl.fp8_linear(x, w, s).float()
     rel = ((got - want).norm() / want.norm()).item()
     # Weight-only: bf16 rounding (~3e-3); W8A8 (M >= 64): e4m3 activations add ~2-3%.
-    assert rel < (5e-3 if m < triton_impl.FP8_ACT_MIN_ROWS else 4e-2)
+    assert rel < (5e-3 if m < triton_impl.DEFAULT_CONFIG.act_min_rows else 4e-2)
 
 
 @pytest.mark.gpu

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -20,7 +22,7 @@ FP32_ATOL = 1e-3
 # layer, against CPU fp32, at 3x the CPU bf16 figure.
 BF16_LAYER0_RTOL = 0.06
 # The 188-token prefill quantises activations to e4m3 per 128-channel group in every FP8
-# projection (W8A8 from FP8_ACT_MIN_ROWS rows, the DeepSeek / HF-on-GPU numerics), which the
+# projection (W8A8 from `act_min_rows` rows, the DeepSeek / HF-on-GPU numerics), which the
 # CPU reference does not. Measured on the H200 (2026-12-01): 3.3e-2 (embedded) and 6.4e-2
 # (kpool16) with W8A8, against 2.1e-2 and 8.8e-3 with every projection weight-only.
 BF16_W8A8_LAYER0_RTOL = 0.1
@@ -59,7 +61,8 @@ def test_gpu_fp32_logits_match_cpu(tiny_dirs, variant):
 def test_gpu_bf16_first_layer_matches_cpu_fp32(tiny_dirs, variant, fp8_activations,
                                                monkeypatch):
     if not fp8_activations:  # every FP8 projection dequantises its weight, as the CPU does
-        monkeypatch.setattr(fp8_triton, "FP8_ACT_MIN_ROWS", 1 << 30)
+        monkeypatch.setattr(fp8_triton, "DEFAULT_CONFIG", dataclasses.replace(
+            fp8_triton.DEFAULT_CONFIG, act_min_rows=1 << 30))
     prompts = dict(enumerate(_prompts()))
     want, got = [], []
     model = load_tiny(tiny_dirs[variant])

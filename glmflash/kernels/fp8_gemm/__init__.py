@@ -1,7 +1,7 @@
 """Block-FP8 linear: `fp8_linear(x, weight, scale_inv)`.
 
 CUDA tensors go to the Triton kernels (triton_impl.py: weight-only dequantisation for few rows,
-FP8 activations above `FP8_ACT_MIN_ROWS`), CPU tensors to ref.py;
+FP8 activations from `Fp8LinearConfig.act_min_rows`), CPU tensors to ref.py;
 `GLMFLASH_KERNEL_FP8_GEMM=ref|triton` (or `GLMFLASH_KERNEL_FP8_LINEAR`) forces one.
 """
 

@@ -11,6 +11,8 @@ Two paths, picked by the number of rows (README.md has the measurements):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 try:
@@ -22,38 +24,35 @@ except ImportError:  # the package must import without triton; the launchers nee
 from glmflash.kernels.triton_utils import ArrivalCounters, interpreting, jit, num_sms
 
 FP8_MAX = tl.constexpr(448.0) if triton is not None else 448.0
-# Rows from which activations are quantised to FP8 (below: weight-only dequantisation).
-FP8_ACT_MIN_ROWS = 64
-# Weight-only path. A program owns WDQ_BLOCK_N output columns and one range of K; K is split into
-# ranges until about WDQ_WAVES programs per SM stream the weight (a GEMV keeps bytes in flight
-# through many resident programs), each range at least WDQ_MIN_SPLIT_BLOCKS scale blocks long.
-# The last range of a column block to finish adds all ranges' partial sums in range order, so one
-# launch, no zeroed buffer and a deterministic result. The earlier layout (widest column block
-# that gave one program per SM, K split only past 4096, atomics into fp32) streamed 530-2240 GB/s
-# on the H200 against _scaled_mm's 1220-3700; this one 700-2220 against 1050-3820 (weights read
-# from HBM), and bench/sweeps.py found no launch shape more than 10% faster at any release shape.
-WDQ_BLOCK_N = 64
-# Rows up to which the weight-only path multiplies by FMA instead of tensor-core products (0:
-# never): one row needs no product and skips the layout change of the dequantised tile, and
-# its column block. bench/sweeps.py --ops fp8row (H200, one row, weights read from HBM): FMA
-# with 32 columns ran the five release shapes in 6.5 / 10.4 / 26.1 / 9.4 / 32.8 us against
-# 8.2 / 16.7 / 33.9 / 12.2 / 45.4 with products (0.80-0.91x _scaled_mm); loading the next tile
-# ahead in registers was slower everywhere (178 registers instead of 122: half the programs;
-# measured at ec413d7, since removed).
-WDQ_FMA_ROWS = 1
-WDQ_FMA_BLOCK_N = 32
-WDQ_WAVES = 4.0
-WDQ_MIN_SPLIT_BLOCKS = 2
-WDQ_STAGES = 4
-WDQ_WARPS = 4
+
+
+@dataclass(frozen=True)
+class Fp8LinearConfig:
+    """Launch shapes of the two paths (README.md has the sweeps that chose them)."""
+
+    act_min_rows: int = 64
+    """Rows from which activations are quantised to FP8 (below: weight-only dequantisation)."""
+    wdq_block_n: int = 64
+    """Weight-only: output columns per program."""
+    wdq_fma_rows: int = 1
+    """Weight-only: rows up to which products are FMAs instead of tensor-core products (0:
+    never); one row needs no product and skips the dequantised tile's layout change."""
+    wdq_fma_block_n: int = 32
+    wdq_waves: float = 4.0
+    """Weight-only: K is split until about this many programs per SM stream the weight."""
+    wdq_min_split_blocks: int = 2
+    """Weight-only: scale blocks per K range at least."""
+    wdq_stages: int = 4
+    wdq_warps: int = 4
+    w8a8_tile: tuple[int, int, int, int] = (64, 128, 4, 4)
+    """W8A8 GEMM: rows, columns, warps, stages."""
+
+
+DEFAULT_CONFIG = Fp8LinearConfig()
 # Per-device arrival counters of the split-K reduction: one per (row block, column block) tile;
 # every launch leaves them at zero. Allocated once and never replaced, so CUDA graphs that
 # captured a launch stay valid.
 _ARRIVALS = ArrivalCounters(1 << 16)
-# W8A8 path tile (bench/sweeps.py, H200): rows, columns, warps, stages. 64x128 / 4 warps was the
-# fastest or within 2% of it at every release shape (400-550 TFLOP/s; 128x128 / 4 warps: 150).
-W8A8_TILE = (64, 128, 4, 4)
-
 
 
 @jit
@@ -184,8 +183,6 @@ def fp8_gemm_kernel(xq, xs, w, ws, y, M, N, K, stride_qm, stride_sm, stride_wn, 
     tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
-
-
 def _check(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: int) -> None:
     n, k = weight.shape
     assert x.shape[-1] == k and weight.stride(1) == 1 and scale_inv.stride(1) == 1
@@ -195,20 +192,20 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block
 
 
 def fp8_linear_weight_only(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-                           block: int) -> torch.Tensor:
+                           block: int, config: Fp8LinearConfig = DEFAULT_CONFIG) -> torch.Tensor:
     """[M, K] x dequantised [N, K] -> [M, N], K split into ranges so that enough programs stream
     the weight. Launches on one device must run in stream order (they share the counters)."""
     m, k = x2.shape
     n = weight.shape[0]
     fp32 = x2.dtype == torch.float32 or interpreting()
     dot = tl.float32 if fp32 else (tl.float16 if x2.dtype == torch.float16 else tl.bfloat16)
-    fma = m <= WDQ_FMA_ROWS
+    fma = m <= config.wdq_fma_rows
     bm = 1 if fma else (16 if m <= 16 else (32 if m <= 32 else 64))
-    bn = min(WDQ_FMA_BLOCK_N if fma else WDQ_BLOCK_N, block)
+    bn = min(config.wdq_fma_block_n if fma else config.wdq_block_n, block)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     k_blocks = triton.cdiv(k, block)
-    want = int(num_sms(x2.device) * WDQ_WAVES)
-    splits = max(1, min(k_blocks // WDQ_MIN_SPLIT_BLOCKS, triton.cdiv(want, tiles)))
+    want = int(num_sms(x2.device) * config.wdq_waves)
+    splits = max(1, min(k_blocks // config.wdq_min_split_blocks, triton.cdiv(want, tiles)))
     arrivals = _ARRIVALS.get(x2.device, tiles) if splits > 1 else None
     if arrivals is None:
         splits = 1
@@ -221,7 +218,7 @@ def fp8_linear_weight_only(x2: torch.Tensor, weight: torch.Tensor, scale_inv: to
         x2, weight, scale_inv, out, part, arrivals if splits > 1 else out, m, n, k, x2.stride(0),
         weight.stride(0), scale_inv.stride(0), out.stride(0), k_per_split, splits,
         BLOCK=block, BM=bm, BN=bn, DOT=dot, PREC="ieee" if fp32 else "tf32", FMA=fma,
-        num_warps=WDQ_WARPS, num_stages=WDQ_STAGES)
+        num_warps=config.wdq_warps, num_stages=config.wdq_stages)
     return out
 
 
@@ -244,13 +241,13 @@ def quantize_activations(x2: torch.Tensor, fp8_dtype: torch.dtype, block: int,
 
 
 def fp8_linear_w8a8(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-                    block: int) -> torch.Tensor:
+                    block: int, config: Fp8LinearConfig = DEFAULT_CONFIG) -> torch.Tensor:
     """Quantise activations per (row, 128 channels), then the FP8 GEMM."""
     m, k = x2.shape
     n = weight.shape[0]
     xq, xs = quantize_activations(x2, weight.dtype, block)
     out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
-    bm, bn, warps, stages = W8A8_TILE
+    bm, bn, warps, stages = config.w8a8_tile
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     fp8_gemm_kernel[grid](xq, xs, weight, scale_inv, out, m, n, k, xq.stride(0), xs.stride(0),
                           weight.stride(0), scale_inv.stride(0), out.stride(0), BLOCK=block,
@@ -286,9 +283,11 @@ def scaled_mm_fits(x2: torch.Tensor, weight: torch.Tensor, block: int) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, *,
-               block: int = 128) -> torch.Tensor:
+               block: int = 128, config: Fp8LinearConfig | None = None) -> torch.Tensor:
     """Triton `fp8_linear_ref`: `y = x W^T`, x `[..., K]`, weight `[N, K]` e4m3, scale_inv
-    `[ceil(N/block), ceil(K/block)]` fp32. Weight-only below FP8_ACT_MIN_ROWS rows, W8A8 above."""
+    `[ceil(N/block), ceil(K/block)]` fp32. Weight-only below `config.act_min_rows` rows, W8A8
+    from there (`config`: DEFAULT_CONFIG, read at call time)."""
+    config = config or DEFAULT_CONFIG
     _check(x, weight, scale_inv, block)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
@@ -296,13 +295,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, *
         x2 = x2.contiguous()
     if x2.shape[0] == 0:
         return x.new_empty(*lead, weight.shape[0])
-    use_fp8 = x2.shape[0] >= FP8_ACT_MIN_ROWS and x2.dtype != torch.float32 \
+    use_fp8 = x2.shape[0] >= config.act_min_rows and x2.dtype != torch.float32 \
         and not interpreting()
     impl = fp8_linear_weight_only
     if use_fp8:
         impl = fp8_linear_scaled_mm if scaled_mm_fits(x2, weight, block) else fp8_linear_w8a8
-    return impl(x2, weight, scale_inv.float(), block).view(*lead, weight.shape[0])
+    if impl is fp8_linear_scaled_mm:
+        return impl(x2, weight, scale_inv.float(), block).view(*lead, weight.shape[0])
+    return impl(x2, weight, scale_inv.float(), block, config).view(*lead, weight.shape[0])
 
 
-__all__ = ["fp8_linear", "fp8_linear_scaled_mm", "fp8_linear_w8a8", "fp8_linear_weight_only",
-           "quantize_activations", "scaled_mm_fits"]
+__all__ = ["DEFAULT_CONFIG", "Fp8LinearConfig", "fp8_linear", "fp8_linear_scaled_mm",
+           "fp8_linear_w8a8", "fp8_linear_weight_only", "quantize_activations", "scaled_mm_fits"]
