@@ -28,6 +28,11 @@ def jit(fn=None, *, do_not_specialize: tuple[str, ...] = ()):
     return triton.jit(fn)
 
 
+def constexpr(value):
+    """A module constant that kernels may read (`tl.constexpr`; the plain value without triton)."""
+    return value if triton is None else triton.language.constexpr(value)
+
+
 def interpreting() -> bool:
     """Running under TRITON_INTERPRET (numpy on the CPU)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
