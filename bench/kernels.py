@@ -20,67 +20,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (  # noqa: E402
     append_results,
+    bench_ms,
+    copies,
+    copy_bandwidth,
     device_description,
     git_commit,
-    restoring,
+    graph_ms,
+    rel,
+    rotated,
+    table,
 )
 
 H, D = 64, 128  # KDA heads x head dim (release)
-
-
-def bench_ms(fn, warmup: int = 10, rep: int = 50) -> float:
-    """Median ms of `fn` (triton.testing.do_bench, event-timed)."""
-    import triton
-
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-
-
-L2_DEFEAT_BYTES = 512 << 20  # several times the H200's L2, so replays read HBM
-
-
-def graph_ms(fn, rep: int = 100) -> float:
-    """Median ms of `fn` replayed from a CUDA graph: the kernels alone, without the Python launch
-    cost that hides them at decode sizes (the engine's decode step is graph-shaped too).
-    `fn` may be a list of calls on different buffers (see `copies`); the time is per call."""
-    import triton
-
-    fns = fn if isinstance(fn, list) else [fn]
-    for f in fns:
-        f()  # build host-side caches (metadata tensors) before capture
-    torch.cuda.synchronize()
-    ms = triton.testing.do_bench_cudagraph(lambda: [f() for f in fns], rep=rep,
-                                           return_mode="median")
-    return ms / len(fns)
-
-
-def copies(bytes_per_call: int) -> int:
-    """Calls on distinct buffers per timed replay, so the data of one call is out of L2 by the
-    time it comes round again (34 layers each have their own state in the model)."""
-    return max(1, min(64, -(-L2_DEFEAT_BYTES // max(bytes_per_call, 1))))
-
-
-def rotated(t: torch.Tensor) -> list[torch.Tensor]:
-    """`t` and enough clones of it that replays cycling through them read HBM, not L2."""
-    return [t] + [t.clone() for _ in range(copies(t.numel() * t.element_size()) - 1)]
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second (GB/s)."""
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src), warmup=5, rep=50)
-    return 2 * (2 << 30) / ms / 1e6
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def table(header: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def _kda_inputs(num_tokens: int, num_seqs: int = 1):
@@ -152,11 +103,8 @@ def _kda_prefill_row(n: int, chunk_kda) -> list:
 
 def sweep_kda(sizes: list[int]) -> None:
     """Launch-shape sweep of the two prefill kernels (printed only)."""
-    from glmflash.kernels.kda import triton_impl as ti
-
     for n in sizes:
-        with restoring(ti, "PREP_WARPS", "PREP_BKC", "STATE_BV", "STATE_WARPS"):
-            _sweep_kda_size(n)
+        _sweep_kda_size(n)
         torch.cuda.empty_cache()
 
 
@@ -169,43 +117,29 @@ def _sweep_kda_size(n: int) -> None:
     out = torch.empty_like(q)
     strides = (q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0))
     for warps, bkc in ((4, 16), (8, 16), (8, 32)):
-        ti.PREP_WARPS, ti.PREP_BKC = warps, bkc
-        ms = bench_ms(lambda: ti._launch_prep(q, k, v, g, beta, buf, plan, D ** -0.5, strides))
+        config = ti.KdaConfig(prep_warps=warps, prep_key_block=bkc)
+        ms = bench_ms(lambda c=config: ti._launch_prep(q, k, v, g, beta, buf, plan, D ** -0.5,
+                                                       strides, c))
         print(f"sweep n={n} prep warps={warps} bkc={bkc}: {ms:.3f} ms", flush=True)
     for bv in (32, 64):
         for warps in (4, 8):
-            ti.STATE_BV, ti.STATE_WARPS = bv, warps
-            ms = bench_ms(lambda: ti._launch_state(state, out, buf, plan))
+            config = ti.KdaConfig(state_value_block=bv, state_warps=warps)
+            ms = bench_ms(lambda c=config: ti._launch_state(state, out, buf, plan, c))
             print(f"sweep n={n} state BV={bv} warps={warps}: {ms:.3f} ms", flush=True)
 
 
-def pick_kda_products(sizes: list[int]) -> tuple[str, str]:
-    """Accuracy and prep time of the prep kernel's variants against the fp32 reference on the
-    GPU; returns the fastest accurate one and a table of what was measured."""
-    from glmflash.kernels.kda import triton_impl as ti
-
-    rows, best = [], None
-    # Tensor-core inverses are wrong ("bf16") or fault ("tf32") on Triton 3.6: FMA inverses only.
-    for variant in ("bf16-rows", "bf16-accum"):
-        ti.PREP_PRODUCTS = variant
-        ok, total = True, 0.0
-        for n in sizes:
-            err_o, err_s, ms = _check_kda_products(n)
-            ok, total = ok and err_o < 2e-2 and err_s < 2e-2, total + ms
-            rows.append([variant, n, f"{err_o:.1e}", f"{err_s:.1e}", f"{ms:.3f}"])
-            print(rows[-1], flush=True)
-            torch.cuda.empty_cache()
-        if ok and (best is None or total < best[0]):
-            best = (total, variant)
-    chosen = best[1] if best else None
-    ti.PREP_PRODUCTS = chosen or "ieee"
-    return ti.PREP_PRODUCTS, table(["prep products", "tokens", "rel err o", "rel err state",
-                                    "prep ms"], rows)
+def check_kda_accuracy(sizes: list[int]) -> str:
+    """Relative errors of the prefill's output and state against the fp32 reference on the
+    GPU, and the prep kernel's time."""
+    rows = []
+    for n in sizes:
+        rows.append([n, *_check_kda(n)])
+        print(rows[-1], flush=True)
+        torch.cuda.empty_cache()
+    return table(["tokens", "rel err o", "rel err state", "prep ms"], rows)
 
 
-def _check_kda_products(n: int) -> tuple[float, float, float]:
-    """Relative errors of o and of the state against the fp32 reference, and the prep kernel's
-    ms, under the current `PREP_PRODUCTS`."""
+def _check_kda(n: int) -> list[str]:
     from glmflash.kernels.kda import kda_ref
     from glmflash.kernels.kda import triton_impl as ti
 
@@ -217,7 +151,7 @@ def _check_kda_products(n: int) -> tuple[float, float, float]:
         q, k, v, g, beta, ti._prefill_buffers(q, v, n // 64),
         ti._plan((0, n), (0,), (False,), q.device), D ** -0.5,
         (q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0))))
-    return rel(got.float(), want.float()), rel(s_got, s_ref), ms
+    return [f"{rel(got.float(), want.float()):.1e}", f"{rel(s_got, s_ref):.1e}", f"{ms:.3f}"]
 
 
 def bench_kda_decode(batches: list[int], copy_gbs: float) -> str:
@@ -429,14 +363,13 @@ def main() -> None:
              f"(bench/kernels.py; copy {copy_gbs:.0f} GB/s)",
              bench_indexer(INDEXER_SHAPES, copy_gbs))
     if "kda" in ops:
-        products, checks = pick_kda_products([4096] if args.quick else [4096, 32768])
-        emit("KDA prefill: accuracy of the prep product variants vs the fp32 reference "
-             "(bench/kernels.py)", checks)
+        emit("KDA prefill: accuracy vs the fp32 reference (bench/kernels.py)",
+             check_kda_accuracy([4096] if args.quick else [4096, 32768]))
         if args.sweep:
             sweep_kda([32768, 131072])
         sizes = [4096, 32768] if args.quick else [4096, 32768, 131072]
-        emit(f"KDA prefill, 64 heads x 128, bf16, one sequence, prep products {products} "
-             f"(bench/kernels.py)", bench_kda_prefill(sizes))
+        emit("KDA prefill, 64 heads x 128, bf16, one sequence (bench/kernels.py)",
+             bench_kda_prefill(sizes))
     if "kda_decode" in ops:
         emit(f"KDA decode step, 64 heads x 128, CUDA-graph timed, states rotated past L2 "
              f"(bench/kernels.py; copy {copy_gbs:.0f} GB/s)",

@@ -23,7 +23,7 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
-from glmflash.kernels.triton_utils import interpreting, jit
+from glmflash.kernels.triton_utils import dot_operand_type, jit, product_precision
 
 # Pools per scoring program, and the most score elements materialised at once (fp32).
 BLOCK_P = 64
@@ -113,8 +113,6 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
     assert page_table.stride(1) == 1 and plan.rows.numel() == num_tokens
     max_pools = plan.max_pools
     num_sel = min(topk // kpool, max_pools)
-    fp32 = q.dtype == torch.float32 or interpreting()
-    dot = tl.float32 if fp32 else (tl.float16 if q.dtype == torch.float16 else tl.bfloat16)
     bhq = max(16, triton.next_power_of_2(heads))
     per_token = (plan.rows, plan.positions)
     rows = max(1, MAX_SCORE_ELEMS // max(max_pools, 1))
@@ -130,7 +128,7 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
                 pool_keys.stride(0), page_table.stride(0), scores.stride(0), heads, dim,
                 KPOOL=kpool,
                 PAGE=page_size, BHQ=bhq, BD=max(16, triton.next_power_of_2(dim)), BP=BLOCK_P,
-                DOT=dot, PREC="ieee" if fp32 else "tf32", num_warps=4)
+                DOT=dot_operand_type(q.dtype), PREC=product_precision(q.dtype), num_warps=4)
             pools = topk_indices(scores, lengths, num_sel, config=topk_config)
         indexer_expand_kernel[(n,)](
             pools, page_table, *per_token, out, t0, num_sel, width, page_table.stride(0),
