@@ -31,6 +31,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from glmflash.kernels.fp8_gemm import triton_impl as fp8  # noqa: E402
 from glmflash.kernels.fused_moe import triton_impl as moe  # noqa: E402
 from glmflash.kernels.hyper import triton_impl as hyper  # noqa: E402
+from glmflash.kernels.indexer import topk_triton as indexer_topk  # noqa: E402
 from glmflash.kernels.indexer import triton_impl as indexer  # noqa: E402
 from glmflash.kernels.kda import triton_impl as kda  # noqa: E402
 from glmflash.kernels.sparse_mla import triton_impl as mla  # noqa: E402
@@ -179,11 +180,23 @@ def fused_moe_launches() -> list[Launch]:
 
 
 def indexer_launches() -> list[Launch]:
+    """Scoring and the radix top-k (every pass) at their default launch shapes."""
     ptrs = {"q": "*bf16", "weights": "*fp32", "pool_keys": "*bf16", "page_table": "*i32",
-            "rows": "*i64", "positions": "*i64", "num_pools": "*i64", "scores": "*fp32"}
-    return [Launch("indexer score", indexer.indexer_score_kernel, ptrs,
-                   dict(KPOOL=4, PAGE=64, BHQ=32, BD=128, BP=indexer.BLOCK_P, DOT=tl.bfloat16,
-                        PREC="tf32"), 4, aligned=("NH", "D"))]
+            "rows": "*i64", "positions": "*i64", "num_pools": "*i64", "scores": "*fp32",
+            "lengths": "*i32"}
+    out = [Launch("indexer score", indexer.indexer_score_kernel, ptrs,
+                  dict(KPOOL=4, PAGE=64, BHQ=32, BD=128, BP=indexer.BLOCK_P, DOT=tl.bfloat16,
+                       PREC="tf32"), 4, aligned=("NH", "D"))]
+    topk = {"scores": "*fp32", "lengths": "*i32", "hist": "*i32", "counts": "*i32",
+            "out": "*i32"}
+    config = indexer_topk.DEFAULT_CONFIG
+    consts = dict(BLOCK=config.block)
+    out += [Launch(f"indexer top-k histogram pass {p}", indexer_topk.topk_histogram_kernel, topk,
+                   dict(consts, PASS=p), config.num_warps) for p in range(4)]
+    out += [Launch(f"indexer top-k {name}", kernel, topk, consts, config.num_warps)
+            for name, kernel in (("count", indexer_topk.topk_count_kernel),
+                                 ("write", indexer_topk.topk_write_kernel))]
+    return out
 
 
 def hyper_launches() -> list[Launch]:
