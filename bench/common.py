@@ -1,4 +1,5 @@
-"""Shared bits of the benchmarks: device description, git commit, appending to RESULTS.md."""
+"""Shared bits of the benchmarks: timing (event-timed and CUDA-graph replays, L2 defeated by
+rotating buffers), tables, device description, git commit, appending to RESULTS.md."""
 
 from __future__ import annotations
 
@@ -10,7 +11,64 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
+
 RESULTS = Path(__file__).with_name("RESULTS.md")
+
+
+def bench_ms(fn, warmup: int = 10, rep: int = 50) -> float:
+    """Median ms of `fn` (triton.testing.do_bench, event-timed)."""
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+L2_DEFEAT_BYTES = 512 << 20  # several times the H200's L2, so replays read HBM
+
+
+def graph_ms(fn, rep: int = 100) -> float:
+    """Median ms of `fn` replayed from a CUDA graph: the kernels alone, without the Python launch
+    cost that hides them at decode sizes (the engine's decode step is graph-shaped too).
+    `fn` may be a list of calls on different buffers (see `copies`); the time is per call."""
+    import triton
+
+    fns = fn if isinstance(fn, list) else [fn]
+    for f in fns:
+        f()  # build host-side caches (metadata tensors) before capture
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench_cudagraph(lambda: [f() for f in fns], rep=rep,
+                                           return_mode="median")
+    return ms / len(fns)
+
+
+def copies(bytes_per_call: int) -> int:
+    """Calls on distinct buffers per timed replay, so the data of one call is out of L2 by the
+    time it comes round again (34 layers each have their own state in the model)."""
+    return max(1, min(64, -(-L2_DEFEAT_BYTES // max(bytes_per_call, 1))))
+
+
+def rotated(t: torch.Tensor) -> list[torch.Tensor]:
+    """`t` and enough clones of it that replays cycling through them read HBM, not L2."""
+    return [t] + [t.clone() for _ in range(copies(t.numel() * t.element_size()) - 1)]
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (GB/s)."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), warmup=5, rep=50)
+    return 2 * (2 << 30) / ms / 1e6
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def git_commit() -> str:
@@ -35,8 +93,6 @@ def cpu_description() -> str:
 
 
 def device_description() -> str:
-    import torch
-
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name()} (+ {cpu_description()})"
     return cpu_description()

@@ -39,7 +39,8 @@ from numba import njit, prange
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from glmflash.kernels.cpu_moe import numba_impl, routed_experts_ref  # noqa: E402
+from glmflash.kernels.cpu_moe import numba_kernels, routed_experts_ref  # noqa: E402
+from glmflash.kernels.cpu_moe.decode_choice import subnormal_share  # noqa: E402
 from glmflash.kernels.cpu_moe.numba_impl import NumbaMoeExperts  # noqa: E402
 from glmflash.kernels.fp8_gemm.ref import FP8_DTYPE, quantize_block_fp8  # noqa: E402
 
@@ -198,7 +199,7 @@ def asm_report() -> str:
     """Instruction counts in the compiled kernels: is the hot loop AVX-512 (zmm)?"""
     lines = []
     for name in ("_gate_up_nb", "_down_nb"):
-        asm = "\n".join(getattr(numba_impl, name).inspect_asm().values())
+        asm = "\n".join(getattr(numba_kernels, name).inspect_asm().values())
         counts = {op: len(re.findall(pattern, asm)) for op, pattern in (
             ("fma zmm", r"vfmadd\w+\s+[^\n]*zmm"), ("fma ymm", r"vfmadd\w+\s+[^\n]*ymm"),
             ("vpmovsxbw zmm", r"vpmovsxbw\s+[^\n]*zmm"), ("prefetcht1", r"prefetcht1"),
@@ -235,7 +236,7 @@ def main() -> None:
     torch.manual_seed(42)
     numba.set_num_threads(args.threads)
     layer = make_layer(args.experts, args.hidden, args.inter, args.codes)
-    args.subnormal = numba_impl.subnormal_share(*layer[0::2])
+    args.subnormal = subnormal_share(*layer[0::2])
     experts = NumbaMoeExperts(*layer, swiglu_limit=10.0, num_threads=args.threads,
                               num_pools=args.pools, decode=args.decode)
     args.decode = experts.decode_name

@@ -23,8 +23,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import append_results, device_description, git_commit  # noqa: E402
-from bench.kernels import bench_ms, copies, copy_bandwidth, graph_ms, table  # noqa: E402
+from bench.common import (  # noqa: E402
+    append_results,
+    bench_ms,
+    copies,
+    copy_bandwidth,
+    device_description,
+    git_commit,
+    graph_ms,
+    table,
+)
 from glmflash.kernels.hyper import hyper_post_ref, hyper_pre_ref  # noqa: E402
 
 S, D = 4, 4096

@@ -1,10 +1,12 @@
-"""Which intermediate of the KDA prep kernel goes wrong with tensor-core products (GPU only).
+"""Which intermediate of the KDA prep kernel its 16-bit products put off (GPU only).
 
-    PYTHONPATH=. python bench/kda_diag.py [variant ...]
+    PYTHONPATH=. python bench/kda_diag.py
+    DISABLE_MMA_V3=1 PYTHONPATH=. python bench/kda_diag.py   # the same without wgmma
 
-Runs `kda_chunk_prep_kernel` with each `PREP_PRODUCTS` variant on the same bf16 inputs and prints
-the relative difference of every buffer (Aqk, w, u, qg, kd, exp(G_last)) from the fp32-FMA
-variant, for a few decay strengths. Prints only; nothing is appended to RESULTS.md.
+Runs `kda_chunk_prep_kernel` on bf16 inputs (bf16 tensor-core products) and on fp32 copies of
+them (fp32 FMA products), and prints the relative difference of every buffer (Aqk, w, u, qg, kd,
+exp(G_last)) for a few decay strengths. A difference that changes with the MMA version is the
+compiler's, one that does not is precision. Prints only; nothing is appended to RESULTS.md.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.kernels import rel  # noqa: E402
+from bench.common import rel  # noqa: E402
 
 HEADS, DIM = 4, 128
+NAMES = ("w", "u", "qg", "kd", "aqk", "gl")
 
 
 def _inputs(num_tokens: int, decay: float, seed: int = 0):
@@ -33,8 +36,7 @@ def _inputs(num_tokens: int, decay: float, seed: int = 0):
     return q, k, v, g, beta
 
 
-def _prep(ti, variant: str, q, k, v, g, beta):
-    ti.PREP_PRODUCTS = variant
+def _prep(ti, q, k, v, g, beta):
     n = q.shape[0]
     plan = ti._plan((0, n), (0,), (False,), q.device)
     buf = ti._prefill_buffers(q, v, plan.num_chunks)
@@ -49,18 +51,15 @@ def _prep(ti, variant: str, q, k, v, g, beta):
 def main() -> None:
     from glmflash.kernels.kda import triton_impl as ti
 
-    names = ("w", "u", "qg", "kd", "aqk", "gl")
-    print("| decay | tokens | variant | " + " | ".join(names) + " |")
-    variants = sys.argv[1:] or [v for v in ti.PREP_VARIANTS if v != "ieee"]
+    print("| decay | tokens | " + " | ".join(NAMES) + " |")
+    print("|---|---|" + "---|" * len(NAMES))
     for decay in (0.05, 5.0):
-        for n in (200,):
-            inputs = _inputs(n, decay)
-            want = _prep(ti, "ieee", *inputs)
-            for variant in variants:
-                got = _prep(ti, variant, *inputs)
-                errs = [f"{rel(a.float(), b.float()):.1e}" for a, b in zip(got, want, strict=True)]
-                print(f"| {decay} | {n} | {variant} | " + " | ".join(errs) + " |", flush=True)
-    ti.PREP_PRODUCTS = "ieee"
+        n = 200
+        inputs = _inputs(n, decay)
+        want = _prep(ti, *(t.float() for t in inputs))
+        got = _prep(ti, *inputs)
+        errs = [f"{rel(a.float(), b.float()):.1e}" for a, b in zip(got, want, strict=True)]
+        print(f"| {decay} | {n} | " + " | ".join(errs) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,9 @@
 No hardware counters are needed: the prep kernel's two later stages are run alone, each as its
 own kernel over the same (chunk, head) grid and through the same jitted helpers, and the first
 stage (the Aqk / Akk products, with l2 norms and decay anchoring) is what is left of the whole:
-- inverse: the prep's `_inverse` of a stored strictly lower-triangular 64 x 64 matrix;
+- inverse: the prep's `_unit_tril_inverse` of a stored strictly lower-triangular 64 x 64 matrix;
 - WY phase: `_wy_phase` (w, u, qg, kd, exp(G_last)) from a stored T;
-- whole prep at PREP_WARPS and at the other warp count, and the state walk for scale.
+- whole prep at the default warps and at the other warp count, and the state walk for scale.
 """
 
 from __future__ import annotations
@@ -22,21 +22,22 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import restoring  # noqa: E402
-from bench.kernels import D, H, _kda_inputs, graph_ms  # noqa: E402
+from bench.common import graph_ms  # noqa: E402
+from bench.kernels import D, H, _kda_inputs  # noqa: E402
 from glmflash.kernels.kda import triton_impl as ti  # noqa: E402
+from glmflash.kernels.triton_utils import dot_operand_type, product_precision  # noqa: E402
 
 BT = 64
+OTHER_WARPS = 8 if ti.DEFAULT_CONFIG.prep_warps == 4 else 4
 
 
 @triton.jit
-def inverse_only_kernel(a, t, PREC_A: tl.constexpr, ADOT: tl.constexpr, PREC_I: tl.constexpr,
-                        IDOT: tl.constexpr, INV_ROWS: tl.constexpr, DOT: tl.constexpr):
-    """The prep's (I + A)^-1 of stored matrices (PREC_A / ADOT: the variant's, unused here)."""
+def inverse_only_kernel(a, t, DOT: tl.constexpr):
+    """The prep's (I + A)^-1 of stored matrices."""
     i = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, 64)
     p = i * 4096 + o[:, None] * 64 + o[None, :]
-    b_t = ti._inverse(tl.load(p + a), PREC_I, IDOT, INV_ROWS, 64)
+    b_t = ti._unit_tril_inverse(tl.load(p + a), 64)
     tl.store(t + p, b_t.to(DOT))
 
 
@@ -66,27 +67,23 @@ def _parts_row(n: int) -> list:
     strides = (q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0))
     scale = D ** -0.5
 
-    def prep():
-        ti._launch_prep(q, k, v, g, beta, buf, plan, scale, strides)
+    def prep(config=ti.DEFAULT_CONFIG):
+        ti._launch_prep(q, k, v, g, beta, buf, plan, scale, strides, config)
 
+    config = ti.DEFAULT_CONFIG
     whole = graph_ms(prep)
-    other_warps = 4 if ti.PREP_WARPS == 8 else 8
-    saved, ti.PREP_WARPS = ti.PREP_WARPS, other_warps
-    try:
-        whole_other = graph_ms(prep)
-    finally:
-        ti.PREP_WARPS = saved
+    whole_other = graph_ms(lambda: prep(ti.KdaConfig(prep_warps=OTHER_WARPS)))
     programs = plan.num_chunks * H
     a = torch.randn(programs, BT, BT, device="cuda").tril(-1) * 0.1
     t = torch.empty(programs, BT, BT, device="cuda", dtype=q.dtype)
-    dot = ti._dot_dtype(q.dtype)
+    dot = dot_operand_type(q.dtype)
     inverse = graph_ms(lambda: inverse_only_kernel[(programs,)](
-        a, t, **ti.prep_variant_args(q.dtype), DOT=dot, num_warps=ti.PREP_WARPS))
+        a, t, DOT=dot, num_warps=config.prep_warps))
     chunk_meta = plan.meta[plan.num_decode * 3 + plan.num_prefill * 5:]
     wy = graph_ms(lambda: wy_only_kernel[(plan.num_chunks, H)](
         q, k, v, g, beta, buf.w, buf.u, buf.qg, buf.kd, buf.gl, t, chunk_meta, scale, *strides,
-        H=H, K=D, V=D, BK=D, BVF=D, BKC=ti.PREP_BKC, PREC=ti._prec(q.dtype), DOT=dot,
-        num_warps=ti.PREP_WARPS))
+        H=H, K=D, V=D, BK=D, BVF=D, BKC=config.prep_key_block,
+        PREC=product_precision(q.dtype), DOT=dot, num_warps=config.prep_warps))
     walk = graph_ms(lambda: ti._launch_state(state, torch.empty_like(v), buf, plan))
     return [n, f"{whole:.3f}", f"{whole_other:.3f}", f"{inverse:.3f}", f"{wy:.3f}",
             f"{whole - inverse - wy:.3f}", f"{walk:.3f}"]
@@ -95,20 +92,13 @@ def _parts_row(n: int) -> list:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768])
-    parser.add_argument("--variants", nargs="+", default=[ti.PREP_PRODUCTS],
-                        help="PREP_PRODUCTS variants to time")
     args = parser.parse_args()
-    other = 4 if ti.PREP_WARPS == 8 else 8
-    print(f"prep at {ti.PREP_WARPS} warps; times in ms, graph-timed")
-    print(f"| prep products | tokens | prep | prep at {other} warps | inverse alone | "
+    print(f"prep at {ti.DEFAULT_CONFIG.prep_warps} warps; times in ms, graph-timed")
+    print(f"| tokens | prep | prep at {OTHER_WARPS} warps | inverse alone | "
           "WY phase alone | A products (rest) | state walk |")
-    print("|---|---|---|---|---|---|---|---|")
-    with restoring(ti, "PREP_PRODUCTS"):
-        for variant in args.variants:
-            ti.PREP_PRODUCTS = variant
-            for n in args.tokens:
-                print(f"| {variant} | " + " | ".join(str(c) for c in _parts_row(n)) + " |",
-                      flush=True)
+    print("|---|---|---|---|---|---|---|")
+    for n in args.tokens:
+        print("| " + " | ".join(str(c) for c in _parts_row(n)) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -20,67 +20,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (  # noqa: E402
     append_results,
+    bench_ms,
+    copies,
+    copy_bandwidth,
     device_description,
     git_commit,
-    restoring,
+    graph_ms,
+    rel,
+    rotated,
+    table,
 )
 
 H, D = 64, 128  # KDA heads x head dim (release)
-
-
-def bench_ms(fn, warmup: int = 10, rep: int = 50) -> float:
-    """Median ms of `fn` (triton.testing.do_bench, event-timed)."""
-    import triton
-
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-
-
-L2_DEFEAT_BYTES = 512 << 20  # several times the H200's L2, so replays read HBM
-
-
-def graph_ms(fn, rep: int = 100) -> float:
-    """Median ms of `fn` replayed from a CUDA graph: the kernels alone, without the Python launch
-    cost that hides them at decode sizes (the engine's decode step is graph-shaped too).
-    `fn` may be a list of calls on different buffers (see `copies`); the time is per call."""
-    import triton
-
-    fns = fn if isinstance(fn, list) else [fn]
-    for f in fns:
-        f()  # build host-side caches (metadata tensors) before capture
-    torch.cuda.synchronize()
-    ms = triton.testing.do_bench_cudagraph(lambda: [f() for f in fns], rep=rep,
-                                           return_mode="median")
-    return ms / len(fns)
-
-
-def copies(bytes_per_call: int) -> int:
-    """Calls on distinct buffers per timed replay, so the data of one call is out of L2 by the
-    time it comes round again (34 layers each have their own state in the model)."""
-    return max(1, min(64, -(-L2_DEFEAT_BYTES // max(bytes_per_call, 1))))
-
-
-def rotated(t: torch.Tensor) -> list[torch.Tensor]:
-    """`t` and enough clones of it that replays cycling through them read HBM, not L2."""
-    return [t] + [t.clone() for _ in range(copies(t.numel() * t.element_size()) - 1)]
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second (GB/s)."""
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src), warmup=5, rep=50)
-    return 2 * (2 << 30) / ms / 1e6
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def table(header: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def _kda_inputs(num_tokens: int, num_seqs: int = 1):
@@ -152,11 +103,8 @@ def _kda_prefill_row(n: int, chunk_kda) -> list:
 
 def sweep_kda(sizes: list[int]) -> None:
     """Launch-shape sweep of the two prefill kernels (printed only)."""
-    from glmflash.kernels.kda import triton_impl as ti
-
     for n in sizes:
-        with restoring(ti, "PREP_WARPS", "PREP_BKC", "STATE_BV", "STATE_WARPS"):
-            _sweep_kda_size(n)
+        _sweep_kda_size(n)
         torch.cuda.empty_cache()
 
 
@@ -169,43 +117,29 @@ def _sweep_kda_size(n: int) -> None:
     out = torch.empty_like(q)
     strides = (q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0))
     for warps, bkc in ((4, 16), (8, 16), (8, 32)):
-        ti.PREP_WARPS, ti.PREP_BKC = warps, bkc
-        ms = bench_ms(lambda: ti._launch_prep(q, k, v, g, beta, buf, plan, D ** -0.5, strides))
+        config = ti.KdaConfig(prep_warps=warps, prep_key_block=bkc)
+        ms = bench_ms(lambda c=config: ti._launch_prep(q, k, v, g, beta, buf, plan, D ** -0.5,
+                                                       strides, c))
         print(f"sweep n={n} prep warps={warps} bkc={bkc}: {ms:.3f} ms", flush=True)
     for bv in (32, 64):
         for warps in (4, 8):
-            ti.STATE_BV, ti.STATE_WARPS = bv, warps
-            ms = bench_ms(lambda: ti._launch_state(state, out, buf, plan))
+            config = ti.KdaConfig(state_value_block=bv, state_warps=warps)
+            ms = bench_ms(lambda c=config: ti._launch_state(state, out, buf, plan, c))
             print(f"sweep n={n} state BV={bv} warps={warps}: {ms:.3f} ms", flush=True)
 
 
-def pick_kda_products(sizes: list[int]) -> tuple[str, str]:
-    """Accuracy and prep time of the prep kernel's variants against the fp32 reference on the
-    GPU; returns the fastest accurate one and a table of what was measured."""
-    from glmflash.kernels.kda import triton_impl as ti
-
-    rows, best = [], None
-    # Tensor-core inverses are wrong ("bf16") or fault ("tf32") on Triton 3.6: FMA inverses only.
-    for variant in ("bf16-rows", "bf16-accum"):
-        ti.PREP_PRODUCTS = variant
-        ok, total = True, 0.0
-        for n in sizes:
-            err_o, err_s, ms = _check_kda_products(n)
-            ok, total = ok and err_o < 2e-2 and err_s < 2e-2, total + ms
-            rows.append([variant, n, f"{err_o:.1e}", f"{err_s:.1e}", f"{ms:.3f}"])
-            print(rows[-1], flush=True)
-            torch.cuda.empty_cache()
-        if ok and (best is None or total < best[0]):
-            best = (total, variant)
-    chosen = best[1] if best else None
-    ti.PREP_PRODUCTS = chosen or "ieee"
-    return ti.PREP_PRODUCTS, table(["prep products", "tokens", "rel err o", "rel err state",
-                                    "prep ms"], rows)
+def check_kda_accuracy(sizes: list[int]) -> str:
+    """Relative errors of the prefill's output and state against the fp32 reference on the
+    GPU, and the prep kernel's time."""
+    rows = []
+    for n in sizes:
+        rows.append([n, *_check_kda(n)])
+        print(rows[-1], flush=True)
+        torch.cuda.empty_cache()
+    return table(["tokens", "rel err o", "rel err state", "prep ms"], rows)
 
 
-def _check_kda_products(n: int) -> tuple[float, float, float]:
-    """Relative errors of o and of the state against the fp32 reference, and the prep kernel's
-    ms, under the current `PREP_PRODUCTS`."""
+def _check_kda(n: int) -> list[str]:
     from glmflash.kernels.kda import kda_ref
     from glmflash.kernels.kda import triton_impl as ti
 
@@ -217,7 +151,7 @@ def _check_kda_products(n: int) -> tuple[float, float, float]:
         q, k, v, g, beta, ti._prefill_buffers(q, v, n // 64),
         ti._plan((0, n), (0,), (False,), q.device), D ** -0.5,
         (q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0))))
-    return rel(got.float(), want.float()), rel(s_got, s_ref), ms
+    return [f"{rel(got.float(), want.float()):.1e}", f"{rel(s_got, s_ref):.1e}", f"{ms:.3f}"]
 
 
 def bench_kda_decode(batches: list[int], copy_gbs: float) -> str:
@@ -295,38 +229,46 @@ def _sparse_mla_row(b: int, context: int, copy_gbs: float) -> list:
             f"{ref_ms * 1e3:.0f}", f"{err:.1e}"]
 
 
-def bench_indexer(batches: list[int], contexts: list[int], copy_gbs: float) -> str:
+INDEXER_SHAPES = [(131072, 1), (1048576, 32)]  # (context tokens, decoding sequences)
+
+
+def bench_indexer(shapes: list[tuple[int, int]], copy_gbs: float) -> str:
     rows = []
-    for ctx_len in contexts:
-        for b in batches:
-            row = _indexer_row(ctx_len, b)
-            rows.append(row)
-            print(row, flush=True)
-    return table(["context", "queries", "triton us", "of which torch.topk us",
-                  "scoring GB/s (pool keys)", "torch ref us", "same set as ref"], rows)
+    for ctx_len, b in shapes:
+        rows.append(_indexer_row(ctx_len, b, copy_gbs))
+        print(rows[-1], flush=True)
+        torch.cuda.empty_cache()
+    return table(["context", "queries", "select us (goal 40 / 400)", "radix top-k us",
+                  "torch.topk us", "pool-key read at copy BW us", "torch ref us",
+                  "same set as ref"], rows)
 
 
-def _indexer_row(ctx_len: int, b: int) -> list:
-    from glmflash.kernels.indexer import indexer_select_ref
+def _indexer_row(ctx_len: int, b: int, copy_gbs: float) -> list:
+    """Decodes of `b` sequences of `ctx_len` tokens each, as a CUDA graph runs them."""
+    from glmflash.kernels.indexer import decode_select_plan, indexer_select_ref
     from glmflash.kernels.indexer import triton_impl as ti
+    from glmflash.kernels.indexer.topk_triton import topk_indices
 
-    heads, dim, kpool, topk = 32, 128, 4, 2048
+    heads, dim, kpool, topk, page = 32, 128, 4, 2048, 64
     pools = ctx_len // kpool
     pool_keys = torch.randn(b * pools, dim, device="cuda").bfloat16()
-    ctx = torch.arange(b * ctx_len, device="cuda")
-    cu_ctx = [i * ctx_len for i in range(b + 1)]
-    cu, prefix = list(range(b + 1)), [ctx_len - 1] * b
+    table_ = torch.arange(b * ctx_len // page, device="cuda", dtype=torch.int32).view(b, -1)
+    rows = torch.arange(b, device="cuda")
+    positions = torch.full((b,), ctx_len - 1, device="cuda")
+    plan = decode_select_plan(rows, positions, kpool, pools)
     q = torch.randn(b, heads, dim, device="cuda").bfloat16()
     w = torch.randn(b, heads, device="cuda") * heads ** -0.5
-    args = (q, w, pool_keys, ctx, cu_ctx, cu, prefix)
-    kw = dict(topk=topk, kpool=kpool, select_tail=True)
-    ms = bench_ms(lambda: ti.indexer_select(*args, **kw), rep=100)
+    args = (q, w, pool_keys, table_, plan)
+    kw = dict(page_size=page, topk=topk, kpool=kpool, select_tail=True)
+    ms = graph_ms(lambda: ti.indexer_select(*args, **kw))
     scores = torch.randn(b, pools, device="cuda")
-    topk_ms = bench_ms(lambda: scores.topk(topk // kpool, dim=1), rep=100)
-    moved = b * pools * dim * 2
-    row = [ctx_len, b, f"{ms * 1e3:.0f}", f"{topk_ms * 1e3:.0f}",
-           f"{moved / (ms - topk_ms) / 1e6:.0f}" if ms > topk_ms else "-"]
-    if b == 1 and ctx_len <= 131072:
+    lengths = torch.full((b,), pools, dtype=torch.int32, device="cuda")
+    radix_ms = graph_ms(lambda: topk_indices(scores, lengths, topk // kpool))
+    torch_ms = graph_ms(lambda: scores.topk(topk // kpool, dim=1))
+    floor_ms = pool_keys.numel() * 2 / copy_gbs / 1e6
+    row = [ctx_len, b, f"{ms * 1e3:.0f}", f"{radix_ms * 1e3:.0f}", f"{torch_ms * 1e3:.0f}",
+           f"{floor_ms * 1e3:.0f}"]
+    if b * ctx_len <= 131072:
         ref_ms = bench_ms(lambda: indexer_select_ref(*args, **kw), rep=50)
         same = torch.equal(ti.indexer_select(*args, **kw).sort(1).values,
                            indexer_select_ref(*args, **kw).sort(1).values)
@@ -417,17 +359,17 @@ def main() -> None:
              f"timed, slot sets rotated past L2 (bench/kernels.py; copy {copy_gbs:.0f} GB/s)",
              bench_sparse_mla([1, 8, 32], 131072, copy_gbs))
     if "indexer" in ops:
-        emit("Indexer select, 32 heads x 128, kpool 4, top-2048 (bench/kernels.py)",
-             bench_indexer([1, 8, 32], [131072, 1048576], copy_gbs))
+        emit(f"Indexer select (decode), 32 heads x 128, kpool 4, top-2048, CUDA-graph timed "
+             f"(bench/kernels.py; copy {copy_gbs:.0f} GB/s)",
+             bench_indexer(INDEXER_SHAPES, copy_gbs))
     if "kda" in ops:
-        products, checks = pick_kda_products([4096] if args.quick else [4096, 32768])
-        emit("KDA prefill: accuracy of the prep product variants vs the fp32 reference "
-             "(bench/kernels.py)", checks)
+        emit("KDA prefill: accuracy vs the fp32 reference (bench/kernels.py)",
+             check_kda_accuracy([4096] if args.quick else [4096, 32768]))
         if args.sweep:
             sweep_kda([32768, 131072])
         sizes = [4096, 32768] if args.quick else [4096, 32768, 131072]
-        emit(f"KDA prefill, 64 heads x 128, bf16, one sequence, prep products {products} "
-             f"(bench/kernels.py)", bench_kda_prefill(sizes))
+        emit("KDA prefill, 64 heads x 128, bf16, one sequence (bench/kernels.py)",
+             bench_kda_prefill(sizes))
     if "kda_decode" in ops:
         emit(f"KDA decode step, 64 heads x 128, CUDA-graph timed, states rotated past L2 "
              f"(bench/kernels.py; copy {copy_gbs:.0f} GB/s)",

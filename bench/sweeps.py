@@ -17,24 +17,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import restoring  # noqa: E402
-from bench.kernels import (  # noqa: E402
-    FP8_SHAPES,
-    D,
-    _kda_inputs,
-    copies,
-    graph_ms,
-    rel,
-    rotated,
-)
+from bench.common import copies, graph_ms, rel, restoring, rotated  # noqa: E402
+from bench.kernels import FP8_SHAPES, D, _kda_inputs  # noqa: E402
 
 
 def sweep_kda_decode() -> None:
-    from glmflash.kernels.kda import triton_impl as ti
-
-    with restoring(ti, "DECODE_NARROW", "DECODE_WIDE"):
-        for b in (1, 8, 32):
-            _sweep_kda_decode_batch(b)
+    for b in (1, 8, 32):
+        _sweep_kda_decode_batch(b)
 
 
 def _sweep_kda_decode_batch(b: int) -> None:
@@ -44,8 +33,9 @@ def _sweep_kda_decode_batch(b: int) -> None:
     cu, slots, fresh = list(range(b + 1)), list(range(b)), [False] * b
     moved = 2 * state.numel() * 4
     for bv, warps in itertools.product((8, 16, 32, 64), (1, 2, 4)):
-        ti.DECODE_NARROW = ti.DECODE_WIDE = (bv, warps)
-        ms = graph_ms(lambda: ti.kda(q, k, v, g, beta, state, cu, slots, fresh))
+        config = ti.KdaConfig(decode_narrow=(bv, warps), decode_wide=(bv, warps))
+        ms = graph_ms(lambda c=config: ti.kda(q, k, v, g, beta, state, cu, slots, fresh,
+                                              config=c))
         print(f"kda decode b={b} BV={bv} warps={warps}: {ms * 1e3:.1f} us "
               f"{moved / ms / 1e6:.0f} GB/s", flush=True)
 
@@ -53,9 +43,8 @@ def _sweep_kda_decode_batch(b: int) -> None:
 def sweep_sparse_mla() -> None:
     from glmflash.kernels.sparse_mla import triton_impl as ti
 
-    with restoring(ti, "NARROW", "WIDE"):
-        for b in (1, 32, 4096):
-            _sweep_sparse_mla_batch(b)
+    for b in (1, 32, 4096):
+        _sweep_sparse_mla_batch(b)
     ti._FITTED.clear()  # fits found for the swept configurations
 
 
@@ -76,11 +65,12 @@ def _sweep_sparse_mla_batch(b: int) -> None:
     slots = slot_sets[0]
     want = sparse_mla_ref(q.float(), latent.float(), slots, scale=1 / 16)
     for bv, bn, stages in itertools.product((128, 256, 512), (16, 32, 64), (1, 2, 3)):
-        ti.NARROW = ti.WIDE = ((bv, bn, stages),)
-        ti._FITTED.clear()
+        shape = ((bv, bn, stages),)
+        config = ti.SparseMlaConfig(narrow=shape, wide=shape)
         try:
-            err = rel(ti.sparse_mla(q, latent, slots, scale=1 / 16).float(), want)
-            ms = graph_ms([lambda s=s: ti.sparse_mla(q, latent, s, scale=1 / 16)
+            err = rel(ti.sparse_mla(q, latent, slots, scale=1 / 16, config=config).float(), want)
+            ms = graph_ms([lambda s=s, c=config: ti.sparse_mla(q, latent, s, scale=1 / 16,
+                                                               config=c)
                            for s in slot_sets])
         except Exception as e:  # noqa: BLE001 - a shape that does not fit is a result too
             print(f"sparse mla b={b} BRV={bv} BN={bn} stages={stages}: {type(e).__name__}",

@@ -23,7 +23,6 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -32,6 +31,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from glmflash.kernels.fp8_gemm import triton_impl as fp8  # noqa: E402
 from glmflash.kernels.fused_moe import triton_impl as moe  # noqa: E402
 from glmflash.kernels.hyper import triton_impl as hyper  # noqa: E402
+from glmflash.kernels.indexer import topk_triton as indexer_topk  # noqa: E402
 from glmflash.kernels.indexer import triton_impl as indexer  # noqa: E402
 from glmflash.kernels.kda import triton_impl as kda  # noqa: E402
 from glmflash.kernels.sparse_mla import triton_impl as mla  # noqa: E402
@@ -98,11 +98,12 @@ def sparse_mla_launches() -> list[Launch]:
     ptrs = {"q": "*bf16", "latent": "*bf16", "slots": "*i64", "o": "*bf16", "part_o": "*bf16",
             "part_ml": "*fp32"}
     out = []
-    for regime, configs in (("narrow", mla.NARROW), ("wide", mla.WIDE)):
+    config = mla.DEFAULT_CONFIG
+    for regime, configs in (("narrow", config.narrow), ("wide", config.wide)):
         for value_block, bn, stages in configs:
             one_piece = value_block == 512
             consts = dict(NUM_SPLITS=2, HEAD_BLOCKS=1, BH=64, BR=512,
-                          BRC=512 if one_piece else mla.SCORE_BLOCK, BRV=value_block, BN=bn,
+                          BRC=512 if one_piece else config.score_block, BRV=value_block, BN=bn,
                           ONE_PIECE=one_piece, DOT=tl.bfloat16, PREC="tf32")
             warps = 8 if 64 * value_block >= 64 * 256 else 4
             name = f"sparse_mla {regime} {value_block}/{bn}/{stages or 'default'}"
@@ -114,24 +115,24 @@ def sparse_mla_launches() -> list[Launch]:
 def kda_launches(with_prep: bool) -> list[Launch]:
     ptrs = dict.fromkeys(("q", "k", "v", "o"), "*bf16")
     ptrs.update(g="*fp32", beta="*bf16", state="*fp32", meta="*i32")
+    config = kda.DEFAULT_CONFIG
     out = [Launch(f"kda decode BV{bv}", kda.kda_decode_kernel, ptrs,
                   dict(H=64, K=128, V=128, BK=128, BV=bv), warps)
-           for bv, warps in (kda.DECODE_NARROW, kda.DECODE_WIDE)]
+           for bv, warps in (config.decode_narrow, config.decode_wide)]
     walk = dict.fromkeys(("w", "u", "qg", "kd", "aqk", "o"), "*bf16")
     walk.update(gl="*fp32", state="*fp32", meta="*i32")
     out.append(Launch("kda state walk", kda.kda_chunk_state_kernel, walk,
-                      dict(H=64, K=128, V=128, BK=128, BV=kda.STATE_BV, PREC="tf32",
-                           DOT=tl.bfloat16), kda.STATE_WARPS))
+                      dict(H=64, K=128, V=128, BK=128, BV=config.state_value_block,
+                           PREC="tf32", DOT=tl.bfloat16), config.state_warps))
     if with_prep:
         prep = dict(ptrs, w="*bf16", u="*bf16", qg="*bf16", kd="*bf16", aqk="*bf16", gl="*fp32")
-        out.append(Launch(f"kda prep {kda.PREP_PRODUCTS}", kda.kda_chunk_prep_kernel, prep,
-                          dict(H=64, K=128, V=128, BK=128, BVF=128, BKC=kda.PREP_BKC,
-                               **kda.prep_variant_args(torch.bfloat16), PREC="tf32",
-                               DOT=tl.bfloat16), kda.PREP_WARPS))
+        out.append(Launch("kda prep", kda.kda_chunk_prep_kernel, prep,
+                          dict(H=64, K=128, V=128, BK=128, BVF=128, BKC=config.prep_key_block,
+                               PREC="tf32", DOT=tl.bfloat16), config.prep_warps))
     conv = {"x": "*bf16", "weight": "*fp32", "conv_state": "*bf16", "out": "*bf16",
             "meta": "*i32"}
     out.append(Launch("causal conv1d", kda.causal_conv1d_kernel, conv,
-                      dict(HIST=3, HP=4, BT=kda.CONV_TOKENS, BC=128, WRITE_STATE=True), 4,
+                      dict(HIST=3, HP=4, BT=config.conv_tokens, BC=128, WRITE_STATE=True), 4,
                       aligned=("C",)))
     return out
 
@@ -181,11 +182,23 @@ def fused_moe_launches() -> list[Launch]:
 
 
 def indexer_launches() -> list[Launch]:
+    """Scoring and the radix top-k (every pass) at their default launch shapes."""
     ptrs = {"q": "*bf16", "weights": "*fp32", "pool_keys": "*bf16", "page_table": "*i32",
-            "rows": "*i64", "positions": "*i64", "num_pools": "*i64", "scores": "*fp32"}
-    return [Launch("indexer score", indexer.indexer_score_kernel, ptrs,
-                   dict(KPOOL=4, PAGE=64, BHQ=32, BD=128, BP=indexer.BLOCK_P, DOT=tl.bfloat16,
-                        PREC="tf32"), 4, aligned=("NH", "D"))]
+            "rows": "*i64", "positions": "*i64", "num_pools": "*i64", "scores": "*fp32",
+            "lengths": "*i32"}
+    out = [Launch("indexer score", indexer.indexer_score_kernel, ptrs,
+                  dict(KPOOL=4, PAGE=64, BHQ=32, BD=128, BP=indexer.BLOCK_P, DOT=tl.bfloat16,
+                       PREC="tf32"), 4, aligned=("NH", "D"))]
+    topk = {"scores": "*fp32", "lengths": "*i32", "hist": "*i32", "counts": "*i32",
+            "out": "*i32"}
+    config = indexer_topk.DEFAULT_CONFIG
+    consts = dict(BLOCK=config.block)
+    out += [Launch(f"indexer top-k histogram pass {p}", indexer_topk.topk_histogram_kernel, topk,
+                   dict(consts, PASS=p), config.num_warps) for p in range(4)]
+    out += [Launch(f"indexer top-k {name}", kernel, topk, consts, config.num_warps)
+            for name, kernel in (("count", indexer_topk.topk_count_kernel),
+                                 ("write", indexer_topk.topk_write_kernel))]
+    return out
 
 
 def hyper_launches() -> list[Launch]:

@@ -1,5 +1,6 @@
-"""What the Triton launchers share: the jit wrapper, interpreter detection, the device's SM
-count, and per-device arrival counters for launches whose last program finishes the work."""
+"""What the Triton launchers share: the jit wrapper, module constants kernels read, interpreter
+detection, the operand type and precision of products, the device's SM count, and per-device
+arrival counters for launches whose last program finishes the work."""
 
 from __future__ import annotations
 
@@ -28,9 +29,28 @@ def jit(fn=None, *, do_not_specialize: tuple[str, ...] = ()):
     return triton.jit(fn)
 
 
+def constexpr(value):
+    """A module constant that kernels may read (`tl.constexpr`; the plain value without triton)."""
+    return value if triton is None else triton.language.constexpr(value)
+
+
 def interpreting() -> bool:
     """Running under TRITON_INTERPRET (numpy on the CPU)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def dot_operand_type(dtype: torch.dtype):
+    """Operand type of `tl.dot` for tensors of `dtype`: the 16-bit model type, fp32 for fp32
+    models and under the interpreter (whose tl.dot multiplies bf16 bit patterns as integers)."""
+    if dtype == torch.float32 or interpreting():
+        return triton.language.float32
+    return triton.language.float16 if dtype == torch.float16 else triton.language.bfloat16
+
+
+def product_precision(dtype: torch.dtype) -> str:
+    """`input_precision` of `tl.dot` for tensors of `dtype`: fp32 models keep fp32 products
+    (TF32 would cost ~1e-3), 16-bit models round as their operands do."""
+    return "ieee" if dtype == torch.float32 or interpreting() else "tf32"
 
 
 def num_sms(device: torch.device) -> int:

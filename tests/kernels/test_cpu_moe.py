@@ -120,24 +120,24 @@ def test_every_e4m3_code_decodes(decode, seeded):
 
 
 def test_decode_choice(monkeypatch, seeded):
-    from glmflash.kernels.cpu_moe import numba_impl
+    from glmflash.kernels.cpu_moe import decode_choice
 
     monkeypatch.setenv("GLMFLASH_CPU_MOE_DECODE", "FP16")
-    assert numba_impl.default_decode() == "fp16"
+    assert decode_choice.default_decode() == "fp16"
     monkeypatch.delenv("GLMFLASH_CPU_MOE_DECODE")
     checkpoint_like = make_experts(4, 256, 128, seeded)[0]
     uniform_codes = make_experts(4, 256, 128, seeded, raw_bytes=True)[0]
     # uniformly random bytes: 14 of 256 codes are subnormal (exponent 0, mantissa 1..7)
-    assert abs(numba_impl.subnormal_share(uniform_codes) - 14 / 256) < 0.01
-    assert numba_impl.subnormal_share(checkpoint_like) < numba_impl.SUBNORMAL_FP16_SHARE
+    assert abs(decode_choice.subnormal_share(uniform_codes) - 14 / 256) < 0.01
+    assert decode_choice.subnormal_share(checkpoint_like) < decode_choice.SUBNORMAL_FP16_SHARE
     for intel in (False, True):
-        monkeypatch.setattr(numba_impl, "_is_intel", lambda intel=intel: intel)
-        assert numba_impl.default_decode(checkpoint_like) == "fp32-bits"
-        assert numba_impl.default_decode(uniform_codes) == ("fp16" if intel else "fp32-bits")
+        monkeypatch.setattr(decode_choice, "is_intel", lambda intel=intel: intel)
+        assert decode_choice.default_decode(checkpoint_like) == "fp32-bits"
+        assert decode_choice.default_decode(uniform_codes) == ("fp16" if intel else "fp32-bits")
         assert NumbaMoeExperts(*make_experts(2, 64, 32, seeded, raw_bytes=True),
                                swiglu_limit=1.0).decode_name == ("fp16" if intel else "fp32-bits")
     # the module samples its own weights: few subnormal codes keep the fp32 bits on Intel too
-    monkeypatch.setattr(numba_impl, "_is_intel", lambda: True)
+    monkeypatch.setattr(decode_choice, "is_intel", lambda: True)
     assert NumbaMoeExperts(*make_experts(4, 256, 128, seeded), swiglu_limit=1.0).decode_name \
         == "fp32-bits"
     with pytest.raises(ValueError, match="unknown e4m3 decode 'bf16'"):

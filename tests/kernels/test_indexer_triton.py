@@ -11,7 +11,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from glmflash.kernels.indexer import indexer_select_ref, select_plan  # noqa: E402
+from glmflash.kernels.indexer import (  # noqa: E402
+    decode_select_plan,
+    indexer_select_ref,
+    select_plan,
+)
 from glmflash.kernels.indexer.triton_impl import indexer_select  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -79,6 +83,45 @@ def test_indexer_select_no_tail_kpool16():
 
 def test_indexer_select_bf16():
     _check([20, 1], [10, 90], dtype=torch.bfloat16)
+
+
+def _decode_check(prefix, max_pools, **kw):
+    """Decodes scored at a fixed width `max_pools` (as a CUDA graph captures them) against the
+    reference at the same width."""
+    (q, w, pk, table), plan = _batch([1] * len(prefix), prefix, 4, 32, 4, torch.float32)
+    plan = decode_select_plan(plan.rows, plan.positions, 4, max_pools)
+    kw = dict(page_size=PAGE, topk=16, kpool=4, select_tail=True) | kw
+    want = indexer_select_ref(q, w, pk, table, plan, **kw)
+    got = indexer_select(q, w, pk, table, plan, **kw)
+    assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
+
+
+def test_indexer_select_decode_width_beyond_every_row():
+    # 1, 25 and 4 complete pools scored at the width of the longest page-table row (28 pools).
+    _decode_check([3, 100, 17], 28)
+
+
+@pytest.mark.gpu
+def test_indexer_select_graph_replay_gpu():
+    """Captured once at a wide width; replayed after the positions (on the device) move."""
+    (q, w, pk, table), plan = _batch([1, 1, 1], [6000, 2100, 5000], 32, 128, 4, torch.float32)
+    rows, positions = plan.rows, plan.positions.clone()
+    kw = dict(page_size=PAGE, topk=2048, kpool=4, select_tail=True)
+
+    def select():
+        return indexer_select(q, w, pk, table, decode_select_plan(rows, positions, 4, 1500),
+                              **kw)
+
+    select()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = select()
+    for new in ([5000, 100, 4096], [6000, 2100, 5000], [0, 2, 3]):
+        positions.copy_(torch.tensor(new))
+        graph.replay()
+        want = indexer_select_ref(q, w, pk, table, decode_select_plan(rows, positions, 4, 1500),
+                                  **kw)
+        assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
 
 
 @pytest.mark.gpu

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from glmflash.kernels.sparse_mla import sparse_mla_ref, triton_impl  # noqa: E402
-from glmflash.kernels.sparse_mla.triton_impl import sparse_mla  # noqa: E402
+from glmflash.kernels.sparse_mla.triton_impl import SparseMlaConfig, sparse_mla  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32: summation order only (measured 4e-7 at |out| ~ 1).
@@ -66,24 +66,23 @@ def test_block_sizes_fall_back_when_shared_memory_is_short(monkeypatch, nan_empt
     real_launch, tried = triton_impl._launch, []
 
     def launch(*args):
-        tried.append(args[-3:])
-        if args[-3] == 128:  # pretend 128 output columns need too much shared memory
+        tried.append(args[-2])
+        if args[-2][0] == 128:  # pretend 128 output columns need too much shared memory
             raise triton.runtime.errors.OutOfResources(120_000, 101_376, "shared memory")
         return real_launch(*args)
 
     monkeypatch.setattr(triton_impl, "_launch", launch)
     monkeypatch.setattr(triton_impl, "_FITTED", {})
-    monkeypatch.setattr(triton_impl, "NARROW", ((128, 64, None), (64, 32, 1)))
+    config = SparseMlaConfig(narrow=((128, 64, None), (64, 32, 1)))
     q, latent, slots = _case(3, 4, 160, 80, 70, torch.float32)
     want = sparse_mla_ref(q, latent, slots, scale=0.1)
     for _ in range(2):
-        got = sparse_mla(q, latent, slots, scale=0.1)
+        got = sparse_mla(q, latent, slots, scale=0.1, config=config)
         assert (got - want).abs().max().item() < FP32_ATOL
     assert tried == [(128, 64, None), (64, 32, 1), (64, 32, 1)]
-    monkeypatch.setattr(triton_impl, "NARROW", ((128, 64, None),))
     triton_impl._FITTED.clear()
     with pytest.raises(triton.runtime.errors.OutOfResources):
-        sparse_mla(q, latent, slots, scale=0.1)
+        sparse_mla(q, latent, slots, scale=0.1, config=SparseMlaConfig(narrow=((128, 64, None),)))
 
 
 @pytest.mark.gpu

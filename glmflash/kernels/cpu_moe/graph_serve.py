@@ -4,7 +4,7 @@ A captured graph cannot run Python. Per MoE layer it holds a host node (`cuLaunc
 whose function, `hand_off_address()`, is a Numba `cfunc` that takes no GIL: it writes the layer
 and row count into a control block, bumps the request count and waits until the serving loop
 has finished that request. The serving loop, `serve_experts_nb`, runs without the GIL on a
-thread of its own: it waits for requests, runs the grouped CPU kernels of `numba_impl` over the
+thread of its own: it waits for requests, runs the grouped CPU kernels of `numba_kernels` over the
 request's rows (pairs with a negative expert id are skipped) and publishes completion. Inputs and
 output live in host buffers that the graph fills and reads with copies around the host node.
 
@@ -26,7 +26,7 @@ from numba.core import cgutils
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
-from glmflash.kernels.cpu_moe.numba_impl import _down_nb, _gate_up_nb, _group_nb
+from glmflash.kernels.cpu_moe.numba_kernels import _down_nb, _gate_up_nb, _group_nb
 
 logger = logging.getLogger(__name__)
 

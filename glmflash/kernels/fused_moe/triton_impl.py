@@ -22,7 +22,7 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
-from glmflash.kernels.triton_utils import interpreting, jit
+from glmflash.kernels.triton_utils import dot_operand_type, jit, product_precision
 
 
 @dataclass(frozen=True)
@@ -227,9 +227,7 @@ def _check(x, ids, weights, w_gate, s_gate, w_up, s_up, w_down, s_down, block: i
 def _dot_type(x: torch.Tensor) -> tuple[object, str]:
     """Operand type and precision of the products: fp32 (exact products) for fp32 x and in the
     interpreter, else x's 16-bit type."""
-    if x.dtype == torch.float32 or interpreting():
-        return tl.float32, "ieee"
-    return (tl.float16 if x.dtype == torch.float16 else tl.bfloat16), "tf32"
+    return dot_operand_type(x.dtype), product_precision(x.dtype)
 
 
 def _weight_args(w: torch.Tensor, s: torch.Tensor | None) -> tuple:

@@ -1,10 +1,12 @@
 """Triton DSA indexer selection: pooled-key scores, top-k pools, expansion to token slots.
 
-`indexer_select` = a scoring kernel (per query: relu per head, weighted sum over heads, causal
-pool mask) + torch.topk over the pools + an expansion kernel (pool ordinals -> slots of their
-tokens, then the query's incomplete pool). Pools and tokens are found through the page table;
-the per-query plan (row, position, complete pools) comes from `ref.select_plan`. Ties may
-order differently from the reference.
+`indexer_select` = a scoring kernel (per query: relu per head, weighted sum over heads, over the
+query's candidate pools only) + the radix top-k of topk_triton.py over each query's candidates
++ an expansion kernel (pool ordinals -> slots of their tokens, then the query's incomplete
+pool). Pools and tokens are found through the page table; the per-query plan (row, position,
+complete pools) comes from `ref.select_plan` or `ref.decode_select_plan`. Each query's number of
+candidates stays on the device, so a CUDA graph captured at a wide `max_pools` pays only for
+the pools that exist. Ties may choose and order differently from the reference.
 `indexer_write` stays the reference (a few rows per sequence).
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from glmflash.kernels.indexer.ref import SelectPlan, indexer_write_ref
+from glmflash.kernels.indexer.topk_triton import DEFAULT_CONFIG, TopkConfig, topk_indices
 
 try:
     import triton
@@ -20,7 +23,7 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
-from glmflash.kernels.triton_utils import interpreting, jit
+from glmflash.kernels.triton_utils import dot_operand_type, jit, product_precision
 
 # Pools per scoring program, and the most score elements materialised at once (fp32).
 BLOCK_P = 64
@@ -36,20 +39,23 @@ def _slot_of(page_table, row, pos, stride_pt, PAGE: tl.constexpr, mask):
 
 @jit(do_not_specialize=("t_begin", "stride_st"))
 def indexer_score_kernel(q, weights, pool_keys, page_table, rows, positions, num_pools, scores,
-                         t_begin, scale, stride_qt, stride_qh, stride_wt, stride_pk, stride_pt,
-                         stride_st, NH, D, KPOOL: tl.constexpr, PAGE: tl.constexpr,
+                         lengths, t_begin, scale, stride_qt, stride_qh, stride_wt, stride_pk,
+                         stride_pt, stride_st, NH, D, KPOOL: tl.constexpr, PAGE: tl.constexpr,
                          BHQ: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr,
                          DOT: tl.constexpr, PREC: tl.constexpr):
-    """scores[t, p] = sum_h w[t, h] relu(q[t, h] . K_p * scale) for candidate pools p (complete
-    and ending at or before t's position), -inf otherwise."""
+    """scores[t, p] = sum_h w[t, h] relu(q[t, h] . K_p * scale) for t's candidate pools
+    p < lengths[t] (complete and ending at or before t's position); nothing is written past a
+    row's candidates (the top-k reads only them)."""
     i_t = tl.program_id(0) + t_begin
     i_p = tl.program_id(1)
     row = tl.load(rows + i_t)
     pos = tl.load(positions + i_t)
-    o_p = i_p * BP + tl.arange(0, BP)
-    is_cand = (o_p < tl.load(num_pools + i_t)) & ((o_p + 1) * KPOOL - 1 <= pos)
-    b_out = tl.full([BP], float("-inf"), dtype=tl.float32)
-    if i_p * BP * KPOOL <= pos:
+    length = tl.minimum(tl.load(num_pools + i_t), (pos + 1) // KPOOL).to(tl.int32)
+    if i_p == 0:
+        tl.store(lengths + i_t - t_begin, length)
+    if i_p * BP < length:
+        o_p = i_p * BP + tl.arange(0, BP)
+        is_cand = o_p < length
         o_h = tl.arange(0, BHQ)
         o_d = tl.arange(0, BD)
         m_h, m_d = o_h < NH, o_d < D
@@ -62,9 +68,8 @@ def indexer_score_kernel(q, weights, pool_keys, page_table, rows, positions, num
         b_k = tl.load(p_k, mask=is_cand[:, None] & m_d[None, :], other=0.0).to(DOT)  # [BP, BD]
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale  # [BHQ, BP]
         b_s = tl.sum(tl.maximum(b_s, 0.0) * b_w[:, None], 0)
-        b_out = tl.where(is_cand, b_s, b_out)
-    p_s = scores + (i_t - t_begin).to(tl.int64) * stride_st + o_p
-    tl.store(p_s, b_out, mask=o_p < stride_st)
+        p_s = scores + (i_t - t_begin).to(tl.int64) * stride_st + o_p
+        tl.store(p_s, b_s, mask=is_cand)
 
 
 @jit(do_not_specialize=("t_begin", "num_sel", "stride_pot"))
@@ -93,10 +98,10 @@ def indexer_expand_kernel(pools, page_table, rows, positions, out, t_begin, num_
              mask=o_c < width)
 
 
-
 def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor,
                    page_table: torch.Tensor, plan: SelectPlan, *, page_size: int, topk: int,
-                   kpool: int, select_tail: bool) -> torch.Tensor:
+                   kpool: int, select_tail: bool,
+                   topk_config: TopkConfig = DEFAULT_CONFIG) -> torch.Tensor:
     """Triton `indexer_select_ref`: token slots `[T, topk + kpool - 1]` (or `[T, topk]`), -1
     padded. q `[T, H, D]`, weights `[T, H]` fp32, pool_keys `[N / kpool, D]`."""
     num_tokens, heads, dim = q.shape
@@ -108,24 +113,23 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
     assert page_table.stride(1) == 1 and plan.rows.numel() == num_tokens
     max_pools = plan.max_pools
     num_sel = min(topk // kpool, max_pools)
-    fp32 = q.dtype == torch.float32 or interpreting()
-    dot = tl.float32 if fp32 else (tl.float16 if q.dtype == torch.float16 else tl.bfloat16)
     bhq = max(16, triton.next_power_of_2(heads))
     per_token = (plan.rows, plan.positions)
     rows = max(1, MAX_SCORE_ELEMS // max(max_pools, 1))
     for t0 in range(0, num_tokens, rows):
         n = min(rows, num_tokens - t0)
-        pools = torch.empty(n, 0, dtype=torch.long, device=q.device)
+        pools = torch.empty(n, 0, dtype=torch.int32, device=q.device)
         if num_sel:
             scores = torch.empty(n, max_pools, dtype=torch.float32, device=q.device)
+            lengths = torch.empty(n, dtype=torch.int32, device=q.device)
             indexer_score_kernel[(n, triton.cdiv(max_pools, BLOCK_P))](
-                q, weights, pool_keys, page_table, *per_token, plan.num_pools, scores, t0,
-                dim ** -0.5, q.stride(0), q.stride(1), weights.stride(0), pool_keys.stride(0),
-                page_table.stride(0), scores.stride(0), heads, dim, KPOOL=kpool,
+                q, weights, pool_keys, page_table, *per_token, plan.num_pools, scores, lengths,
+                t0, dim ** -0.5, q.stride(0), q.stride(1), weights.stride(0),
+                pool_keys.stride(0), page_table.stride(0), scores.stride(0), heads, dim,
+                KPOOL=kpool,
                 PAGE=page_size, BHQ=bhq, BD=max(16, triton.next_power_of_2(dim)), BP=BLOCK_P,
-                DOT=dot, PREC="ieee" if fp32 else "tf32", num_warps=4)
-            values, pools = scores.topk(num_sel, dim=1)
-            pools = pools.masked_fill(values == float("-inf"), -1)
+                DOT=dot_operand_type(q.dtype), PREC=product_precision(q.dtype), num_warps=4)
+            pools = topk_indices(scores, lengths, num_sel, config=topk_config)
         indexer_expand_kernel[(n,)](
             pools, page_table, *per_token, out, t0, num_sel, width, page_table.stride(0),
             max(pools.stride(0), 1), out.stride(0), KPOOL=kpool, PAGE=page_size,

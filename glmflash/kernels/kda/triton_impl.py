@@ -7,6 +7,7 @@ int32 tensor per distinct batch and cached, so the 34 KDA layers of a forward sh
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -19,40 +20,36 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
-from glmflash.kernels.triton_utils import interpreting, jit
+from glmflash.kernels.triton_utils import constexpr, dot_operand_type, jit, product_precision
 
 # Chunk length of the prefill kernels (sub-chunks of 16 rows inside).
 CHUNK = 64
 # Rows of a 16-row sub-chunk use exp(G_t - a) * exp(a - G_s) around its mid-decay a; safe while
 # its total decay stays under this (natural log units, factors within e^+-42), else the
 # diagonal block is computed column by column.
-SAFE_SPAN = tl.constexpr(84.0) if triton is not None else 84.0
-# Launch shapes (bench/kernels.py sweeps them).
-# Decode: value columns per program and warps, below / from DECODE_WIDE_BATCH sequences
-# (bench/sweeps.py, CUDA-graph timed on the H200).
-DECODE_NARROW = (32, 2)
-DECODE_WIDE = (64, 4)
-DECODE_WIDE_BATCH = 16
-# bench/kda_parts.py (H200, 4K tokens): prep 2.21 ms at 4 warps against 2.47 at 8, although
-# tools/smem_check.py (sm_90, Triton 3.9) shows 1.2 KB of spills per thread at 4 and 288 B at 8.
-PREP_WARPS = 4
-PREP_BKC = 16
-# Products of the prep kernel, (A products, (I + A)^-1 products) per variant: "ieee" is fp32
-# FMA, "tf32" fp32 operands on tensor cores, "bf16" bf16 operands (fp32 accumulation). NOTE:
-# tensor-core inverses fail on the H200 with Triton 3.6 (bf16: w off by 2.5x; tf32: illegal
-# memory access) although they pass under the interpreter - README.md, "Open problems".
-# "bf16-accum" (tensor-core A, FMA inverse by squaring): 2.47 ms prep at 4K on the H200;
-# "bf16-rows" (FMA inverse by forward substitution, one row at a time in registers): 3.16 ms;
-# both 4.3e-3 from the fp32 reference. fp32 models and the interpreter use fp32 products.
-PREP_VARIANTS = {"ieee": ("ieee", "ieee"), "bf16": ("bf16", "bf16"), "bf16-rows": ("bf16", "rows"),
-                 "bf16-accum": ("bf16", "ieee"), "bf16-inverse": ("ieee", "bf16"),
-                 "bf16-tf32": ("bf16", "tf32"), "tf32": ("tf32", "tf32")}
-PREP_PRODUCTS = "bf16-accum"
-CONV_TOKENS = 32
-STATE_BV = 64
-STATE_WARPS = 4
+SAFE_SPAN = constexpr(84.0)
 
 
+@dataclass(frozen=True)
+class KdaConfig:
+    """Launch shapes of the KDA kernels (README.md, "Launch shapes", says where they come from)."""
+
+    decode_narrow: tuple[int, int] = (32, 2)
+    """Decode (value columns per program, warps) below `decode_wide_batch` sequences."""
+    decode_wide: tuple[int, int] = (64, 4)
+    """Decode (value columns per program, warps) from `decode_wide_batch` sequences."""
+    decode_wide_batch: int = 16
+    prep_warps: int = 4
+    prep_key_block: int = 16
+    """Key columns per step of the prep kernel."""
+    state_value_block: int = 64
+    """Value columns per program of the state walk."""
+    state_warps: int = 4
+    conv_tokens: int = 32
+    """Most tokens per conv block: longer blocks spill (their history pointers are 64-bit)."""
+
+
+DEFAULT_CONFIG = KdaConfig()
 class KdaPlan(NamedTuple):
     """Device metadata of one batch; host counts for the grids."""
 
@@ -61,7 +58,6 @@ class KdaPlan(NamedTuple):
     num_prefill: int
     num_chunks: int
     max_len: int
-
 
 
 @functools.lru_cache(maxsize=16)
@@ -167,39 +163,17 @@ def _diag_fallback(b_aq, b_ak, b_q, b_k, b_G, i, BT: tl.constexpr):
 
 
 @jit
-def _unit_tril_inverse(b_a, PREC: tl.constexpr, ADOT: tl.constexpr, BT: tl.constexpr):
-    """(I + A)^-1 for strictly lower-triangular A [64, 64]: A^64 = 0, so the Neumann series
-    sum (-A)^n equals (I - A)(I + A^2)(I + A^4)...(I + A^32): ten products, no row loop."""
+def _unit_tril_inverse(b_a, BT: tl.constexpr):
+    """(I + A)^-1 for strictly lower-triangular A [64, 64] in fp32 FMA products: A^64 = 0, so
+    the Neumann series sum (-A)^n equals (I - A)(I + A^2)(I + A^4)...(I + A^32): ten products,
+    no row loop."""
     o_t = tl.arange(0, BT)
     eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
     b_p = b_a
     b_t = eye - b_a
     for _ in range(5):
-        b_p = tl.dot(b_p.to(ADOT), b_p.to(ADOT), input_precision=PREC)
-        b_t = tl.dot(b_t.to(ADOT), (eye + b_p).to(ADOT), input_precision=PREC)
-    return b_t
-
-
-@jit
-def _unit_tril_inverse_rows(b_a, BT: tl.constexpr):
-    """(I + A)^-1 for strictly lower-triangular A by forward substitution: row i of the inverse
-    is e_i - A[i, :] T, where only the finished rows j < i of T meet A[i, j] != 0."""
-    o_t = tl.arange(0, BT)
-    b_t = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
-    for i in range(1, BT):
-        b_ti = tl.sum(_row(b_a, o_t, i)[:, None] * b_t, 0)
-        b_t = tl.where(o_t[:, None] == i, b_t - b_ti[None, :], b_t)
-    return b_t
-
-
-@jit
-def _inverse(b_a, PREC_I: tl.constexpr, IDOT: tl.constexpr, INV_ROWS: tl.constexpr,
-             BT: tl.constexpr):
-    """(I + A)^-1 of the prep variant: forward substitution (INV_ROWS) or squaring products."""
-    if INV_ROWS:
-        b_t = _unit_tril_inverse_rows(b_a, BT)
-    else:
-        b_t = _unit_tril_inverse(b_a, PREC_I, IDOT, BT)
+        b_p = tl.dot(b_p, b_p, input_precision="ieee")
+        b_t = tl.dot(b_t, eye + b_p, input_precision="ieee")
     return b_t
 
 
@@ -208,12 +182,11 @@ def kda_chunk_prep_kernel(q, k, v, g, beta, w, u, qg, kd, aqk, gl, meta, scale,
                           stride_q, stride_k, stride_v, stride_g, stride_b,
                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BK: tl.constexpr, BVF: tl.constexpr, BKC: tl.constexpr,
-                          PREC_A: tl.constexpr, ADOT: tl.constexpr, PREC_I: tl.constexpr,
-                          IDOT: tl.constexpr, INV_ROWS: tl.constexpr, PREC: tl.constexpr,
-                          DOT: tl.constexpr):
+                          PREC: tl.constexpr, DOT: tl.constexpr):
     """Intra-chunk part of one (chunk, head) of 64 rows, for the sequential state kernel:
     Aqk, T = (I + diag(beta) Akk)^-1, w = T (beta k exp(G)), u = T (beta v), qg = q exp(G),
-    kd = k exp(G_last - G) and exp(G_last). Derivation and anchoring in README.md."""
+    kd = k exp(G_last - G) and exp(G_last). Derivation and anchoring in README.md. The A
+    products take DOT operands, the inverse fp32 FMA products (README.md, "Open problems")."""
     BT: tl.constexpr = 64
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0 = tl.load(meta + i_c * 3)
@@ -225,8 +198,7 @@ def kda_chunk_prep_kernel(q, k, v, g, beta, w, u, qg, kd, aqk, gl, meta, scale,
     b_ak = tl.zeros([BT, BT], dtype=tl.float32)
     b_sq = tl.zeros([BT], dtype=tl.float32)
     b_sk = tl.zeros([BT], dtype=tl.float32)
-    # NOTE: loops, not unrolled: unrolled, the kernel's code outgrew the instruction cache
-    # (ncu on the H200: half of all stall cycles waiting for instruction fetch).
+    # NOTE: loops, not unrolled: unrolled, the kernel's code outgrows the instruction cache.
     for kb in range(BK // BKC):
         c0 = kb * BKC
         b_g = _load_rows(g + col, t0, t_end, stride_g, c0, K, BKC, BT)
@@ -262,10 +234,10 @@ def kda_chunk_prep_kernel(q, k, v, g, beta, w, u, qg, kd, aqk, gl, meta, scale,
             # decay span allows, its own rows (factor <= e^(SAFE_SPAN / 2)).
             m_col = (blk < i) | ((blk == i) & ((blk * 0.0 + span) <= SAFE_SPAN))
             b_x = tl.where(m_col[:, None], a_i[None, :] - b_G, 0.0)
-            b_ct = tl.trans(tl.where(m_col[:, None], b_k * tl.exp(b_x), 0.0)).to(ADOT)
+            b_ct = tl.trans(tl.where(m_col[:, None], b_k * tl.exp(b_x), 0.0)).to(DOT)
             m_row = (blk == i)[:, None]
-            b_aq = tl.dot(tl.where(m_row, b_rq, 0.0).to(ADOT), b_ct, b_aq, input_precision=PREC_A)
-            b_ak = tl.dot(tl.where(m_row, b_rk, 0.0).to(ADOT), b_ct, b_ak, input_precision=PREC_A)
+            b_aq = tl.dot(tl.where(m_row, b_rq, 0.0).to(DOT), b_ct, b_aq, input_precision=PREC)
+            b_ak = tl.dot(tl.where(m_row, b_rk, 0.0).to(DOT), b_ct, b_ak, input_precision=PREC)
             if span > SAFE_SPAN:
                 b_aq, b_ak = _diag_fallback(b_aq, b_ak, b_q, b_k, b_G, i, BT)
     # l2 norms as row / column scalings (eps inside the root, as the reference).
@@ -279,7 +251,7 @@ def kda_chunk_prep_kernel(q, k, v, g, beta, w, u, qg, kd, aqk, gl, meta, scale,
     _store_rows(aqk + i_h * BT, b_aq, t0, t_end, H * BT, 0, BT, BT, BT)
     strict = o_t[:, None] > o_t[None, :]
     b_a = tl.where(strict, b_ak * (b_b * b_rnk)[:, None] * b_rnk[None, :], 0.0)
-    b_t = _inverse(b_a, PREC_I, IDOT, INV_ROWS, BT).to(DOT)
+    b_t = _unit_tril_inverse(b_a, BT).to(DOT)
     _wy_phase(q, k, v, g, w, u, qg, kd, gl, b_t, b_b, b_rnq, b_rnk, t0, t_end, i_c, i_h,
               stride_q, stride_k, stride_v, stride_g, H, K, V, BK, BVF, BKC, PREC, DOT)
 
@@ -369,39 +341,9 @@ def kda_chunk_state_kernel(w, u, qg, kd, aqk, gl, state, o, meta, stride_o,
     tl.store(p_s, b_s, mask=m_s)
 
 
-
-def _prec(dtype: torch.dtype) -> str:
-    # fp32 models keep fp32 products (TF32 would cost ~1e-3); bf16 models round like fla does.
-    return "ieee" if dtype == torch.float32 or interpreting() else "tf32"
-
-
-def _dot_dtype(dtype: torch.dtype):
-    """Operand type of the big products: the model dtype, fp32 under the interpreter (whose
-    tl.dot multiplies bf16 bit patterns as integers)."""
-    if dtype == torch.float32 or interpreting():
-        return tl.float32
-    return tl.float16 if dtype == torch.float16 else tl.bfloat16
-
-
-def _products(kind: str, dtype: torch.dtype) -> tuple[str, object]:
-    """(input_precision, operand type) of one group of prep products."""
-    if kind in ("ieee", "rows") or dtype == torch.float32 or interpreting():
-        return "ieee", tl.float32
-    if kind == "tf32":
-        return "tf32", tl.float32
-    return _prec(dtype), _dot_dtype(dtype)
-
-
-def prep_variant_args(dtype: torch.dtype) -> dict[str, object]:
-    """The prep kernel's constexprs for `PREP_PRODUCTS` (A products, inverse) at this dtype."""
-    kind_a, kind_i = PREP_VARIANTS[PREP_PRODUCTS]
-    (prec_a, dot_a), (prec_i, dot_i) = _products(kind_a, dtype), _products(kind_i, dtype)
-    return dict(PREC_A=prec_a, ADOT=dot_a, PREC_I=prec_i, IDOT=dot_i, INV_ROWS=kind_i == "rows")
-
-
 def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
         state: torch.Tensor, cu_seqlens: list[int], state_slots: list[int], is_fresh: list[bool],
-        *, chunk_size: int = 64) -> torch.Tensor:
+        *, chunk_size: int = 64, config: KdaConfig = DEFAULT_CONFIG) -> torch.Tensor:
     """Triton `kda_ref`: decode sequences take the fused recurrent kernel, longer ones the
     chunked pair (prep, then the sequential state walk). `chunk_size` is accepted for
     signature parity; the kernels use 64."""
@@ -418,15 +360,16 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     plan = _plan(tuple(cu_seqlens), tuple(state_slots), tuple(bool(f) for f in is_fresh),
                  q.device)
     if plan.num_decode:
-        _launch_decode(q, k, v, g, beta, state, out, plan.meta, plan.num_decode)
+        _launch_decode(q, k, v, g, beta, state, out, plan.meta, plan.num_decode, config)
     if plan.num_prefill:
         strides = (q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0))
-        _prefill(q, k, v, g, beta, state, out, plan, dk ** -0.5, strides)
+        _prefill(q, k, v, g, beta, state, out, plan, dk ** -0.5, strides, config)
     return out
 
 
 def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-               beta: torch.Tensor, state: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+               beta: torch.Tensor, state: torch.Tensor, meta: torch.Tensor, *,
+               config: KdaConfig = DEFAULT_CONFIG) -> torch.Tensor:
     """One token per sequence, rows described on the device: `meta` `[B, 3]` int32 (token row,
     state slot, fresh). Nothing is read on the host, so a CUDA graph can replay it."""
     for t, name in ((q, "q"), (k, "k"), (v, "v"), (g, "g")):
@@ -435,13 +378,15 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     assert meta.dtype == torch.int32 and meta.is_contiguous() and meta.shape[1] == 3
     out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
     if meta.shape[0]:
-        _launch_decode(q, k, v, g, beta, state, out, meta, meta.shape[0])
+        _launch_decode(q, k, v, g, beta, state, out, meta, meta.shape[0], config)
     return out
 
 
-def _launch_decode(q, k, v, g, beta, state, out, meta: torch.Tensor, num_decode: int) -> None:
+def _launch_decode(q, k, v, g, beta, state, out, meta: torch.Tensor, num_decode: int,
+                   config: KdaConfig) -> None:
     heads, dk, dv = q.shape[1], q.shape[2], v.shape[2]
-    bv, warps = DECODE_WIDE if num_decode >= DECODE_WIDE_BATCH else DECODE_NARROW
+    wide = num_decode >= config.decode_wide_batch
+    bv, warps = config.decode_wide if wide else config.decode_narrow
     bv = min(bv, triton.next_power_of_2(dv))
     grid = (num_decode, heads, triton.cdiv(dv, bv))
     kda_decode_kernel[grid](q, k, v, g, beta, state, out, meta, dk ** -0.5, q.stride(0),
@@ -471,32 +416,34 @@ def _prefill_buffers(q: torch.Tensor, v: torch.Tensor, num_chunks: int) -> Prefi
 
 
 def _launch_prep(q, k, v, g, beta, buf: PrefillBuffers, plan: KdaPlan, scale: float,
-                 strides) -> None:
+                 strides, config: KdaConfig = DEFAULT_CONFIG) -> None:
     heads, dk, dv = q.shape[1], q.shape[2], v.shape[2]
     bk, bvf = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
     assert bk >= 16 and bvf >= 16, "head dims below 16 do not fit tl.dot"
     chunk_meta = plan.meta[plan.num_decode * 3 + plan.num_prefill * 5:]
     kda_chunk_prep_kernel[(plan.num_chunks, heads)](
         q, k, v, g, beta, *buf, chunk_meta, scale, *strides, H=heads, K=dk, V=dv, BK=bk,
-        BVF=bvf, BKC=min(PREP_BKC, bk), **prep_variant_args(q.dtype), PREC=_prec(q.dtype),
-        DOT=_dot_dtype(q.dtype), num_warps=PREP_WARPS)
+        BVF=bvf, BKC=min(config.prep_key_block, bk), PREC=product_precision(q.dtype),
+        DOT=dot_operand_type(q.dtype), num_warps=config.prep_warps)
 
 
-def _launch_state(state, out, buf: PrefillBuffers, plan: KdaPlan) -> None:
+def _launch_state(state, out, buf: PrefillBuffers, plan: KdaPlan,
+                  config: KdaConfig = DEFAULT_CONFIG) -> None:
     heads, dk, dv = state.shape[1:]
     bk = triton.next_power_of_2(dk)
-    bv = min(STATE_BV, triton.next_power_of_2(dv))
+    bv = min(config.state_value_block, triton.next_power_of_2(dv))
     seq_meta = plan.meta[plan.num_decode * 3:]
     kda_chunk_state_kernel[(plan.num_prefill, heads, triton.cdiv(dv, bv))](
         buf.w, buf.u, buf.qg, buf.kd, buf.aqk, buf.gl, state, out, seq_meta, out.stride(0),
-        H=heads, K=dk, V=dv, BK=bk, BV=bv, PREC=_prec(out.dtype), DOT=_dot_dtype(out.dtype),
-        num_warps=STATE_WARPS)
+        H=heads, K=dk, V=dv, BK=bk, BV=bv, PREC=product_precision(out.dtype),
+        DOT=dot_operand_type(out.dtype), num_warps=config.state_warps)
 
 
-def _prefill(q, k, v, g, beta, state, out, plan: KdaPlan, scale: float, strides) -> None:
+def _prefill(q, k, v, g, beta, state, out, plan: KdaPlan, scale: float, strides,
+             config: KdaConfig) -> None:
     buf = _prefill_buffers(q, v, plan.num_chunks)
-    _launch_prep(q, k, v, g, beta, buf, plan, scale, strides)
-    _launch_state(state, out, buf, plan)
+    _launch_prep(q, k, v, g, beta, buf, plan, scale, strides, config)
+    _launch_state(state, out, buf, plan, config)
 
 
 @jit
@@ -584,8 +531,8 @@ def _conv_plan(cu_seqlens: tuple[int, ...], state_slots: tuple[int, ...],
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
-                  cu_seqlens: list[int], state_slots: list[int], is_fresh: list[bool]
-                  ) -> torch.Tensor:
+                  cu_seqlens: list[int], state_slots: list[int], is_fresh: list[bool], *,
+                  config: KdaConfig = DEFAULT_CONFIG) -> torch.Tensor:
     """Triton `causal_conv1d_ref`: x `[T, C]`, weight `[C, K]` fp32, conv_state `[S, C, K-1]`."""
     num_tokens, channels = x.shape
     hist = weight.shape[1] - 1
@@ -594,9 +541,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     out = torch.empty(num_tokens, channels, dtype=x.dtype, device=x.device)
     lens = [cu_seqlens[b + 1] - cu_seqlens[b] for b in range(len(state_slots))]
     max_len = max(lens, default=0)
-    # NOTE: at most 32 tokens per block: [64, 128] tiles spill 0.8-1 KB per thread (their history
-    # pointers are 64-bit per element); [32, 128] do not (tools/smem_check.py).
-    block = min(CONV_TOKENS, triton.next_power_of_2(max(max_len, 1)))
+    block = min(config.conv_tokens, triton.next_power_of_2(max(max_len, 1)))
     meta, num_blocks, num_seqs = _conv_plan(tuple(cu_seqlens), tuple(state_slots),
                                             tuple(bool(f) for f in is_fresh), block, x.device)
     if num_seqs == 0:
@@ -632,4 +577,5 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     return out
 
 
-__all__ = ["causal_conv1d", "causal_conv1d_decode", "kda", "kda_decode"]
+__all__ = ["DEFAULT_CONFIG", "KdaConfig", "causal_conv1d", "causal_conv1d_decode", "kda",
+           "kda_decode"]

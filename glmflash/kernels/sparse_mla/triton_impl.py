@@ -9,6 +9,7 @@ over the one latent head) and keeps an fp32 online softmax. With several slot ra
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -18,31 +19,34 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
-from glmflash.kernels.triton_utils import interpreting, jit, num_sms
+from glmflash.kernels.triton_utils import dot_operand_type, jit, num_sms, product_precision
 
 logger = logging.getLogger(__name__)
 
-# Programs per SM the split-slot decode aims for.
-SPLIT_WAVES = 1.0
-# Rank columns per score product, and the (output columns per program, slots per step, software
-# pipeline stages) tried in order below and from WIDE_TOKENS queries; the first that fits the
-# GPU's shared memory is kept. bench/sweeps.py on the H200 (2026-12-01, 128K-token caches, 2051
-# slots): 32 queries 67.9 us at 512/64/2 against 80.9 at 512/32/2 and 115 at 128/64/2
-# (whole-rank blocks do not recompute scores). Narrow blocks give few-token decode more
-# programs: 1 query 11.5 us at 128/64/3 against 12.8 at whole-rank blocks; the sweep's 9.9 at
-# 128/64/1 did not hold in bench/kernels.py, whose slot sets rotate past L2 (1 query 12.4 us,
-# 8 queries 55.7 against 43.7 at 128/64/3), so the default pipeline stays first. ncu at 32
-# queries: one 8-warp block per SM (242 registers, 132 KB shared), 21% of DRAM bandwidth - the
-# gather, the two products and the softmax of a slot step run one after the other.
-# tools/smem_check.py (64 heads x 512, aligned as at run time): the two-stage whole-rank blocks
-# only fit sm_90's 227 KB; sm_89 and sm_120 (99 KB) take the single-stage and 16-slot fallbacks.
-SCORE_BLOCK = 128
-NARROW = ((128, 64, None), (128, 64, 1), (128, 32, 1))
-WIDE = ((512, 64, 2), (512, 32, 2), (512, 16, 2), (256, 32, 1), (128, 32, 1))
-WIDE_TOKENS = 16
-# (device, wide, rank block, head block) -> the config that fitted there
-_FITTED: dict[tuple, tuple[int, int, int | None]] = {}
+BlockShape = tuple[int, int, int | None]
+"""(output columns per program, slots per step, software pipeline stages or None for Triton's)."""
 
+
+@dataclass(frozen=True)
+class SparseMlaConfig:
+    """Launch shapes of the sparse MLA kernel (README.md, "Launch shapes", says where they come
+    from). Block shapes are tried in order; the first that fits the GPU's shared memory is kept."""
+
+    narrow: tuple[BlockShape, ...] = ((128, 64, None), (128, 64, 1), (128, 32, 1))
+    """Below `wide_tokens` queries: narrow output blocks give few queries more programs."""
+    wide: tuple[BlockShape, ...] = ((512, 64, 2), (512, 32, 2), (512, 16, 2), (256, 32, 1),
+                                    (128, 32, 1))
+    """From `wide_tokens` queries: whole-rank blocks score each slot once."""
+    wide_tokens: int = 16
+    score_block: int = 128
+    """Rank columns per score product when a program owns fewer output columns than the rank."""
+    split_waves: float = 1.0
+    """Programs per SM the split-slot decode aims for."""
+
+
+DEFAULT_CONFIG = SparseMlaConfig()
+# (device, block shapes tried, rank block, head block) -> the block shape that fitted there
+_FITTED: dict[tuple, BlockShape] = {}
 
 
 @jit
@@ -139,18 +143,17 @@ def sparse_mla_combine_kernel(part_o, part_ml, o, H, R, stride_ot, stride_oh,
              mask=o_r < R)
 
 
-
-def _num_splits(programs: int, width: int, bn: int, device: torch.device) -> int:
-    """Slot ranges per token so that about SPLIT_WAVES programs run per SM, each range at least
-    one bn-slot step."""
+def _num_splits(programs: int, width: int, bn: int, device: torch.device, waves: float) -> int:
+    """Slot ranges per token so that about `waves` programs run per SM, each range at least one
+    bn-slot step."""
     if programs == 0 or width == 0:
         return 1
-    want = int(num_sms(device) * SPLIT_WAVES) // programs
+    want = int(num_sms(device) * waves) // programs
     return max(1, min(want, triton.cdiv(width, bn)))
 
 
 def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *,
-               scale: float) -> torch.Tensor:
+               scale: float, config: SparseMlaConfig = DEFAULT_CONFIG) -> torch.Tensor:
     """Triton `sparse_mla_ref`: q_lat `[T, H, R]`, latent `[N, R]`, slots `[T, W]` (-1 = none)."""
     num_tokens, heads, rank = q_lat.shape
     assert latent.shape[1] == rank and slots.shape[0] == num_tokens
@@ -161,38 +164,38 @@ def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *
     slots = slots if slots.dtype in (torch.int32, torch.int64) else slots.long()
     br = triton.next_power_of_2(rank)
     bh = 64 if heads > 32 else max(16, triton.next_power_of_2(heads))
-    wide = num_tokens >= WIDE_TOKENS
-    key = (q_lat.device, wide, br, bh)
-    configs = (_FITTED[key],) if key in _FITTED else (WIDE if wide else NARROW)
-    for i, config in enumerate(configs):
+    shapes = config.wide if num_tokens >= config.wide_tokens else config.narrow
+    key = (q_lat.device, shapes, br, bh)
+    tried = (_FITTED[key],) if key in _FITTED else shapes
+    for i, shape in enumerate(tried):
         try:
-            _launch(q_lat, latent, slots, out, scale, br, bh, *config)
+            _launch(q_lat, latent, slots, out, scale, br, bh, shape, config)
         except triton.runtime.errors.OutOfResources as e:
-            if i + 1 == len(configs):
+            if i + 1 == len(tried):
                 raise
-            logger.info("sparse MLA: blocks %s do not fit (%s); trying %s", config, e,
-                        configs[i + 1])
+            logger.info("sparse MLA: blocks %s do not fit (%s); trying %s", shape, e,
+                        tried[i + 1])
             continue
-        _FITTED[key] = config
+        _FITTED[key] = shape
         return out
     raise AssertionError("unreachable")
 
 
-def _launch(q_lat, latent, slots, out, scale: float, br: int, bh: int, value_block: int,
-            bn: int, stages: int | None) -> None:
+def _launch(q_lat, latent, slots, out, scale: float, br: int, bh: int, shape: BlockShape,
+            config: SparseMlaConfig) -> None:
     """One attention launch (and the merge of slot ranges) with the given block sizes."""
     num_tokens, heads, rank = q_lat.shape
+    value_block, bn, stages = shape
     width = slots.shape[1]
     brv = min(value_block, br)
     # One piece: the score tile doubles as the value tile.
-    brc = br if brv == br else min(SCORE_BLOCK, br)
+    brc = br if brv == br else min(config.score_block, br)
     head_blocks = triton.cdiv(heads, bh)
     value_blocks = br // brv
-    splits = _num_splits(num_tokens * head_blocks * value_blocks, width, bn, q_lat.device)
+    splits = _num_splits(num_tokens * head_blocks * value_blocks, width, bn, q_lat.device,
+                         config.split_waves)
     split_w = triton.cdiv(triton.cdiv(width, splits), bn) * bn if width else bn
     splits = triton.cdiv(width, split_w) if width else 1
-    fp32 = q_lat.dtype == torch.float32 or interpreting()
-    dot = tl.float32 if fp32 else (tl.float16 if q_lat.dtype == torch.float16 else tl.bfloat16)
     part_dt = torch.float32 if q_lat.dtype == torch.float32 else q_lat.dtype
     part_o = torch.empty(num_tokens * splits * heads, rank, dtype=part_dt,
                          device=q_lat.device) if splits > 1 else out
@@ -202,8 +205,9 @@ def _launch(q_lat, latent, slots, out, scale: float, br: int, bh: int, value_blo
         q_lat, latent, slots, out, part_o, part_ml, scale, num_tokens, heads, width, rank,
         q_lat.stride(0), q_lat.stride(1), latent.stride(0), slots.stride(0), out.stride(0),
         out.stride(1), split_w, NUM_SPLITS=splits, HEAD_BLOCKS=head_blocks, BH=bh, BR=br,
-        BRC=brc, BRV=brv, BN=bn, ONE_PIECE=brc == br and brv == br, DOT=dot,
-        PREC="ieee" if fp32 else "tf32", num_warps=8 if bh * brv >= 64 * 256 else 4,
+        BRC=brc, BRV=brv, BN=bn, ONE_PIECE=brc == br and brv == br,
+        DOT=dot_operand_type(q_lat.dtype), PREC=product_precision(q_lat.dtype),
+        num_warps=8 if bh * brv >= 64 * 256 else 4,
         **({} if stages is None else {"num_stages": stages}))
     if splits > 1:
         sparse_mla_combine_kernel[(num_tokens, heads)](
@@ -211,4 +215,4 @@ def _launch(q_lat, latent, slots, out, scale: float, br: int, bh: int, value_blo
             BS=triton.next_power_of_2(splits), BR=br, num_warps=4)
 
 
-__all__ = ["sparse_mla"]
+__all__ = ["DEFAULT_CONFIG", "SparseMlaConfig", "sparse_mla"]

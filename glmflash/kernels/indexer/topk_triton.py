@@ -1,0 +1,225 @@
+"""Exact top-k of each row's first `lengths[row]` scores: a radix select in Triton.
+
+Each fp32 score maps to a 32-bit key with the same order; the select fixes the threshold key
+one byte at a time, from the top. Rows are cut into segments, one program per (row, segment):
+
+1. four histogram launches: launch p counts the p-th key byte of the keys that share the bytes
+   already fixed, each program adding its segment's 256 counts into `hist[row, p]`; the byte
+   holding the k-th largest key is then fixed (every later program recomputes it from `hist`);
+2. a count launch: per segment, the keys above the threshold and the keys equal to it;
+3. a write launch: the indices of the keys above the threshold in index order, then the first
+   ties by index, then -1 up to k.
+
+The chosen set is the k largest of `scores[row, :lengths[row]]`, ties going to the lower index
+(-0.0 counts as +0.0; NaN has no defined place). Scores past a row's length are never read.
+Every shape comes from host integers and nothing is read back: CUDA graphs capture the select at
+a fixed width while the lengths stay on the device, and a short row costs only its own segments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the package must import without triton; the launchers need it
+    triton = None
+
+from glmflash.kernels.triton_utils import constexpr, jit, num_sms
+
+NUM_PASSES = constexpr(4)  # 32-bit keys, one byte a pass
+NUM_BINS = constexpr(256)
+INT32_MIN = constexpr(-(1 << 31))
+
+
+@dataclass(frozen=True)
+class TopkConfig:
+    """Launch shape of the select."""
+
+    block: int = 1024
+    """Keys a program handles per loop step (a power of two)."""
+    min_segment: int = 1024
+    """The fewest keys of a row one program takes (a multiple of `block`)."""
+    programs_per_sm: int = 2
+    """Programs aimed for per SM when the rows are long enough to fill them."""
+    num_warps: int = 4
+
+    def segment(self, num_rows: int, width: int, device: torch.device) -> int:
+        """Keys per program: the rows spread over about `programs_per_sm` programs per SM."""
+        per_row = max(1, num_sms(device) * self.programs_per_sm // max(num_rows, 1))
+        seg = max(self.min_segment, -(-width // per_row))
+        return -(-seg // self.block) * self.block
+
+
+DEFAULT_CONFIG = TopkConfig()
+
+
+@jit
+def _order_keys(p_x, mask):
+    """int32 keys whose signed order is the scores' order (-0.0 mapped to +0.0)."""
+    b_x = tl.load(p_x, mask=mask, other=0.0)
+    b_x = tl.where(b_x == 0.0, 0.0, b_x)
+    bits = b_x.to(tl.int32, bitcast=True)
+    # Negative floats order backwards in their bits: flip all but the sign.
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@jit
+def _fixed_bytes(p_hist, k, PASSES: tl.constexpr):
+    """After `PASSES` histogram launches: the fixed top bytes of the threshold key (unsigned
+    form, lower bytes 0) and how many keys sharing them are still to be taken."""
+    o_b = tl.arange(0, NUM_BINS)
+    prefix = k * 0
+    need = k + 0
+    for p in tl.static_range(PASSES):
+        b_h = tl.load(p_hist + p * NUM_BINS + o_b)  # [NUM_BINS]
+        # Keys whose byte is >= b; the k-th largest sits in the highest byte reaching `need`.
+        at_least = tl.sum(b_h, 0) - tl.cumsum(b_h, 0) + b_h
+        digit = tl.max(tl.where(at_least >= need, o_b, 0), 0)
+        need -= tl.sum(tl.where(o_b > digit, b_h, 0), 0)
+        prefix = prefix | (digit << (24 - 8 * p))
+    return prefix, need
+
+
+@jit(do_not_specialize=("k", "seg_len"))
+def topk_histogram_kernel(scores, lengths, hist, k, seg_len, stride_s, PASS: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """hist[row, PASS] += counts of byte PASS over this segment's keys that match the bytes
+    fixed by the earlier passes."""
+    i_r = tl.program_id(0)
+    i_s = tl.program_id(1)
+    length = tl.load(lengths + i_r)
+    begin = i_s * seg_len
+    if (length > k) & (begin < length):
+        p_hist = hist + i_r * (NUM_PASSES * NUM_BINS)
+        prefix, need = _fixed_bytes(p_hist, k, PASS)
+        end = tl.minimum(begin + seg_len, length)
+        o_b = tl.arange(0, NUM_BINS)
+        b_acc = tl.zeros([NUM_BINS], dtype=tl.int32)
+        p_row = scores + i_r.to(tl.int64) * stride_s
+        for start in range(begin, end, BLOCK):
+            o_k = start + tl.arange(0, BLOCK)
+            m_k = o_k < end
+            b_u = _order_keys(p_row + o_k, m_k) ^ INT32_MIN  # [BLOCK] unsigned order
+            if PASS > 0:
+                m_k = m_k & ((b_u >> (32 - 8 * PASS)) == (prefix >> (32 - 8 * PASS)))
+            num_out = BLOCK - tl.sum(m_k.to(tl.int32), 0)
+            if num_out < BLOCK:
+                b_digit = (b_u >> (24 - 8 * PASS)) & 0xFF
+                # Keys left out count in bin 0 and are taken off again.
+                b_acc += tl.histogram(tl.where(m_k, b_digit, 0), NUM_BINS)
+                b_acc -= tl.where(o_b == 0, num_out, 0)
+        tl.atomic_add(p_hist + PASS * NUM_BINS + o_b, b_acc, mask=b_acc > 0)
+
+
+@jit(do_not_specialize=("k", "seg_len"))
+def topk_count_kernel(scores, lengths, hist, counts, k, seg_len, stride_s, stride_c,
+                      BLOCK: tl.constexpr):
+    """counts[row, seg] = (keys above the threshold, keys equal to it) in the segment."""
+    i_r = tl.program_id(0)
+    i_s = tl.program_id(1)
+    length = tl.load(lengths + i_r)
+    begin = i_s * seg_len
+    if (length > k) & (begin < length):
+        prefix, need = _fixed_bytes(hist + i_r * (NUM_PASSES * NUM_BINS), k, NUM_PASSES)
+        threshold = prefix ^ INT32_MIN
+        end = tl.minimum(begin + seg_len, length)
+        b_gt = tl.zeros([BLOCK], dtype=tl.int32)
+        b_eq = tl.zeros([BLOCK], dtype=tl.int32)
+        p_row = scores + i_r.to(tl.int64) * stride_s
+        for start in range(begin, end, BLOCK):
+            o_k = start + tl.arange(0, BLOCK)
+            m_k = o_k < end
+            b_key = _order_keys(p_row + o_k, m_k)
+            b_gt += (m_k & (b_key > threshold)).to(tl.int32)
+            b_eq += (m_k & (b_key == threshold)).to(tl.int32)
+        p_c = counts + i_r.to(tl.int64) * stride_c + 2 * i_s
+        tl.store(p_c, tl.sum(b_gt, 0))
+        tl.store(p_c + 1, tl.sum(b_eq, 0))
+
+
+@jit
+def _before(p_counts, i_s, BLOCK: tl.constexpr):
+    """Keys above the threshold and ties in the segments before `i_s`."""
+    num_gt = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), 0)
+    num_eq = num_gt + 0
+    for s0 in range(0, i_s, BLOCK):
+        o_s = s0 + tl.arange(0, BLOCK)
+        m_s = o_s < i_s
+        num_gt += tl.sum(tl.load(p_counts + 2 * o_s, mask=m_s, other=0), 0)
+        num_eq += tl.sum(tl.load(p_counts + 2 * o_s + 1, mask=m_s, other=0), 0)
+    return num_gt, num_eq
+
+
+@jit(do_not_specialize=("k", "seg_len"))
+def topk_write_kernel(scores, lengths, hist, counts, out, k, seg_len, stride_s, stride_c,
+                      stride_o, BLOCK: tl.constexpr):
+    """out[row] = chosen indices (above the threshold, then ties by index), then -1."""
+    i_r = tl.program_id(0)
+    i_s = tl.program_id(1)
+    length = tl.load(lengths + i_r)
+    begin = i_s * seg_len
+    p_out = out + i_r.to(tl.int64) * stride_o
+    if i_s == 0:
+        for start in range(0, k, BLOCK):
+            o_k = start + tl.arange(0, BLOCK)
+            tl.store(p_out + o_k, tl.full([BLOCK], -1, tl.int32),
+                     mask=(o_k < k) & (o_k >= length))
+    if begin < length:
+        end = tl.minimum(begin + seg_len, length)
+        if length <= k:
+            for start in range(begin, end, BLOCK):
+                o_k = start + tl.arange(0, BLOCK)
+                tl.store(p_out + o_k, o_k, mask=o_k < end)
+        else:
+            prefix, need = _fixed_bytes(hist + i_r * (NUM_PASSES * NUM_BINS), k, NUM_PASSES)
+            threshold = prefix ^ INT32_MIN
+            num_gt, num_eq = _before(counts + i_r.to(tl.int64) * stride_c, i_s, BLOCK)
+            p_row = scores + i_r.to(tl.int64) * stride_s
+            for start in range(begin, end, BLOCK):
+                o_k = start + tl.arange(0, BLOCK)
+                m_k = o_k < end
+                b_key = _order_keys(p_row + o_k, m_k)
+                m_gt = m_k & (b_key > threshold)
+                m_eq = m_k & (b_key == threshold)
+                r_gt = num_gt + tl.cumsum(m_gt.to(tl.int32), 0) - 1
+                r_eq = num_eq + tl.cumsum(m_eq.to(tl.int32), 0) - 1
+                tl.store(p_out + r_gt, o_k, mask=m_gt)
+                tl.store(p_out + (k - need) + r_eq, o_k, mask=m_eq & (r_eq < need))
+                num_gt += tl.sum(m_gt.to(tl.int32), 0)
+                num_eq += tl.sum(m_eq.to(tl.int32), 0)
+
+
+def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *,
+                 config: TopkConfig = DEFAULT_CONFIG) -> torch.Tensor:
+    """Indices `[R, k]` int32 of the k largest of `scores[r, :lengths[r]]` (ties to the lower
+    index), -1 where a row has fewer than k. scores `[R, W]` fp32 with unit column stride,
+    lengths `[R]` int32 (each at most W) on the scores' device."""
+    num_rows, width = scores.shape
+    assert scores.dtype == torch.float32 and scores.stride(1) == 1
+    assert lengths.shape == (num_rows,) and lengths.dtype == torch.int32
+    assert k >= 1 and config.block & (config.block - 1) == 0
+    assert config.min_segment % config.block == 0
+    out = torch.empty(num_rows, k, dtype=torch.int32, device=scores.device)
+    if num_rows == 0:
+        return out
+    seg_len = config.segment(num_rows, width, scores.device)
+    grid = (num_rows, triton.cdiv(max(width, 1), seg_len))
+    hist = torch.zeros(num_rows, NUM_PASSES, NUM_BINS, dtype=torch.int32,
+                       device=scores.device)
+    counts = torch.empty(num_rows, grid[1], 2, dtype=torch.int32, device=scores.device)
+    common = dict(BLOCK=config.block, num_warps=config.num_warps)
+    for p in range(NUM_PASSES):
+        topk_histogram_kernel[grid](scores, lengths, hist, k, seg_len, scores.stride(0),
+                                    PASS=p, **common)
+    topk_count_kernel[grid](scores, lengths, hist, counts, k, seg_len, scores.stride(0),
+                            counts.stride(0), **common)
+    topk_write_kernel[grid](scores, lengths, hist, counts, out, k, seg_len, scores.stride(0),
+                            counts.stride(0), out.stride(0), **common)
+    return out
+
+
+__all__ = ["DEFAULT_CONFIG", "TopkConfig", "topk_indices"]
