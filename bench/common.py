@@ -3,12 +3,10 @@ rotating buffers), tables, device description, git commit, appending to RESULTS.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import platform
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -151,14 +149,3 @@ def add_fake_context_requests(engine, num_requests: int, context_len: int, param
     for seq in seqs:
         fill_fake_context(engine, seq, context_len)
     return seqs
-
-
-@contextlib.contextmanager
-def restoring(module, *names: str) -> Iterator[None]:
-    """Put the module's tuning constants back as they were after a sweep has changed them."""
-    saved = {name: getattr(module, name) for name in names}
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(module, name, value)

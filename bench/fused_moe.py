@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.kernels import copy_bandwidth, graph_ms, table  # noqa: E402
+from bench.common import copy_bandwidth, graph_ms, table  # noqa: E402
 from glmflash.kernels.fp8_gemm import quantize_block_fp8  # noqa: E402
 from glmflash.kernels.fp8_gemm.triton_impl import fp8_linear_scaled_mm  # noqa: E402
 from glmflash.kernels.fused_moe.triton_impl import fused_moe  # noqa: E402

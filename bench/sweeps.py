@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import copies, graph_ms, rel, restoring, rotated  # noqa: E402
+from bench.common import copies, graph_ms, rel, rotated  # noqa: E402
 from bench.kernels import FP8_SHAPES, D, _kda_inputs  # noqa: E402
 
 

@@ -26,6 +26,7 @@ from numba.core import cgutils
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
+from glmflash.kernels.cpu_moe.llvm_ir import exchange_seq_cst, fetch_add_seq_cst
 from glmflash.kernels.cpu_moe.numba_kernels import _down_nb, _gate_up_nb, _group_nb
 
 logger = logging.getLogger(__name__)
@@ -42,36 +43,15 @@ IDLE_SLEEP_US = 50
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
 
 
-def _int64_array(arr, what: str) -> None:
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int64):
-        raise TypingError(f"{what} wants an int64 array, got {arr}")
-
-
-@intrinsic
-def _load_nb(typingctx, arr, index):
+@njit(nogil=True, cache=True, inline="always")
+def _load_nb(arr, index):
     """Sequentially consistent load of `arr[index]` (int64)."""
-    _int64_array(arr, "atomic load")
-
-    def codegen(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, args[0])
-        index = context.cast(builder, args[1], sig.args[1], types.int64)
-        ptr = builder.gep(data.data, [index])
-        return builder.atomic_rmw("add", ptr, ir.Constant(_I64, 0), "seq_cst")
-    return types.int64(arr, index), codegen
+    return fetch_add_seq_cst(arr, index, 0)
 
 
-@intrinsic
-def _exchange_nb(typingctx, arr, index, value):
-    """Sequentially consistent `old = arr[index]; arr[index] = value; return old` (int64)."""
-    _int64_array(arr, "atomic exchange")
-
-    def codegen(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, args[0])
-        index = context.cast(builder, args[1], sig.args[1], types.int64)
-        value = context.cast(builder, args[2], sig.args[2], types.int64)
-        ptr = builder.gep(data.data, [index])
-        return builder.atomic_rmw("xchg", ptr, value, "seq_cst")
-    return types.int64(arr, index, value), codegen
+@njit(nogil=True, cache=True, inline="always")
+def _exchange_nb(arr, index, value):
+    return exchange_seq_cst(arr, index, value)
 
 
 @intrinsic

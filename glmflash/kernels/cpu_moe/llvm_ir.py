@@ -62,19 +62,30 @@ def f16_bits_as_f32(typingctx, bits):
     return types.float32(bits), codegen
 
 
-@intrinsic
-def fetch_add(typingctx, counter, index, value):
-    """Atomic `old = counter[index]; counter[index] += value; return old` on an int64 array."""
-    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
-        raise TypingError(f"fetch-add wants an int64 array, got {counter}")
+def _atomic_rmw(op: str, ordering: str, name: str, doc: str):
+    """An intrinsic `(int64 array, index, value) -> old value` doing LLVM's atomicrmw `op`."""
+    def typer(typingctx, counter, index, value):
+        if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
+            raise TypingError(f"{name} wants an int64 array, got {counter}")
 
-    def codegen(context, builder, sig, args):
-        arr = context.make_array(sig.args[0])(context, builder, args[0])
-        index = context.cast(builder, args[1], sig.args[1], types.int64)
-        value = context.cast(builder, args[2], sig.args[2], types.int64)
-        ptr = builder.gep(arr.data, [index])
-        return builder.atomic_rmw("add", ptr, value, "monotonic")
-    return types.int64(counter, index, value), codegen
+        def codegen(context, builder, sig, args):
+            arr = context.make_array(sig.args[0])(context, builder, args[0])
+            index = context.cast(builder, args[1], sig.args[1], types.int64)
+            value = context.cast(builder, args[2], sig.args[2], types.int64)
+            ptr = builder.gep(arr.data, [index])
+            return builder.atomic_rmw(op, ptr, value, ordering)
+        return types.int64(counter, index, value), codegen
+
+    typer.__name__, typer.__doc__ = name, doc
+    return intrinsic(typer)
+
+
+fetch_add = _atomic_rmw("add", "monotonic", "fetch_add",
+                        "Atomic `old = counter[index]; counter[index] += value; return old`.")
+fetch_add_seq_cst = _atomic_rmw("add", "seq_cst", "fetch_add_seq_cst",
+                                "`fetch_add`, sequentially consistent (adding 0: a load).")
+exchange_seq_cst = _atomic_rmw("xchg", "seq_cst", "exchange_seq_cst",
+                               "Sequentially consistent `old = arr[index]; arr[index] = value`.")
 
 
 @intrinsic
