@@ -9,13 +9,14 @@ import numpy as np
 import torch
 
 from glmflash.config import ModelConfig
-from glmflash.engine.cache import CachePlan
+from glmflash.engine.cache import CacheOps, CachePlan
 from glmflash.engine.options import EngineConfig
 from glmflash.engine.scheduler import ScheduledBatch
 from glmflash.model.dummy_weights import fill_dummy_weights
 from glmflash.model.forward_batch import ForwardBatch, build_forward_batch, token_slots_of
 from glmflash.model.glm import GlmForCausalLM
 from glmflash.model.moe import Experts
+from glmflash.model.snapshots import StateSnapshots, copy_pages
 from glmflash.model.state import ModelState, cache_bytes
 from glmflash.model.weights import load_checkpoint
 from glmflash.utils.device import upload
@@ -86,7 +87,8 @@ def warm_up_cpu_experts(model: GlmForCausalLM) -> None:
 
 def plan_cache(model_config: ModelConfig, config: EngineConfig, max_seq_len: int,
                device: torch.device, dtype: torch.dtype) -> CachePlan:
-    """Pages and state slots that fit the memory budget; refuses a budget below one sequence."""
+    """Pages, state slots and prefix-cache snapshots that fit the memory budget; refuses a budget
+    below one sequence."""
     page = -(-config.page_size // model_config.index_kpool) * model_config.index_kpool
     per_token, per_slot = cache_bytes(model_config, dtype)
     if device.type == "cuda":
@@ -94,20 +96,25 @@ def plan_cache(model_config: ModelConfig, config: EngineConfig, max_seq_len: int
         budget = total * config.mem_fraction_static - torch.cuda.memory_allocated(device)
     else:
         budget = config.cache_budget_gb * GIB
-    slots = config.max_running_requests
+    slots, snapshots = config.max_running_requests, config.num_state_snapshots
     pages_per_seq = -(-max_seq_len // page)
-    pages = int((budget - slots * per_slot) // (page * per_token))
+    pages = int((budget - (slots + snapshots) * per_slot) // (page * per_token))
     pages = min(pages, slots * pages_per_seq)
     if pages < pages_per_seq:
         raise ValueError(f"cache budget of {budget / GIB:.2f} GiB cannot hold one sequence of "
-                         f"{max_seq_len} tokens plus {slots} state slots of "
-                         f"{per_slot / 2**20:.1f} MiB; raise the budget or lower "
-                         f"context_length / max_running_requests")
+                         f"{max_seq_len} tokens plus {slots} state slots and {snapshots} "
+                         f"snapshots of {per_slot / 2**20:.1f} MiB; raise the budget or lower "
+                         f"context_length / max_running_requests / max_state_snapshots")
     plan = CachePlan(num_pages=pages, page_size=page, num_state_slots=slots,
-                     max_pages_per_seq=pages_per_seq)
+                     max_pages_per_seq=pages_per_seq, num_snapshots=snapshots)
     logger.info("cache plan: %d pages x %d tokens = %d tokens (%.2f GiB), %d sequence slots "
                 "(%.1f MiB each)", pages, page, plan.num_token_slots,
                 plan.num_token_slots * per_token / GIB, slots, per_slot / 2**20)
+    if snapshots:
+        logger.info("prefix cache: %d state snapshots (%.2f GiB)", snapshots,
+                    snapshots * per_slot / GIB)
+    else:
+        logger.info("prefix cache: off")
     return plan
 
 
@@ -127,6 +134,8 @@ class ModelRunner:
                                 device=self.device)
         self.page_table = torch.zeros(plan.num_state_slots, plan.max_pages_per_seq,
                                       dtype=torch.int32, device=self.device)
+        self.snapshots = StateSnapshots(self.state, plan.num_snapshots) \
+            if plan.num_snapshots else None
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits `[num sampled, V]` of the sequences whose chunk reaches their last token."""
@@ -134,6 +143,7 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
         self.apply_page_updates(batch.page_updates)
+        self.apply_cache_ops(batch.cache_ops)
         ids, slots, cu_seqlens, prefix_lens = [], [], [0], []
         page = self.page_size
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
@@ -159,6 +169,18 @@ class ModelRunner:
         if updates:
             slot, index, page = upload(np.asarray(updates, dtype=np.int64).T, self.device)
             self.page_table[slot, index] = page.to(torch.int32)
+
+    def apply_cache_ops(self, ops: CacheOps | None) -> None:
+        """The prefix cache's copies, in order: snapshots of finished chunks, then the partial
+        pages and snapshots that sequences starting from a cached prefix begin with."""
+        if not ops:
+            return
+        if ops.saves:
+            self.snapshots.save(self.state, *zip(*ops.saves, strict=True))
+        if ops.page_copies:
+            copy_pages(self.state, *zip(*ops.page_copies, strict=True), self.page_size)
+        if ops.loads:
+            self.snapshots.load(self.state, *zip(*ops.loads, strict=True))
 
     def _input_embeds(self, batch: ScheduledBatch, input_ids: torch.Tensor,
                       cu_seqlens: list[int]) -> torch.Tensor | None:

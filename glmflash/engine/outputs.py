@@ -20,6 +20,8 @@ class StreamDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens this choice took from the prefix cache."""
 
 
 @dataclass
@@ -29,6 +31,8 @@ class Choice:
     text: str
     finish_reason: str
     logprobs: list[dict[int, float]] | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens taken from the prefix cache (not computed again)."""
 
 
 @dataclass
@@ -56,6 +60,11 @@ class Result:
     def logprobs(self) -> list[dict[int, float]] | None:
         return self.choices[0].logprobs
 
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens taken from the prefix cache (choice 0's; usage counts the prompt once)."""
+        return self.choices[0].num_cached_tokens
+
 
 class ResultCollector:
     """Folds a request's deltas into a Result."""
@@ -74,6 +83,7 @@ class ResultCollector:
             choice.logprobs = (choice.logprobs or []) + delta.logprobs
         if delta.finish_reason:
             choice.finish_reason = delta.finish_reason
+            choice.num_cached_tokens = delta.num_cached_tokens
         if delta.error:
             self.error = delta.error
 
