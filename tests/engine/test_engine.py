@@ -21,9 +21,8 @@ def _budget_gb(engine_cls_kwargs, pages: int, tiny_dir) -> float:
     import json
 
     from glmflash.config import ModelConfig
-    from glmflash.model.state import cache_bytes
-
     from glmflash.engine.options import EngineConfig
+    from glmflash.model.state import cache_bytes
 
     config = ModelConfig.from_dict(json.loads((tiny_dir / "config.json").read_text()))
     per_token, per_slot = cache_bytes(config, torch.float32)
