@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: by device)")
     gen.add_argument("--load-format", choices=LOAD_FORMATS, default=None,
                      help="dummy: seeded random weights made in memory (no safetensors needed)")
+    gen.add_argument("--disable-radix-cache", action="store_true",
+                     help="compute every prompt from its start (no prefix cache)")
     gen.add_argument("--debug", action="store_true", help="show the traceback of an error")
     tiny = sub.add_parser("make-tiny", help="write the tiny random checkpoint",
                           formatter_class=HelpFormatter)
@@ -94,7 +96,7 @@ def _generate(args: argparse.Namespace) -> int:
     from glmflash.engine.engine import Engine
 
     engine = Engine(args.model_path, device=args.device, dtype=args.dtype,
-                    load_format=args.load_format)
+                    load_format=args.load_format, disable_radix_cache=args.disable_radix_cache)
     prompts = args.prompt
     if args.chat:
         prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}])

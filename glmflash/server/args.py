@@ -26,7 +26,8 @@ _ENGINE_OPTIONS = ("context_length", "max_running_requests", "chunked_prefill_si
                    "mem_fraction_static", "cache_budget_gb", "max_queued_requests", "seed",
                    "page_size", "kt_method", "kt_num_gpu_experts", "kt_gpu_prefill_token_threshold",
                    "kt_cpuinfer", "kt_threadpool_count", "kt_expert_placement", "load_format",
-                   "skip_kernel_warmup", *_MEDIA_FLAGS)
+                   "skip_kernel_warmup", "disable_radix_cache", "max_state_snapshots",
+                   *_MEDIA_FLAGS)
 # chunked prefill off (SGLang's -1): one chunk as large as any prompt.
 _UNCHUNKED = 2**31 - 1
 
@@ -146,6 +147,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     engine.add_argument("--cache-budget-gb", type=_positive_float, default=None,
                         help="CPU: GiB for the cache")
     engine.add_argument("--seed", type=int, default=None, help="default sampling seed")
+    engine.add_argument("--disable-radix-cache", action="store_true", default=None,
+                        help="turn the prefix cache off: every prompt is computed from its start")
+    engine.add_argument("--max-state-snapshots", type=_non_negative_int, default=None,
+                        metavar="N", help="prefix cache: KDA state snapshots kept (each as large "
+                                          "as a sequence's state)")
     engine.add_argument("--tp-size", type=_positive_int, default=1)
     engine.add_argument("--cuda-graph-bs", type=_positive_int, nargs="+", default=None,
                         metavar="BS")

@@ -48,10 +48,12 @@ def _header(model: str) -> dict[str, Any]:
             "created": int(time.time()), "model": model, "system_fingerprint": None}
 
 
-def _usage(prepared: PreparedRequest, num_output_tokens: int) -> dict[str, int]:
+def _usage(prepared: PreparedRequest, num_output_tokens: int,
+           num_cached_tokens: int) -> dict[str, Any]:
     num_prompt = sum(len(ids) for ids in prepared.prompt_token_ids)
     return {"prompt_tokens": num_prompt, "completion_tokens": num_output_tokens,
-            "total_tokens": num_prompt + num_output_tokens}
+            "total_tokens": num_prompt + num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
 
 
 async def completion(state: ServerState, request: CompletionRequest, model: str,
@@ -72,7 +74,9 @@ async def completion(state: ServerState, request: CompletionRequest, model: str,
                             "logprobs": None if logprobs is None else logprobs.data,
                             "finish_reason": choice.finish_reason})
     num_output = sum(len(c.token_ids) for r in results for c in r.choices)
-    return {**_header(model), "choices": choices, "usage": _usage(prepared, num_output)}
+    num_cached = sum(r.choices[0].num_cached_tokens for r in results)
+    return {**_header(model), "choices": choices,
+            "usage": _usage(prepared, num_output, num_cached)}
 
 
 class CompletionStream:
@@ -85,6 +89,7 @@ class CompletionStream:
         self.logprobs = [CompletionLogprobs(state.token_text, request.logprobs or 0)
                          for _ in range(num_choices)]
         self.num_output_tokens = 0
+        self.num_cached_tokens = [0] * len(prepared.prompt_token_ids)
 
     def chunk(self, index: int, text: str, logprobs: Any = None,
               finish_reason: str | None = None) -> dict[str, Any]:
@@ -103,6 +108,8 @@ class CompletionStream:
     def on_delta(self, prompt_index: int, delta: StreamDelta) -> dict[str, Any] | None:
         index = prompt_index * self.request.n + delta.index
         self.num_output_tokens += len(delta.token_ids)
+        if delta.index == 0:
+            self.num_cached_tokens[prompt_index] = delta.num_cached_tokens
         logprobs = None
         if self.request.logprobs is not None and delta.token_ids:
             logprobs = self.logprobs[index].add(delta.token_ids, delta.logprobs or [])
@@ -112,7 +119,8 @@ class CompletionStream:
 
     def usage_chunk(self) -> dict[str, Any]:
         return {**self.header, "choices": [],
-                "usage": _usage(self.prepared, self.num_output_tokens)}
+                "usage": _usage(self.prepared, self.num_output_tokens,
+                                sum(self.num_cached_tokens))}
 
 
 async def completion_stream(state: ServerState, request: CompletionRequest, model: str,
