@@ -98,9 +98,10 @@ def write_folder(raw: dict, root: Path) -> Path:
 
 def engine_options(mode: str, args: argparse.Namespace, num_experts: int) -> dict:
     longest = max(args.contexts) + args.warmup + args.steps + args.layer_steps + 64
+    # The prefix cache is off: the TTFT prompts share their first tokens and must be cold.
     options = dict(load_format="dummy", background_loop=False,
                    max_running_requests=max(args.batches), context_length=longest,
-                   chunked_prefill_size=args.chunked_prefill_size)
+                   chunked_prefill_size=args.chunked_prefill_size, disable_radix_cache=True)
     if mode.startswith("hybrid-"):
         options.update(kt_num_gpu_experts=min(int(mode.split("-", 1)[1]), num_experts),
                        kt_cpuinfer=os.cpu_count(),

@@ -114,3 +114,38 @@ def test_preemption_with_shared_prefixes(tiny_dirs, engines):
     expected = engines[1].generate(prompt_token_ids=prompts, sampling_params=params)
     for collector, want in zip(collectors, expected, strict=True):
         assert collector.result().token_ids == want.token_ids
+
+
+def test_media_are_part_of_the_key(engines):
+    """Same text, other image: the hit stops before the image; same image: the whole turn."""
+    from tests.multimodal.conftest import random_image
+    from tests.multimodal.test_engine_media import _data_url
+
+    def turn(image_seed: int, follow_up: bool):
+        image = {"type": "image_url", "image_url": {"url": _data_url(random_image(
+            image_seed, 56, 56))}}
+        messages = [{"role": "user", "content": [image, {"type": "text", "text": "What?"}]}]
+        if follow_up:
+            messages += [{"role": "assistant", "content": "A square."},
+                         {"role": "user", "content": "Sure?"}]
+        results = [engine.chat(messages, sampling_params=GREEDY).result for engine in engines]
+        assert results[0].token_ids == results[1].token_ids
+        return results[0]
+
+    first = turn(1, follow_up=False)
+    image_at = first.prompt_token_ids.index(engines[0].config.image_token_id)
+    assert turn(2, follow_up=True).num_cached_tokens <= image_at
+    assert turn(1, follow_up=True).num_cached_tokens == len(first.prompt_token_ids)
+
+
+@pytest.mark.gpu
+def test_hits_on_the_gpu_give_the_tokens_of_the_cache_off_engine(tiny_dirs):
+    """The Triton path: snapshots and page copies on the device, fp32 for exact comparison."""
+    pair = [Engine(tiny_dirs["embedded"], device="cuda", dtype="float32",
+                   disable_radix_cache=off, **ENGINE) for off in (False, True)]
+    firsts = [_tokens(n, seed=n) for n in HIT_LENGTHS.values()]
+    _both(pair, firsts)
+    results = _both(pair, [p + _tokens(9, seed=1000 + len(p)) for p in firsts])
+    assert [r.num_cached_tokens for r in results] == list(HIT_LENGTHS.values())
+    for engine in pair:
+        engine.shutdown()
