@@ -204,3 +204,61 @@ def test_eviction_skips_locked_and_pending_and_takes_tombstones_first():
     cache.unlock(a)
     assert cache.evict_pages(10) == 2 and cache.free_snapshots == [0]
     assert all(n == 0 for n in refs.refs.values())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_insert_match_evict_release(seed):
+    """Tree operations in random order, each followed by the full check: structure, locks,
+    evictable count, snapshots, reference counts, and that a hit's pages hold its key."""
+    from glmflash.engine.radix_cache import check_tree
+
+    rng, size = random.Random(seed), (2, 4)[seed % 2]
+    refs = Refs()
+    cache = RadixCache(refs, page_size=size, num_snapshots=3)
+    content: dict[int, list[int]] = {}  # page -> the keys written in it
+    live: list[tuple] = []  # (locked node, pages the sequence holds)
+    stems = [[1, 2, 1, 2, 1, 2, 1, 2]]
+    for _ in range(300):
+        op = rng.choice(("insert", "insert", "match", "evict", "release", "flush"))
+        if op == "insert":
+            key = _prompt(rng, stems)
+            pages = [_fresh_page(content, key, i, size) for i in range(-(-len(key) // size))]
+            for page in pages:
+                refs.ref(page)
+            node = cache.insert(cache.root, array("q", key), len(key), pages)
+            cache.lock(node)
+            cache.take_snapshot(node)
+            live.append((node, pages))
+        elif op == "match":
+            key = array("q", _prompt(rng, stems))
+            hit = cache.match(key, len(key))
+            if hit is not None:
+                for pos in range(hit.num_tokens):
+                    assert content[hit.pages[pos // size]][pos % size] == key[pos]
+                cache.lock(hit.node)
+                shared = hit.pages[: hit.num_tokens // size]
+                for page in shared:
+                    refs.ref(page)
+                live.append((hit.node, shared))
+        elif op == "evict":
+            cache.evict_pages(rng.randrange(1, 6))
+        elif op == "release" and live:
+            node, pages = live.pop(rng.randrange(len(live)))
+            cache.unlock(node)
+            for page in pages:
+                refs.unref(page)
+        elif op == "flush":
+            cache.clear_pending()
+        check_tree(cache, [node for node, _ in live])
+        held = cache.page_holders()
+        for page, count in refs.refs.items():
+            by_seqs = sum(pages.count(page) for _, pages in live)
+            assert count == held.get(page, 0) + by_seqs, f"page {page}"
+        for node in cache.nodes:
+            assert node.lock_ref or all(refs.refs[p] == 1 for p in node.pages)
+
+
+def _fresh_page(content: dict[int, list[int]], key: list[int], index: int, size: int) -> int:
+    page = len(content)
+    content[page] = key[index * size: (index + 1) * size]
+    return page
