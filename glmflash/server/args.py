@@ -150,8 +150,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     engine.add_argument("--disable-radix-cache", action="store_true", default=None,
                         help="turn the prefix cache off: every prompt is computed from its start")
     engine.add_argument("--max-state-snapshots", type=_non_negative_int, default=None,
-                        metavar="N", help="prefix cache: KDA state snapshots kept (each as large "
-                                          "as a sequence's state)")
+                        metavar="N", help="prefix cache: KDA state snapshots kept, each as large "
+                                          "as a sequence's state (default: twice "
+                                          "--max-running-requests)")
     engine.add_argument("--tp-size", type=_positive_int, default=1)
     engine.add_argument("--cuda-graph-bs", type=_positive_int, nargs="+", default=None,
                         metavar="BS")
