@@ -3,6 +3,9 @@ every kind of hit length, across preemption and aborts, and against the oracle."
 
 from __future__ import annotations
 
+import base64
+import io
+
 import pytest
 import torch
 
@@ -119,11 +122,12 @@ def test_preemption_with_shared_prefixes(tiny_dirs, engines):
 def test_media_are_part_of_the_key(engines):
     """Same text, other image: the hit stops before the image; same image: the whole turn."""
     from tests.multimodal.conftest import random_image
-    from tests.multimodal.test_engine_media import _data_url
 
     def turn(image_seed: int, follow_up: bool):
-        image = {"type": "image_url", "image_url": {"url": _data_url(random_image(
-            image_seed, 56, 56))}}
+        png = io.BytesIO()
+        random_image(image_seed, 56, 56).save(png, format="PNG")
+        url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+        image = {"type": "image_url", "image_url": {"url": url}}
         messages = [{"role": "user", "content": [image, {"type": "text", "text": "What?"}]}]
         if follow_up:
             messages += [{"role": "assistant", "content": "A square."},
