@@ -100,7 +100,8 @@ def engine_options(mode: str, args: argparse.Namespace, num_experts: int) -> dic
     longest = max(args.contexts) + args.warmup + args.steps + args.layer_steps + \
         args.replay_steps + 64
     mode, _, graphs = mode.partition("+")
-    options = dict(load_format="dummy", background_loop=False,
+    # The prefix cache is off: the TTFT prompts share their first tokens and must be cold.
+    options = dict(load_format="dummy", background_loop=False, disable_radix_cache=True,
                    max_running_requests=max(args.batches), context_length=longest,
                    chunked_prefill_size=args.chunked_prefill_size,
                    disable_cuda_graph=graphs != "graph", cuda_graph_bs=args.batches)

@@ -34,7 +34,8 @@ def _free_port() -> int:
 def _serve(model_path: str | None, extra: list[str]) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "glmflash.cli", "serve", "--port", str(port),
-           "--log-level", "warning", "--context-length", "8192", *extra]
+           "--log-level", "warning", "--context-length", "8192",
+           "--disable-radix-cache", *extra]  # repeats must not start from a cached prefix
     if model_path:
         cmd += ["--model-path", model_path]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ), stdout=subprocess.DEVNULL,

@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="ranks (processes) the model is split over: heads and FFN widths")
     gen.add_argument("--ep-size", type=positive_int, default=None,
                      help="1: routed experts split by width; --tp-size: experts divided")
+    gen.add_argument("--disable-radix-cache", action="store_true",
+                     help="compute every prompt from its start (no prefix cache)")
     gen.add_argument("--debug", action="store_true", help="show the traceback of an error")
     tiny = sub.add_parser("make-tiny", help="write the tiny random checkpoint",
                           formatter_class=HelpFormatter)
@@ -98,7 +100,8 @@ def _generate(args: argparse.Namespace) -> int:
     from glmflash.engine.engine import Engine
 
     engine = Engine(args.model_path, device=args.device, dtype=args.dtype,
-                    load_format=args.load_format, tp_size=args.tp_size, ep_size=args.ep_size)
+                    load_format=args.load_format, tp_size=args.tp_size, ep_size=args.ep_size,
+                    disable_radix_cache=args.disable_radix_cache)
     try:
         prompts = args.prompt
         if args.chat:

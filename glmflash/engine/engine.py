@@ -15,12 +15,12 @@ import torch
 
 from glmflash.config import ModelConfig
 from glmflash.engine.api import EngineApiMixin
-from glmflash.engine.cache import CacheManager
+from glmflash.engine.cache import CacheManager, PrefixCacheStats
 from glmflash.engine.cuda_graph import graph_batch_sizes, graphs_unsupported
 from glmflash.engine.detokenizer import SequenceDetokenizer
 from glmflash.engine.loop import EngineLoopMixin
 from glmflash.engine.model_runner import ModelRunner, embed_prompt, load_model, plan_cache
-from glmflash.engine.multimodal import MediaPreparer, collect_media
+from glmflash.engine.multimodal import MediaPreparer, collect_media, media_cache_key
 from glmflash.engine.options import EngineConfig
 from glmflash.engine.outputs import Result, StreamDelta
 from glmflash.engine.sampler import Sampler
@@ -79,7 +79,7 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         warmup_ids = self.tokenizer.encode(warmup_text())[:WARMUP_TOKENS] \
             if self.options.kt_expert_placement == "frequency" else None
         self.runner, plan = self._start_runner(log_level, warmup_ids)
-        self.cache = CacheManager(plan)
+        self.cache = CacheManager(plan, use_prefix_cache=not self.options.disable_radix_cache)
         self.eos_token_ids = frozenset(self.config.eos_token_id) | set(self.tokenizer.eos_token_ids)
         self.scheduler = Scheduler(
             SchedulerConfig(self.options.max_running_requests, self.options.chunked_prefill_size,
@@ -224,6 +224,10 @@ class Engine(EngineApiMixin, EngineLoopMixin):
     def check_integrity(self) -> None:
         self.cache.check_integrity()
 
+    def cache_stats(self) -> PrefixCacheStats:
+        """Prefix-cache counters (plain integers, safe to read from another thread)."""
+        return self.cache.stats(self.scheduler.num_query_tokens, self.scheduler.num_hit_tokens)
+
     def _end_failed_rows(self, seqs: list[Sequence], token_ids: list[int]) -> list[int]:
         """End the sequences whose logits processor raised; the other rows' ids, in order.
 
@@ -250,8 +254,9 @@ class Engine(EngineApiMixin, EngineLoopMixin):
                     self._finish(seq, choice, StreamDelta(choice.request_id, choice.index, "",
                                                           [], "error", error=str(exc)))
                 return
+            key = media_cache_key(mm.token_ids, embeds, self.config.image_token_id)
             for seq in seqs:
-                seq.prompt_embeds = embeds
+                seq.prompt_embeds, seq.media_key = embeds, key
         for seq in seqs:
             self.runner.prompt_logprobs.admit(seq)
             self.scheduler.add(seq)
@@ -303,7 +308,8 @@ class Engine(EngineApiMixin, EngineLoopMixin):
             logprobs = seq.logprobs[-len(delta.token_ids):] if seq.params.logprobs is not None \
                 else None
             out = StreamDelta(choice.request_id, choice.index, text.text, delta.token_ids, reason,
-                              logprobs, seq.num_prompt_tokens, seq.num_output_tokens)
+                              logprobs, seq.num_prompt_tokens, seq.num_output_tokens,
+                              num_cached_tokens=seq.num_cached_tokens or 0)
             if seq.prompt_logprobs is not None and seq.num_output_tokens == len(delta.token_ids):
                 out.prompt_logprobs = seq.prompt_logprobs
             if reason:
@@ -320,6 +326,7 @@ class Engine(EngineApiMixin, EngineLoopMixin):
             self.num_pending -= 1
         delta.num_prompt_tokens = seq.num_prompt_tokens
         delta.num_output_tokens = seq.num_output_tokens
+        delta.num_cached_tokens = seq.num_cached_tokens or 0
         choice.sink(delta)
 
     def _validate_prompt(self, token_ids: list[int]) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from glmflash.config import ModelConfig
-from glmflash.engine.cache import CachePlan
+from glmflash.engine.cache import CacheOps, CachePlan
 from glmflash.engine.options import EngineConfig
 from glmflash.engine.prompt_logprobs import PromptLogprobTracker
 from glmflash.engine.scheduler import ScheduledBatch
@@ -24,6 +24,7 @@ from glmflash.model.forward_batch import (
 )
 from glmflash.model.glm import GlmForCausalLM
 from glmflash.model.moe import Experts
+from glmflash.model.snapshots import StateSnapshots, copy_pages
 from glmflash.model.state import ModelState, cache_bytes
 from glmflash.model.weights import load_checkpoint
 from glmflash.utils.device import upload
@@ -103,7 +104,8 @@ def warm_up_cpu_experts(model: GlmForCausalLM) -> None:
 
 def plan_cache(model_config: ModelConfig, config: EngineConfig, max_seq_len: int,
                device: torch.device, dtype: torch.dtype) -> CachePlan:
-    """Pages and state slots that fit the memory budget; refuses a budget below one sequence."""
+    """Pages, state slots and prefix-cache snapshots that fit the memory budget; refuses a budget
+    below one sequence."""
     page = -(-config.page_size // model_config.index_kpool) * model_config.index_kpool
     per_token, per_slot = cache_bytes(model_config, dtype)
     if device.type == "cuda":
@@ -111,22 +113,27 @@ def plan_cache(model_config: ModelConfig, config: EngineConfig, max_seq_len: int
         budget = total * config.mem_fraction_static - torch.cuda.memory_allocated(device)
     else:
         budget = config.cache_budget_gb * GIB
-    slots = config.max_running_requests
+    slots, snapshots = config.max_running_requests, config.num_state_snapshots
     pages_per_seq = -(-max_seq_len // page)
     # NOTE: the ModelRunner adds one slot and one page (its reserve for padding rows) beyond
     # the budget.
-    pages = int((budget - slots * per_slot) // (page * per_token))
+    pages = int((budget - (slots + snapshots) * per_slot) // (page * per_token))
     pages = min(pages, slots * pages_per_seq)
     if pages < pages_per_seq:
         raise ValueError(f"cache budget of {budget / GIB:.2f} GiB cannot hold one sequence of "
-                         f"{max_seq_len} tokens plus {slots} state slots of "
-                         f"{per_slot / 2**20:.1f} MiB; raise the budget or lower "
-                         f"context_length / max_running_requests")
+                         f"{max_seq_len} tokens plus {slots} state slots and {snapshots} "
+                         f"snapshots of {per_slot / 2**20:.1f} MiB; raise the budget or lower "
+                         f"context_length / max_running_requests / max_state_snapshots")
     plan = CachePlan(num_pages=pages, page_size=page, num_state_slots=slots,
-                     max_pages_per_seq=pages_per_seq)
+                     max_pages_per_seq=pages_per_seq, num_snapshots=snapshots)
     logger.info("cache plan: %d pages x %d tokens = %d tokens (%.2f GiB), %d sequence slots "
                 "(%.1f MiB each)", pages, page, plan.num_token_slots,
                 plan.num_token_slots * per_token / GIB, slots, per_slot / 2**20)
+    if snapshots:
+        logger.info("prefix cache: %d state snapshots (%.2f GiB)", snapshots,
+                    snapshots * per_slot / GIB)
+    else:
+        logger.info("prefix cache: off")
     return plan
 
 
@@ -176,6 +183,8 @@ class ModelRunner:
         self.graphs = None
         """The CudaGraphRunner once `capture_graphs` has run."""
         self.prompt_logprobs = PromptLogprobTracker()
+        self.snapshots = StateSnapshots(self.state, plan.num_snapshots) \
+            if plan.num_snapshots else None
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits `[num sampled, V]` of the sequences whose chunk reaches their last token.
@@ -192,6 +201,7 @@ class ModelRunner:
         if rows is not None and self.graphs is not None \
                 and self.graphs.can_replay(len(rows.input_ids)):
             self.apply_page_updates(batch.page_updates)
+            self.apply_cache_ops(batch.cache_ops)
             return self.graphs.replay(rows)
         return self.model(self.prepare(batch), self.state)
 
@@ -245,13 +255,16 @@ class ModelRunner:
         rows = None if extra_logit_rows else self.decode_rows(batch)
         if rows is not None:
             self.apply_page_updates(batch.page_updates)
+            self.apply_cache_ops(batch.cache_ops)
             return decode_batch(upload(self.pack_decode(rows), self.device), self.page_table,
                                 self.page_size, self.pool_width(rows.num_pools))
         return self.prepare_inputs(collect_inputs(batch, self.page_size, extra_logit_rows))
 
     def prepare_inputs(self, inputs: StepInputs) -> ForwardBatch:
-        """The device side of a varlen step: page-table updates, one upload, spliced rows."""
+        """The device side of a varlen step: page-table updates, the prefix cache's copies, one
+        upload, spliced rows."""
         self.apply_page_updates(inputs.page_updates)
+        self.apply_cache_ops(inputs.cache_ops)
         forward_batch = build_forward_batch(
             inputs.input_ids, inputs.token_slots, inputs.cu_seqlens, inputs.prefix_lens,
             inputs.state_slots, self.page_table, self.page_size, logit_seqs=inputs.logit_seqs,
@@ -265,6 +278,18 @@ class ModelRunner:
         if updates:
             slot, index, page = upload(np.asarray(updates, dtype=np.int64).T, self.device)
             self.page_table[slot, index] = page.to(torch.int32)
+
+    def apply_cache_ops(self, ops: CacheOps | None) -> None:
+        """The prefix cache's copies, in order: snapshots of finished chunks, then the partial
+        pages and snapshots that sequences starting from a cached prefix begin with."""
+        if not ops:
+            return
+        if ops.saves:
+            self.snapshots.save(self.state, *zip(*ops.saves, strict=True))
+        if ops.page_copies:
+            copy_pages(self.state, *zip(*ops.page_copies, strict=True), self.page_size)
+        if ops.loads:
+            self.snapshots.load(self.state, *zip(*ops.loads, strict=True))
 
     def _input_embeds(self, input_ids: torch.Tensor,
                       embed_rows: list[tuple[int, torch.Tensor]]) -> torch.Tensor | None:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import torch
 
 from glmflash.config import ModelConfig
 from glmflash.multimodal.fetch import UrlPolicy
@@ -76,3 +81,20 @@ class MediaPreparer:
         videos = [load_video(s, self.fetch, self.process.video) for s in sources.videos]
         return prepare_multimodal_prompt(token_ids, config=self.config, tokenizer=self.tokenizer,
                                          images=images, videos=videos, process=self.process)
+
+
+def media_cache_key(token_ids: list[int], embeds: torch.Tensor, media_token_id: int) -> array:
+    """The prefix-cache key of a multimodal prompt: its token ids with every run of media
+    placeholders replaced by a hash of the features the model sees there (negative, so never a
+    token id): prompts with other images diverge at the first placeholder of the first image
+    that differs; the same image in the same place matches."""
+    key = array("q", token_ids)
+    ids = np.asarray(token_ids, dtype=np.int64)
+    is_media = np.concatenate([[False], ids == media_token_id, [False]])
+    edges = np.flatnonzero(is_media[1:] != is_media[:-1])
+    rows = embeds.detach()
+    for start, end in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
+        run = rows[start:end].float().cpu().numpy().tobytes()
+        digest = int.from_bytes(hashlib.blake2b(run, digest_size=8).digest(), "little")
+        key[start:end] = array("q", [-1 - (digest >> 2)] * (end - start))
+    return key

@@ -21,6 +21,11 @@ class EngineConfig:
     """GPU: fraction of device memory for weights plus cache."""
     cache_budget_gb: float = 2.0
     """CPU: bytes for the cache (MLA pages and per-sequence state slots)."""
+    disable_radix_cache: bool = False
+    """Turn the prefix cache off (SGLang's flag): every prompt is computed from its start."""
+    max_state_snapshots: int | None = None
+    """Prefix cache: state snapshots kept (each as large as a sequence's state slot); default
+    twice max_running_requests."""
     max_queued_requests: int | None = None
     """Choices in flight (queued or running) beyond this are refused (the server answers 503)."""
     seed: int | None = None
@@ -72,6 +77,14 @@ class EngineConfig:
     check_integrity: bool = False
     """Debug: verify cache ownership after every step."""
 
+    @property
+    def num_state_snapshots(self) -> int:
+        if self.disable_radix_cache:
+            return 0
+        if self.max_state_snapshots is not None:
+            return self.max_state_snapshots
+        return 2 * self.max_running_requests
+
     def __post_init__(self) -> None:
         checks = [
             (self.context_length is None or self.context_length >= 2,
@@ -79,6 +92,8 @@ class EngineConfig:
             (self.max_running_requests >= 1, "max_running_requests must be >= 1"),
             (self.chunked_prefill_size >= 1, "chunked_prefill_size must be >= 1"),
             (self.page_size >= 1, "page_size must be >= 1"),
+            (self.max_state_snapshots is None or self.max_state_snapshots >= 0,
+             "max_state_snapshots must be >= 0"),
             (0 < self.mem_fraction_static <= 1, "mem_fraction_static must be in (0, 1]"),
             (self.cache_budget_gb > 0, "cache_budget_gb must be > 0"),
             (self.kt_method.upper() == "FP8", f"kt_method {self.kt_method!r} is not supported "

@@ -23,6 +23,8 @@ class StreamDelta:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     """On a choice's first delta when SamplingParams.prompt_logprobs was set: per prompt token
     {token id: logprob} of it and the top alternatives, None for the first token."""
+    num_cached_tokens: int = 0
+    """Prompt tokens this choice took from the prefix cache."""
 
 
 @dataclass
@@ -32,6 +34,8 @@ class Choice:
     text: str
     finish_reason: str
     logprobs: list[dict[int, float]] | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens taken from the prefix cache (not computed again)."""
 
 
 @dataclass
@@ -61,6 +65,11 @@ class Result:
     def logprobs(self) -> list[dict[int, float]] | None:
         return self.choices[0].logprobs
 
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens taken from the prefix cache (choice 0's; usage counts the prompt once)."""
+        return self.choices[0].num_cached_tokens
+
 
 class ResultCollector:
     """Folds a request's deltas into a Result."""
@@ -80,6 +89,7 @@ class ResultCollector:
             choice.logprobs = (choice.logprobs or []) + delta.logprobs
         if delta.finish_reason:
             choice.finish_reason = delta.finish_reason
+            choice.num_cached_tokens = delta.num_cached_tokens
         if delta.error:
             self.error = delta.error
         if delta.prompt_logprobs is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from glmflash.engine.cache import CacheManager
+from glmflash.engine.cache import CacheManager, CacheOps
 from glmflash.engine.sequence import Sequence, SequenceStatus
 
 
@@ -33,6 +33,8 @@ class ScheduledBatch:
     """Whether the sequence's chunk reaches its last known token (so its logits are sampled)."""
     page_updates: list[tuple[int, int, int]] = field(default_factory=list)
     """(state slot, page index, page id) handed out since the previous batch."""
+    cache_ops: CacheOps | None = None
+    """State snapshots and page copies of the prefix cache, applied before the forward."""
 
 
 @dataclass(slots=True)
@@ -51,6 +53,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_query_tokens = 0
+        """Prompt tokens of admitted sequences (first admission), for the prefix-cache hit rate."""
+        self.num_hit_tokens = 0
 
     @property
     def has_work(self) -> bool:
@@ -76,8 +81,10 @@ class Scheduler:
         token), a prefill more (a new prompt, or everything again after preemption). Running
         decodes go first, one token each; then running prefills continue and waiting sequences
         are admitted in FIFO order while the token budget, the running limit, state slots and
-        pages allow. A running sequence that cannot get a page preempts the most recently
-        admitted one (freed and later recomputed), or itself if it is the newest.
+        pages allow; one whose prompt starts with a cached prefix starts after it, and only its
+        uncached tokens count against the budget and pages. A running sequence that cannot get
+        a page preempts the most recently admitted one (freed and later recomputed, from its
+        own cached prefix if that is still there), or itself if it is the newest.
         """
         plan: dict[int, int] = {}
         budget = self.config.chunked_prefill_size
@@ -103,17 +110,26 @@ class Scheduler:
         num_tokens = [plan[s.seq_id] for s in seqs]
         needs_sample = [s.num_computed_tokens + n == s.num_tokens
                         for s, n in zip(seqs, num_tokens, strict=True)]
-        return ScheduledBatch(seqs, num_tokens, needs_sample, self.cache.take_page_updates())
+        return ScheduledBatch(seqs, num_tokens, needs_sample, self.cache.take_page_updates(),
+                              self.cache.take_ops())
 
     def _admit(self, plan: dict[int, int], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             seq = self.waiting[0]
-            chunk = min(seq.num_uncomputed_tokens, budget)
-            chunk = min(chunk, self.cache.num_free_pages * self.cache.page_size)
-            if chunk <= 0 or not self.cache.can_allocate(seq, chunk):
+            hit = self.cache.match(seq)
+            cached = hit.num_tokens if hit else 0
+            # A partial last page of the hit is copied into a new page, so it counts as room.
+            room = (cached // self.cache.page_size + self.cache.num_free_pages) * \
+                self.cache.page_size - cached
+            chunk = min(seq.num_tokens - cached, budget, room)
+            if chunk <= 0 or not self.cache.can_allocate(seq, chunk, hit):
+                self.cache.release_match(hit)
                 break
             self.waiting.popleft()
-            self.cache.allocate(seq, chunk)
+            if seq.num_cached_tokens is None:
+                self.num_query_tokens += seq.num_prompt_tokens
+                self.num_hit_tokens += cached
+            self.cache.allocate(seq, chunk, hit)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             plan[seq.seq_id] = chunk
@@ -147,6 +163,8 @@ class Scheduler:
         deltas, tokens = [], iter(sampled)
         for seq, n, sample in zip(batch.seqs, batch.num_tokens, batch.needs_sample, strict=True):
             seq.num_computed_tokens += n
+            if seq.num_computed_tokens <= seq.num_prompt_tokens:
+                self.cache.cache_prefix(seq)
             if not sample or seq.is_finished:
                 continue
             token = next(tokens)

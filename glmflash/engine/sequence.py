@@ -41,6 +41,13 @@ class Sequence:
         self.page_ids: list[int] = []
         self.prompt_embeds = None
         """`[num_prompt_tokens, D]` input embeddings with visual features (multimodal prompts)."""
+        self.media_key: array | None = None
+        """The prompt's prefix-cache key when it has media: token ids with each run of media
+        placeholders replaced by a hash of its features (negative, so never a token id)."""
+        self.num_cached_tokens: int | None = None
+        """Prompt tokens taken from the prefix cache at the first admission."""
+        self.cache_node = None
+        """The deepest prefix-cache node this sequence uses (locked while it runs)."""
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +60,11 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:].tolist()
+
+    @property
+    def cache_key(self) -> array:
+        """Prefix-cache key of the prompt (its first `num_prompt_tokens` entries are used)."""
+        return self.token_ids if self.media_key is None else self.media_key
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from glmflash.engine.cache import CacheOps
 from glmflash.engine.scheduler import ScheduledBatch
 from glmflash.model.forward_batch import token_slots_of
 
@@ -29,6 +30,8 @@ class StepInputs:
     """(first row, embeddings `[n, D]`) of multimodal prompt rows that replace the lookup."""
     extra_logit_rows: list[int] | None = None
     """Rows whose logits follow the sampled ones (prompt log-probabilities)."""
+    cache_ops: CacheOps | None = None
+    """The prefix cache's state copies to make before the forward (every rank makes them)."""
 
 
 def collect_inputs(batch: ScheduledBatch, page_size: int,
@@ -46,7 +49,8 @@ def collect_inputs(batch: ScheduledBatch, page_size: int,
         prefix_lens.append(start)
     return StepInputs(ids, slots, cu_seqlens, prefix_lens, [seq.state_slot for seq in batch.seqs],
                       [b for b, need in enumerate(batch.needs_sample) if need],
-                      list(batch.page_updates), _embed_rows(batch, cu_seqlens), extra_logit_rows)
+                      list(batch.page_updates), _embed_rows(batch, cu_seqlens), extra_logit_rows,
+                      batch.cache_ops)
 
 
 def _embed_rows(batch: ScheduledBatch, cu_seqlens: list[int]) -> list[tuple[int, torch.Tensor]]:

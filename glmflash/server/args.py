@@ -27,7 +27,8 @@ _ENGINE_OPTIONS = ("context_length", "max_running_requests", "chunked_prefill_si
                    "page_size", "kt_method", "kt_num_gpu_experts", "kt_gpu_prefill_token_threshold",
                    "kt_cpuinfer", "kt_threadpool_count", "kt_expert_placement", "load_format",
                    "skip_kernel_warmup", "cuda_graph_bs", "cuda_graph_max_bs",
-                   "disable_cuda_graph", "ep_size", *_MEDIA_FLAGS)
+                   "disable_cuda_graph", "ep_size", "disable_radix_cache", "max_state_snapshots",
+                   *_MEDIA_FLAGS)
 # chunked prefill off (SGLang's -1): one chunk as large as any prompt.
 _UNCHUNKED = 2**31 - 1
 
@@ -147,6 +148,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     engine.add_argument("--cache-budget-gb", type=_positive_float, default=None,
                         help="CPU: GiB for the cache")
     engine.add_argument("--seed", type=int, default=None, help="default sampling seed")
+    engine.add_argument("--disable-radix-cache", action="store_true", default=None,
+                        help="turn the prefix cache off: every prompt is computed from its start")
+    engine.add_argument("--max-state-snapshots", type=_non_negative_int, default=None,
+                        metavar="N", help="prefix cache: KDA state snapshots kept, each as large "
+                                          "as a sequence's state (default: twice "
+                                          "--max-running-requests)")
     engine.add_argument("--tp-size", type=_positive_int, default=1,
                         help="ranks (one process per GPU) the model is split over")
     engine.add_argument("--ep-size", type=_positive_int, default=None,

@@ -145,6 +145,7 @@ async def chat_completion(state: ServerState, request: ChatCompletionRequest,
     num_output = sum(len(c.token_ids) for c in result.choices)
     usage = {"prompt_tokens": num_prompt, "completion_tokens": num_output,
              "total_tokens": num_prompt + num_output,
+             "prompt_tokens_details": {"cached_tokens": result.choices[0].num_cached_tokens},
              "completion_tokens_details": {"reasoning_tokens": sum(
                  plan.num_reasoning_tokens(c.token_ids) for c in result.choices)}}
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",

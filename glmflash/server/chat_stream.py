@@ -48,6 +48,7 @@ class ChatStream:
                  model: str, params: SamplingParams) -> None:
         self.state, self.request, self.plan = state, request, plan
         self.choices = [_ChoiceState(plan, state.token_pieces(params)) for _ in range(request.n)]
+        self.num_cached_tokens = 0
         self.header = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
                        "created": int(time.time()), "model": model, "system_fingerprint": None}
 
@@ -63,6 +64,8 @@ class ChatStream:
     def on_delta(self, delta: StreamDelta) -> list[dict[str, Any]]:
         choice = self.choices[delta.index]
         choice.token_ids += delta.token_ids
+        if delta.index == 0:
+            self.num_cached_tokens = delta.num_cached_tokens
         pieces = choice.parser.feed(delta.text)
         if delta.finish_reason is not None:
             pieces += choice.parser.finish()
@@ -99,6 +102,7 @@ class ChatStream:
         num_reasoning = sum(self.plan.num_reasoning_tokens(c.token_ids) for c in self.choices)
         usage = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output,
                  "total_tokens": num_prompt_tokens + num_output,
+                 "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
                  "completion_tokens_details": {"reasoning_tokens": num_reasoning}}
         return {**self.header, "choices": [], "usage": usage}
 

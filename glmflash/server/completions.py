@@ -77,10 +77,12 @@ def _header(model: str) -> dict[str, Any]:
             "created": int(time.time()), "model": model, "system_fingerprint": None}
 
 
-def _usage(prepared: PreparedRequest, num_output_tokens: int) -> dict[str, int]:
+def _usage(prepared: PreparedRequest, num_output_tokens: int,
+           num_cached_tokens: int) -> dict[str, Any]:
     num_prompt = sum(len(ids) for ids in prepared.prompt_token_ids)
     return {"prompt_tokens": num_prompt, "completion_tokens": num_output_tokens,
-            "total_tokens": num_prompt + num_output_tokens}
+            "total_tokens": num_prompt + num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
 
 
 async def completion(state: ServerState, request: CompletionRequest, model: str,
@@ -103,7 +105,9 @@ async def completion(state: ServerState, request: CompletionRequest, model: str,
                             "logprobs": None if logprobs is None else logprobs.data.data,
                             "finish_reason": choice.finish_reason})
     num_output = sum(len(c.token_ids) for r in results for c in r.choices)
-    return {**_header(model), "choices": choices, "usage": _usage(prepared, num_output)}
+    num_cached = sum(r.choices[0].num_cached_tokens for r in results)
+    return {**_header(model), "choices": choices,
+            "usage": _usage(prepared, num_output, num_cached)}
 
 
 class CompletionStream:
@@ -120,6 +124,7 @@ class CompletionStream:
         self.logprobs = [ChoiceLogprobs(state, request, prepared) for _ in range(num_choices)]
         self.has_started = [False] * num_choices
         self.num_output_tokens = 0
+        self.num_cached_tokens = [0] * len(prepared.prompt_token_ids)
 
     @property
     def echoes_upfront(self) -> bool:
@@ -144,6 +149,8 @@ class CompletionStream:
     def on_delta(self, prompt_index: int, delta: StreamDelta) -> dict[str, Any] | None:
         index = prompt_index * self.request.n + delta.index
         self.num_output_tokens += len(delta.token_ids)
+        if delta.index == 0:
+            self.num_cached_tokens[prompt_index] = delta.num_cached_tokens
         text = delta.text
         if self.request.echo and not self.echoes_upfront and not self.has_started[index]:
             text = self.echoes[prompt_index] + text
@@ -158,9 +165,11 @@ class CompletionStream:
         if self.request.logprobs is not None:
             logprobs = self.logprobs[index].take_unsent()
         return self.chunk(index, text, logprobs, delta.finish_reason)
+
     def usage_chunk(self) -> dict[str, Any]:
         return {**self.header, "choices": [],
-                "usage": _usage(self.prepared, self.num_output_tokens)}
+                "usage": _usage(self.prepared, self.num_output_tokens,
+                                sum(self.num_cached_tokens))}
 
 
 async def completion_stream(state: ServerState, request: CompletionRequest, model: str,

@@ -51,12 +51,20 @@ class Counter:
 
 
 class Gauge:
+    kind = "gauge"
+
     def __init__(self, name: str, help: str, read: Callable[[], float]) -> None:
         self.name, self.help, self.read = name, help, read
 
     def render(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} gauge",
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}",
                 f"{self.name} {_number(self.read())}"]
+
+
+class CounterView(Gauge):
+    """A counter kept by its owner (the engine) and read when /metrics is scraped."""
+
+    kind = "counter"
 
 
 class Histogram:
@@ -106,9 +114,34 @@ class ServerMetrics:
                   lambda: len(engine.scheduler.running)),
             Gauge("glmflash_cache_usage_fraction", "Fraction of cache pages in use.",
                   lambda: 1.0 - cache.num_free_pages / cache.plan.num_pages),
+            *_prefix_cache_metrics(engine),
         ]
         self._all = [self.requests, self.prompt_tokens, self.completion_tokens, *gauges,
                      self.time_to_first_token, self.inter_token_latency, self.e2e_latency]
 
     def render(self) -> str:
         return "\n".join(line for metric in self._all for line in metric.render()) + "\n"
+
+
+def _prefix_cache_metrics(engine: Engine) -> list[Gauge]:
+    """Hit rate, cached pages and snapshots of the prefix cache, from the engine's counters."""
+    stats = engine.cache_stats
+
+    def hit_rate() -> float:
+        now = stats()
+        return now.num_hit_tokens / now.num_query_tokens if now.num_query_tokens else 0.0
+
+    return [
+        CounterView("glmflash_prefix_cache_query_tokens_total",
+                    "Prompt tokens of admitted requests.", lambda: stats().num_query_tokens),
+        CounterView("glmflash_prefix_cache_hit_tokens_total",
+                    "Prompt tokens taken from the prefix cache.", lambda: stats().num_hit_tokens),
+        Gauge("glmflash_prefix_cache_hit_rate",
+              "Fraction of admitted prompt tokens taken from the prefix cache.", hit_rate),
+        Gauge("glmflash_prefix_cache_pages", "Cache pages held by cached prefixes.",
+              lambda: stats().num_cached_pages),
+        Gauge("glmflash_prefix_cache_snapshots", "State snapshots held by cached prefixes.",
+              lambda: stats().num_snapshots),
+        Gauge("glmflash_prefix_cache_max_snapshots", "State snapshots planned at start.",
+              lambda: stats().max_snapshots),
+    ]

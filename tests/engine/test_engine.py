@@ -21,11 +21,14 @@ def _budget_gb(engine_cls_kwargs, pages: int, tiny_dir) -> float:
     import json
 
     from glmflash.config import ModelConfig
+    from glmflash.engine.options import EngineConfig
     from glmflash.model.state import cache_bytes
 
     config = ModelConfig.from_dict(json.loads((tiny_dir / "config.json").read_text()))
     per_token, per_slot = cache_bytes(config, torch.float32)
-    slots = engine_cls_kwargs["max_running_requests"]
+    options = EngineConfig(**engine_cls_kwargs)
+    # State slots plus the prefix cache's snapshots, each as large as a slot.
+    slots = options.max_running_requests + options.num_state_snapshots
     return (slots * per_slot + pages * engine_cls_kwargs["page_size"] * per_token) / 2**30
 
 
