@@ -92,3 +92,26 @@ def test_every_choice_gets_them_and_bad_values_raise(engines):
     assert all(not engine.runner.prompt_logprobs.missing for engine in engines)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)
+
+
+def test_prompt_logprobs_are_the_same_with_the_prefix_cache_warm(tiny_dirs):
+    """A prompt already in the prefix cache is computed whole when it asks for prompt
+    log-probabilities, so they equal those of a cache-off engine."""
+    path = tiny_dirs["embedded"]
+    options = dict(device="cpu", dtype="float32", skip_kernel_warmup=True, chunked_prefill_size=8)
+    prompt = _prompts()[3]
+    greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    scored = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    warm = Engine(path, **options)
+    cold = Engine(path, disable_radix_cache=True, **options)
+    try:
+        warm.generate(prompt_token_ids=[prompt], sampling_params=greedy)  # fills the cache
+        again = warm.generate(prompt_token_ids=[prompt + [7]], sampling_params=greedy)[0]
+        assert again.choices[0].num_cached_tokens > 0, "the cache should hit without logprobs"
+        got = warm.generate(prompt_token_ids=[prompt], sampling_params=scored)[0]
+        want = cold.generate(prompt_token_ids=[prompt], sampling_params=scored)[0]
+        assert got.choices[0].num_cached_tokens == 0
+        assert got.prompt_logprobs == want.prompt_logprobs
+    finally:
+        warm.shutdown()
+        cold.shutdown()
