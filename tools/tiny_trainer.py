@@ -3,17 +3,17 @@
 On the CPU every op runs its pure-PyTorch reference (kernels/<op>/ref.py), which is
 differentiable. A step packs several samples into one varlen ForwardBatch with a fresh
 ModelState, as a prefill of fresh sequences: the main loss is next-token cross-entropy on the
-masked positions, the MTP loss is next-next-token cross-entropy of the MTP layer (fed the main
-model's detached hidden state and the next token's embedding). Expert load is balanced without an
-auxiliary loss: after each step every router's `e_score_correction_bias` moves towards the
-under-used experts (the release's bias-update rule).
+assistant tokens (the rest weighs PROMPT_WEIGHT), the MTP loss is next-next-token cross-entropy
+of the MTP layer (fed the main model's detached hidden state and the next token's embedding),
+and each indexer learns where its layer's dense attention would go (tiny_indexer_loss.py).
+Expert load is balanced without an auxiliary loss: after each step every router's
+`e_score_correction_bias` moves towards the under-used experts (the release's bias-update rule).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,17 +27,14 @@ from glmflash.model.mtp import GlmMtp, with_mtp_layer
 from glmflash.model.state import ModelState
 from glmflash.tiny.checkpoint import random_like
 from tools.tiny_data import Sample
+from tools.tiny_indexer_loss import MlaInputs, indexer_loss
 
 PAGE_SIZE = 16
 MTP_LOSS_WEIGHT = 0.3
+INDEXER_LOSS_WEIGHT = 1.0
+# Loss weight of the tokens outside the assistant turns (prompts, tool schemas, tool results).
+PROMPT_WEIGHT = 0.25
 BIAS_UPDATE_RATE = 1e-3
-
-
-@dataclass
-class StepLosses:
-    loss: float
-    mtp_loss: float
-    num_tokens: int
 
 
 def build_models(config: ModelConfig, seed: int) -> tuple[GlmForCausalLM, GlmMtp]:
@@ -55,9 +52,9 @@ def build_models(config: ModelConfig, seed: int) -> tuple[GlmForCausalLM, GlmMtp
 
 
 def _is_trained(name: str) -> bool:
-    # The indexer chooses slots by top-k: no gradient reaches it through the LM loss. The
-    # router bias is set by the balancing rule.
-    return ".indexer." not in name and not name.endswith("e_score_correction_bias")
+    # The router bias is set by the balancing rule. (The indexer learns from its own loss only:
+    # no gradient reaches it through the top-k choice.)
+    return not name.endswith("e_score_correction_bias")
 
 
 def routers(*modules: nn.Module) -> list[Router]:
@@ -74,36 +71,56 @@ def _batch(seqs: list[list[int]], device: str = "cpu"):
 
 
 def forward_losses(model: GlmForCausalLM, mtp: GlmMtp, samples: list[Sample]
-                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(main loss, MTP loss, trained tokens) of one packed batch, with gradients."""
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(main loss, MTP loss, indexer loss, assistant tokens) of one packed batch."""
     config = with_mtp_layer(model.config)
     max_len = max(len(s.ids) for s in samples)
     pages = -(-max_len // PAGE_SIZE)
     state = ModelState(config, num_token_slots=len(samples) * pages * PAGE_SIZE,
                        num_state_slots=len(samples), dtype=torch.float32, device="cpu")
-    batch = _batch([s.ids for s in samples])
-    hidden = model.hidden_states(batch, state)
-    ids = torch.tensor(np.concatenate([s.ids for s in samples]))
-    mask = torch.tensor(np.concatenate([s.mask for s in samples]), dtype=torch.bool)
-    starts = batch.cu_seqlens[:-1]
-    ends = batch.cu_seqlens[1:]
-    # Row t predicts token t+1 of the same sequence; the MTP row t predicts token t+2.
-    rows = torch.cat([torch.arange(a, b - 1) for a, b in zip(starts, ends, strict=True)])
-    keep = mask[rows + 1]
-    loss = nn.functional.cross_entropy(model.logits(hidden[rows[keep]]), ids[rows[keep] + 1])
-    mtp_batch = _batch([s.ids[1:] for s in samples])
-    mtp_rows = rows  # the MTP sequence of sample b is its tokens 1..n-1: row t sits at t - b
-    offsets = torch.repeat_interleave(torch.arange(len(samples)),
-                                      torch.tensor([b - a - 1 for a, b in zip(starts, ends,
-                                                                              strict=True)]))
-    embeds = model.text.embed_tokens(mtp_batch.input_ids)
-    mtp_hidden = mtp(hidden.detach()[mtp_rows], embeds, mtp_batch, state)
-    mtp_keep = torch.zeros_like(keep)
-    has_next_next = (mtp_rows + 2) < torch.tensor(ends)[offsets]
-    mtp_keep[has_next_next] = mask[(mtp_rows + 2)[has_next_next]]
-    target_rows = mtp_rows[mtp_keep] + 2
-    mtp_loss = nn.functional.cross_entropy(model.logits(mtp_hidden[mtp_keep]), ids[target_rows])
-    return loss, mtp_loss, int(keep.sum())
+    inputs = MlaInputs(model, mtp)
+    try:
+        batch = _batch([s.ids for s in samples])
+        ids = torch.tensor(np.concatenate([s.ids for s in samples]))
+        batch.input_embeds = _embeds(model, ids, samples)
+        hidden = model.hidden_states(batch, state)
+        mask = torch.tensor(np.concatenate([s.mask for s in samples]), dtype=torch.bool)
+        weight = torch.where(mask, 1.0, PROMPT_WEIGHT)
+        ends = torch.tensor(batch.cu_seqlens[1:])
+        # Row t predicts token t+1 of the same sequence; the MTP row t predicts token t+2.
+        rows = torch.cat([torch.arange(a, b - 1) for a, b in
+                          zip(batch.cu_seqlens[:-1], batch.cu_seqlens[1:], strict=True)])
+        loss = _weighted_ce(model.logits(hidden[rows]), ids[rows + 1], weight[rows + 1])
+        # The MTP sequence of sample b is its tokens 1..n-1: MTP row j is main row rows[j].
+        mtp_batch = _batch([s.ids[1:] for s in samples])
+        embeds = model.text.embed_tokens(mtp_batch.input_ids)
+        mtp_hidden = mtp(hidden.detach()[rows], embeds, mtp_batch, state)
+        seq_of_row = torch.searchsorted(ends, rows, right=True)
+        valid = rows + 2 < ends[seq_of_row]
+        target = (rows + 2)[valid]
+        mtp_loss = _weighted_ce(model.logits(mtp_hidden[valid]), ids[target], weight[target])
+        index_loss = indexer_loss(inputs.records)
+    finally:
+        inputs.remove()
+    return loss, mtp_loss, index_loss, int(mask[rows + 1].sum())
+
+
+def _embeds(model: GlmForCausalLM, ids: torch.Tensor, samples: list[Sample]) -> torch.Tensor:
+    """Token embeddings `[T, D]`, the vision tower's features on the pictures' tokens."""
+    embeds = model.text.embed_tokens(ids)
+    images = [s.image_inputs for s in samples if s.image_inputs is not None]
+    if not images:
+        return embeds
+    features = model.visual.features(torch.cat([i.pixel_values for i in images]),
+                                     torch.cat([i.grid_thw for i in images]))
+    rows = torch.nonzero(ids == model.config.image_token_id).squeeze(1)
+    return embeds.index_put((rows,), features.to(embeds.dtype))
+
+
+def _weighted_ce(logits: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor
+                 ) -> torch.Tensor:
+    ce = nn.functional.cross_entropy(logits, targets, reduction="none")
+    return (ce * weight).sum() / weight.sum()
 
 
 def balance_routers(model: nn.Module, mtp: nn.Module, counts: list[torch.Tensor]) -> None:

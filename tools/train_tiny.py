@@ -30,6 +30,7 @@ from glmflash.tiny.tokenizer_files import write_tiny_tokenizer
 from glmflash.utils.logging import setup_logging
 from tools.tiny_data import RECIPE, Sample, SampleMaker, Seen, make_sample
 from tools.tiny_trainer import (
+    INDEXER_LOSS_WEIGHT,
     MTP_LOSS_WEIGHT,
     balance_routers,
     build_models,
@@ -78,21 +79,22 @@ class Training:
             router.counts = count
         tokenizer_dir = Path(tempfile.mkdtemp(prefix="tiny-tokenizer-"))
         write_tiny_tokenizer(tokenizer_dir)
-        self.source = batches(SampleMaker(tokenizer_dir), seed, max_tokens)
+        self.source = batches(SampleMaker(tokenizer_dir, config), seed, max_tokens)
         self.total_steps, self.peak_lr, self.num_steps = total_steps, peak_lr, 0
 
     def step(self) -> tuple[float, float, int]:
-        """(loss, MTP loss, trained tokens) of the next batch, after the update."""
+        """(loss, MTP loss, indexer loss, assistant tokens) of the next batch, after the update."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.num_steps, self.total_steps, self.peak_lr, warmup=30)
-        loss, mtp_loss, num_trained = forward_losses(self.model, self.mtp, next(self.source))
+        loss, mtp_loss, index_loss, num_trained = forward_losses(self.model, self.mtp,
+                                                                 next(self.source))
         self.optimizer.zero_grad(set_to_none=True)
-        (loss + MTP_LOSS_WEIGHT * mtp_loss).backward()
+        (loss + MTP_LOSS_WEIGHT * mtp_loss + INDEXER_LOSS_WEIGHT * index_loss).backward()
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.optimizer.step()
         balance_routers(self.model, self.mtp, self.counts)
         self.num_steps += 1
-        return loss.item(), mtp_loss.item(), num_trained
+        return loss.item(), mtp_loss.item(), index_loss.item(), num_trained
 
     def finish(self, out: Path) -> None:
         for router in routers(self.model, self.mtp):
@@ -106,11 +108,12 @@ def train(out: Path, seed: int, steps: int, max_tokens: int, peak_lr: float) -> 
     for step in range(steps):
         log.append((step, *run.step(), time.time() - start))
         if step % 10 == 0 or step == steps - 1:
-            logger.info("step %d/%d loss %.3f mtp %.3f (%.0f s)", step, steps, *log[-1][1:3],
-                        log[-1][4])
+            logger.info("step %d/%d loss %.3f mtp %.3f indexer %.3f (%.0f s)", step, steps,
+                        *log[-1][1:4], log[-1][5])
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "loss_log.csv", "w", newline="") as f:
-        csv.writer(f).writerows([("step", "loss", "mtp_loss", "trained_tokens", "seconds"),
+        csv.writer(f).writerows([("step", "loss", "mtp_loss", "indexer_loss", "trained_tokens",
+                                  "seconds"),
                                  *log])
     run.finish(out)
     tail = log[-20:]
@@ -118,7 +121,8 @@ def train(out: Path, seed: int, steps: int, max_tokens: int, peak_lr: float) -> 
                 peak_lr=peak_lr, threads=torch.get_num_threads(), data_recipe=RECIPE,
                 final_loss=round(sum(r[1] for r in tail) / len(tail), 4),
                 final_mtp_loss=round(sum(r[2] for r in tail) / len(tail), 4),
-                train_seconds=round(log[-1][4]), torch=torch.__version__)
+                final_indexer_loss=round(sum(r[3] for r in tail) / len(tail), 4),
+                train_seconds=round(log[-1][5]), torch=torch.__version__)
 
 
 def main() -> None:
