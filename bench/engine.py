@@ -24,7 +24,7 @@ from bench.common import add_fake_context_requests, append_results  # noqa: E402
 from glmflash import Engine, SamplingParams  # noqa: E402
 from glmflash.config import ModelConfig  # noqa: E402
 from glmflash.model.state import cache_bytes  # noqa: E402
-from glmflash.tiny.embedded import embedded_checkpoint  # noqa: E402
+from glmflash.tiny.embedded import random_tiny_checkpoint  # noqa: E402
 
 WARMUP_STEPS = 3
 
@@ -114,12 +114,15 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else None
     longest = max(contexts) if contexts else 512
     dtype = "bfloat16" if args.device == "cuda" else "float32"
-    per_token, per_slot = cache_bytes(ModelConfig.from_hf(embedded_checkpoint()),
+    # The random tiny checkpoint (hidden 192, 6 layers): the model of the recorded figures.
+    folder = random_tiny_checkpoint()
+    per_token, per_slot = cache_bytes(ModelConfig.from_hf(folder),
                                       getattr(torch, dtype))
     # Room for every sequence's whole context plus the decoded tokens.
     seqs = max(32, args.batch)
     budget = (seqs * (longest + args.steps + 128) * per_token + seqs * per_slot) / 2**30
-    engine = Engine(device=args.device, dtype=dtype, max_running_requests=max(32, args.batch),
+    engine = Engine(folder, device=args.device, dtype=dtype,
+                    max_running_requests=max(32, args.batch),
                     context_length=longest + args.steps + 64, cache_budget_gb=budget + 0.1,
                     background_loop=False, disable_cuda_graph=args.disable_cuda_graph)
     if args.host_only:

@@ -65,7 +65,10 @@ def main() -> None:
 
 def make_engine(args: argparse.Namespace) -> Engine:
     if not args.release_layers:
-        return Engine(device=args.device, context_length=512, background_loop=False)
+        from glmflash.tiny.embedded import random_tiny_checkpoint
+
+        return Engine(random_tiny_checkpoint(), device=args.device, context_length=512,
+                      background_loop=False)
     from bench.e2e import bench_config, write_folder
 
     folder = write_folder(bench_config(False, args.release_layers), Path(tempfile.mkdtemp()))

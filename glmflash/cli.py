@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text from a prompt",
                          formatter_class=HelpFormatter)
     gen.add_argument("--model-path", default=None,
-                     help="checkpoint folder (default: the embedded tiny checkpoint)")
+                     help="checkpoint folder (default: the embedded trained tiny checkpoint)")
     gen.add_argument("--prompt", action="append", required=True,
                      help="prompt text; repeat for several prompts")
     gen.add_argument("--chat", action="store_true",
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny", help="write the tiny random checkpoint",
                           formatter_class=HelpFormatter)
     tiny.add_argument("dir", nargs="?", default=None,
-                      help="output folder (default: the embedded checkpoint's cache folder)")
+                      help="output folder (default: the random checkpoint's cache folder)")
     tiny.add_argument("--seed", type=int, default=0, help="weights seed")
     tiny.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return parser
@@ -78,9 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _make_tiny(args: argparse.Namespace) -> int:
     if args.dir is None:
-        from glmflash.tiny.embedded import embedded_checkpoint
+        from glmflash.tiny.embedded import random_tiny_checkpoint
 
-        path = embedded_checkpoint(args.seed)
+        path = random_tiny_checkpoint(args.seed)
     else:
         from glmflash.tiny.checkpoint import make_tiny_checkpoint
 

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
+
+from tools.tiny_tasks import known_words
+
+_KNOWN_WORDS = known_words()
 
 
 def _run(args: list[str], cache, timeout: int = 180) -> subprocess.CompletedProcess:
@@ -18,17 +23,27 @@ def _run(args: list[str], cache, timeout: int = 180) -> subprocess.CompletedProc
 
 
 def test_generate_on_the_embedded_checkpoint(tmp_path):
-    proc = _run(["generate", "--prompt", "Hello, GLM", "--prompt", "Second", "--max-tokens", "5"],
+    """The README's first command: the trained checkpoint in the package answers readably."""
+    proc = _run(["generate", "--prompt", "Hello, GLM", "--prompt", "Second", "--max-tokens", "24"],
                 tmp_path)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert len(lines) >= 2 and any(line.strip() for line in lines)
-    assert "making the embedded tiny checkpoint" in proc.stderr
-    assert (tmp_path / "tiny-v1-seed0" / "config.json").exists()
-    again = _run(["generate", "--prompt", "Hello, GLM", "--prompt", "Second", "--max-tokens", "5"],
+    words = re.findall(r"[A-Za-z']+", lines[0])
+    assert len(words) >= 5 and sum(w.lower() in _KNOWN_WORDS for w in words) >= 0.9 * len(words), \
+        lines[0]
+    assert not any(tmp_path.iterdir())  # nothing is made: the checkpoint ships in the package
+    again = _run(["generate", "--prompt", "Hello, GLM", "--prompt", "Second", "--max-tokens", "24"],
                  tmp_path)
-    assert again.stdout == proc.stdout  # greedy by default, and the cache is reused
-    assert "making the embedded tiny checkpoint" not in again.stderr
+    assert again.stdout == proc.stdout  # greedy by default
+
+
+def test_make_tiny_makes_the_random_checkpoint_once(tmp_path):
+    proc = _run(["make-tiny"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(tmp_path / "tiny-v1-seed0")
+    assert "making the random tiny checkpoint" in proc.stderr
+    assert "making" not in _run(["make-tiny"], tmp_path).stderr
 
 
 def test_make_tiny_is_deterministic(tmp_path):

@@ -20,9 +20,11 @@ class EngineLoopMixin:
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._stopping = False
-                self._thread = threading.Thread(target=self._loop, name="glmflash-engine",
-                                                daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._loop, name="glmflash-engine", daemon=True)
+                thread.start()
+                # Published once alive: `failure`, read by other submitting threads, takes a
+                # set but not yet started thread for a dead one.
+                self._thread = thread
 
     def _loop(self) -> None:
         try:

@@ -95,6 +95,15 @@ class GlmForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, state: ModelState, *,
                 all_logits: bool = False, layer_outputs: list | None = None) -> torch.Tensor:
         """Logits of the rows in `batch.logits_index` `[N, V]` (or of every token `[T, V]`)."""
+        h = self.hidden_states(batch, state, layer_outputs=layer_outputs)
+        if not all_logits:
+            h = h[batch.logits_index]
+        return self.logits(h)
+
+    def hidden_states(self, batch: ForwardBatch, state: ModelState, *,
+                      layer_outputs: list | None = None) -> torch.Tensor:
+        """The streams' mean after the last layer `[T, D]`, before the final norm (outside
+        inference mode, so that training can take gradients through it)."""
         x = batch.input_embeds if batch.input_embeds is not None \
             else self.text.embed_tokens(batch.input_ids)
         streams = x.to(self.dtype).unsqueeze(1).expand(-1, self.text.hc_mult, -1).contiguous()
@@ -103,10 +112,11 @@ class GlmForCausalLM(nn.Module):
             streams, selection = layer(streams, batch, state, selection)
             if layer_outputs is not None:
                 layer_outputs.append(streams)
-        h = streams.mean(dim=1)
-        if not all_logits:
-            h = h[batch.logits_index]
-        return self.lm_head(self.text.norm(h)).float()
+        return streams.mean(dim=1)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits `[N, V]` of hidden states `[N, D]` (final norm, then lm_head)."""
+        return self.lm_head(self.text.norm(hidden)).float()
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:

@@ -74,6 +74,8 @@ class KimiDeltaAttention(nn.Module):
     def conv_weight(self) -> torch.Tensor:
         """The q, k, v conv filters stacked `[3 * width, kernel]` (fp32), made once."""
         sources = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
+        if sources[0].requires_grad and torch.is_grad_enabled():
+            return torch.cat(sources).squeeze(1)  # training: no cached copy (keeps the gradient)
         key = tuple(w.data_ptr() for w in sources)
         if getattr(self, "_conv_key", None) != key:
             self._conv_weight = torch.cat(sources).squeeze(1).contiguous()

@@ -70,6 +70,9 @@ def fused_weight(projections: tuple[nn.Module, ...]) -> torch.Tensor:
     weight (one copy in memory), and it is rebuilt if a parameter is moved or replaced."""
     assert all(p.bias is None and not p.fp8_block for p in projections)
     first = projections[0].weight
+    if first.requires_grad and torch.is_grad_enabled():
+        # Training: a stacked copy would cut the gradient to the parameters.
+        return torch.cat([p.weight for p in projections])
     stacked = getattr(projections[0], "_stacked", None)
     if stacked is not None and stacked.data_ptr() == first.data_ptr() and \
             stacked.device == first.device:

@@ -106,6 +106,10 @@ class VisionTower(nn.Module):
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """pixel_values `[N, C*T*P*P]` (processor patch order), grid_thw `[M, 3]` -> `[N/m², D]`."""
+        return self.features(pixel_values, grid_thw)
+
+    def features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """`forward` outside inference mode (training takes gradients through it)."""
         grids = [tuple(int(v) for v in row) for row in grid_thw.tolist()]
         num_patches = sum(t * h * w for t, h, w in grids)
         if pixel_values.shape[0] != num_patches:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 from tqdm import tqdm
 
 from glmflash.config import ModelConfig
@@ -40,7 +41,7 @@ def make_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, variant: str = "
     config = ModelConfig.from_dict(config_dict)
     tensors = dict(tqdm(_disk_tensors(config, seed), desc="Making tiny checkpoint",
                         unit="tensor", disable=not progress))
-    _write_shards(out, tensors)
+    write_shards(out, tensors)
     (out / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
     generation = {"eos_token_id": list(config.eos_token_id), "pad_token_id": config.pad_token_id}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
@@ -52,29 +53,37 @@ def make_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, variant: str = "
 def _disk_tensors(config: ModelConfig, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
     model = GlmForCausalLM(dataclasses.replace(config, quant=None), torch.float32)
-    quantized_names = _fp8_weight_names(config)
     for name, param in model.named_parameters():
-        param.data.copy_(_random_like(name, param.data, generator))
+        param.data.copy_(random_like(name, param.data, generator))
+    yield from release_tensors(model, config)
+    if config.vision is not None:
+        yield from vision_tensors(config, generator)
+
+
+def release_tensors(model: nn.Module, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """A plain (fp32) model's tensors in the release layout of `config`: FP8 with 128x128 block
+    scales where the release is FP8, fp32 where it keeps fp32, BF16 otherwise (spec §7.4)."""
+    quantized_names = _fp8_weight_names(config, type(model))
     for name, value in iter_state_dict_for_save(model):
+        value = value.detach()
         if name in quantized_names:
             weight, scale = quantize_block_fp8(value, block=config.quant.weight_block_size[0])
             yield name, weight
             yield name + "_scale_inv", scale
         else:
             yield name, value.to(torch.float32 if name.endswith(_FP32_SUFFIXES) else torch.bfloat16)
-    if config.vision is not None:
-        yield from _vision_tensors(config, generator)
 
 
-def _fp8_weight_names(config: ModelConfig) -> set[str]:
+def _fp8_weight_names(config: ModelConfig, model_class: type = GlmForCausalLM) -> set[str]:
     if not config.is_fp8:
         return set()
     with torch.device("meta"):
-        model = GlmForCausalLM(config, torch.bfloat16)
+        model = model_class(config, torch.bfloat16)
     return {name for name, t in iter_state_dict_for_save(model) if t.dtype == FP8_DTYPE}
 
 
-def _random_like(name: str, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def random_like(name: str, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A random value for parameter `name` (gains near 1, fan-in scaled matrices)."""
     r = torch.randn(like.shape, generator=generator)
     if name.endswith("e_score_correction_bias"):
         return 0.05 * r
@@ -87,12 +96,12 @@ def _random_like(name: str, like: torch.Tensor, generator: torch.Generator) -> t
     return r / math.sqrt(fan_in)
 
 
-def _vision_tensors(config: ModelConfig, generator: torch.Generator
+def vision_tensors(config: ModelConfig, generator: torch.Generator
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     for name, shape in vision_tensor_shapes(config).items():
         like = torch.empty(shape)
         fan_in = shape[-1] if len(shape) == 2 else like[0].numel()
-        value = _random_like(name, like, generator) if len(shape) == 1 else \
+        value = random_like(name, like, generator) if len(shape) == 1 else \
             torch.randn(shape, generator=generator) / math.sqrt(fan_in)
         yield name, value.to(torch.bfloat16)
 
@@ -128,7 +137,7 @@ def vision_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _write_shards(out: Path, tensors: dict[str, torch.Tensor]) -> None:
+def write_shards(out: Path, tensors: dict[str, torch.Tensor]) -> None:
     """Split over NUM_SHARDS files with an index, as the release is sharded."""
     names = list(tensors)
     per_shard = -(-len(names) // NUM_SHARDS)
@@ -141,3 +150,21 @@ def _write_shards(out: Path, tensors: dict[str, torch.Tensor]) -> None:
         total += sum(t.numel() * t.element_size() for t in part.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_trained_checkpoint(out_dir: str | Path, config_dict: dict,
+                             *modules: nn.Module) -> Path:
+    """Write plain (fp32) trained `modules` (the network, its MTP layer) in the release layout
+    of `config_dict`, with config, generation config, tokenizer and chat template."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = ModelConfig.from_dict(config_dict)
+    tensors: dict[str, torch.Tensor] = {}
+    for module in modules:
+        tensors.update(release_tensors(module, config))
+    write_shards(out, tensors)
+    (out / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
+    generation = {"eos_token_id": list(config.eos_token_id), "pad_token_id": config.pad_token_id}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    write_tiny_tokenizer(out)
+    return out
