@@ -18,11 +18,12 @@ from glmflash.engine.api import EngineApiMixin
 from glmflash.engine.cache import CacheManager
 from glmflash.engine.cuda_graph import graph_batch_sizes, graphs_unsupported
 from glmflash.engine.detokenizer import SequenceDetokenizer
+from glmflash.engine.errors import EngineDead, EngineOverloaded, PromptTooLong
 from glmflash.engine.loop import EngineLoopMixin
 from glmflash.engine.model_runner import ModelRunner, embed_prompt, load_model, plan_cache
 from glmflash.engine.multimodal import MediaPreparer, collect_media
 from glmflash.engine.options import EngineConfig
-from glmflash.engine.outputs import Result, StreamDelta
+from glmflash.engine.outputs import EngineStats, Result, StreamDelta
 from glmflash.engine.sampler import Sampler
 from glmflash.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, TokenDelta
 from glmflash.engine.sequence import Sequence
@@ -39,14 +40,6 @@ WARMUP_TOKENS = 1024
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 Sink = Callable[[StreamDelta], None]
-
-
-class EngineOverloaded(RuntimeError):
-    """More choices are in flight (queued or running) than max_queued_requests allows."""
-
-
-class EngineDead(RuntimeError):
-    """The engine thread stopped after a fatal error; no request can be served any more."""
 
 
 @dataclass
@@ -115,6 +108,7 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         self.fatal_error: str | None = None
         """Why the engine thread stopped (a device failure or an error the loop cannot survive)."""
         self.num_pending = 0
+        self._publish_stats()
         logger.info("engine ready: %s on %s (%s), context %d", self.model_path, self.device,
                     self.dtype, self.max_seq_len)
 
@@ -199,6 +193,11 @@ class Engine(EngineApiMixin, EngineLoopMixin):
                         why_not or "no batch size to capture")
 
     @property
+    def supports_media(self) -> bool:
+        """Images and video are accepted: the checkpoint has a vision tower."""
+        return self.config.vision is not None
+
+    @property
     def failure(self) -> str | None:
         """Why the engine cannot serve any more (its thread died), or None while it can."""
         thread = self._thread
@@ -211,15 +210,24 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         """Take in submissions and aborts, then run one scheduled batch (if any)."""
         self._drain_inbox(block=False)
         self._batch = batch = self.scheduler.schedule()
-        if batch is None:
-            return
-        logits = self.runner.run(batch)
-        sampled = [s for s, need in zip(batch.seqs, batch.needs_sample, strict=True) if need]
-        token_ids = self._end_failed_rows(sampled, self.sampler.sample(logits, sampled))
-        self._emit(self.scheduler.update(batch, token_ids))
-        self._batch = None
-        if self.options.check_integrity:
-            self.cache.check_integrity()
+        if batch is not None:
+            logits = self.runner.run(batch)
+            sampled = [s for s, need in zip(batch.seqs, batch.needs_sample, strict=True) if need]
+            token_ids = self._end_failed_rows(sampled, self.sampler.sample(logits, sampled))
+            self._emit(self.scheduler.update(batch, token_ids))
+            self._batch = None
+            if self.options.check_integrity:
+                self.cache.check_integrity()
+        self._publish_stats()
+
+    def stats(self) -> EngineStats:
+        """The load at the end of the latest step (from any thread: a published snapshot)."""
+        return self._stats
+
+    def _publish_stats(self) -> None:
+        """Called by whichever thread drives the steps, the only one that changes this state."""
+        self._stats = EngineStats(len(self.scheduler.waiting), len(self.scheduler.running),
+                                  self.cache.num_free_pages, self.cache.plan.num_pages)
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()
@@ -328,8 +336,7 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         if any(not 0 <= t < self.config.vocab_size for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size})")
         if len(token_ids) >= self.max_seq_len:
-            raise ValueError(f"prompt of {len(token_ids)} tokens does not fit the context length "
-                             f"of {self.max_seq_len} tokens")
+            raise PromptTooLong(len(token_ids), self.max_seq_len)
 
 
 def warmup_text() -> str:

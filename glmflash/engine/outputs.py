@@ -62,6 +62,24 @@ class Result:
         return self.choices[0].logprobs
 
 
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The engine's load at the end of a step: one consistent snapshot, taken on the engine
+    thread, that any thread may read (`Engine.stats()`)."""
+
+    num_queued: int
+    """Choices waiting for admission."""
+    num_running: int
+    """Choices being generated."""
+    num_free_pages: int
+    num_pages: int
+
+    @property
+    def cache_usage(self) -> float:
+        """Fraction of cache pages in use."""
+        return 1.0 - self.num_free_pages / self.num_pages
+
+
 class ResultCollector:
     """Folds a request's deltas into a Result."""
 

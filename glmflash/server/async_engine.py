@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from glmflash.engine.engine import EngineDead, EngineOverloaded
+from glmflash.engine.errors import EngineDead, EngineOverloaded
 from glmflash.engine.outputs import StreamDelta
 from glmflash.sampling_params import SamplingParams
 from glmflash.server.errors import ApiError, bad_request, internal_error, overloaded, unavailable
@@ -51,7 +51,7 @@ class AsyncEngine:
 
     @property
     def supports_media(self) -> bool:
-        return hasattr(self.engine, "prepare_multimodal")
+        return self.engine.supports_media
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, n: int, prefix: str,
                mm: list | None = None) -> RequestGroup:
