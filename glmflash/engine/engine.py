@@ -20,8 +20,8 @@ from glmflash.engine.cuda_graph import graph_batch_sizes, graphs_unsupported
 from glmflash.engine.detokenizer import SequenceDetokenizer
 from glmflash.engine.errors import EngineDead, EngineOverloaded, PromptTooLong
 from glmflash.engine.loop import EngineLoopMixin
-from glmflash.engine.model_runner import ModelRunner, embed_prompt, load_model, plan_cache
-from glmflash.engine.multimodal import MediaPreparer, collect_media
+from glmflash.engine.model_runner import ModelRunner, load_model, plan_cache
+from glmflash.engine.multimodal import MediaPreparer, MediaSources, collect_media
 from glmflash.engine.options import EngineConfig
 from glmflash.engine.outputs import EngineStats, Result, StreamDelta
 from glmflash.engine.sampler import Sampler
@@ -29,6 +29,7 @@ from glmflash.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from glmflash.engine.sequence import Sequence
 from glmflash.engine.warmup import warm_up_kernels
 from glmflash.multimodal.fetch import UrlPolicy
+from glmflash.multimodal.prompt import MultimodalPrompt
 from glmflash.sampling_params import SamplingParams, wrap_seed
 from glmflash.tokenizer import Tokenizer
 from glmflash.utils.logging import setup_logging
@@ -132,17 +133,25 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         return runner, runner.plan
 
     # Submission, from any thread.
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, sink: Sink, *,
-                    request_id: str | None = None, n: int = 1, mm=None) -> str:
+    def add_request(self, prompt_token_ids: list[int],
+                    params: SamplingParams | Callable[[list[int]], SamplingParams], sink: Sink,
+                    *, request_id: str | None = None, n: int = 1,
+                    media: MediaSources | None = None) -> str:
         """Queue a request of `n` choices; `sink` receives its StreamDeltas on the engine thread.
 
-        `mm` (a MultimodalPrompt from `prepare_multimodal`) carries the expanded prompt's pixels;
-        its visual features are computed once, on the engine thread, before the first prefill.
+        `media` (the images or video of a chat prompt) are fetched, checked and preprocessed
+        here, on the caller's thread (blocking: never the engine thread's time), and the
+        prompt's placeholders expanded; the model embeds them on the engine thread before the
+        first prefill. `params` may be a function of the final prompt (an output budget that
+        counts the media tokens). Raises MediaError (a ValueError) for bad media.
         """
+        mm = self.media.prepare(prompt_token_ids, media) if media else None
         if mm is not None:
             prompt_token_ids = mm.token_ids
         if self.failure is not None:
             raise EngineDead(f"the engine has stopped: {self.failure}")
+        if callable(params):
+            params = params(prompt_token_ids)
         self._validate_prompt(prompt_token_ids)
         limit = self.options.max_queued_requests
         if limit is not None and self.num_pending >= limit:
@@ -246,10 +255,12 @@ class Engine(EngineApiMixin, EngineLoopMixin):
                                                   "error", error=error))
         return [t for row, t in enumerate(token_ids) if row not in errors]
 
-    def _admit(self, seqs: list[Sequence], mm) -> None:
+    def _admit(self, seqs: list[Sequence], mm: MultimodalPrompt | None) -> None:
         if mm is not None:
             try:
-                embeds = embed_prompt(self.runner.model, self.config, mm)
+                with torch.inference_mode():
+                    embeds = self.runner.model.embed_multimodal(mm.token_ids, mm.image_inputs,
+                                                                mm.video_inputs)
             except Exception as exc:  # bad media ends this request only
                 logger.exception("vision features failed")
                 for seq in seqs:
@@ -264,11 +275,10 @@ class Engine(EngineApiMixin, EngineLoopMixin):
             self.runner.prompt_logprobs.admit(seq)
             self.scheduler.add(seq)
 
-    def prepare_multimodal(self, token_ids: list[int], messages: list[dict]):
-        """Load and preprocess the media of chat `messages`; None for a text-only request.
-
-        Raises ValueError (MediaError) for limits, bad sources and undecodable media.
-        """
+    def prepare_multimodal(self, token_ids: list[int],
+                           messages: list[dict]) -> MultimodalPrompt | None:
+        """What `add_request(media=...)` makes of a chat prompt's media (the expanded prompt and
+        pixels), for inspection; None for a text-only request. Raises MediaError."""
         sources = collect_media(messages)
         return self.media.prepare(token_ids, sources) if sources else None
 

@@ -84,16 +84,6 @@ def move_all_but_experts(model: GlmForCausalLM, device: torch.device) -> None:
             param.data = param.data.to(device)
 
 
-def embed_prompt(model: GlmForCausalLM, config: ModelConfig, mm) -> torch.Tensor:
-    """Prompt embeddings with the vision tower's features, computed once per request."""
-    from glmflash.multimodal.prompt import MediaTokenIds, embed_multimodal
-
-    with torch.inference_mode():
-        return embed_multimodal(model.text.embed_tokens, model.visual, mm.token_ids,
-                                mm.image_inputs, mm.video_inputs,
-                                media=MediaTokenIds.from_config(config))
-
-
 def warm_up_cpu_experts(model: GlmForCausalLM) -> None:
     """Build and compile the CPU expert kernels at start, not on the first request."""
     from glmflash.engine.warmup import warm_up_cpu_experts
