@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from glmflash.engine.expert_handoff import CpuHandOff, ExpertTimes
+from glmflash.engine.options import EngineConfig
 from glmflash.model.forward_batch import build_forward_batch, contiguous_page_table
 from glmflash.model.glm import GlmForCausalLM
 from glmflash.model.moe import Experts, Router, StackedWeight, grouped_experts
@@ -254,14 +255,43 @@ def take_expert_times(model: nn.Module) -> ExpertTimes:
     return total
 
 
-def place_experts(model: GlmForCausalLM, placement: ExpertPlacement, device: torch.device) -> None:
-    """Attach HybridExperts to every MoE layer of a model whose experts stayed on the CPU."""
-    modules = [m for m in model.modules() if isinstance(m, Experts)]
+def plan_placement(model: nn.Module, options: EngineConfig, device: torch.device,
+                   warmup_ids: list[int] | None = None) -> ExpertPlacement:
+    """The engine options' placement, decided before anything is copied to the GPU: the first
+    N experts of each layer, or (`kt_expert_placement="frequency"`) the N most routed over the
+    warm-up prompt `warmup_ids`."""
+    placement = ExpertPlacement(options.kt_num_gpu_experts or 0,
+                                prefill_token_threshold=options.kt_gpu_prefill_token_threshold)
+    if options.kt_expert_placement != "frequency" or not warmup_ids:
+        return placement
+    chosen = most_routed(count_routing(model, device, warmup_ids), placement.num_gpu_experts)
+    logger.info("resident experts chosen by routing frequency over %d warm-up tokens",
+                len(warmup_ids))
+    return replace(placement, resident_ids=chosen)
+
+
+def place_experts(model: nn.Module, placement: ExpertPlacement, device: torch.device) -> None:
+    """The placement transform: every MoE layer of a model whose experts stayed on the CPU
+    gets its HybridExperts (resident copies, layerwise slots and the hand-off made here)."""
+    modules = _experts(model)
     if not modules:
         return
     num_experts = modules[0].gate_proj.weight.shape[0]
     if not 0 <= placement.num_gpu_experts <= num_experts:
         raise ValueError(f"kt_num_gpu_experts must be in [0, {num_experts}]")
+    streamer = _attach(modules, placement, device)
+    logger.info("experts: %d of %d per layer on the GPU, the rest on the CPU; layerwise prefill %s",
+                placement.num_gpu_experts, num_experts,
+                f"from {placement.prefill_token_threshold} tokens"
+                if streamer is not None else "off")
+
+
+def _experts(model: nn.Module) -> list[Experts]:
+    return [m for m in model.modules() if isinstance(m, Experts)]
+
+
+def _attach(modules: list[Experts], placement: ExpertPlacement,
+            device: torch.device) -> LayerwiseStreamer | None:
     resident_ids = [list(ids) for ids in placement.resident_ids] if placement.resident_ids \
         else [list(range(placement.num_gpu_experts))] * len(modules)
     assert len(resident_ids) == len(modules)
@@ -275,10 +305,7 @@ def place_experts(model: GlmForCausalLM, placement: ExpertPlacement, device: tor
     for i, m in enumerate(modules):
         m.backend = HybridExperts(m, i, placement, device, streamer, resident[i],
                                   resident_ids[i], handoff)
-    logger.info("experts: %d of %d per layer on the GPU, the rest on the CPU; layerwise prefill %s",
-                placement.num_gpu_experts, num_experts,
-                f"from {placement.prefill_token_threshold} tokens"
-                if streamer is not None else "off")
+    return streamer
 
 
 def _resident(module: Experts, ids: list[int], device: torch.device) -> tuple | None:
@@ -291,25 +318,32 @@ def _resident(module: Experts, ids: list[int], device: torch.device) -> tuple | 
 
 
 @torch.inference_mode()
-def place_by_frequency(model: GlmForCausalLM, placement: ExpertPlacement, device: torch.device,
-                       warmup_ids: list[int]) -> None:
-    """Count routing over one warm-up prompt, then make each layer's most used experts resident."""
+def count_routing(model: GlmForCausalLM, device: torch.device,
+                  warmup_ids: list[int]) -> list[torch.Tensor]:
+    """Per MoE layer, how often each expert is chosen over one warm-up prompt `[E]`. The routed
+    experts run on the CPU meanwhile (a temporary all-CPU backend: nothing is copied to the
+    GPU for the count); the model's backends are restored afterwards."""
     routers = [m for m in model.modules() if isinstance(m, Router)]
+    modules = _experts(model)
+    backends = [m.backend for m in modules]
+    _attach(modules, ExpertPlacement(0), device)
     for router in routers:
         router.counts = torch.zeros(router.weight.shape[0], dtype=torch.long, device=device)
-    n = len(warmup_ids)
-    kpool = model.config.index_kpool
-    size = -(-n // kpool) * kpool
-    state = ModelState(model.config, num_token_slots=size, num_state_slots=1, dtype=model.dtype,
-                       device=device)
-    pages = contiguous_page_table(1, size, size, device)
-    model(build_forward_batch(warmup_ids, np.arange(n), [0, n], [0], [0], pages, size), state)
-    counts = [router.counts.cpu() for router in routers]
-    for router in routers:
-        router.counts = None
-    chosen = most_routed(counts, placement.num_gpu_experts)
-    place_experts(model, replace(placement, resident_ids=chosen), device)
-    logger.info("resident experts chosen by routing frequency over %d warm-up tokens", n)
+    try:
+        n = len(warmup_ids)
+        kpool = model.config.index_kpool
+        size = -(-n // kpool) * kpool
+        state = ModelState(model.config, num_token_slots=size, num_state_slots=1,
+                           dtype=model.dtype, device=device)
+        pages = contiguous_page_table(1, size, size, device)
+        model(build_forward_batch(warmup_ids, np.arange(n), [0, n], [0], [0], pages, size),
+              state)
+        return [router.counts.cpu() for router in routers]
+    finally:
+        for router in routers:
+            router.counts = None
+        for m, backend in zip(modules, backends, strict=True):
+            m.backend = backend
 
 
 def most_routed(counts: list[torch.Tensor], num_gpu: int) -> tuple[tuple[int, ...], ...]:

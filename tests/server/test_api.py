@@ -229,6 +229,6 @@ def test_image_input(live, client):
     prepared = live.hook.prepared[-1]
     image_id = live.engine.tokenizer.token_to_id("<|image|>")
     num_image_tokens = prepared.prompt_token_ids[0].count(image_id)
-    assert num_image_tokens > 1 and prepared.mm is not None
+    assert num_image_tokens > 1 and prepared.media is not None
     assert out.usage.prompt_tokens == len(prepared.prompt_token_ids[0])
     assert out.usage.completion_tokens == 3
