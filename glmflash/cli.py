@@ -62,8 +62,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_server(args)
     setup_logging()
+    from glmflash.engine.errors import STARTUP_ERRORS
+
     command = _make_tiny if args.command == "make-tiny" else _generate
-    return run_reporting_errors(lambda: command(args), debug=args.debug)
+    return run_reporting_errors(lambda: command(args), debug=args.debug,
+                               usage_errors=STARTUP_ERRORS)
 
 
 def _make_tiny(args: argparse.Namespace) -> int:

@@ -87,7 +87,10 @@ def build_engine(args: argparse.Namespace) -> Engine:
 def run_server(args: argparse.Namespace) -> int:
     """Serve until interrupted; returns the process exit status."""
     setup_logging(args.log_level.upper())
-    return run_reporting_errors(lambda: _serve(args), debug=args.debug)
+    from glmflash.engine.errors import STARTUP_ERRORS
+
+    return run_reporting_errors(lambda: _serve(args), debug=args.debug,
+                                usage_errors=STARTUP_ERRORS)
 
 
 def _serve(args: argparse.Namespace) -> int:
