@@ -1,13 +1,13 @@
 """The bridge between the event loop and the engine thread.
 
-`AsyncEngine.submit` hands a request's prompts to `Engine.add_request` (so a full queue, a bad
-prompt or bad media fail before any response header is sent; a request with media is added from
-a worker thread, since the engine fetches and preprocesses them on the caller's thread) and
-returns a `RequestGroup`: an async iterator
-over the choices' StreamDeltas, fed through one asyncio.Queue by the engine thread. Leaving the
-group's `async with` block early (client disconnect, error, cancellation) aborts every request
-still running, which frees its cache pages and state slot. `fail_open` ends every open group
-with an error (shutdown past its grace period, or a dead engine).
+`AsyncEngine.submit` hands a request's prompts to `Engine.add_request`, so a full queue, a bad
+prompt or bad media fail before any response header is sent (a request with media is added from
+a worker thread: the engine fetches and preprocesses them on the caller's thread). It returns a
+`RequestGroup`: an async iterator over the choices' StreamDeltas, fed through one asyncio.Queue
+by the engine thread. Leaving the group's `async with` block early (client disconnect, error,
+cancellation) aborts every request still running, which frees its cache pages and state slot.
+`fail_open` ends every open group with an error (shutdown past its grace period, or a dead
+engine).
 """
 
 from __future__ import annotations
