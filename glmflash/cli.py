@@ -7,7 +7,6 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from glmflash.engine.options import LOAD_FORMATS
 from glmflash.utils.cli_args import (
     ArgumentParser,
     HelpFormatter,
@@ -23,7 +22,7 @@ from glmflash.utils.preflight import check_device, check_model_path, run_reporti
 
 def build_parser() -> argparse.ArgumentParser:
     from glmflash import __version__
-    from glmflash.server.args import add_server_args
+    from glmflash.server.args import add_engine_args, add_model_args, add_server_args
 
     parser = ArgumentParser(prog="glmflash", description="GLM-5.3-Flash inference engine")
     parser.add_argument("--version", action="version", version=f"glmflash {__version__}")
@@ -33,8 +32,6 @@ def build_parser() -> argparse.ArgumentParser:
                                    formatter_class=HelpFormatter, allow_abbrev=False))
     gen = sub.add_parser("generate", help="generate text from a prompt",
                          formatter_class=HelpFormatter)
-    gen.add_argument("--model-path", default=None,
-                     help="checkpoint folder (default: the embedded trained tiny checkpoint)")
     gen.add_argument("--prompt", action="append", required=True,
                      help="prompt text; repeat for several prompts")
     gen.add_argument("--chat", action="store_true",
@@ -43,18 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy")
     gen.add_argument("--top-p", type=probability, default=1.0, help="nucleus mass, in (0, 1]")
     gen.add_argument("--top-k", type=non_negative_int, default=0, help="0: no top-k cut")
-    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
-    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    gen.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: by device)")
-    gen.add_argument("--load-format", choices=LOAD_FORMATS, default=None,
-                     help="dummy: seeded random weights made in memory (no safetensors needed)")
-    gen.add_argument("--tp-size", type=positive_int, default=None,
-                     help="ranks (processes) the model is split over: heads and FFN widths")
-    gen.add_argument("--ep-size", type=positive_int, default=None,
-                     help="1: routed experts split by width; --tp-size: experts divided")
-    gen.add_argument("--disable-radix-cache", action="store_true",
-                     help="compute every prompt from its start (no prefix cache)")
     gen.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    model = gen.add_argument_group("model")
+    add_model_args(model)
+    # --seed is the engine's default sampling seed, so it seeds these prompts too.
+    add_engine_args(gen, {"model": model})
     tiny = sub.add_parser("make-tiny", help="write the tiny random checkpoint",
                           formatter_class=HelpFormatter)
     tiny.add_argument("dir", nargs="?", default=None,
@@ -72,8 +62,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_server(args)
     setup_logging()
+    from glmflash.engine.errors import STARTUP_ERRORS
+
     command = _make_tiny if args.command == "make-tiny" else _generate
-    return run_reporting_errors(lambda: command(args), debug=args.debug)
+    return run_reporting_errors(lambda: command(args), debug=args.debug,
+                               usage_errors=STARTUP_ERRORS)
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
@@ -93,6 +86,8 @@ def _generate(args: argparse.Namespace) -> int:
     from glmflash.sampling_params import SamplingParams
 
     # Every flag is checked before the model loads (minutes for the release checkpoint).
+    from glmflash.server.args import engine_options
+
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     check_device(args.device)
@@ -100,8 +95,7 @@ def _generate(args: argparse.Namespace) -> int:
     from glmflash.engine.engine import Engine
 
     engine = Engine(args.model_path, device=args.device, dtype=args.dtype,
-                    load_format=args.load_format, tp_size=args.tp_size, ep_size=args.ep_size,
-                    disable_radix_cache=args.disable_radix_cache)
+                    **engine_options(args, for_server=False))
     try:
         prompts = args.prompt
         if args.chat:

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from glmflash.engine.multimodal import MediaSources, collect_media
 from glmflash.engine.outputs import Result, ResultCollector, StreamDelta
 from glmflash.parsers.tool_parser import ChatOutputParser, ToolCall
 from glmflash.sampling_params import SamplingParams
@@ -35,17 +36,15 @@ class EngineApiMixin:
     def generate(self, prompts: str | list[str] | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  prompt_token_ids: list[int] | list[list[int]] | None = None,
-                 n: int = 1, mm: list | None = None) -> list[Result]:
+                 n: int = 1, media: list[MediaSources | None] | None = None) -> list[Result]:
         """Generate for every prompt (text, or token ids); results in prompt order.
 
-        `mm` gives each prompt's MultimodalPrompt (or None), from `prepare_multimodal`.
+        `media` gives each prompt's image / video sources (or None), see `add_request`.
         """
         token_lists = self._prompt_token_lists(prompts, prompt_token_ids)
-        mms = mm or [None] * len(token_lists)
-        if len(mms) != len(token_lists):
-            raise ValueError(f"mm has {len(mms)} entries for {len(token_lists)} prompts")
-        token_lists = [m.token_ids if m is not None else ids
-                       for ids, m in zip(token_lists, mms, strict=True)]
+        media = media or [None] * len(token_lists)
+        if len(media) != len(token_lists):
+            raise ValueError(f"media has {len(media)} entries for {len(token_lists)} prompts")
         params = _per_prompt(sampling_params, len(token_lists))
         collectors, done, lock = [], threading.Event(), threading.Lock()
         remaining = [len(token_lists)]
@@ -60,11 +59,14 @@ class EngineApiMixin:
                             done.set()
             return sink
 
-        for ids in token_lists:
-            self._validate_prompt(ids)
-        for ids, p, m in zip(token_lists, params, mms, strict=True):
+        for ids, sources in zip(token_lists, media, strict=True):
+            if not sources:
+                self._validate_prompt(ids)
+        for ids, p, sources in zip(token_lists, params, media, strict=True):
             collector = ResultCollector("", ids, n)
-            collector.request_id = self.add_request(ids, p, make_sink(collector), n=n, mm=m)
+            collector.request_id = self.add_request(
+                ids, _recording_prompt(collector, p) if sources else p, make_sink(collector),
+                n=n, media=sources or None)
             collectors.append(collector)
         while not done.is_set():
             if self.options.background_loop:
@@ -125,15 +127,12 @@ class EngineApiMixin:
         prompt = self.tokenizer.apply_chat_template(messages, tools=tools,
                                                     add_generation_prompt=True, **template_kwargs)
         token_ids = self.tokenizer.encode(prompt)
-        mm = self.prepare_multimodal(token_ids, messages)
         params = sampling_params or SamplingParams()
-        (result,) = self.generate(prompt_token_ids=[token_ids], sampling_params=params, mm=[mm])
+        (result,) = self.generate(prompt_token_ids=[token_ids], sampling_params=params,
+                                  media=[collect_media(messages)])
         parsed = ChatOutputParser(tools).parse(result.text)
-        reason = result.finish_reason
-        if parsed.tool_calls and reason == "stop":
-            reason = "tool_calls"
         return ChatResult(result.text, parsed.content, parsed.reasoning_content,
-                          parsed.tool_calls, reason, result)
+                          parsed.tool_calls, parsed.finish_reason(result.finish_reason), result)
 
     def _prompt_token_lists(self, prompts, prompt_token_ids) -> list[list[int]]:
         if (prompts is None) == (prompt_token_ids is None):
@@ -159,6 +158,15 @@ def _drain(deltas: queue.SimpleQueue, n: int, abort, step) -> Iterator[StreamDel
     finally:
         if finished < n:
             abort()
+
+
+def _recording_prompt(collector: ResultCollector, params: SamplingParams):
+    """`params` for add_request that also keeps the final prompt (media expanded) in the
+    result."""
+    def params_for(prompt_token_ids: list[int]) -> SamplingParams:
+        collector.prompt_token_ids = prompt_token_ids
+        return params
+    return params_for
 
 
 def _per_prompt(params, count: int) -> list[SamplingParams]:

@@ -18,16 +18,18 @@ from glmflash.engine.api import EngineApiMixin
 from glmflash.engine.cache import CacheManager, PrefixCacheStats
 from glmflash.engine.cuda_graph import graph_batch_sizes, graphs_unsupported
 from glmflash.engine.detokenizer import SequenceDetokenizer
+from glmflash.engine.errors import EngineDead, EngineOverloaded, PromptTooLong
 from glmflash.engine.loop import EngineLoopMixin
-from glmflash.engine.model_runner import ModelRunner, embed_prompt, load_model, plan_cache
-from glmflash.engine.multimodal import MediaPreparer, collect_media, media_cache_key
+from glmflash.engine.model_runner import ModelRunner, load_model, plan_cache
+from glmflash.engine.multimodal import MediaPreparer, MediaSources, collect_media, media_cache_key
 from glmflash.engine.options import EngineConfig
-from glmflash.engine.outputs import Result, StreamDelta
+from glmflash.engine.outputs import EngineStats, Result, StreamDelta
 from glmflash.engine.sampler import Sampler
 from glmflash.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, TokenDelta
 from glmflash.engine.sequence import Sequence
 from glmflash.engine.warmup import warm_up_kernels
 from glmflash.multimodal.fetch import UrlPolicy
+from glmflash.multimodal.prompt import MultimodalPrompt
 from glmflash.sampling_params import SamplingParams, wrap_seed
 from glmflash.tokenizer import Tokenizer
 from glmflash.utils.logging import setup_logging
@@ -39,14 +41,6 @@ WARMUP_TOKENS = 1024
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 Sink = Callable[[StreamDelta], None]
-
-
-class EngineOverloaded(RuntimeError):
-    """More choices are in flight (queued or running) than max_queued_requests allows."""
-
-
-class EngineDead(RuntimeError):
-    """The engine thread stopped after a fatal error; no request can be served any more."""
 
 
 @dataclass
@@ -115,6 +109,7 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         self.fatal_error: str | None = None
         """Why the engine thread stopped (a device failure or an error the loop cannot survive)."""
         self.num_pending = 0
+        self._publish_stats()
         logger.info("engine ready: %s on %s (%s), context %d", self.model_path, self.device,
                     self.dtype, self.max_seq_len)
 
@@ -138,17 +133,25 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         return runner, runner.plan
 
     # Submission, from any thread.
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, sink: Sink, *,
-                    request_id: str | None = None, n: int = 1, mm=None) -> str:
+    def add_request(self, prompt_token_ids: list[int],
+                    params: SamplingParams | Callable[[list[int]], SamplingParams], sink: Sink,
+                    *, request_id: str | None = None, n: int = 1,
+                    media: MediaSources | None = None) -> str:
         """Queue a request of `n` choices; `sink` receives its StreamDeltas on the engine thread.
 
-        `mm` (a MultimodalPrompt from `prepare_multimodal`) carries the expanded prompt's pixels;
-        its visual features are computed once, on the engine thread, before the first prefill.
+        `media` (the images or video of a chat prompt) are fetched, checked and preprocessed
+        here, on the caller's thread (blocking: never the engine thread's time), and the
+        prompt's placeholders expanded; the model embeds them on the engine thread before the
+        first prefill. `params` may be a function of the final prompt (an output budget that
+        counts the media tokens). Raises MediaError (a ValueError) for bad media.
         """
+        mm = self.media.prepare(prompt_token_ids, media) if media else None
         if mm is not None:
             prompt_token_ids = mm.token_ids
         if self.failure is not None:
             raise EngineDead(f"the engine has stopped: {self.failure}")
+        if callable(params):
+            params = params(prompt_token_ids)
         self._validate_prompt(prompt_token_ids)
         limit = self.options.max_queued_requests
         if limit is not None and self.num_pending >= limit:
@@ -199,6 +202,11 @@ class Engine(EngineApiMixin, EngineLoopMixin):
                         why_not or "no batch size to capture")
 
     @property
+    def supports_media(self) -> bool:
+        """Images and video are accepted: the checkpoint has a vision tower."""
+        return self.config.vision is not None
+
+    @property
     def failure(self) -> str | None:
         """Why the engine cannot serve any more (its thread died), or None while it can."""
         thread = self._thread
@@ -211,21 +219,31 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         """Take in submissions and aborts, then run one scheduled batch (if any)."""
         self._drain_inbox(block=False)
         self._batch = batch = self.scheduler.schedule()
-        if batch is None:
-            return
-        logits = self.runner.run(batch)
-        sampled = [s for s, need in zip(batch.seqs, batch.needs_sample, strict=True) if need]
-        token_ids = self._end_failed_rows(sampled, self.sampler.sample(logits, sampled))
-        self._emit(self.scheduler.update(batch, token_ids))
-        self._batch = None
-        if self.options.check_integrity:
-            self.cache.check_integrity()
+        if batch is not None:
+            logits = self.runner.run(batch)
+            sampled = [s for s, need in zip(batch.seqs, batch.needs_sample, strict=True) if need]
+            token_ids = self._end_failed_rows(sampled, self.sampler.sample(logits, sampled))
+            self._emit(self.scheduler.update(batch, token_ids))
+            self._batch = None
+            if self.options.check_integrity:
+                self.cache.check_integrity()
+        self._publish_stats()
+
+    def stats(self) -> EngineStats:
+        """The load at the end of the latest step (from any thread: a published snapshot)."""
+        return self._stats
+
+    def _publish_stats(self) -> None:
+        """Called by whichever thread drives the steps, the only one that changes this state."""
+        self._stats = EngineStats(len(self.scheduler.waiting), len(self.scheduler.running),
+                                  self.cache.num_free_pages, self.cache.plan.num_pages,
+                                  self.cache_stats())
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()
 
     def cache_stats(self) -> PrefixCacheStats:
-        """Prefix-cache counters (plain integers, safe to read from another thread)."""
+        """Prefix-cache counters, now (the engine thread; other threads read `stats()`)."""
         return self.cache.stats(self.scheduler.num_query_tokens, self.scheduler.num_hit_tokens)
 
     def _end_failed_rows(self, seqs: list[Sequence], token_ids: list[int]) -> list[int]:
@@ -242,10 +260,12 @@ class Engine(EngineApiMixin, EngineLoopMixin):
                                                   "error", error=error))
         return [t for row, t in enumerate(token_ids) if row not in errors]
 
-    def _admit(self, seqs: list[Sequence], mm) -> None:
+    def _admit(self, seqs: list[Sequence], mm: MultimodalPrompt | None) -> None:
         if mm is not None:
             try:
-                embeds = embed_prompt(self.runner.model, self.config, mm)
+                with torch.inference_mode():
+                    embeds = self.runner.model.embed_multimodal(mm.token_ids, mm.image_inputs,
+                                                                mm.video_inputs)
             except Exception as exc:  # bad media ends this request only
                 logger.exception("vision features failed")
                 for seq in seqs:
@@ -261,11 +281,10 @@ class Engine(EngineApiMixin, EngineLoopMixin):
             self.runner.prompt_logprobs.admit(seq)
             self.scheduler.add(seq)
 
-    def prepare_multimodal(self, token_ids: list[int], messages: list[dict]):
-        """Load and preprocess the media of chat `messages`; None for a text-only request.
-
-        Raises ValueError (MediaError) for limits, bad sources and undecodable media.
-        """
+    def prepare_multimodal(self, token_ids: list[int],
+                           messages: list[dict]) -> MultimodalPrompt | None:
+        """What `add_request(media=...)` makes of a chat prompt's media (the expanded prompt and
+        pixels), for inspection; None for a text-only request. Raises MediaError."""
         sources = collect_media(messages)
         return self.media.prepare(token_ids, sources) if sources else None
 
@@ -335,8 +354,7 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         if any(not 0 <= t < self.config.vocab_size for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size})")
         if len(token_ids) >= self.max_seq_len:
-            raise ValueError(f"prompt of {len(token_ids)} tokens does not fit the context length "
-                             f"of {self.max_seq_len} tokens")
+            raise PromptTooLong(len(token_ids), self.max_seq_len)
 
 
 def warmup_text() -> str:

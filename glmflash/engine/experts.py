@@ -1,13 +1,14 @@
 """Where routed experts live: CPU (numba kernel) plus a GPU-resident subset, and layerwise prefill.
 
+A model transform: `plan_placement` decides which experts are resident (once, before anything is
+copied), `place_experts` gives each `Experts` module a `HybridExperts` backend built with
+everything it needs; `MoE.forward` starts it before the shared expert and finishes it after.
 Hybrid decode: as soon as a layer's routing is known its CPU experts are handed off (copies on a
 side stream, then a worker thread; engine/expert_handoff.py has the order) and run while the GPU
 runs the resident experts (the grouped kernel, with the CPU experts' ids set to -1) and the
 shared expert; the CPU result is added on the GPU. Nothing in it reads the GPU from the host.
-Layerwise prefill: a chunk of at least `prefill_token_threshold` tokens runs every expert of the
-layer on the GPU from a full-layer slot; the next MoE layer's experts are copied into the other
-slot on a side stream while this layer computes (two slots). Resident experts are copied into the
-slot device-to-device, the others host-to-device.
+Layerwise prefill (engine/layerwise.py): a chunk of at least `prefill_token_threshold` tokens runs
+every expert of the layer on the GPU from a full-layer slot.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -23,9 +24,11 @@ import torch
 from torch import nn
 
 from glmflash.engine.expert_handoff import CpuHandOff, ExpertTimes
+from glmflash.engine.layerwise import DeviceWeights, LayerwiseStreamer
+from glmflash.engine.options import EngineConfig
 from glmflash.model.forward_batch import build_forward_batch, contiguous_page_table
 from glmflash.model.glm import GlmForCausalLM
-from glmflash.model.moe import Experts, Router, StackedWeight, grouped_experts
+from glmflash.model.moe import Experts, Router, grouped_experts
 from glmflash.model.state import ModelState
 
 logger = logging.getLogger(__name__)
@@ -41,97 +44,6 @@ class ExpertPlacement:
     """Chunks of at least this many tokens take the layerwise path (None: never)."""
     pin_host_memory: bool = True
     """Page-lock the CPU expert weights in place so host-to-device copies run at DMA speed."""
-
-
-class DeviceWeights:
-    """Some experts' weights of one projection on a device: `weight` `[count, N, K]`, `scale`
-    (None for plain weights) and `fp8_block`, as `grouped_experts` takes them."""
-
-    def __init__(self, source: StackedWeight, count: int, device: torch.device) -> None:
-        self.fp8_block = source.fp8_block
-        self.weight = torch.empty((count, *source.weight.shape[1:]), dtype=source.weight.dtype,
-                                  device=device)
-        self.scale = torch.empty((count, *source.weight_scale_inv.shape[1:]),
-                                 dtype=torch.float32, device=device) if self.fp8_block else None
-
-    def fill(self, source: StackedWeight, start: int, end: int, non_blocking: bool) -> None:
-        """Experts start..end of `source` into the same rows here."""
-        self.weight[start:end].copy_(source.weight[start:end], non_blocking=non_blocking)
-        if self.scale is not None:
-            self.scale[start:end].copy_(source.weight_scale_inv[start:end],
-                                        non_blocking=non_blocking)
-
-    def gather(self, source: StackedWeight, ids: list[int]) -> None:
-        """Experts `ids` of `source` into rows 0..len(ids)-1 here."""
-        for row, e in enumerate(ids):
-            self.weight[row].copy_(source.weight[e])
-            if self.scale is not None:
-                self.scale[row].copy_(source.weight_scale_inv[e])
-
-
-def _projections(module: Experts) -> tuple[StackedWeight, StackedWeight, StackedWeight]:
-    return module.gate_proj, module.up_proj, module.down_proj
-
-
-class LayerwiseStreamer:
-    """Two full-layer GPU slots shared by all MoE layers, filled one layer ahead."""
-
-    def __init__(self, modules: list[Experts], resident: list[tuple], resident_ids: list[list[int]],
-                 device: torch.device) -> None:
-        self.modules, self.resident, self.device = modules, resident, device
-        self.resident_ids = resident_ids
-        self.resident_rows = [torch.tensor(ids, dtype=torch.long, device=device)
-                              for ids in resident_ids]
-        self.slots = [tuple(DeviceWeights(p, p.weight.shape[0], device)
-                            for p in _projections(modules[0])) for _ in range(2)]
-        self.copy_stream = torch.cuda.Stream(device)
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="glmflash-layerwise")
-        self.pending: dict[int, Future] = {}
-
-    def acquire(self, index: int) -> tuple:
-        """The slot holding layer `index`'s experts, ready on the current stream."""
-        if index not in self.pending:
-            self._start(index, torch.cuda.current_stream(self.device).record_event())
-        done = self.pending.pop(index).result()
-        torch.cuda.current_stream(self.device).wait_event(done)
-        if index + 1 < len(self.modules):
-            # The other slot was last read by layer index-1, queued before this point.
-            self._start(index + 1, torch.cuda.current_stream(self.device).record_event())
-        return self.slots[index % 2]
-
-    def _start(self, index: int, slot_free: torch.cuda.Event) -> None:
-        self.pending[index] = self.worker.submit(self._copy, index, slot_free)
-
-    def _copy(self, index: int, slot_free: torch.cuda.Event) -> torch.cuda.Event:
-        module, slot = self.modules[index], self.slots[index % 2]
-        ids, rows = self.resident_ids[index], self.resident_rows[index]
-        with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_event(slot_free)
-            resident = self.resident[index] or (None, None, None)
-            for dst, src, res in zip(slot, _projections(module), resident, strict=True):
-                if res is not None:
-                    # Resident experts come device-to-device (as bytes: CUDA has no FP8
-                    # index_copy), the others from host memory.
-                    _bytes(dst.weight).index_copy_(0, rows, _bytes(res.weight))
-                    if dst.scale is not None:
-                        dst.scale.index_copy_(0, rows, res.scale)
-                for start, end in _runs_without(ids, src.weight.shape[0]):
-                    dst.fill(src, start, end, non_blocking=True)
-            return self.copy_stream.record_event()
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.element_size() == 1 else t
-
-
-def _runs_without(ids: list[int], total: int) -> list[tuple[int, int]]:
-    """Contiguous ranges of 0..total-1 that avoid `ids`."""
-    runs, start = [], 0
-    for e in sorted(ids) + [total]:
-        if e > start:
-            runs.append((start, e))
-        start = e + 1
-    return runs
 
 
 @dataclass(slots=True)
@@ -254,14 +166,43 @@ def take_expert_times(model: nn.Module) -> ExpertTimes:
     return total
 
 
-def place_experts(model: GlmForCausalLM, placement: ExpertPlacement, device: torch.device) -> None:
-    """Attach HybridExperts to every MoE layer of a model whose experts stayed on the CPU."""
-    modules = [m for m in model.modules() if isinstance(m, Experts)]
+def plan_placement(model: nn.Module, options: EngineConfig, device: torch.device,
+                   warmup_ids: list[int] | None = None) -> ExpertPlacement:
+    """The engine options' placement, decided before anything is copied to the GPU: the first
+    N experts of each layer, or (`kt_expert_placement="frequency"`) the N most routed over the
+    warm-up prompt `warmup_ids`."""
+    placement = ExpertPlacement(options.kt_num_gpu_experts or 0,
+                                prefill_token_threshold=options.kt_gpu_prefill_token_threshold)
+    if options.kt_expert_placement != "frequency" or not warmup_ids:
+        return placement
+    chosen = most_routed(count_routing(model, device, warmup_ids), placement.num_gpu_experts)
+    logger.info("resident experts chosen by routing frequency over %d warm-up tokens",
+                len(warmup_ids))
+    return replace(placement, resident_ids=chosen)
+
+
+def place_experts(model: nn.Module, placement: ExpertPlacement, device: torch.device) -> None:
+    """The placement transform: every MoE layer of a model whose experts stayed on the CPU
+    gets its HybridExperts (resident copies, layerwise slots and the hand-off made here)."""
+    modules = _experts(model)
     if not modules:
         return
     num_experts = modules[0].gate_proj.weight.shape[0]
     if not 0 <= placement.num_gpu_experts <= num_experts:
         raise ValueError(f"kt_num_gpu_experts must be in [0, {num_experts}]")
+    streamer = _attach(modules, placement, device)
+    logger.info("experts: %d of %d per layer on the GPU, the rest on the CPU; layerwise prefill %s",
+                placement.num_gpu_experts, num_experts,
+                f"from {placement.prefill_token_threshold} tokens"
+                if streamer is not None else "off")
+
+
+def _experts(model: nn.Module) -> list[Experts]:
+    return [m for m in model.modules() if isinstance(m, Experts)]
+
+
+def _attach(modules: list[Experts], placement: ExpertPlacement,
+            device: torch.device) -> LayerwiseStreamer | None:
     resident_ids = [list(ids) for ids in placement.resident_ids] if placement.resident_ids \
         else [list(range(placement.num_gpu_experts))] * len(modules)
     assert len(resident_ids) == len(modules)
@@ -275,41 +216,45 @@ def place_experts(model: GlmForCausalLM, placement: ExpertPlacement, device: tor
     for i, m in enumerate(modules):
         m.backend = HybridExperts(m, i, placement, device, streamer, resident[i],
                                   resident_ids[i], handoff)
-    logger.info("experts: %d of %d per layer on the GPU, the rest on the CPU; layerwise prefill %s",
-                placement.num_gpu_experts, num_experts,
-                f"from {placement.prefill_token_threshold} tokens"
-                if streamer is not None else "off")
+    return streamer
 
 
 def _resident(module: Experts, ids: list[int], device: torch.device) -> tuple | None:
     if not ids:
         return None
-    weights = tuple(DeviceWeights(p, len(ids), device) for p in _projections(module))
-    for dst, src in zip(weights, _projections(module), strict=True):
+    weights = tuple(DeviceWeights(p, len(ids), device) for p in module.projections())
+    for dst, src in zip(weights, module.projections(), strict=True):
         dst.gather(src, ids)
     return weights
 
 
 @torch.inference_mode()
-def place_by_frequency(model: GlmForCausalLM, placement: ExpertPlacement, device: torch.device,
-                       warmup_ids: list[int]) -> None:
-    """Count routing over one warm-up prompt, then make each layer's most used experts resident."""
+def count_routing(model: GlmForCausalLM, device: torch.device,
+                  warmup_ids: list[int]) -> list[torch.Tensor]:
+    """Per MoE layer, how often each expert is chosen over one warm-up prompt `[E]`. The routed
+    experts run on the CPU meanwhile (a temporary all-CPU backend: nothing is copied to the
+    GPU for the count); the model's backends are restored afterwards."""
     routers = [m for m in model.modules() if isinstance(m, Router)]
+    modules = _experts(model)
+    backends = [m.backend for m in modules]
+    _attach(modules, ExpertPlacement(0), device)
     for router in routers:
         router.counts = torch.zeros(router.weight.shape[0], dtype=torch.long, device=device)
-    n = len(warmup_ids)
-    kpool = model.config.index_kpool
-    size = -(-n // kpool) * kpool
-    state = ModelState(model.config, num_token_slots=size, num_state_slots=1, dtype=model.dtype,
-                       device=device)
-    pages = contiguous_page_table(1, size, size, device)
-    model(build_forward_batch(warmup_ids, np.arange(n), [0, n], [0], [0], pages, size), state)
-    counts = [router.counts.cpu() for router in routers]
-    for router in routers:
-        router.counts = None
-    chosen = most_routed(counts, placement.num_gpu_experts)
-    place_experts(model, replace(placement, resident_ids=chosen), device)
-    logger.info("resident experts chosen by routing frequency over %d warm-up tokens", n)
+    try:
+        n = len(warmup_ids)
+        kpool = model.config.index_kpool
+        size = -(-n // kpool) * kpool
+        state = ModelState(model.config, num_token_slots=size, num_state_slots=1,
+                           dtype=model.dtype, device=device)
+        pages = contiguous_page_table(1, size, size, device)
+        model(build_forward_batch(warmup_ids, np.arange(n), [0, n], [0], [0], pages, size),
+              state)
+        return [router.counts.cpu() for router in routers]
+    finally:
+        for router in routers:
+            router.counts = None
+        for m, backend in zip(modules, backends, strict=True):
+            m.backend = backend
 
 
 def most_routed(counts: list[torch.Tensor], num_gpu: int) -> tuple[tuple[int, ...], ...]:
@@ -328,7 +273,7 @@ def _pin(module: Experts) -> None:
     memory makes later copies from a reused address fail with "invalid argument".
     """
     cudart = torch.cuda.cudart()
-    for p in _projections(module):
+    for p in module.projections():
         for param in (p.weight, getattr(p, "weight_scale_inv", None)):
             if param is None or param.data_ptr() in _REGISTERED or param.is_pinned():
                 continue

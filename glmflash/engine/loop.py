@@ -35,6 +35,7 @@ class EngineLoopMixin:
                     self._guarded_step()
             # Requests still in flight at shutdown end now and give their cache back.
             self._fail_seqs(self._live_seqs(), "the engine was shut down")
+            self._publish_stats()
         except BaseException as exc:  # noqa: B036 - the thread must not end silently
             self._die(exc)
 
@@ -50,12 +51,14 @@ class EngineLoopMixin:
                              "all" if batch is None else len(batch.seqs))
             seqs = batch.seqs if batch is not None else self._live_seqs()
             self._fail_seqs(seqs, f"{type(exc).__name__}: {exc}")
+            self._publish_stats()
 
     def _die(self, exc: BaseException) -> None:
         self.fatal_error = f"{type(exc).__name__}: {exc}"
         logger.critical("the engine thread stopped: %s", self.fatal_error, exc_info=exc)
         try:
             self._fail_seqs(self._live_seqs(), f"the engine stopped: {self.fatal_error}")
+            self._publish_stats()
         except Exception:
             logger.exception("could not end the requests in flight")
 

@@ -57,23 +57,17 @@ def load_model(path: Path, config: ModelConfig, device: torch.device, dtype: tor
 
 def place_model(model: GlmForCausalLM, device: torch.device, options: EngineConfig,
                 hybrid: bool, warmup_ids: list[int] | None = None) -> GlmForCausalLM:
-    """After loading: CPU expert kernels built and warm; with `hybrid`, everything but the
-    routed experts moved to `device` and the resident experts placed."""
-    for module in model.modules():
-        if isinstance(module, Experts):
-            module.cpu_threads, module.cpu_pools = options.kt_cpuinfer, options.kt_threadpool_count
+    """After loading: CPU expert kernels built with the options and warm; with `hybrid`,
+    everything but the routed experts moved to `device`, the resident experts chosen (once)
+    and placed (once)."""
     # Before the hybrid placement: with pools the kernels replace the weight storage, which
     # must happen before it is page-locked for host-to-device copies.
-    warm_up_cpu_experts(model)
+    warm_up_cpu_experts(model, options.kt_cpuinfer, options.kt_threadpool_count)
     if hybrid:
-        from glmflash.engine.experts import ExpertPlacement, place_by_frequency, place_experts
+        from glmflash.engine.experts import place_experts, plan_placement
 
         move_all_but_experts(model, device)
-        placement = ExpertPlacement(options.kt_num_gpu_experts,
-                                    prefill_token_threshold=options.kt_gpu_prefill_token_threshold)
-        place_experts(model, placement, device)
-        if options.kt_expert_placement == "frequency" and warmup_ids:
-            place_by_frequency(model, placement, device, warmup_ids)
+        place_experts(model, plan_placement(model, options, device, warmup_ids), device)
     return model.eval()
 
 
@@ -85,21 +79,12 @@ def move_all_but_experts(model: GlmForCausalLM, device: torch.device) -> None:
             param.data = param.data.to(device)
 
 
-def embed_prompt(model: GlmForCausalLM, config: ModelConfig, mm) -> torch.Tensor:
-    """Prompt embeddings with the vision tower's features, computed once per request."""
-    from glmflash.multimodal.prompt import MediaTokenIds, embed_multimodal
-
-    with torch.inference_mode():
-        return embed_multimodal(model.text.embed_tokens, model.visual, mm.token_ids,
-                                mm.image_inputs, mm.video_inputs,
-                                media=MediaTokenIds.from_config(config))
-
-
-def warm_up_cpu_experts(model: GlmForCausalLM) -> None:
+def warm_up_cpu_experts(model: GlmForCausalLM, num_threads: int | None = None,
+                        num_pools: int = 1) -> None:
     """Build and compile the CPU expert kernels at start, not on the first request."""
     from glmflash.engine.warmup import warm_up_cpu_experts
 
-    warm_up_cpu_experts(model)
+    warm_up_cpu_experts(model, num_threads, num_pools)
 
 
 def plan_cache(model_config: ModelConfig, config: EngineConfig, max_seq_len: int,

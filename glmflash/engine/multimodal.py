@@ -1,4 +1,6 @@
-"""Images and video in requests: sources found in chat messages, loaded, checked, preprocessed."""
+"""The engine's media stage: image and video sources (from chat messages, or as the server parsed
+them) loaded, checked and preprocessed on the caller's thread, the prompt's placeholders expanded.
+The model embeds the result on the engine thread (model/media.py)."""
 
 from __future__ import annotations
 
@@ -74,6 +76,15 @@ class MediaPreparer:
                                  url_policy=url_policy or UrlPolicy())
 
     def prepare(self, token_ids: list[int], sources: MediaSources) -> MultimodalPrompt:
+        """Fetch, check and preprocess; every problem with the media is a MediaError."""
+        try:
+            return self._prepare(token_ids, sources)
+        except MediaError:
+            raise
+        except ValueError as exc:
+            raise MediaError(str(exc)) from exc
+
+    def _prepare(self, token_ids: list[int], sources: MediaSources) -> MultimodalPrompt:
         self.limits.check(len(sources.images), len(sources.videos))
         if self.config.vision is None:
             raise MediaError("this model has no vision tower; images and video are not supported")

@@ -1,80 +1,142 @@
-"""EngineConfig: every engine option, validated once (the CLI and server flags map onto it)."""
+"""EngineConfig: every engine option, validated once. Its fields are the one flag table: each
+`option(...)` row is both the Python keyword (`Engine(**options)`) and the command-line flag
+(`--name-with-dashes`, built by `server/args.py` for `glmflash serve` and `glmflash generate`).
+
+To add an option, add one field `name: type = option(default, "help", group, **argparse)` here
+(plus its check in `__post_init__`); the flag, its --help line and its mapping follow.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Any
 
+from glmflash.utils.cli_args import (
+    chunk_size,
+    fraction,
+    json_object,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from glmflash.utils.preflight import max_cpu_threads
 from glmflash.utils.validation import require
 
 LOAD_FORMATS = ("auto", "dummy")
+EXPERT_PLACEMENTS = ("front", "frequency")
+# --help sections of the flags.
+MODEL, ENGINE, CPU_EXPERTS, MEDIA = ("model", "engine",
+                                     "routed experts on the CPU (GPU machines: hybrid)",
+                                     "images and video")
+FLAG = "flag"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """The command-line side of an option: its --help section and text, argparse extras."""
+
+    group: str
+    help: str
+    argparse: dict[str, Any]
+
+
+def option(default: Any, help: str, group: str | None = ENGINE, **argparse: Any) -> Any:
+    """An EngineConfig field with a flag in `group` (None: Python only). Flags default to None
+    in argparse, so an unset flag keeps the engine default (shown in --help)."""
+    metadata = {} if group is None else {FLAG: Flag(group, help, argparse)}
+    return field(default=default, metadata=metadata)
+
+
+def engine_flags() -> list[tuple[str, Any, Flag]]:
+    """(name, engine default, flag) of every option with a flag, in table order."""
+    return [(f.name, f.default, f.metadata[FLAG]) for f in fields(EngineConfig)
+            if FLAG in f.metadata]
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    context_length: int | None = None
-    """Longest sequence (prompt + output); default min(model maximum, 8192)."""
-    max_running_requests: int = 16
-    chunked_prefill_size: int = 2048
-    page_size: int = 64
-    mem_fraction_static: float = 0.85
-    """GPU: fraction of device memory for weights plus cache."""
-    cache_budget_gb: float = 2.0
-    """CPU: bytes for the cache (MLA pages and per-sequence state slots)."""
-    disable_radix_cache: bool = False
-    """Turn the prefix cache off (SGLang's flag): every prompt is computed from its start."""
-    max_state_snapshots: int | None = None
-    """Prefix cache: state snapshots kept (each as large as a sequence's state slot); default
-    twice max_running_requests."""
-    max_queued_requests: int | None = None
-    """Choices in flight (queued or running) beyond this are refused (the server answers 503)."""
-    seed: int | None = None
-    limit_mm_data_per_request: dict | None = None
-    """`{"image": 8, "video": 1}`: media per request (images and a video never together)."""
-    mm_process_config: dict | None = None
-    """`{"image": {"max_pixels": ...}, "video": {"fps": ..., "max_frames": ...}}`."""
-    media_local_root: str | None = None
-    """Local image/video paths are read only under this folder (None: refused)."""
-    allowed_media_domains: tuple[str, ...] | None = None
-    """http(s) media only from these hosts (None: any public host)."""
-    allow_private_media_urls: bool = False
-    """Let media URLs reach loopback, private and link-local addresses (trusted networks)."""
-    kt_method: str = "FP8"
-    """CPU expert format: FP8 (the checkpoint's own), the only one that honours swiglu_limit."""
-    kt_num_gpu_experts: int | None = None
-    """GPU machine: experts per layer resident on the GPU, the rest on the CPU (None: all GPU)."""
-    kt_expert_placement: str = "front"
-    """Which experts are resident: "front" (the first N) or "frequency" (most routed over a
-    warm-up prompt at start)."""
-    kt_gpu_prefill_token_threshold: int | None = None
-    """Hybrid mode: prefill chunks of at least this many tokens stream experts to the GPU."""
-    kt_cpuinfer: int | None = None
-    """Threads of the CPU expert kernel (default: numba's, i.e. all cores)."""
-    kt_threadpool_count: int = 1
-    """Thread pools of the CPU expert kernel (one per NUMA node), each owning a slice of every
-    expert; needs at least as many threads."""
-    tp_size: int = 1
-    """Ranks (one process per GPU, or per CPU share): attention heads and FFN widths divided
-    among them; rank 0 (this process) owns the scheduler and starts the others."""
-    ep_size: int = 1
-    """1: routed experts split by width over the tp_size ranks; tp_size: experts divided
-    among the ranks (expert parallel). With kt_num_gpu_experts they all live on rank 0."""
-    load_format: str = "auto"
-    """Where weights come from: "auto" reads the checkpoint's safetensors; "dummy" makes seeded
-    random weights in memory (benchmarks at release shapes: the folder needs only config.json and
-    the tokenizer files)."""
-    cuda_graph_bs: tuple[int, ...] | None = None
-    """Decode batch sizes captured as CUDA graphs (default 1, 2, 4, 8, 16, 32, capped by
-    `cuda_graph_max_bs` and `max_running_requests`)."""
-    cuda_graph_max_bs: int | None = None
-    """The largest decode batch replayed from a graph; larger ones run eagerly."""
-    disable_cuda_graph: bool = False
-    """Run every decode step eagerly (no capture at start-up)."""
-    skip_kernel_warmup: bool = False
-    """Do not run the start-up forwards that compile and warm the model's kernels."""
-    background_loop: bool = True
+    context_length: int | None = option(
+        None, "longest sequence, prompt plus output (default: min(model maximum, 8192))",
+        type=positive_int)
+    max_running_requests: int = option(16, "sequences decoded together (state slots)",
+                                       type=positive_int)
+    chunked_prefill_size: int = option(2048, "most prompt tokens per step (-1: no chunking)",
+                                       type=chunk_size)
+    page_size: int = option(64, "tokens per cache page", type=positive_int)
+    mem_fraction_static: float = option(
+        0.85, "GPU: fraction of device memory for weights plus cache", type=fraction)
+    cache_budget_gb: float = option(
+        2.0, "CPU: GiB for the cache (MLA pages and per-sequence state slots)",
+        type=positive_float)
+    disable_radix_cache: bool = option(
+        False, "turn the prefix cache off (every prompt is computed from its start)",
+        action="store_true")
+    max_state_snapshots: int | None = option(
+        None, "prefix cache: KDA state snapshots kept, each as large as a sequence's state "
+        "(default: twice --max-running-requests)", type=non_negative_int, metavar="N")
+    max_queued_requests: int | None = option(
+        None, "choices in flight (queued or running) beyond this are refused (the server "
+        "answers 503; default: no limit)", type=positive_int)
+    seed: int | None = option(None, "default sampling seed", type=int)
+    limit_mm_data_per_request: dict | None = option(
+        None, 'media per request, e.g. \'{"image": 8, "video": 1}\' (images and a video never '
+        'together)', MEDIA, type=json_object, metavar="JSON")
+    mm_process_config: dict | None = option(
+        None, 'e.g. \'{"image": {"max_pixels": 1003520}, "video": {"fps": 2, "max_frames": '
+        '32}}\'', MEDIA, type=json_object, metavar="JSON")
+    media_local_root: str | None = option(
+        None, "allow local image/video paths under DIR (default: refused)", MEDIA,
+        metavar="DIR")
+    allowed_media_domains: tuple[str, ...] | None = option(
+        None, "fetch http(s) media only from these hosts (default: any public host)", MEDIA,
+        nargs="+", metavar="HOST")
+    allow_private_media_urls: bool = option(
+        False, "let media URLs reach loopback, private and link-local addresses (trusted "
+        "networks only)", MEDIA, action="store_true")
+    kt_method: str = option(
+        "FP8", "CPU expert format: FP8 (the checkpoint's own), the only one that honours "
+        "swiglu_limit", CPU_EXPERTS)
+    kt_num_gpu_experts: int | None = option(
+        None, "GPU: experts per layer resident on the GPU, the rest on the CPU (default: all "
+        "on the GPU)", CPU_EXPERTS, type=non_negative_int)
+    kt_expert_placement: str = option(
+        "front", "resident GPU experts: the first N, or the most routed over a warm-up prompt "
+        "at start", CPU_EXPERTS, choices=EXPERT_PLACEMENTS)
+    kt_gpu_prefill_token_threshold: int | None = option(
+        None, "GPU: prefill chunks this long stream each layer's experts to the GPU",
+        CPU_EXPERTS, type=positive_int)
+    kt_cpuinfer: int | None = option(
+        None, "threads of the CPU expert kernel (default: all cores)", CPU_EXPERTS,
+        type=positive_int)
+    kt_threadpool_count: int = option(
+        1, "thread pools of the CPU expert kernel (one per NUMA node), each owning a slice of "
+        "every expert; needs at least as many threads", CPU_EXPERTS, type=positive_int)
+    tp_size: int = option(
+        1, "ranks (one process per GPU, or per CPU share) the model is split over: attention "
+        "heads and FFN widths; rank 0 owns the scheduler and starts the others",
+        type=positive_int)
+    ep_size: int = option(
+        1, "1: routed experts split by width over the ranks; --tp-size: experts divided among "
+        "the ranks (with --kt-num-gpu-experts they all live on rank 0)", type=positive_int)
+    load_format: str = option(
+        "auto", "auto: read the checkpoint's safetensors; dummy: seeded random weights made in "
+        "memory (benchmarks at release shapes: the folder needs only config.json and the "
+        "tokenizer)", MODEL, choices=LOAD_FORMATS)
+    cuda_graph_bs: tuple[int, ...] | None = option(
+        None, "decode batch sizes captured as CUDA graphs (default 1 2 4 8 16 32, capped by "
+        "--cuda-graph-max-bs and --max-running-requests)", type=positive_int, nargs="+",
+        metavar="BS")
+    cuda_graph_max_bs: int | None = option(
+        None, "the largest decode batch replayed from a graph; larger ones run eagerly",
+        type=positive_int)
+    disable_cuda_graph: bool = option(False, "run every decode step eagerly (no capture)",
+                                      action="store_true")
+    skip_kernel_warmup: bool = option(
+        False, "do not compile and warm the kernels at start (the first requests pay for it)",
+        MODEL, action="store_true")
+    background_loop: bool = option(True, "", None)
     """Drive steps from an engine thread; False: the caller drives `step()` (tests, offline)."""
-    check_integrity: bool = False
+    check_integrity: bool = option(False, "", None)
     """Debug: verify cache ownership after every step."""
 
     @property
@@ -98,7 +160,7 @@ class EngineConfig:
             (self.cache_budget_gb > 0, "cache_budget_gb must be > 0"),
             (self.kt_method.upper() == "FP8", f"kt_method {self.kt_method!r} is not supported "
              "(only FP8: other CPU formats ignore the SwiGLU clamp)"),
-            (self.kt_expert_placement in ("front", "frequency"),
+            (self.kt_expert_placement in EXPERT_PLACEMENTS,
              f"kt_expert_placement {self.kt_expert_placement!r} must be 'front' or 'frequency'"),
             (self.kt_num_gpu_experts is None or self.kt_num_gpu_experts >= 0,
              "kt_num_gpu_experts must be >= 0"),

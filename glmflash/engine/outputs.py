@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from glmflash.engine.cache import PrefixCacheStats
+
 
 @dataclass(slots=True)
 class StreamDelta:
@@ -69,6 +71,26 @@ class Result:
     def num_cached_tokens(self) -> int:
         """Prompt tokens taken from the prefix cache (choice 0's; usage counts the prompt once)."""
         return self.choices[0].num_cached_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The engine's load at the end of a step: one consistent snapshot, taken on the engine
+    thread, that any thread may read (`Engine.stats()`)."""
+
+    num_queued: int
+    """Choices waiting for admission."""
+    num_running: int
+    """Choices being generated."""
+    num_free_pages: int
+    num_pages: int
+    prefix_cache: PrefixCacheStats
+    """The prefix cache's counters (zeros when it is off)."""
+
+    @property
+    def cache_usage(self) -> float:
+        """Fraction of cache pages in use."""
+        return 1.0 - self.num_free_pages / self.num_pages
 
 
 class ResultCollector:

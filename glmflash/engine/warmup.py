@@ -33,12 +33,15 @@ FIRST_CHUNK = 16
 _GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
 
-def warm_up_cpu_experts(model: GlmForCausalLM) -> None:
-    """Build the CPU expert kernels and compile (first start) or load them (later starts)."""
+def warm_up_cpu_experts(model: GlmForCausalLM, num_threads: int | None = None,
+                        num_pools: int = 1) -> None:
+    """Build the CPU expert kernels with these options (`Experts.build_cpu_kernel`) and compile
+    (first start) or load them (later starts)."""
     from glmflash.model.moe import Experts
 
-    kernels = [m.cpu_experts() for m in model.modules() if isinstance(m, Experts)
-               and m.gate_proj.fp8_block and m.gate_proj.weight.device.type == "cpu"]
+    kernels = [m.build_cpu_kernel(num_threads, num_pools) for m in model.modules()
+               if isinstance(m, Experts) and m.gate_proj.fp8_block
+               and m.gate_proj.weight.device.type == "cpu"]
     if not kernels:
         return
     where = _numba_cache_dir()

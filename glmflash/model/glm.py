@@ -5,6 +5,8 @@ embed -> N x (mHC[mixer], mHC[ffn]) -> stream mean -> norm -> lm_head.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -13,10 +15,15 @@ from glmflash.kernels.hyper import hyper_post, hyper_pre
 from glmflash.model.forward_batch import ForwardBatch
 from glmflash.model.kda import KimiDeltaAttention
 from glmflash.model.layers import MLP, Linear, RMSNorm
+from glmflash.model.media import MediaTokenIds, embed_multimodal
 from glmflash.model.mla import MultiLatentAttention
 from glmflash.model.moe import MoE
 from glmflash.model.state import ModelState
 from glmflash.model.vision import VisionTower
+
+if TYPE_CHECKING:
+    from glmflash.multimodal.image import ImageInputs
+    from glmflash.multimodal.video import VideoInputs
 
 
 class DecoderLayer(nn.Module):
@@ -90,6 +97,12 @@ class GlmForCausalLM(nn.Module):
     @property
     def visual(self) -> VisionTower | None:
         return getattr(self.model, "visual", None)
+
+    def embed_multimodal(self, token_ids: list[int], image_inputs: ImageInputs | None,
+                         video_inputs: VideoInputs | None) -> torch.Tensor:
+        """Prompt embeddings `[T, D]` with the vision tower's features on its media tokens."""
+        return embed_multimodal(self.text.embed_tokens, self.visual, token_ids, image_inputs,
+                                video_inputs, media=MediaTokenIds.from_config(self.config))
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, state: ModelState, *,

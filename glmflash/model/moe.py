@@ -97,13 +97,10 @@ class Experts(nn.Module):
         self.down_proj = StackedWeight(e, d, i, dtype, fp8_block)
         self.limit = config.swiglu_limit
         self.cpu_kernel = None
-        self.cpu_threads: int | None = None
-        self.cpu_pools = 1
-        """Thread pools of the CPU kernel (`--kt-threadpool-count`), each owning a slice of
-        every expert's rows in memory local to its NUMA node."""
+        """The CPU kernel over these weights, once `build_cpu_kernel` has run."""
         self.backend = None
-        """Set from outside to place experts elsewhere (engine/experts.py: CPU + GPU hybrid);
-        it offers the same `start` / `finish`."""
+        """Where a placement transform put these experts (engine/experts.py `place_experts`:
+        CPU + GPU hybrid); it offers the same `start` / `finish`."""
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return self.finish(self.start(x, ids, weights))
@@ -128,15 +125,21 @@ class Experts(nn.Module):
         return self.gate_proj, self.up_proj, self.down_proj
 
     def cpu_experts(self):
-        """The CPU kernel over these weights, built on first use (zero-copy with one pool)."""
+        """The CPU kernel over these weights (built with default options on first use)."""
+        return self.build_cpu_kernel()
+
+    def build_cpu_kernel(self, num_threads: int | None = None, num_pools: int = 1):
+        """Build the CPU kernel once: `num_threads` (default numba's) in `num_pools` thread
+        pools (`--kt-threadpool-count`), each owning a slice of every expert's rows in memory
+        local to its NUMA node; zero-copy with one pool. Later calls return the same kernel."""
         if self.cpu_kernel is None:
             from glmflash.kernels.cpu_moe import create_cpu_experts
 
             projections = self.projections()
             tensors = [t for p in projections for t in (p.weight.data, p.weight_scale_inv.data)]
-            options = {"num_threads": self.cpu_threads} if self.cpu_threads else {}
-            if self.cpu_pools > 1:
-                options["num_pools"] = self.cpu_pools
+            options = {"num_threads": num_threads} if num_threads else {}
+            if num_pools > 1:
+                options["num_pools"] = num_pools
             self.cpu_kernel = create_cpu_experts(*tensors, swiglu_limit=self.limit, **options)
             # With pools the kernel copied each weight onto its pools' nodes: the parameters
             # take the copies, so the loaded originals are freed (one copy in RAM).

@@ -1,5 +1,5 @@
-"""Images and video: loading, preprocessing as the reference processors, prompt expansion and
-the merge of vision features into the token embeddings (spec/model.md §6)."""
+"""Images and video: loading, preprocessing as the reference processors and prompt expansion
+(spec/model.md §6); the model merges the vision features (model/media.py)."""
 
 from glmflash.multimodal.image import ImageInputs, ImageProcessConfig, process_images
 from glmflash.multimodal.media import (
@@ -13,7 +13,6 @@ from glmflash.multimodal.media import (
 from glmflash.multimodal.prompt import (
     MediaTokenIds,
     MultimodalPrompt,
-    embed_multimodal,
     expand_media_tokens,
     prepare_multimodal_prompt,
 )
@@ -28,6 +27,6 @@ from glmflash.multimodal.video import (
 __all__ = [
     "FetchConfig", "ImageInputs", "ImageProcessConfig", "MediaError", "MediaLimits",
     "MediaTokenIds", "MultimodalProcessConfig", "MultimodalPrompt", "VideoFrames", "VideoInputs",
-    "VideoProcessConfig", "decode_video", "embed_multimodal", "expand_media_tokens",
+    "VideoProcessConfig", "decode_video", "expand_media_tokens",
     "load_image", "load_video", "prepare_multimodal_prompt", "process_images", "process_videos",
 ]

@@ -1,4 +1,5 @@
-"""Media placeholders in a prompt: expansion to the model's token layout and the embedding merge.
+"""Media placeholders in a prompt: expansion to the model's token layout (the model merges the
+visual features into the expanded prompt: model/media.py).
 
 The chat template writes `<|begin_of_image|><|image|><|end_of_image|>` per image and
 `<|begin_of_video|><|video|><|end_of_video|>` per video. Expansion (spec/model.md §6.5):
@@ -9,13 +10,12 @@ The chat template writes `<|begin_of_image|><|image|><|end_of_image|>` per image
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-import torch
-
 from glmflash.config import ModelConfig
+from glmflash.model.media import MediaTokenIds
 from glmflash.multimodal.image import ImageInputs, process_images
 from glmflash.multimodal.media import MultimodalProcessConfig
 from glmflash.multimodal.video import VideoFrames, VideoInputs, process_videos
@@ -23,27 +23,9 @@ from glmflash.multimodal.video import VideoFrames, VideoInputs, process_videos
 if TYPE_CHECKING:
     from PIL import Image
 
-    from glmflash.model.vision import VisionTower
-
 
 class TextEncoder(Protocol):
     def encode(self, text: str) -> list[int]: ...
-
-
-@dataclass(frozen=True)
-class MediaTokenIds:
-    image: int
-    video: int
-    image_start: int
-    image_end: int
-    video_start: int
-    video_end: int
-
-    @classmethod
-    def from_config(cls, config: ModelConfig) -> MediaTokenIds:
-        return cls(image=config.image_token_id, video=config.video_token_id,
-                   image_start=config.image_start_token_id, image_end=config.image_end_token_id,
-                   video_start=config.video_start_token_id, video_end=config.video_end_token_id)
 
 
 @dataclass
@@ -119,49 +101,3 @@ def _next_block(blocks: Iterator[list[int]], kind: str,
 
 def _num_items(inputs: ImageInputs | VideoInputs | None) -> int:
     return 0 if inputs is None else inputs.grid_thw.shape[0]
-
-
-def media_masks(token_ids: torch.Tensor, media: MediaTokenIds
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(image mask, video mask) `[T]`: `<|image|>` outside / inside a video span."""
-    is_media = token_ids == media.image
-    in_video = (token_ids == media.video_start).cumsum(0) > (token_ids == media.video_end).cumsum(0)
-    return is_media & ~in_video, is_media & in_video
-
-
-def embed_multimodal(model_embed_fn: Callable[[torch.Tensor], torch.Tensor],
-                     vision_tower: VisionTower, token_ids: Sequence[int] | torch.Tensor,
-                     image_inputs: ImageInputs | None, video_inputs: VideoInputs | None, *,
-                     media: MediaTokenIds) -> torch.Tensor:
-    """Token embeddings `[T, D]` with visual features on the expanded placeholder tokens.
-
-    The tower runs once over all images and videos; image features go, in order, to the
-    `<|image|>` tokens outside video spans, video features to those inside.
-    """
-    device = next(vision_tower.parameters()).device
-    ids = torch.as_tensor(token_ids, dtype=torch.long, device=device)
-    embeds = model_embed_fn(ids)
-    image_mask, video_mask = media_masks(ids, media)
-    num_image = sum(image_inputs.num_tokens) if image_inputs is not None else 0
-    num_video = _num_video_tokens(video_inputs)
-    checks = (("image", image_mask, num_image), ("video", video_mask, num_video))
-    for kind, mask, expected in checks:
-        if int(mask.sum()) != expected:
-            raise ValueError(f"{kind} features and {kind} tokens do not match: "
-                             f"{int(mask.sum())} tokens, {expected} features")
-    parts = [x for x in (image_inputs, video_inputs) if x is not None]
-    if not parts:
-        return embeds
-    features = vision_tower(torch.cat([x.pixel_values for x in parts]).to(device),
-                            torch.cat([x.grid_thw for x in parts])).to(embeds.dtype)
-    embeds = embeds.clone()
-    embeds[image_mask] = features[:num_image]
-    embeds[video_mask] = features[num_image:]
-    return embeds
-
-
-def _num_video_tokens(videos: VideoInputs | None) -> int:
-    if videos is None:
-        return 0
-    return sum(t * n for (t, _, _), n in zip(videos.grid_thw.tolist(), videos.num_slice_tokens,
-                                                 strict=True))

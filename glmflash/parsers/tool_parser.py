@@ -2,8 +2,10 @@
 
 This module is the public entry point for the engine's `chat()` and the server:
 
-* `parse_tool_calls(text, tools)` -> `ParsedOutput(content, tool_calls)`;
+* `parse_tool_calls(text, tools)` -> `ParsedOutput(content, tool_calls)`: the whole text fed
+  to the streaming parser and finished, so the glm47 grammar is written once (tool_stream.py);
 * `ToolCallStreamParser(tools)` (from tool_stream.py) for SSE;
+* `finish_reason(engine_reason, has_tool_calls)`: the one rule for a chat choice's reason;
 * `ChatOutputParser(tools, reasoning=..., starts_in_reasoning=...)`: glm45 reasoning split, then
   glm47 tool calls, streaming (`feed` / `finish`) or one-shot (`parse`).
 
@@ -15,34 +17,14 @@ unknown names (dropped) and truncation, and tool_schema.py for value typing.
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from glmflash.parsers.reasoning_parser import ReasoningDelta, ReasoningParser, split_reasoning
-from glmflash.parsers.tags import (
-    ARG_KEY_END,
-    ARG_KEY_START,
-    ARG_VALUE_END,
-    ARG_VALUE_START,
-    TOOL_CALL_END,
-    TOOL_CALL_START,
-    WhitespaceGate,
-    none_if_blank,
-)
-from glmflash.parsers.tool_format import (
-    TERMINATORS,
-    CallState,
-    ToolCall,
-    new_tool_call_id,
-    resolve_key,
-    split_key_value,
-    split_name_region,
-)
-from glmflash.parsers.tool_schema import ToolRegistry
+from glmflash.parsers.tags import WhitespaceGate, none_if_blank
+from glmflash.parsers.tool_format import ToolCall
 from glmflash.parsers.tool_stream import StreamEvent, ToolCallStreamParser
 
 __all__ = [
@@ -53,13 +35,12 @@ __all__ = [
     "StreamEvent",
     "ToolCall",
     "ToolCallStreamParser",
+    "finish_reason",
     "parse_tool_calls",
 ]
 
 logger = logging.getLogger(__name__)
 
-_ARG_TAG_RE = re.compile(f"({ARG_KEY_START}|{ARG_KEY_END}|{ARG_VALUE_START}|{ARG_VALUE_END})")
-_NAME_ENDS = (ARG_KEY_START, ARG_VALUE_START)
 Tools = Sequence[Mapping[str, Any]]
 
 
@@ -71,82 +52,30 @@ class ParsedOutput:
 
 
 def parse_tool_calls(text: str, tools: Tools | None) -> ParsedOutput:
-    """Parse a complete generation (after reasoning). `tools=None` accepts any function name."""
-    registry = ToolRegistry(tools)
-    start = text.find(TOOL_CALL_START)
-    content = none_if_blank(text if start < 0 else text[:start])
-    calls: list[ToolCall] = []
-    while start >= 0:
-        body_start = start + len(TOOL_CALL_START)
-        end = text.find(TOOL_CALL_END, body_start)
-        body = text[body_start:] if end < 0 else text[body_start:end]
-        call = _parse_call(body, registry, is_closed=end >= 0)
-        if call is not None:
-            calls.append(call)
-        start = -1 if end < 0 else text.find(TOOL_CALL_START, end + len(TOOL_CALL_END))
-    return ParsedOutput(content, calls)
+    """Parse a complete generation (after reasoning). `tools=None` accepts any function name.
 
-
-def _parse_call(body: str, registry: ToolRegistry, *, is_closed: bool) -> ToolCall | None:
-    pieces = _ARG_TAG_RE.split(body)
-    # Odd positions of `pieces` are tags; the name ends at the first argument opener.
-    name_end = next((i for i in range(1, len(pieces), 2) if pieces[i] in _NAME_ENDS), None)
-    if name_end is None and not is_closed:
-        logger.debug("dropping a tool call truncated inside its name: %r", body)
-        return None
-    name, arguments = split_name_region("".join(pieces[:name_end]))
-    if not registry.is_known(name):
-        logger.warning("dropping a call to unknown tool %r", name)
-        return None
-    if name_end is not None:
-        tokens = [(i % 2 == 1, piece) for i, piece in enumerate(pieces)][name_end:]
-        _read_pairs(tokens, name, registry, arguments)
-    return ToolCall(new_tool_call_id(), name, json.dumps(arguments, ensure_ascii=False))
-
-
-def _read_pairs(
-    tokens: list[tuple[bool, str]], name: str, registry: ToolRegistry, arguments: dict[str, Any]
-) -> None:
-    """Add the key/value pairs of one call body (after its name) to `arguments`, in order."""
-    state, text = CallState.ARGS, ""
-    pending: str | None = None
-    key: str | None = None
-    for is_tag, piece in tokens:
-        if not is_tag or piece not in TERMINATORS[state]:
-            text += piece
+    The whole text goes through the streaming parser (the one glm47 grammar), whose content
+    events and per-call argument fragments are then joined.
+    """
+    parser = ToolCallStreamParser(tools)
+    content, calls = "", []
+    for event in parser.feed(text) + parser.finish():
+        if event.tool_call is None:
+            content += event.content or ""
             continue
-        if state is CallState.KEY:
-            pending, state = text, CallState.AFTER_KEY
-        if state is CallState.VALUE:
-            _store(arguments, key, text, name, registry)
-            state = CallState.ARGS
-        elif piece == ARG_VALUE_START:
-            key = resolve_key(registry, name, pending, arguments)
-            pending, state = None, CallState.VALUE
-        elif piece == ARG_KEY_START:
-            _store_key_value(arguments, pending, name, registry)
-            pending, state = None, CallState.KEY
-        text = ""
-    if state is CallState.KEY:
-        pending = text
-    if state is CallState.VALUE:
-        _store(arguments, key, text, name, registry)
-    _store_key_value(arguments, pending, name, registry)
+        function = event.tool_call["function"]
+        if "id" in event.tool_call:
+            calls.append([event.tool_call["id"], function["name"], ""])
+        else:
+            calls[-1][2] += function["arguments"]
+    return ParsedOutput(none_if_blank(content), [ToolCall(*call) for call in calls])
 
 
-def _store(
-    arguments: dict[str, Any], key: str | None, raw: str, name: str, registry: ToolRegistry
-) -> None:
-    if key is not None and key not in arguments:
-        arguments[key] = registry.coerce(name, key, raw)
-
-
-def _store_key_value(
-    arguments: dict[str, Any], key_text: str | None, name: str, registry: ToolRegistry
-) -> None:
-    pair = split_key_value(key_text)
-    if pair is not None:
-        _store(arguments, resolve_key(registry, name, pair[0], arguments), pair[1], name, registry)
+def finish_reason(engine_reason: str, has_tool_calls: bool) -> str:
+    """The OpenAI finish_reason of a chat choice (the one place it is decided): `tool_calls`
+    when calls were parsed and generation stopped normally; `length`, `abort` and `error`
+    are kept (a truncated call is still reported as truncated)."""
+    return "tool_calls" if has_tool_calls and engine_reason == "stop" else engine_reason
 
 
 @dataclass(slots=True)
@@ -167,6 +96,9 @@ class ChatMessageParse:
     finish_reason_hint: str | None
     """`tool_calls` when calls were parsed, else None (keep the engine's stop/length reason;
     the server should also keep `length` when generation was truncated)."""
+
+    def finish_reason(self, engine_reason: str) -> str:
+        return finish_reason(engine_reason, bool(self.tool_calls))
 
 
 class ChatOutputParser:
@@ -195,6 +127,10 @@ class ChatOutputParser:
         """`tool_calls` once at least one call has been streamed, else None."""
         has_calls = self._tool_stream is not None and self._tool_stream.num_tool_calls > 0
         return "tool_calls" if has_calls else None
+
+    def finish_reason(self, engine_reason: str) -> str:
+        """The choice's finish_reason after what was streamed (see `finish_reason`)."""
+        return finish_reason(engine_reason, self.finish_reason_hint is not None)
 
     def feed(self, delta_text: str) -> list[ChatDelta]:
         if self._reasoning is None:

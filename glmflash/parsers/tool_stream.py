@@ -1,8 +1,8 @@
 """Streaming glm47 tool-call parser: text deltas in, content text and OpenAI tool-call deltas out.
 
-Invariant (tests/server/test_parsers.py checks it under every chunking): the concatenated content
-events equal `parse_tool_calls(full_text).content` ("" for None), and the concatenated argument
-fragments of index i equal the i-th call's `arguments`.
+This is the one glm47 grammar: `parse_tool_calls` feeds it a whole text and joins the events.
+Invariant (tests/parsers/test_parsers.py checks it under every chunking, against recorded
+outputs): the output does not depend on how the text is split into deltas.
 
 Emission rules (spec/chat_api.md §2.3):
 * the header `{"index", "id", "type": "function", "function": {"name", "arguments": ""}}` is sent

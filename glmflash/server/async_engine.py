@@ -1,23 +1,27 @@
 """The bridge between the event loop and the engine thread.
 
-`AsyncEngine.submit` hands a request's prompts to `Engine.add_request` (so a full queue or a bad
-prompt fails before any response header is sent) and returns a `RequestGroup`: an async iterator
-over the choices' StreamDeltas, fed through one asyncio.Queue by the engine thread. Leaving the
-group's `async with` block early (client disconnect, error, cancellation) aborts every request
-still running, which frees its cache pages and state slot. `fail_open` ends every open group
-with an error (shutdown past its grace period, or a dead engine).
+`AsyncEngine.submit` hands a request's prompts to `Engine.add_request`, so a full queue, a bad
+prompt or bad media fail before any response header is sent (a request with media is added from
+a worker thread: the engine fetches and preprocesses them on the caller's thread). It returns a
+`RequestGroup`: an async iterator over the choices' StreamDeltas, fed through one asyncio.Queue
+by the engine thread. Leaving the group's `async with` block early (client disconnect, error,
+cancellation) aborts every request still running, which frees its cache pages and state slot.
+`fail_open` ends every open group with an error (shutdown past its grace period, or a dead
+engine).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
-from glmflash.engine.engine import EngineDead, EngineOverloaded
+from glmflash.engine.errors import EngineDead, EngineOverloaded, MediaError
+from glmflash.engine.multimodal import MediaSources
 from glmflash.engine.outputs import StreamDelta
 from glmflash.sampling_params import SamplingParams
 from glmflash.server.errors import ApiError, bad_request, internal_error, overloaded, unavailable
@@ -51,21 +55,28 @@ class AsyncEngine:
 
     @property
     def supports_media(self) -> bool:
-        return hasattr(self.engine, "prepare_multimodal")
+        return self.engine.supports_media
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, n: int, prefix: str,
-               mm: list | None = None) -> RequestGroup:
-        """Queue one engine request of `n` choices per prompt (`mm`: their media inputs)."""
+    async def submit(self, prompts: list[list[int]],
+                     params: SamplingParams | Callable[[list[int]], SamplingParams], n: int,
+                     prefix: str, media: MediaSources | None = None) -> RequestGroup:
+        """Queue one engine request of `n` choices per prompt (`media`: the one prompt's images
+        or video; `params` may then be made from the expanded prompt, see Engine.add_request)."""
         if self.is_closed:
             raise unavailable("The server is shutting down.", "shutting_down")
+        assert media is None or len(prompts) == 1
         group = RequestGroup(self, asyncio.get_running_loop(), len(prompts) * n)
         base = f"{prefix}-{next(self._ids)}"
         try:
             for index, prompt in enumerate(prompts):
-                rid = self.engine.add_request(prompt, params, group.sink(index),
-                                              request_id=f"{base}-{index}", n=n,
-                                              mm=mm[index] if mm else None)
+                add = functools.partial(self.engine.add_request, prompt, params,
+                                        group.sink(index), request_id=f"{base}-{index}", n=n,
+                                        media=media)
+                rid = add() if media is None else await _off_loop(add, self.engine.abort)
                 group.request_ids.append(rid)
+        except MediaError as exc:
+            group.abort()
+            raise bad_request(str(exc), param="messages", code="invalid_media") from exc
         except EngineOverloaded as exc:
             group.abort()
             raise overloaded() from exc
@@ -161,6 +172,18 @@ class RequestGroup:
             if not self.num_open:
                 metrics.e2e_latency.observe(now - self._submitted_at)
                 self.bridge.open_groups.discard(self)
+
+
+async def _off_loop(add: Callable[[], str], abort: Callable[[str], None]) -> str:
+    """Run `add` in a worker thread; if the caller is cancelled meanwhile (client gone), the
+    request it adds is aborted as soon as it exists."""
+    future = asyncio.get_running_loop().run_in_executor(None, add)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        future.add_done_callback(
+            lambda done: done.cancelled() or done.exception() or abort(done.result()))
+        raise
 
 
 def failure_error(exc: EngineFailure) -> ApiError:

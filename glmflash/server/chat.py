@@ -2,8 +2,7 @@
 
 Output handling (spec/chat_api.md §3, §2): the glm45 parser splits `reasoning_content` from
 `content` and the glm47 parser turns `<tool_call>` markup into OpenAI tool calls, through
-`ChatOutputParser`. finish_reason becomes `tool_calls` when calls were parsed and generation
-stopped normally (`length` is kept when truncated).
+`ChatOutputParser`; `parsers.tool_parser.finish_reason` decides the choice's finish_reason.
 """
 
 from __future__ import annotations
@@ -11,23 +10,31 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import jinja2
 
+from glmflash.engine.multimodal import MediaSources
 from glmflash.engine.outputs import Choice
 from glmflash.parsers.tags import THINK_END, THINK_START, TOOL_CALL_START
-from glmflash.parsers.tool_parser import ChatOutputParser, ToolCall
+from glmflash.parsers.tool_parser import ChatOutputParser, ToolCall, finish_reason
 from glmflash.sampling_params import SamplingParams
+from glmflash.server.async_engine import RequestGroup
+from glmflash.server.chunks import response_header, usage
+from glmflash.server.engine_input import (
+    PreparedRequest,
+    check_prompt_size,
+    max_tokens_for,
+    request_hook,
+    token_pieces,
+)
 from glmflash.server.errors import bad_request
 from glmflash.server.limits import chat_texts
 from glmflash.server.logprobs import chat_logprobs
 from glmflash.server.processors import ForcedToolCall, ToolTokenIds
 from glmflash.server.protocol import ChatCompletionRequest
-from glmflash.server.state import PreparedRequest, ServerState
+from glmflash.server.state import ServerState
 from glmflash.server.streaming import collect
 
 logger = logging.getLogger(__name__)
@@ -50,9 +57,6 @@ class ChatPlan:
         return ChatOutputParser(self.tools, reasoning=self.use_reasoning,
                                 starts_in_reasoning=self.starts_in_reasoning)
 
-    def finish_reason(self, engine_reason: str, has_tool_calls: bool) -> str:
-        return "tool_calls" if has_tool_calls and engine_reason == "stop" else engine_reason
-
     def num_reasoning_tokens(self, token_ids: list[int]) -> int:
         if not (self.use_reasoning and self.starts_in_reasoning):
             return 0
@@ -72,31 +76,43 @@ def render_prompt(state: ServerState, request: ChatCompletionRequest) -> str:
 
 def prepare_chat(state: ServerState, request: ChatCompletionRequest,
                  ) -> tuple[PreparedRequest, ChatPlan]:
-    state.check_prompt_size(chat_texts(request.messages), request.max_tokens, "messages")
+    """Render and tokenize (blocking: off the event loop). With media, the params wait for the
+    engine's expanded prompt (`PreparedRequest.params_for`)."""
+    check_prompt_size(state.engine, chat_texts(request.messages), request.max_tokens, "messages")
     text = render_prompt(state, request)
-    ids = state.engine.tokenizer.encode(text)
-    mm = _prepare_media(state, ids, request) if request.media else None
-    if mm is not None:
-        ids = mm.token_ids
-    max_tokens = state.max_tokens_for(len(ids), request.max_tokens, "messages")
     plan = _plan(state, request, text)
-    params = state.sampling_params(request, max_tokens, _tool_choice_processors(state, request,
-                                                                                plan))
-    if plan.tools is not None or plan.use_reasoning:
+
+    def make_params(num_prompt_tokens: int) -> SamplingParams:
+        max_tokens = max_tokens_for(state.engine, num_prompt_tokens, request.max_tokens,
+                                    "messages")
+        processors = _tool_choice_processors(state, request, plan)
         # The parsers need the tag tokens in the text, whatever the tokenizer marks special.
-        params.skip_special_tokens = False
-    prepared = PreparedRequest([ids], params, text, mm=None if mm is None else [mm])
-    state.run_hook(request, prepared)
+        return request.to_sampling_params(
+            max_tokens=max_tokens, defaults=state.sampling_defaults,
+            vocab_size=state.engine.config.vocab_size, processors=processors,
+            keep_special_tokens=plan.tools is not None or plan.use_reasoning)
+
+    ids = state.engine.tokenizer.encode(text)
+    prepared = PreparedRequest([ids], None, text, media=_media_sources(request),
+                               make_params=make_params, hook=request_hook(state, request))
+    if prepared.media is None:
+        prepared.params_for(ids)
     return prepared, plan
 
 
-def _prepare_media(state: ServerState, ids: list[int], request: ChatCompletionRequest) -> Any:
-    """Fetch, check and preprocess the request's images or video (the engine's MultimodalPrompt:
-    the expanded prompt ids plus pixels); blocking, so it runs off the event loop."""
-    try:
-        return state.engine.prepare_multimodal(ids, request.messages)
-    except ValueError as exc:
-        raise bad_request(str(exc), param="messages", code="invalid_media") from exc
+async def submit_chat(state: ServerState, prepared: PreparedRequest, n: int,
+                      prefix: str) -> RequestGroup:
+    """Hand the request to the engine (a chat request's media are fetched and preprocessed by
+    the engine, in a worker thread); bad media are a 400 invalid_media."""
+    return await state.bridge.submit(prepared.prompt_token_ids, prepared.engine_params, n,
+                                     prefix, prepared.media)
+
+
+def _media_sources(request: ChatCompletionRequest) -> MediaSources | None:
+    if not request.media:
+        return None
+    return MediaSources([m["url"] for m in request.media if m["type"] == "image"],
+                        [m["url"] for m in request.media if m["type"] == "video"])
 
 
 def _plan(state: ServerState, request: ChatCompletionRequest, prompt: str) -> ChatPlan:
@@ -137,20 +153,15 @@ def keep_tool_call(plan: ChatPlan, index: int) -> bool:
 async def chat_completion(state: ServerState, request: ChatCompletionRequest,
                           model: str) -> dict[str, Any]:
     prepared, plan = await asyncio.to_thread(prepare_chat, state, request)
-    group = state.bridge.submit(prepared.prompt_token_ids, prepared.params, request.n, "chatcmpl",
-                                prepared.mm)
+    group = await submit_chat(state, prepared, request.n, "chatcmpl")
     (result,) = await collect(group, 1, request.n)
     choices = [_choice(state, request, plan, c, prepared.params) for c in result.choices]
-    num_prompt = len(prepared.prompt_token_ids[0])
     num_output = sum(len(c.token_ids) for c in result.choices)
-    usage = {"prompt_tokens": num_prompt, "completion_tokens": num_output,
-             "total_tokens": num_prompt + num_output,
-             "prompt_tokens_details": {"cached_tokens": result.choices[0].num_cached_tokens},
-             "completion_tokens_details": {"reasoning_tokens": sum(
-                 plan.num_reasoning_tokens(c.token_ids) for c in result.choices)}}
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-            "created": int(time.time()), "model": model, "system_fingerprint": None,
-            "choices": choices, "usage": usage}
+    num_reasoning = sum(plan.num_reasoning_tokens(c.token_ids) for c in result.choices)
+    totals = usage(len(prepared.prompt_token_ids[0]), num_output,
+                   result.choices[0].num_cached_tokens, num_reasoning)
+    return {**response_header("chatcmpl", "chat.completion", model), "choices": choices,
+            "usage": totals}
 
 
 def _choice(state: ServerState, request: ChatCompletionRequest, plan: ChatPlan,
@@ -164,12 +175,12 @@ def _choice(state: ServerState, request: ChatCompletionRequest, plan: ChatPlan,
     _check_json(request, parsed.content, calls)
     logprobs = None
     if request.logprobs is not None:
-        pieces = state.token_pieces(params).pieces(choice.token_ids, choice.finish_reason)
+        pieces = token_pieces(state.engine, params).pieces(choice.token_ids, choice.finish_reason)
         content = chat_logprobs(state.token_text, pieces,
                                 choice.token_ids, choice.logprobs or [], request.logprobs)
         logprobs = {"content": content, "refusal": None}
     return {"index": choice.index, "message": message, "logprobs": logprobs,
-            "finish_reason": plan.finish_reason(choice.finish_reason, bool(calls))}
+            "finish_reason": finish_reason(choice.finish_reason, bool(calls))}
 
 
 def _check_json(request: ChatCompletionRequest, content: str | None,

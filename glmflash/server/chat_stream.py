@@ -13,16 +13,16 @@ hold back) and rides on it; what is left at the end rides on the finish_reason c
 from __future__ import annotations
 
 import asyncio
-import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from glmflash.engine.outputs import StreamDelta
-from glmflash.parsers.tool_parser import ChatDelta, ChatOutputParser
+from glmflash.parsers.tool_parser import ChatDelta, ChatOutputParser, finish_reason
 from glmflash.sampling_params import SamplingParams
 from glmflash.server.async_engine import RequestGroup
-from glmflash.server.chat import ChatPlan, keep_tool_call, prepare_chat
+from glmflash.server.chat import ChatPlan, keep_tool_call, prepare_chat, submit_chat
+from glmflash.server.chunks import response_header, stream_chunk, usage, usage_chunk
+from glmflash.server.engine_input import token_pieces
 from glmflash.server.logprobs import TokenPieces, chat_logprobs
 from glmflash.server.protocol import ChatCompletionRequest
 from glmflash.server.state import ServerState
@@ -47,19 +47,15 @@ class ChatStream:
     def __init__(self, state: ServerState, request: ChatCompletionRequest, plan: ChatPlan,
                  model: str, params: SamplingParams) -> None:
         self.state, self.request, self.plan = state, request, plan
-        self.choices = [_ChoiceState(plan, state.token_pieces(params)) for _ in range(request.n)]
+        self.choices = [_ChoiceState(plan, token_pieces(state.engine, params))
+                        for _ in range(request.n)]
+        self.header = response_header("chatcmpl", "chat.completion.chunk", model)
         self.num_cached_tokens = 0
-        self.header = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
-                       "created": int(time.time()), "model": model, "system_fingerprint": None}
 
     def chunk(self, index: int, delta: dict[str, Any], *, logprobs: Any = None,
-              finish_reason: str | None = None) -> dict[str, Any]:
-        choice = {"index": index, "delta": delta, "logprobs": logprobs,
-                  "finish_reason": finish_reason}
-        out = {**self.header, "choices": [choice]}
-        if self.request.include_usage:
-            out["usage"] = None
-        return out
+              reason: str | None = None) -> dict[str, Any]:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return stream_chunk(self.header, choice, self.request.include_usage)
 
     def on_delta(self, delta: StreamDelta) -> list[dict[str, Any]]:
         choice = self.choices[delta.index]
@@ -74,9 +70,9 @@ class ChatStream:
         chunks = [self.chunk(delta.index, d, logprobs=choice.take_logprobs() if i == 0 else None)
                   for i, d in enumerate(deltas)]
         if delta.finish_reason is not None:
-            reason = self.plan.finish_reason(delta.finish_reason, choice.has_tool_calls)
+            reason = finish_reason(delta.finish_reason, choice.has_tool_calls)
             chunks.append(self.chunk(delta.index, {"reasoning_content": None},
-                                     logprobs=choice.take_logprobs(), finish_reason=reason))
+                                     logprobs=choice.take_logprobs(), reason=reason))
         return chunks
 
     def _openai_delta(self, choice: _ChoiceState, piece: ChatDelta) -> dict[str, Any] | None:
@@ -100,11 +96,8 @@ class ChatStream:
     def usage_chunk(self, num_prompt_tokens: int) -> dict[str, Any]:
         num_output = sum(len(c.token_ids) for c in self.choices)
         num_reasoning = sum(self.plan.num_reasoning_tokens(c.token_ids) for c in self.choices)
-        usage = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output,
-                 "total_tokens": num_prompt_tokens + num_output,
-                 "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
-                 "completion_tokens_details": {"reasoning_tokens": num_reasoning}}
-        return {**self.header, "choices": [], "usage": usage}
+        return usage_chunk(self.header, usage(num_prompt_tokens, num_output,
+                                              self.num_cached_tokens, num_reasoning))
 
 
 async def chat_completion_stream(state: ServerState, request: ChatCompletionRequest,
@@ -112,8 +105,7 @@ async def chat_completion_stream(state: ServerState, request: ChatCompletionRequ
     """Submits before returning (so errors are plain HTTP errors); returns the chunk iterator and
     the request group (whose `close` aborts it)."""
     prepared, plan = await asyncio.to_thread(prepare_chat, state, request)
-    group = state.bridge.submit(prepared.prompt_token_ids, prepared.params, request.n, "chatcmpl",
-                                prepared.mm)
+    group = await submit_chat(state, prepared, request.n, "chatcmpl")
     stream = ChatStream(state, request, plan, model, prepared.params)
 
     async def events() -> AsyncIterator[dict[str, Any]]:

@@ -6,34 +6,44 @@ Choices are numbered prompt-major: choice `p * n + i` is the i-th sample of prom
 from __future__ import annotations
 
 import asyncio
-import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from glmflash.engine.outputs import StreamDelta
 from glmflash.server.async_engine import RequestGroup
+from glmflash.server.chunks import response_header, stream_chunk, usage, usage_chunk
+from glmflash.server.engine_input import (
+    PreparedRequest,
+    check_prompt_size,
+    max_tokens_for,
+    request_hook,
+    token_pieces,
+)
 from glmflash.server.errors import bad_request
 from glmflash.server.logprobs import CompletionLogprobs, TokenPieces
 from glmflash.server.protocol import CompletionRequest
-from glmflash.server.state import PreparedRequest, ServerState
+from glmflash.server.state import ServerState
 from glmflash.server.streaming import collect
 
 
 def prepare_completion(state: ServerState, request: CompletionRequest) -> PreparedRequest:
-    tokenizer = state.engine.tokenizer
+    engine = state.engine
     for prompt in request.prompts:
         if isinstance(prompt, str):
-            state.check_prompt_size([prompt], request.max_tokens, "prompt")
-    prompts = [p if isinstance(p, list) else tokenizer.encode(p) for p in request.prompts]
+            check_prompt_size(engine, [prompt], request.max_tokens, "prompt")
+    prompts = [p if isinstance(p, list) else engine.tokenizer.encode(p) for p in request.prompts]
     if not all(prompts):
         raise bad_request("'prompt' must not be empty", param="prompt")
     for ids in prompts:
-        state.max_tokens_for(len(ids), request.max_tokens, "prompt")
-    prompt_logprobs = request.logprobs if request.echo else None
-    prepared = PreparedRequest(prompts, state.sampling_params(request, request.max_tokens,
-                                                              prompt_logprobs=prompt_logprobs))
-    state.run_hook(request, prepared)
+        max_tokens_for(engine, len(ids), request.max_tokens, "prompt")
+    params = request.to_sampling_params(
+        max_tokens=request.max_tokens, defaults=state.sampling_defaults,
+        vocab_size=engine.config.vocab_size,
+        prompt_logprobs=request.logprobs if request.echo else None)
+    prepared = PreparedRequest(prompts, params)
+    hook = request_hook(state, request)
+    if hook is not None:
+        hook(prepared)
     return prepared
 
 
@@ -52,7 +62,7 @@ class ChoiceLogprobs:
     def __init__(self, state: ServerState, request: CompletionRequest,
                  prepared: PreparedRequest) -> None:
         self.data = CompletionLogprobs(state.token_text, request.logprobs or 0)
-        self.pieces = state.token_pieces(prepared.params)
+        self.pieces = token_pieces(state.engine, prepared.params)
         self.tokenizer = state.engine.tokenizer
         self.num_sent = 0
 
@@ -73,22 +83,20 @@ class ChoiceLogprobs:
 
 
 def _header(model: str) -> dict[str, Any]:
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-            "created": int(time.time()), "model": model, "system_fingerprint": None}
+    return response_header("cmpl", "text_completion", model)
 
 
 def _usage(prepared: PreparedRequest, num_output_tokens: int,
            num_cached_tokens: int) -> dict[str, Any]:
-    num_prompt = sum(len(ids) for ids in prepared.prompt_token_ids)
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_output_tokens,
-            "total_tokens": num_prompt + num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+    return usage(sum(len(ids) for ids in prepared.prompt_token_ids), num_output_tokens,
+                 num_cached_tokens)
 
 
 async def completion(state: ServerState, request: CompletionRequest, model: str,
                      ) -> dict[str, Any]:
     prepared = await asyncio.to_thread(prepare_completion, state, request)
-    group = state.bridge.submit(prepared.prompt_token_ids, prepared.params, request.n, "cmpl")
+    group = await state.bridge.submit(prepared.prompt_token_ids, prepared.params, request.n,
+                                      "cmpl")
     results = await collect(group, len(prepared.prompt_token_ids), request.n)
     echoes = _echo_texts(state, request, prepared)
     choices = []
@@ -134,10 +142,7 @@ class CompletionStream:
               finish_reason: str | None = None) -> dict[str, Any]:
         choice = {"index": index, "text": text, "logprobs": logprobs,
                   "finish_reason": finish_reason}
-        out = {**self.header, "choices": [choice]}
-        if self.request.include_usage:
-            out["usage"] = None
-        return out
+        return stream_chunk(self.header, choice, self.request.include_usage)
 
     def first_chunks(self) -> list[dict[str, Any]]:
         if not self.echoes_upfront:
@@ -167,16 +172,16 @@ class CompletionStream:
         return self.chunk(index, text, logprobs, delta.finish_reason)
 
     def usage_chunk(self) -> dict[str, Any]:
-        return {**self.header, "choices": [],
-                "usage": _usage(self.prepared, self.num_output_tokens,
-                                sum(self.num_cached_tokens))}
+        return usage_chunk(self.header, _usage(self.prepared, self.num_output_tokens,
+                                               sum(self.num_cached_tokens)))
 
 
 async def completion_stream(state: ServerState, request: CompletionRequest, model: str,
                             ) -> tuple[AsyncIterator[dict[str, Any]], RequestGroup]:
     """Submits before returning; returns the chunk iterator and the request group."""
     prepared = await asyncio.to_thread(prepare_completion, state, request)
-    group = state.bridge.submit(prepared.prompt_token_ids, prepared.params, request.n, "cmpl")
+    group = await state.bridge.submit(prepared.prompt_token_ids, prepared.params, request.n,
+                                      "cmpl")
     stream = CompletionStream(state, request, prepared, model)
 
     async def events() -> AsyncIterator[dict[str, Any]]:

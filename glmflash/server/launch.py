@@ -70,17 +70,16 @@ def build_engine(args: argparse.Namespace) -> Engine:
     import torch
 
     from glmflash.engine.engine import Engine
-    from glmflash.model.weights import CheckpointError
+    from glmflash.engine.errors import STARTUP_ERRORS
     from glmflash.server.args import engine_options, inapplicable_flags
 
     try:
         engine = Engine(args.model_path, device=args.device, dtype=args.dtype,
                         log_level=args.log_level.upper(), **engine_options(args))
-    except (ValueError, TypeError, CheckpointError, OSError) as exc:
+    except STARTUP_ERRORS as exc:
         raise UsageError(f"cannot start the engine: {exc}") from exc
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    supports_media = hasattr(engine, "prepare_multimodal")
-    for line in inapplicable_flags(args, engine.device.type, num_gpus, supports_media):
+    for line in inapplicable_flags(args, engine.device.type, num_gpus, engine.supports_media):
         logger.warning("%s", line)
     return engine
 
@@ -88,7 +87,10 @@ def build_engine(args: argparse.Namespace) -> Engine:
 def run_server(args: argparse.Namespace) -> int:
     """Serve until interrupted; returns the process exit status."""
     setup_logging(args.log_level.upper())
-    return run_reporting_errors(lambda: _serve(args), debug=args.debug)
+    from glmflash.engine.errors import STARTUP_ERRORS
+
+    return run_reporting_errors(lambda: _serve(args), debug=args.debug,
+                                usage_errors=STARTUP_ERRORS)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -125,11 +127,12 @@ def serve(engine: Engine, config: ServerConfig, sock: socket.socket, *,
 
 
 def _report_cache(engine: Engine) -> None:
-    cache = engine.cache
+    """After shutdown (the engine thread has stopped, so the check reads a still engine)."""
     try:
         engine.check_integrity()
     except AssertionError as exc:
         logger.error("cache integrity check failed after shutdown: %s", exc)
         return
+    stats = engine.stats()
     logger.info("cache integrity after shutdown: ok (%d of %d pages free)",
-                cache.num_free_pages, cache.plan.num_pages)
+                stats.num_free_pages, stats.num_pages)

@@ -1,7 +1,7 @@
 """Server metrics in the Prometheus text exposition format (version 0.0.4), no dependency.
 
-Counters and histograms are updated on the event loop thread only; gauges are read from the
-engine when /metrics is scraped.
+Counters and histograms are updated on the event loop thread only; gauges come from the engine's
+latest stats snapshot (`Engine.stats()`, taken on the engine thread) when /metrics is scraped.
 """
 
 from __future__ import annotations
@@ -95,7 +95,6 @@ class ServerMetrics:
     """Everything /metrics reports."""
 
     def __init__(self, engine: Engine) -> None:
-        cache = engine.cache
         self.requests = Counter("glmflash_requests_total", "HTTP requests by route and status.",
                                 ("route", "status"))
         self.prompt_tokens = Counter("glmflash_prompt_tokens_total", "Prompt tokens processed.")
@@ -109,11 +108,11 @@ class ServerMetrics:
                                      "Submission to the end of the last choice.")
         gauges = [
             Gauge("glmflash_num_queued_requests", "Choices waiting for admission.",
-                  lambda: len(engine.scheduler.waiting)),
+                  lambda: engine.stats().num_queued),
             Gauge("glmflash_num_running_requests", "Choices being generated.",
-                  lambda: len(engine.scheduler.running)),
+                  lambda: engine.stats().num_running),
             Gauge("glmflash_cache_usage_fraction", "Fraction of cache pages in use.",
-                  lambda: 1.0 - cache.num_free_pages / cache.plan.num_pages),
+                  lambda: engine.stats().cache_usage),
             *_prefix_cache_metrics(engine),
         ]
         self._all = [self.requests, self.prompt_tokens, self.completion_tokens, *gauges,
@@ -125,7 +124,8 @@ class ServerMetrics:
 
 def _prefix_cache_metrics(engine: Engine) -> list[Gauge]:
     """Hit rate, cached pages and snapshots of the prefix cache, from the engine's counters."""
-    stats = engine.cache_stats
+    def stats():
+        return engine.stats().prefix_cache
 
     def hit_rate() -> float:
         now = stats()

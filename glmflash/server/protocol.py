@@ -8,13 +8,15 @@ type- and range-checked and a bad one is a 400 naming it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from glmflash.sampling_params import MAX_SEED, MIN_SEED
+from glmflash.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
 from glmflash.server.errors import bad_request
 from glmflash.server.fields import Fields
 from glmflash.server.messages import ToolChoice, parse_messages, parse_tool_choice, parse_tools
+from glmflash.server.processors import LogitBias
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +64,35 @@ class SamplingRequest:
     include_usage: bool = False
     logprobs: int | None = None
     """Number of top alternatives per token; None: no log-probabilities."""
+
+    def to_sampling_params(self, *, max_tokens: int, defaults: Mapping[str, Any],
+                           vocab_size: int, processors: Sequence = (),
+                           prompt_logprobs: int | None = None,
+                           keep_special_tokens: bool = False) -> SamplingParams:
+        """The engine's options for this request, built in this one place: values the request
+        leaves out take `defaults` (generation_config.json), then OpenAI's; token ids are
+        checked against the vocabulary; logit_bias becomes the first logits processor;
+        `keep_special_tokens` (the chat parsers need their tags in the text) overrides
+        skip_special_tokens."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids),
+                          ("logit_bias", list(self.logit_bias))):
+            outside = [str(i) for i in ids if i >= vocab_size]
+            if outside:
+                raise bad_request(f"'{name}' holds token ids outside [0, {vocab_size}): "
+                                  f"{', '.join(outside)}", name)
+        bias = [LogitBias(self.logit_bias)] if self.logit_bias else []
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_pick(self.temperature, defaults.get("temperature"), 1.0),
+            top_p=_pick(self.top_p, defaults.get("top_p"), 1.0),
+            top_k=_pick(self.top_k, defaults.get("top_k"), 0),
+            min_p=_pick(self.min_p, defaults.get("min_p"), 0.0),
+            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs,
+            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            skip_special_tokens=self.skip_special_tokens and not keep_special_tokens,
+            logits_processors=[*bias, *processors])
 
 
 @dataclass
@@ -137,6 +168,10 @@ def _sampling_fields(body: Fields) -> dict[str, Any]:
         "stream": stream,
         "include_usage": stream and options is not None and options.boolean("include_usage"),
     }
+
+
+def _pick(*values: Any) -> Any:
+    return next(v for v in values if v is not None)
 
 
 def _positive(body: Fields, name: str, value: float | None) -> float | None:

@@ -14,7 +14,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from glmflash.server.chat import ChatPlan, keep_tool_call, prepare_chat
+from glmflash.server.async_engine import RequestGroup
+from glmflash.server.chat import ChatPlan, keep_tool_call, prepare_chat, submit_chat
+from glmflash.server.engine_input import PreparedRequest
 from glmflash.server.errors import ApiError
 from glmflash.server.responses_items import (
     function_call_item,
@@ -23,7 +25,7 @@ from glmflash.server.responses_items import (
     reasoning_item,
 )
 from glmflash.server.responses_request import ResponsesRequest, to_chat_request
-from glmflash.server.state import PreparedRequest, ServerState
+from glmflash.server.state import ServerState
 from glmflash.server.streaming import collect
 
 
@@ -88,10 +90,8 @@ def prepare_response(state: ServerState, request: ResponsesRequest,
     return ResponseContext(request, model, history, plan, prepared)
 
 
-def submit(state: ServerState, context: ResponseContext):
-    prepared = context.prepared
-    return state.bridge.submit(prepared.prompt_token_ids, prepared.params, 1, "resp",
-                               prepared.mm)
+async def submit(state: ServerState, context: ResponseContext) -> RequestGroup:
+    return await submit_chat(state, context.prepared, 1, "resp")
 
 
 def store_response(state: ServerState, context: ResponseContext,
@@ -117,7 +117,7 @@ def output_items(plan: ChatPlan, text: str) -> list[dict[str, Any]]:
 async def create_response(state: ServerState, request: ResponsesRequest,
                           model: str) -> dict[str, Any]:
     context = await asyncio.to_thread(prepare_response, state, request, model)
-    (result,) = await collect(submit(state, context), 1, 1)
+    (result,) = await collect(await submit(state, context), 1, 1)
     choice = result.choices[0]
     response = context.response(response_status(choice.finish_reason),
                                 output_items(context.plan, choice.text),

@@ -162,7 +162,7 @@ async def create_response_stream(state: ServerState, request: ResponsesRequest, 
     """Submits before returning (so errors are plain HTTP errors); returns the events and the
     request group (whose `close` aborts it)."""
     context = await asyncio.to_thread(prepare_response, state, request, model)
-    group = submit(state, context)
+    group = await submit(state, context)
     stream = ResponsesStream(context)
 
     async def events() -> AsyncIterator[dict[str, Any]]:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
-from typing import NoReturn
+from typing import Any, NoReturn
 
 # argparse's own status for a usage error.
 EXIT_USAGE = 2
+# What `chunk_size` gives for "no limit": larger than any prompt.
+UNLIMITED = 2**31 - 1
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -46,6 +49,41 @@ def non_negative_float(text: str) -> float:
     value = _parse(float, text, "a number")
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _parse(float, text, "a number")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A value in (0, 1] (a share of device memory)."""
+    value = _parse(float, text, "a number")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def chunk_size(text: str) -> int:
+    """A token count, or -1 (also 0) for no limit (SGLang's spelling of "no chunking")."""
+    value = _parse(int, text, "an integer")
+    if value in (-1, 0):
+        return UNLIMITED
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (or -1 for no chunking), got {value}")
+    return value
+
+
+def json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
     return value
 
 

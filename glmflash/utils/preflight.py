@@ -20,14 +20,14 @@ class UsageError(Exception):
     """A mistake in what the user asked for; the message says what is wrong and what to do."""
 
 
-def run_reporting_errors(main: Callable[[], int], *, debug: bool = False) -> int:
-    """Run a command: user errors are one line (status 2), other failures one line saying how
-    to see the traceback (status 1); `debug` logs the traceback as well."""
-    from glmflash.model.weights import CheckpointError
-
+def run_reporting_errors(main: Callable[[], int], *, debug: bool = False,
+                         usage_errors: tuple[type[Exception], ...] = ()) -> int:
+    """Run a command: user errors (these, plus `usage_errors`, e.g. the engine's start-up
+    errors) are one line (status 2), other failures one line saying how to see the traceback
+    (status 1); `debug` logs the traceback as well."""
     try:
         return main()
-    except (UsageError, ValueError, TypeError, OSError, CheckpointError) as exc:
+    except (UsageError, ValueError, TypeError, OSError, *usage_errors) as exc:
         logger.error("%s", exc, exc_info=debug)
         return EXIT_USAGE
     except KeyboardInterrupt:

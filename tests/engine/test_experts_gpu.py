@@ -86,6 +86,26 @@ def test_frequency_placement_keeps_the_most_routed_experts(case):
     assert (got - want).abs().max().item() < HYBRID_ATOL
 
 
+def test_frequency_placement_copies_experts_to_the_gpu_once(case, monkeypatch):
+    from glmflash.engine import experts
+
+    path = case[0]
+    copied: list[int] = []
+    resident = experts._resident
+
+    def counting(module, ids, device):
+        copied.append(len(ids))
+        return resident(module, ids, device)
+
+    monkeypatch.setattr(experts, "_resident", counting)
+    options = EngineConfig(kt_num_gpu_experts=3, kt_expert_placement="frequency")
+    model = load_model(path, ModelConfig.from_hf(path), torch.device("cuda"), torch.float32,
+                       options, warmup_ids=list(range(100, 400)))
+    num_layers = len(hybrid_layers(model))
+    # The count runs with every expert on the CPU (nothing copied), then one placement.
+    assert num_layers and copied == [0] * num_layers + [3] * num_layers
+
+
 # One MoE layer alone, fp32: the numba kernel and the grouped GPU kernel differ only in the
 # order of fp32 sums.
 LAYER_RTOL = 1e-5

@@ -62,7 +62,7 @@ def test_seeded_sampling_is_independent_of_batch(engine):
     (dict(prompts="a", prompt_token_ids=[1]), "exactly one"),
     (dict(prompt_token_ids=[[]]), "at least one token"),
     (dict(prompt_token_ids=[[5000]]), "must be in"),
-    (dict(prompts=["a", "b"], mm=[None]), "mm has 1 entries for 2 prompts"),
+    (dict(prompts=["a", "b"], media=[None]), "media has 1 entries for 2 prompts"),
 ])
 def test_bad_requests_raise(engine, kwargs, message):
     with pytest.raises(ValueError, match=message):

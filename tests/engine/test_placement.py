@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from glmflash.engine.experts import _runs_without, most_routed
+from glmflash.engine.experts import most_routed
+from glmflash.engine.layerwise import _runs_without
 from glmflash.model.moe import Router
 from tests.conftest import PackedRunner, load_tiny
 

@@ -307,8 +307,7 @@ def test_experts_module_holds_the_only_copy_of_the_weights(num_pools, seeded):
         proj.weight_scale_inv.data = scale
         loaded.append(weakref.ref(owner))
         del owner
-    module.cpu_threads, module.cpu_pools = 2, num_pools
-    kernel = module.cpu_experts()
+    kernel = module.build_cpu_kernel(num_threads=2, num_pools=num_pools)
     gc.collect()
     assert [ref() is None for ref in loaded] == [num_pools > 1] * 3
     for proj, placed, weight in zip(projections, kernel.weight_tensors, weights[0::2],

@@ -8,6 +8,7 @@ import torch
 from transformers.video_utils import VideoMetadata, read_video_pyav
 
 from glmflash.config import ModelConfig, VisionConfig
+from glmflash.model.media import media_masks
 from glmflash.multimodal import (
     ImageProcessConfig,
     MediaTokenIds,
@@ -18,7 +19,6 @@ from glmflash.multimodal import (
     process_images,
     process_videos,
 )
-from glmflash.multimodal.prompt import media_masks
 from glmflash.multimodal.video import sample_frame_indices
 from glmflash.tokenizer import Tokenizer
 from tests.multimodal.conftest import make_video, random_image

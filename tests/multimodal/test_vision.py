@@ -9,6 +9,7 @@ from safetensors import safe_open
 
 from glmflash.config import ModelConfig
 from glmflash.model.forward_batch import build_forward_batch, contiguous_page_table
+from glmflash.model.media import embed_multimodal
 from glmflash.model.state import ModelState
 from glmflash.model.vision import VisionTower
 from glmflash.model.weights import checkpoint_files
@@ -17,7 +18,6 @@ from glmflash.multimodal import (
     MediaTokenIds,
     VideoProcessConfig,
     decode_video,
-    embed_multimodal,
     prepare_multimodal_prompt,
     process_images,
     process_videos,

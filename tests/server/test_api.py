@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import io
+import threading
+import time
 
 import httpx
 import openai
@@ -194,6 +196,27 @@ def test_health_and_metrics(live, client):
     assert int(count.split()[1]) >= 1
 
 
+def test_metrics_gauges_come_from_a_snapshot_taken_on_the_engine_thread(live, client,
+                                                                      monkeypatch):
+    threads: list[str] = []
+    publish = type(live.engine)._publish_stats
+
+    def spy(engine) -> None:
+        threads.append(threading.current_thread().name)
+        publish(engine)
+
+    monkeypatch.setattr(type(live.engine), "_publish_stats", spy)
+    client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2, **GREEDY)
+    live.wait_idle()
+    # The snapshot of the step that ended the request follows its last delta closely.
+    deadline = time.monotonic() + 5
+    while "\nglmflash_num_running_requests 0\n" not in httpx.get(f"{live.url}/metrics").text:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert "\nglmflash_cache_usage_fraction 0\n" in httpx.get(f"{live.url}/metrics").text
+    assert threads and set(threads) == {"glmflash-engine"}
+
+
 def test_image_input(live, client):
     buffer = io.BytesIO()
     Image.new("RGB", (56, 84), (200, 30, 60)).save(buffer, format="PNG")
@@ -206,6 +229,6 @@ def test_image_input(live, client):
     prepared = live.hook.prepared[-1]
     image_id = live.engine.tokenizer.token_to_id("<|image|>")
     num_image_tokens = prepared.prompt_token_ids[0].count(image_id)
-    assert num_image_tokens > 1 and prepared.mm is not None
+    assert num_image_tokens > 1 and prepared.media is not None
     assert out.usage.prompt_tokens == len(prepared.prompt_token_ids[0])
     assert out.usage.completion_tokens == 3
