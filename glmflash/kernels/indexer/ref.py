@@ -259,18 +259,27 @@ class _Scorer:
         """`_pools` for some query rows, scoring `pool_tile` pools at a time."""
         k = min(self.max_pools, group.max_pools)
         device = self.q.device
-        best_scores = torch.empty(idx.numel(), 0, device=device)
-        best_pools = torch.empty(idx.numel(), 0, dtype=torch.long, device=device)
+        best = (torch.empty(idx.numel(), 0, device=device),
+                torch.empty(idx.numel(), 0, dtype=torch.long, device=device))
         for p0 in range(0, group.max_pools, pool_tile):
             ordinal = torch.arange(p0, min(p0 + pool_tile, group.max_pools), device=device)
-            scores = self._scores(idx, rows, ordinal, group.shared)  # [n, P]
-            pool_end = (ordinal + 1) * self.kpool - 1
-            candidate = (pool_end[None, :] <= positions[:, None]) & \
-                (ordinal[None, :] < num_pools[:, None])
-            scores = scores.masked_fill(~candidate, torch.finfo(scores.dtype).min)
-            pools = torch.where(candidate, ordinal[None, :], -1)
-            best_scores, best_pools = merge_best(best_scores, best_pools, scores, pools, k)
-        return best_pools
+            best = self._merge_tile(best, ordinal, idx, rows, positions, num_pools,
+                                    group.shared, k)
+        return best[1]
+
+    def _merge_tile(self, best: tuple[torch.Tensor, torch.Tensor], ordinal: torch.Tensor,
+                    idx: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                    num_pools: torch.Tensor, shared: bool,
+                    k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The best k after scoring pools `ordinal` (a function, so that one tile's scores are
+        freed before the next tile's are made)."""
+        scores = self._scores(idx, rows, ordinal, shared)  # [n, P]
+        pool_end = (ordinal + 1) * self.kpool - 1
+        candidate = (pool_end[None, :] <= positions[:, None]) & \
+            (ordinal[None, :] < num_pools[:, None])
+        scores = scores.masked_fill(~candidate, torch.finfo(scores.dtype).min)
+        pools = torch.where(candidate, ordinal[None, :], -1)
+        return merge_best(*best, scores, pools, k)
 
     def _scores(self, idx: torch.Tensor, rows: torch.Tensor, ordinal: torch.Tensor,
                 shared: bool) -> torch.Tensor:
