@@ -19,7 +19,8 @@ from glmflash.engine.cache import CacheManager
 from glmflash.engine.cuda_graph import graph_batch_sizes, graphs_unsupported
 from glmflash.engine.detokenizer import SequenceDetokenizer
 from glmflash.engine.loop import EngineLoopMixin
-from glmflash.engine.model_runner import ModelRunner, embed_prompt, load_model, plan_cache
+from glmflash.engine.memory_plan import measured_peak, plan_memory
+from glmflash.engine.model_runner import ModelRunner, embed_prompt, load_model
 from glmflash.engine.multimodal import MediaPreparer, collect_media
 from glmflash.engine.options import EngineConfig
 from glmflash.engine.outputs import Result, StreamDelta
@@ -93,17 +94,17 @@ class Engine(EngineApiMixin, EngineLoopMixin):
                                    url_policy=UrlPolicy.create(
                                        self.options.allowed_media_domains,
                                        self.options.allow_private_media_urls))
-        if not self.options.skip_kernel_warmup:
-            try:
-                warm_up_kernels(self)
-            except BaseException:
-                self.runner.close()
-                raise
         try:
+            if not self.options.skip_kernel_warmup:
+                with measured_peak(self.memory_ledger, "activations and workspaces",
+                                   self.device, "warming up the kernels"):
+                    warm_up_kernels(self)
             self._capture_graphs()
         except BaseException:
             self.runner.close()
             raise
+        if self.memory_ledger is not None and self.device.type == "cuda":
+            logger.info("after warm-up and graph capture: %s", self.memory_ledger.table())
         self._choices: dict[int, _Choice] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -120,11 +121,14 @@ class Engine(EngineApiMixin, EngineLoopMixin):
 
     def _start_runner(self, log_level: str | None, warmup_ids: list[int] | None):
         """The model on this device, or this rank's part of it with the other ranks started."""
+        self.memory_ledger = None
+        """The start-up MemoryLedger (one process; ranks log their own)."""
         if self.options.tp_size == 1:
             model = load_model(self.model_path, self.config, self.device, self.dtype,
                                self.options, warmup_ids=warmup_ids)
-            plan = plan_cache(self.config, self.options, self.max_seq_len, self.device,
-                              self.dtype)
+            plan, self.memory_ledger = plan_memory(
+                self.config, self.options, self.max_seq_len, self.device, self.dtype,
+                model=model, graph_sizes=self._graph_sizes())
             return ModelRunner(model, plan), plan
         from glmflash.distributed.parallel import ParallelConfig
         from glmflash.engine.parallel_runner import RankSpec, start_ranks
@@ -181,22 +185,33 @@ class Engine(EngineApiMixin, EngineLoopMixin):
             self._thread = None
         self.runner.close()
 
+    def _graph_sizes(self) -> list[int]:
+        """Decode batch sizes to capture as CUDA graphs (none when off or impossible here)."""
+        options = self.options
+        if options.disable_cuda_graph or self._why_no_graphs() is not None:
+            return []
+        return graph_batch_sizes(options.cuda_graph_bs, options.cuda_graph_max_bs,
+                                 options.max_running_requests,
+                                 options.kt_gpu_prefill_token_threshold)
+
+    def _why_no_graphs(self) -> str | None:
+        # The other ranks of a split model would have to capture with rank 0 (docs/parallelism.md).
+        return "tensor-parallel ranks run eager" if self.options.tp_size > 1 \
+            else graphs_unsupported(self.device)
+
     def _capture_graphs(self) -> None:
         """Decode CUDA graphs at start-up, unless off or impossible here (said once)."""
         options = self.options
         if options.disable_cuda_graph:
             return
-        # The other ranks of a split model would have to capture with rank 0 (docs/parallelism.md).
-        why_not = "tensor-parallel ranks run eager" if options.tp_size > 1 \
-            else graphs_unsupported(self.device)
-        sizes = graph_batch_sizes(options.cuda_graph_bs, options.cuda_graph_max_bs,
-                                  options.max_running_requests,
-                                  options.kt_gpu_prefill_token_threshold)
-        if why_not is None and sizes:
-            self.runner.capture_graphs(sizes)
+        sizes = self._graph_sizes()
+        if sizes:
+            with measured_peak(self.memory_ledger, "CUDA graphs", self.device,
+                               "capturing the CUDA graphs"):
+                self.runner.capture_graphs(sizes)
         elif options.cuda_graph_bs is not None or self.device.type == "cuda":
             logger.info("decode runs without CUDA graphs: %s",
-                        why_not or "no batch size to capture")
+                        self._why_no_graphs() or "no batch size to capture")
 
     @property
     def failure(self) -> str | None:
