@@ -6,6 +6,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from importlib import resources
@@ -24,6 +25,7 @@ from glmflash.engine.model_runner import ModelRunner, embed_prompt, load_model
 from glmflash.engine.multimodal import MediaPreparer, collect_media
 from glmflash.engine.options import EngineConfig
 from glmflash.engine.outputs import Result, StreamDelta
+from glmflash.engine.progress import PrefillProgress
 from glmflash.engine.sampler import Sampler
 from glmflash.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, TokenDelta
 from glmflash.engine.sequence import Sequence
@@ -85,6 +87,7 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         self.scheduler = Scheduler(
             SchedulerConfig(self.options.max_running_requests, self.options.chunked_prefill_size,
                             self.max_seq_len), self.cache, self.eos_token_ids)
+        self.progress = PrefillProgress(self.options.chunked_prefill_size)
         self.sampler = Sampler(self.options.seed, sleep_while_waiting=self.device.type == "cuda"
                                and self.options.kt_num_gpu_experts is not None)
         self.media = MediaPreparer(self.config, self.tokenizer,
@@ -228,16 +231,23 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         self._batch = batch = self.scheduler.schedule()
         if batch is None:
             return
+        start = time.perf_counter()
         logits = self.runner.run(batch)
         sampled = [s for s, need in zip(batch.seqs, batch.needs_sample, strict=True) if need]
         token_ids = self._end_failed_rows(sampled, self.sampler.sample(logits, sampled))
-        self._emit(self.scheduler.update(batch, token_ids))
+        deltas = self.scheduler.update(batch, token_ids)
+        self.progress.observe(batch, start, self._request_name)
+        self._emit(deltas)
         self._batch = None
         if self.options.check_integrity:
             self.cache.check_integrity()
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()
+
+    def _request_name(self, seq: Sequence) -> str:
+        choice = self._choices.get(seq.seq_id)
+        return str(seq.seq_id) if choice is None else f"{choice.request_id}/{choice.index}"
 
     def _end_failed_rows(self, seqs: list[Sequence], token_ids: list[int]) -> list[int]:
         """End the sequences whose logits processor raised; the other rows' ids, in order.
@@ -331,6 +341,7 @@ class Engine(EngineApiMixin, EngineLoopMixin):
             return
         self.sampler.release(seq)
         self.runner.prompt_logprobs.release(seq)
+        self.progress.release(seq)
         with self._lock:
             self.num_pending -= 1
         delta.num_prompt_tokens = seq.num_prompt_tokens
