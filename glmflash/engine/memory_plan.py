@@ -177,12 +177,14 @@ def _fit_pages(ledger: MemoryLedger, options: EngineConfig, shape: CacheShape,
                memory: DeviceMemory | None) -> int:
     """Pages within the budget and the room the other rows leave; at most what every running
     sequence at full length needs."""
-    fixed = ledger.row("KDA state slots").nbytes + ledger.row("prefix-cache snapshots").nbytes
+    # NOTE: the budget covers the slots and pages sequences use; the runner's reserved slot and
+    # page (padding rows) come on top, as the ledger's rows show.
+    fixed = shape.num_slots * shape.per_slot + ledger.row("prefix-cache snapshots").nbytes
     if memory is not None:
         budget = memory.total * options.mem_fraction_static - memory.allocated - fixed
     else:
         budget = options.cache_budget_gb * GIB - fixed
-    by_budget = int(budget // shape.page_bytes) - 1
+    by_budget = int(budget // shape.page_bytes)
     by_room = int(ledger.left // shape.page_bytes) - 1
     pages = max(0, min(by_budget, by_room, shape.num_slots * shape.pages_per_seq))
     if memory is not None and by_room < min(by_budget, shape.num_slots * shape.pages_per_seq):

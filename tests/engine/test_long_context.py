@@ -9,8 +9,14 @@ indexer scoring small pool tiles so that its tiling is exercised.
 - The oracle (transformers) on a shorter prefix: the engine's greedy tokens are its argmax.
 
 CONTEXT is 4096, not 32K: the reference kernels prefill the tiny model at about 200 tokens/s on
-two cores, so 32K would take minutes per run; 4096 is 64x index_topk x kpool / 4 pools... and
-256 indexer tiles of 16 pools per query row.
+two cores (a 16K run of the first test took 100 s), so 32K would take minutes per run. 4096 is
+64x index_topk x kpool, and each query row's 1024 pools are scored in 64 tiles of 16.
+
+NOTE: top-k selection is discontinuous. Where two pools' scores are closer than the fp32 noise of
+different chunkings (~1e-5), the runs may keep different pools and a position's distribution
+differs by far more than LOGPROB_ATOL. At 16K tokens this happened once in 16,384 positions
+(0.10 at the query at position 13,276, whose 4th and 5th pools in the last indexer layer score
+7e-6 apart); at 4096 with this prompt it does not, and every position is held to the tolerance.
 """
 
 from __future__ import annotations
@@ -24,16 +30,15 @@ from glmflash.kernels.indexer.ref import SelectTiling
 from tests.conftest import PackedRunner, load_tiny
 from tests.oracle import assert_greedy_matches
 
-CONTEXT = int(__import__("os").environ.get("LC_CTX", 4096))
+CONTEXT = 4096
 CHUNK = 512
 GENERATE = 4
 ORACLE_PREFIX = 768
 NUM_DECODES = 3
 SMALL_TILES = SelectTiling(max_score_elems=1 << 18, pool_tile=16)
-# fp32: chunked prefill (512-token chunks) against two large pieces and decodes over 4096
-# tokens moves a log-probability by at most this (measured 0.0 here; the spread of the model's
-# chunked KDA, tests/model/test_chunked.py, is 2e-4 on logits).
-LOGPROB_ATOL = 1e-3
+# fp32: 512-token chunks against two large pieces and decodes move a log-probability by up to
+# 1.0e-4 over these 4096 positions (the model's chunked-KDA spread, tests/model/test_chunked.py).
+LOGPROB_ATOL = 2e-4
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +93,6 @@ def test_every_position_matches_across_chunking_and_decode(engine, prompt, tiny_
     expected = logprobs[torch.arange(CONTEXT - 1), targets]
     got = torch.tensor([result.prompt_logprobs[p][prompt[p]] for p in range(1, CONTEXT)])
     diff = (got - expected).abs()
-    print("MAXDIFF", float(diff.max()))
     assert diff.max() < LOGPROB_ATOL, f"position {int(diff.argmax()) + 1}: {diff.max():.2e}"
     for i, token in enumerate(generated):
         top2 = logits[CONTEXT - 1 + i].topk(2)

@@ -159,7 +159,8 @@ class _TileScorer:
             if best is not None:
                 pools = torch.where(index < k, best.gather(1, index.clamp(max=k - 1)), pools)
             best = pools.masked_fill(values == float("-inf"), -1)
-            scores[:, :k] = values
+            if p0 + pool_tile < self.plan.max_pools:
+                scores[:, :k] = values
         return best
 
     def _score(self, scores: torch.Tensor, t0: int, n: int, p0: int, num_cols: int) -> None:
