@@ -240,13 +240,16 @@ def host_available() -> int:
 @contextlib.contextmanager
 def measured_peak(ledger: MemoryLedger | None, row: str, device: torch.device,
                   doing: str) -> Iterator[None]:
-    """On a GPU: record for `row` the most bytes allocated above the level before the block, and
-    turn an out-of-memory error inside it into a MemoryPlanError carrying the ledger."""
+    """On a GPU: record for `row` the most bytes allocated above the level before the block (or,
+    if more, what torch's allocator kept: a graph pool is reserved, not allocated, once its
+    capture ends), and turn an out-of-memory error inside it into a MemoryPlanError carrying
+    the ledger."""
     if ledger is None or device.type != "cuda":
         yield
         return
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
+    reserved = torch.cuda.memory_reserved(device)
     torch.cuda.reset_peak_memory_stats(device)
     try:
         yield
@@ -254,7 +257,8 @@ def measured_peak(ledger: MemoryLedger | None, row: str, device: torch.device,
         raise MemoryPlanError(f"cannot start: out of GPU memory while {doing}\n{ledger.table()}\n"
                               "lower --chunked-prefill-size, --cuda-graph-max-bs or "
                               "--mem-fraction-static") from exc
-    ledger.record(row, torch.cuda.max_memory_allocated(device) - base)
+    ledger.record(row, max(torch.cuda.max_memory_allocated(device) - base,
+                           torch.cuda.memory_reserved(device) - reserved))
     found = ledger.row(row)
     if found.measured > found.nbytes:
         logger.warning("%s took %s, more than the estimate of %s", doing,
