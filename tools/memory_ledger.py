@@ -76,6 +76,7 @@ def release_ledger(options: EngineConfig, gpu_gib: float, config_path: Path = RE
                             graph_sizes=sizes, memory=memory)
     ledger.row("weights and buffers").how = "from sizes"
     ledger.row("CUDA context, other processes").how = "assumed"
+    ledger.row("allocator cache").how = "assumed"
     if pinned:
         ledger.add("routed experts (CPU)", PINNED, pinned, "from sizes", "FP8 + scales")
     return ledger
