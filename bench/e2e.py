@@ -23,6 +23,7 @@ The last line printed is `e2e_ratio=` roofline / measured for hybrid-0 at batch 
     python bench/e2e.py                       # H200: all modes, batches 1 4 16 32, 4K and 32K
     python bench/e2e.py --quick --modes hybrid-0
     python bench/e2e.py --tiny                # CPU smoke run on the tiny config (under 2 min)
+    python bench/e2e.py --long-context        # 16K..1M: prefill, decode, ledger vs peak memory
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from bench.common import (  # noqa: E402
     append_results,
     results_section,
 )
+from bench.e2e_long import decode_ratio_line, memory_line, reset_peak  # noqa: E402
 from bench.e2e_probes import (  # noqa: E402
     CpuExpertClock,
     LayerProbe,
@@ -69,6 +71,8 @@ PRESETS = {
                   chunked_prefill_size=8192, probe_mb=1024),
     "tiny": dict(batches=[1, 4], contexts=[256, 1024], steps=8, warmup=2, layer_steps=4,
                  chunked_prefill_size=256, probe_mb=256),
+    "long": dict(batches=[1], contexts=[16384, 131072, 524288, 1048576], steps=16, warmup=3,
+                 layer_steps=4, chunked_prefill_size=8192, probe_mb=1024),
 }
 
 
@@ -184,19 +188,34 @@ def run_mode(folder: Path, mode: str, args: argparse.Namespace, bandwidth: dict)
     engine = Engine(folder, device=device, dtype="float32" if device == "cpu" else "bfloat16",
                     **engine_options(mode, args, num_experts))
     clock = CpuExpertClock(engine.runner.model)
+    long = args.long_context and engine.memory_ledger is not None and device == "cuda"
+    if long:
+        print(engine.memory_ledger.table(), flush=True)
     ttft = {}
     if not args.no_ttft:
         # Compile and warm the prefill path: two chunks, the second one continuing the first.
         measure_ttft(engine, min(args.chunked_prefill_size + 16, engine.max_seq_len - 2))
-        ttft = {n: measure_ttft(engine, n) for n in args.contexts}
+        for n in args.contexts:
+            if long:
+                reset_peak()
+            ttft[n] = measure_ttft(engine, n)
+            if long:
+                print(f"{mode}: prefill of {n} tokens in {ttft[n]:.1f} s "
+                      f"({n / ttft[n]:.0f} tokens/s); {memory_line(engine, 'prefill')}",
+                      flush=True)
     rows = []
     for context in args.contexts:
         for batch in args.batches:
+            if long:
+                reset_peak()
             row = measure_decode(engine, clock, batch, context, args)
             row.update(mode=mode, ttft=ttft.get(context) if batch == args.batches[0] else None)
             row.update(derive(row, engine, bandwidth, device))
             rows.append(row)
             print(format_row(row), flush=True)
+            if long:
+                print(f"{mode}: batch {batch} at {context}: {memory_line(engine, 'decode')}",
+                      flush=True)
     clock.close()
     return rows
 
@@ -320,14 +339,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-ttft", action="store_true", help="skip the TTFT prompts")
     p.add_argument("--quick", action="store_true", help="batches 1 32, context 4K, fewer steps")
     p.add_argument("--tiny", action="store_true", help="the tiny config (a CPU smoke run)")
+    p.add_argument("--long-context", action="store_true",
+                   help="contexts 16K 128K 512K 1M at batch 1, chunks of 8192: prefill time, "
+                        "decode, the memory ledger and the peak allocated against it")
     p.add_argument("--append", action="store_true", help="append the table to bench/RESULTS.md")
     args = p.parse_args()
     if args.batches:
         args.batches = sorted(args.batches)
-    preset = PRESETS["tiny" if args.tiny else "quick" if args.quick else "release"]
+    preset = PRESETS["tiny" if args.tiny else "quick" if args.quick else
+                     "long" if args.long_context else "release"]
     for name, value in preset.items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
+    if args.modes is None and args.long_context and torch.cuda.is_available():
+        args.modes = ["all-gpu+graph", "hybrid-0+graph"]
     if args.modes is None:
         args.modes = [m + g for m in ("all-gpu", "hybrid-0", "hybrid-32")
                       for g in ("", "+graph")] if torch.cuda.is_available() else ["cpu"]
@@ -368,6 +393,8 @@ def main() -> None:
     print(results_section(title, table))
     if args.append:
         append_results(title, table)
+    if args.long_context:
+        print(decode_ratio_line(rows))
     ratio, which = e2e_ratio(rows)
     print(f"e2e_ratio is roofline / measured for {which}")
     print(f"e2e_ratio={ratio:.3f}")

@@ -6,6 +6,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from importlib import resources
@@ -20,10 +21,12 @@ from glmflash.engine.cuda_graph import graph_batch_sizes, graphs_unsupported
 from glmflash.engine.detokenizer import SequenceDetokenizer
 from glmflash.engine.errors import EngineDead, EngineOverloaded, PromptTooLong
 from glmflash.engine.loop import EngineLoopMixin
-from glmflash.engine.model_runner import ModelRunner, load_model, plan_cache
+from glmflash.engine.memory_plan import measured_peak, plan_memory
+from glmflash.engine.model_runner import ModelRunner, load_model
 from glmflash.engine.multimodal import MediaPreparer, MediaSources, collect_media, media_cache_key
 from glmflash.engine.options import EngineConfig
 from glmflash.engine.outputs import EngineStats, Result, StreamDelta
+from glmflash.engine.progress import PrefillProgress
 from glmflash.engine.sampler import Sampler
 from glmflash.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, TokenDelta
 from glmflash.engine.sequence import Sequence
@@ -78,6 +81,7 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         self.scheduler = Scheduler(
             SchedulerConfig(self.options.max_running_requests, self.options.chunked_prefill_size,
                             self.max_seq_len), self.cache, self.eos_token_ids)
+        self.progress = PrefillProgress(self.options.chunked_prefill_size)
         self.sampler = Sampler(self.options.seed, sleep_while_waiting=self.device.type == "cuda"
                                and self.options.kt_num_gpu_experts is not None)
         self.media = MediaPreparer(self.config, self.tokenizer,
@@ -87,17 +91,17 @@ class Engine(EngineApiMixin, EngineLoopMixin):
                                    url_policy=UrlPolicy.create(
                                        self.options.allowed_media_domains,
                                        self.options.allow_private_media_urls))
-        if not self.options.skip_kernel_warmup:
-            try:
-                warm_up_kernels(self)
-            except BaseException:
-                self.runner.close()
-                raise
         try:
+            if not self.options.skip_kernel_warmup:
+                with measured_peak(self.memory_ledger, "activations and workspaces",
+                                   self.device, "warming up the kernels"):
+                    warm_up_kernels(self)
             self._capture_graphs()
         except BaseException:
             self.runner.close()
             raise
+        if self.memory_ledger is not None and self.device.type == "cuda":
+            logger.info("after warm-up and graph capture: %s", self.memory_ledger.table())
         self._choices: dict[int, _Choice] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -115,11 +119,14 @@ class Engine(EngineApiMixin, EngineLoopMixin):
 
     def _start_runner(self, log_level: str | None, warmup_ids: list[int] | None):
         """The model on this device, or this rank's part of it with the other ranks started."""
+        self.memory_ledger = None
+        """The start-up MemoryLedger (one process; ranks log their own)."""
         if self.options.tp_size == 1:
             model = load_model(self.model_path, self.config, self.device, self.dtype,
                                self.options, warmup_ids=warmup_ids)
-            plan = plan_cache(self.config, self.options, self.max_seq_len, self.device,
-                              self.dtype)
+            plan, self.memory_ledger = plan_memory(
+                self.config, self.options, self.max_seq_len, self.device, self.dtype,
+                model=model, graph_sizes=self._graph_sizes())
             return ModelRunner(model, plan), plan
         from glmflash.distributed.parallel import ParallelConfig
         from glmflash.engine.parallel_runner import RankSpec, start_ranks
@@ -184,22 +191,33 @@ class Engine(EngineApiMixin, EngineLoopMixin):
             self._thread = None
         self.runner.close()
 
+    def _graph_sizes(self) -> list[int]:
+        """Decode batch sizes to capture as CUDA graphs (none when off or impossible here)."""
+        options = self.options
+        if options.disable_cuda_graph or self._why_no_graphs() is not None:
+            return []
+        return graph_batch_sizes(options.cuda_graph_bs, options.cuda_graph_max_bs,
+                                 options.max_running_requests,
+                                 options.kt_gpu_prefill_token_threshold)
+
+    def _why_no_graphs(self) -> str | None:
+        # The other ranks of a split model would have to capture with rank 0 (docs/parallelism.md).
+        return "tensor-parallel ranks run eager" if self.options.tp_size > 1 \
+            else graphs_unsupported(self.device)
+
     def _capture_graphs(self) -> None:
         """Decode CUDA graphs at start-up, unless off or impossible here (said once)."""
         options = self.options
         if options.disable_cuda_graph:
             return
-        # The other ranks of a split model would have to capture with rank 0 (docs/parallelism.md).
-        why_not = "tensor-parallel ranks run eager" if options.tp_size > 1 \
-            else graphs_unsupported(self.device)
-        sizes = graph_batch_sizes(options.cuda_graph_bs, options.cuda_graph_max_bs,
-                                  options.max_running_requests,
-                                  options.kt_gpu_prefill_token_threshold)
-        if why_not is None and sizes:
-            self.runner.capture_graphs(sizes)
+        sizes = self._graph_sizes()
+        if sizes:
+            with measured_peak(self.memory_ledger, "CUDA graphs", self.device,
+                               "capturing the CUDA graphs"):
+                self.runner.capture_graphs(sizes)
         elif options.cuda_graph_bs is not None or self.device.type == "cuda":
             logger.info("decode runs without CUDA graphs: %s",
-                        why_not or "no batch size to capture")
+                        self._why_no_graphs() or "no batch size to capture")
 
     @property
     def supports_media(self) -> bool:
@@ -220,14 +238,20 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         self._drain_inbox(block=False)
         self._batch = batch = self.scheduler.schedule()
         if batch is not None:
-            logits = self.runner.run(batch)
-            sampled = [s for s, need in zip(batch.seqs, batch.needs_sample, strict=True) if need]
-            token_ids = self._end_failed_rows(sampled, self.sampler.sample(logits, sampled))
-            self._emit(self.scheduler.update(batch, token_ids))
-            self._batch = None
-            if self.options.check_integrity:
-                self.cache.check_integrity()
+            self._run(batch)
         self._publish_stats()
+
+    def _run(self, batch: ScheduledBatch) -> None:
+        start = time.perf_counter()
+        logits = self.runner.run(batch)
+        sampled = [s for s, need in zip(batch.seqs, batch.needs_sample, strict=True) if need]
+        token_ids = self._end_failed_rows(sampled, self.sampler.sample(logits, sampled))
+        deltas = self.scheduler.update(batch, token_ids)
+        self.progress.observe(batch, start, self._request_name)
+        self._emit(deltas)
+        self._batch = None
+        if self.options.check_integrity:
+            self.cache.check_integrity()
 
     def stats(self) -> EngineStats:
         """The load at the end of the latest step (from any thread: a published snapshot)."""
@@ -245,6 +269,10 @@ class Engine(EngineApiMixin, EngineLoopMixin):
     def cache_stats(self) -> PrefixCacheStats:
         """Prefix-cache counters, now (the engine thread; other threads read `stats()`)."""
         return self.cache.stats(self.scheduler.num_query_tokens, self.scheduler.num_hit_tokens)
+
+    def _request_name(self, seq: Sequence) -> str:
+        choice = self._choices.get(seq.seq_id)
+        return str(seq.seq_id) if choice is None else f"{choice.request_id}/{choice.index}"
 
     def _end_failed_rows(self, seqs: list[Sequence], token_ids: list[int]) -> list[int]:
         """End the sequences whose logits processor raised; the other rows' ids, in order.
@@ -341,6 +369,7 @@ class Engine(EngineApiMixin, EngineLoopMixin):
             return
         self.sampler.release(seq)
         self.runner.prompt_logprobs.release(seq)
+        self.progress.release(seq)
         with self._lock:
             self.num_pending -= 1
         delta.num_prompt_tokens = seq.num_prompt_tokens

@@ -25,12 +25,11 @@ from glmflash.model.forward_batch import (
 from glmflash.model.glm import GlmForCausalLM
 from glmflash.model.moe import Experts
 from glmflash.model.snapshots import StateSnapshots, copy_pages
-from glmflash.model.state import ModelState, cache_bytes
+from glmflash.model.state import ModelState
 from glmflash.model.weights import load_checkpoint
 from glmflash.utils.device import upload
 
 logger = logging.getLogger(__name__)
-GIB = 1 << 30
 DUMMY_WEIGHT_SEED = 0
 # Pools scored by the narrowest decode selection (16K tokens at the release's kpool of 4).
 FIRST_SELECTION_WIDTH = 4096
@@ -89,37 +88,11 @@ def warm_up_cpu_experts(model: GlmForCausalLM, num_threads: int | None = None,
 
 def plan_cache(model_config: ModelConfig, config: EngineConfig, max_seq_len: int,
                device: torch.device, dtype: torch.dtype) -> CachePlan:
-    """Pages, state slots and prefix-cache snapshots that fit the memory budget; refuses a budget
-    below one sequence."""
-    page = -(-config.page_size // model_config.index_kpool) * model_config.index_kpool
-    per_token, per_slot = cache_bytes(model_config, dtype)
-    if device.type == "cuda":
-        _, total = torch.cuda.mem_get_info(device)
-        budget = total * config.mem_fraction_static - torch.cuda.memory_allocated(device)
-    else:
-        budget = config.cache_budget_gb * GIB
-    slots, snapshots = config.max_running_requests, config.num_state_snapshots
-    pages_per_seq = -(-max_seq_len // page)
-    # NOTE: the ModelRunner adds one slot and one page (its reserve for padding rows) beyond
-    # the budget.
-    pages = int((budget - (slots + snapshots) * per_slot) // (page * per_token))
-    pages = min(pages, slots * pages_per_seq)
-    if pages < pages_per_seq:
-        raise ValueError(f"cache budget of {budget / GIB:.2f} GiB cannot hold one sequence of "
-                         f"{max_seq_len} tokens plus {slots} state slots and {snapshots} "
-                         f"snapshots of {per_slot / 2**20:.1f} MiB; raise the budget or lower "
-                         f"context_length / max_running_requests / max_state_snapshots")
-    plan = CachePlan(num_pages=pages, page_size=page, num_state_slots=slots,
-                     max_pages_per_seq=pages_per_seq, num_snapshots=snapshots)
-    logger.info("cache plan: %d pages x %d tokens = %d tokens (%.2f GiB), %d sequence slots "
-                "(%.1f MiB each)", pages, page, plan.num_token_slots,
-                plan.num_token_slots * per_token / GIB, slots, per_slot / 2**20)
-    if snapshots:
-        logger.info("prefix cache: %d state snapshots (%.2f GiB)", snapshots,
-                    snapshots * per_slot / GIB)
-    else:
-        logger.info("prefix cache: off")
-    return plan
+    """Pages and state slots that fit the memory budget (engine/memory_plan.py, which logs the
+    ledger); refuses a budget below one sequence."""
+    from glmflash.engine.memory_plan import plan_memory
+
+    return plan_memory(model_config, config, max_seq_len, device, dtype)[0]
 
 
 class DecodeHostRows(NamedTuple):

@@ -106,8 +106,8 @@ class LiveServer:
 
 def start_server(tiny_dir, *, api_key: str | None = None, graceful_shutdown_timeout_s: float = 30,
                  hook_type: type = ScriptHook, **engine_options) -> LiveServer:
-    engine = Engine(tiny_dir, device="cpu", dtype="float32", context_length=CONTEXT_LENGTH,
-                    **engine_options)
+    engine_options.setdefault("context_length", CONTEXT_LENGTH)
+    engine = Engine(tiny_dir, device="cpu", dtype="float32", **engine_options)
     hook = hook_type(engine)
     config = ServerConfig((MODEL, "alias"), api_key=api_key,
                           graceful_shutdown_timeout_s=graceful_shutdown_timeout_s)

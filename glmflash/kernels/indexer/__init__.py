@@ -16,6 +16,7 @@ import torch
 from glmflash.kernels.dispatch import use_triton
 from glmflash.kernels.indexer.ref import (
     SelectPlan,
+    SelectTiling,
     WritePlan,
     compress_pools,
     decode_select_plan,
@@ -31,15 +32,17 @@ indexer_write = indexer_write_ref
 
 def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor,
                    page_table: torch.Tensor, plan: SelectPlan, *, page_size: int, topk: int,
-                   kpool: int, select_tail: bool) -> torch.Tensor:
-    """Token slots attended by each query `[T, topk + kpool - 1]`; see `indexer_select_ref`."""
+                   kpool: int, select_tail: bool,
+                   tiling: SelectTiling | None = None) -> torch.Tensor:
+    """Token slots attended by each query `[T, topk + kpool - 1]`; see `indexer_select_ref`.
+    `tiling` bounds the scoring workspace (each implementation has its default)."""
     impl = indexer_select_ref
     if use_triton(q, "indexer_select", "indexer"):
         from glmflash.kernels.indexer.triton_impl import indexer_select as impl
     return impl(q, weights, pool_keys, page_table, plan, page_size=page_size, topk=topk,
-                kpool=kpool, select_tail=select_tail)
+                kpool=kpool, select_tail=select_tail, tiling=tiling)
 
 
-__all__ = ["SelectPlan", "WritePlan", "compress_pools", "decode_select_plan", "indexer_select",
-           "indexer_select_ref", "indexer_write", "indexer_write_decode", "indexer_write_ref",
-           "select_plan", "write_plan"]
+__all__ = ["SelectPlan", "SelectTiling", "WritePlan", "compress_pools", "decode_select_plan",
+           "indexer_select", "indexer_select_ref", "indexer_write", "indexer_write_decode",
+           "indexer_write_ref", "select_plan", "write_plan"]

@@ -169,34 +169,65 @@ def decode_select_plan(rows: torch.Tensor, positions: torch.Tensor, kpool: int,
                       [SelectRows(every, max_pools, False)] if rows.numel() else [])
 
 
+class SelectTiling(NamedTuple):
+    """Bounds on the scoring workspace of `indexer_select`, independent of context length.
+
+    Pools are scored `pool_tile` at a time and merged into the best k found so far (exact: the
+    top k of a union is the top k of each part's top k); query rows are taken as many at a time
+    as keep one tile's score elements under `max_score_elems`.
+    """
+
+    max_score_elems: int
+    pool_tile: int
+
+    def row_tile(self, pools_per_tile: int, elems_per_pool: int) -> int:
+        """Query rows per tile when each row scores `pools_per_tile` pools of
+        `elems_per_pool` elements."""
+        return max(1, self.max_score_elems // max(1, pools_per_tile * elems_per_pool))
+
+
+# The reference holds [rows, heads, pools] scores and, for decode rows, [rows, pools, D] keys.
+REF_TILING = SelectTiling(max_score_elems=1 << 25, pool_tile=4096)
+
+
 def indexer_select_ref(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor,
                        page_table: torch.Tensor, plan: SelectPlan, *, page_size: int,
-                       topk: int, kpool: int, select_tail: bool) -> torch.Tensor:
+                       topk: int, kpool: int, select_tail: bool,
+                       tiling: SelectTiling | None = None) -> torch.Tensor:
     """Token slots attended by each query: `[T, topk + kpool - 1]` (or `[T, topk]`), -1 padded.
 
     q `[T, H, D]`, weights `[T, H]` fp32 (already scaled by H^-1/2). Score of pool p for query t:
     sum_h w_h relu(q_h . K_p / sqrt(D)); candidates end at or before t; the best
-    min(topk / kpool, candidates) pools are kept, then the query's incomplete pool is appended.
-    `plan` comes from `select_plan`.
+    min(topk / kpool, candidates) pools are kept, best first, then the query's incomplete pool is
+    appended. `plan` comes from `select_plan`; `tiling` bounds the scores held at once.
     """
     width = topk + (kpool - 1 if select_tail else 0)
     out = torch.full((q.shape[0], width), -1, dtype=torch.long, device=q.device)
     scorer = _Scorer(q, weights, pool_keys, page_table, page_size, topk // kpool, kpool, width,
-                     select_tail)
+                     select_tail, tiling or REF_TILING)
     for group in plan.groups:
         out[group.idx] = scorer.select(plan, group)
     return out
+
+
+def merge_best(best_scores: torch.Tensor, best_pools: torch.Tensor, scores: torch.Tensor,
+               pools: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The best k of (best so far `[n, k']`, a new tile `[n, P]`), best first; `pools` `[n, P]`
+    holds the tile's pool ordinals (-1 for non-candidates)."""
+    scores = torch.cat([best_scores, scores], dim=1)
+    chosen = scores.topk(min(k, scores.shape[1]), dim=1)
+    return chosen.values, torch.cat([best_pools, pools], dim=1).gather(1, chosen.indices)
 
 
 class _Scorer:
     """Scoring and expansion for groups of query rows, each row with its own context."""
 
     def __init__(self, q, weights, pool_keys, page_table, page_size, max_pools, kpool, width,
-                 select_tail) -> None:
+                 select_tail, tiling) -> None:
         self.q, self.weights, self.pool_keys = q.float(), weights.float(), pool_keys
         self.page_table, self.page_size = page_table, page_size
         self.max_pools, self.kpool = max_pools, kpool
-        self.width, self.select_tail = width, select_tail
+        self.width, self.select_tail, self.tiling = width, select_tail, tiling
         self.scale = q.shape[-1] ** -0.5
 
     def select(self, plan: SelectPlan, group: SelectRows) -> torch.Tensor:
@@ -211,23 +242,58 @@ class _Scorer:
         most = group.max_pools
         if most == 0:
             return torch.empty(group.idx.numel(), 0, dtype=torch.long, device=self.q.device)
-        ordinal = torch.arange(most, device=self.q.device)
-        rows = rows[:1] if group.shared else rows
-        first_token = token_slots(self.page_table, rows[:, None], ordinal * self.kpool,
-                                  self.page_size)  # [n or 1, P]
-        keys = self.pool_keys[first_token // self.kpool].float()
-        q = self.q[group.idx]
-        if group.shared:
-            scores = torch.relu(torch.einsum("nhd,pd->nhp", q, keys[0]) * self.scale)
-        else:
-            scores = torch.relu(torch.einsum("nhd,npd->nhp", q, keys) * self.scale)
-        index_scores = torch.einsum("nh,nhp->np", self.weights[group.idx], scores)
+        heads, dim = self.q.shape[1:]
+        pool_tile = min(self.tiling.pool_tile, most)
+        row_tile = self.tiling.row_tile(pool_tile, heads + dim)
+        parts = []
+        for r0 in range(0, group.idx.numel(), row_tile):
+            part = slice(r0, r0 + row_tile)
+            tile_rows = rows[:1] if group.shared else rows[part]
+            parts.append(self._best_pools(group, group.idx[part], tile_rows, positions[part],
+                                          num_pools[part], pool_tile))
+        return torch.cat(parts)
+
+    def _best_pools(self, group: SelectRows, idx: torch.Tensor, rows: torch.Tensor,
+                    positions: torch.Tensor, num_pools: torch.Tensor,
+                    pool_tile: int) -> torch.Tensor:
+        """`_pools` for some query rows, scoring `pool_tile` pools at a time."""
+        k = min(self.max_pools, group.max_pools)
+        device = self.q.device
+        best = (torch.empty(idx.numel(), 0, device=device),
+                torch.empty(idx.numel(), 0, dtype=torch.long, device=device))
+        for p0 in range(0, group.max_pools, pool_tile):
+            ordinal = torch.arange(p0, min(p0 + pool_tile, group.max_pools), device=device)
+            best = self._merge_tile(best, ordinal, idx, rows, positions, num_pools,
+                                    group.shared, k)
+        return best[1]
+
+    def _merge_tile(self, best: tuple[torch.Tensor, torch.Tensor], ordinal: torch.Tensor,
+                    idx: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                    num_pools: torch.Tensor, shared: bool,
+                    k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The best k after scoring pools `ordinal` (a function, so that one tile's scores are
+        freed before the next tile's are made)."""
+        scores = self._scores(idx, rows, ordinal, shared)  # [n, P]
         pool_end = (ordinal + 1) * self.kpool - 1
         candidate = (pool_end[None, :] <= positions[:, None]) & \
             (ordinal[None, :] < num_pools[:, None])
-        index_scores = index_scores.masked_fill(~candidate, torch.finfo(index_scores.dtype).min)
-        chosen = index_scores.topk(min(self.max_pools, most), dim=-1).indices
-        return chosen.masked_fill(~candidate.gather(1, chosen), -1)
+        scores = scores.masked_fill(~candidate, torch.finfo(scores.dtype).min)
+        pools = torch.where(candidate, ordinal[None, :], -1)
+        return merge_best(*best, scores, pools, k)
+
+    def _scores(self, idx: torch.Tensor, rows: torch.Tensor, ordinal: torch.Tensor,
+                shared: bool) -> torch.Tensor:
+        """Index scores `[n, P]` of query rows `idx` against pools `ordinal` of their
+        sequences (page-table `rows`, one row when the group is `shared`)."""
+        first_token = token_slots(self.page_table, rows[:, None], ordinal * self.kpool,
+                                  self.page_size)  # [n or 1, P]
+        keys = self.pool_keys[first_token // self.kpool].float()
+        q = self.q[idx]
+        if shared:
+            scores = torch.relu(torch.einsum("nhd,pd->nhp", q, keys[0]) * self.scale)
+        else:
+            scores = torch.relu(torch.einsum("nhd,npd->nhp", q, keys) * self.scale)
+        return torch.einsum("nh,nhp->np", self.weights[idx], scores)
 
     def _expand(self, pools: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
                 ) -> torch.Tensor:

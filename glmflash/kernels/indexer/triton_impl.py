@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from glmflash.kernels.indexer.ref import SelectPlan, indexer_write_ref
+from glmflash.kernels.indexer.ref import SelectPlan, SelectTiling, indexer_write_ref
 from glmflash.kernels.indexer.topk_triton import DEFAULT_CONFIG, TopkConfig, topk_indices
 
 try:
@@ -27,7 +27,9 @@ from glmflash.kernels.triton_utils import dot_operand_type, jit, product_precisi
 
 # Pools per scoring program, and the most score elements materialised at once (fp32).
 BLOCK_P = 64
-MAX_SCORE_ELEMS = 1 << 28
+# fp32 scores held at once (512 MiB): rows of queries are scored together over every pool of
+# their longest sequence, as many rows as fit; the workspace is bounded whatever the context.
+TILING = SelectTiling(max_score_elems=1 << 27, pool_tile=1 << 62)
 
 
 @jit
@@ -101,7 +103,8 @@ def indexer_expand_kernel(pools, page_table, rows, positions, out, t_begin, num_
 def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor,
                    page_table: torch.Tensor, plan: SelectPlan, *, page_size: int, topk: int,
                    kpool: int, select_tail: bool,
-                   topk_config: TopkConfig = DEFAULT_CONFIG) -> torch.Tensor:
+                   topk_config: TopkConfig = DEFAULT_CONFIG,
+                   tiling: SelectTiling | None = None) -> torch.Tensor:
     """Triton `indexer_select_ref`: token slots `[T, topk + kpool - 1]` (or `[T, topk]`), -1
     padded. q `[T, H, D]`, weights `[T, H]` fp32, pool_keys `[N / kpool, D]`."""
     num_tokens, heads, dim = q.shape
@@ -115,7 +118,7 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
     num_sel = min(topk // kpool, max_pools)
     bhq = max(16, triton.next_power_of_2(heads))
     per_token = (plan.rows, plan.positions)
-    rows = max(1, MAX_SCORE_ELEMS // max(max_pools, 1))
+    rows = max(1, (tiling or TILING).max_score_elems // max(max_pools, 1))
     for t0 in range(0, num_tokens, rows):
         n = min(rows, num_tokens - t0)
         pools = torch.empty(n, 0, dtype=torch.int32, device=q.device)
