@@ -62,39 +62,33 @@ async def retrieve_model(request: Request) -> Response:
 @api_route
 async def chat_completions(request: Request) -> Response:
     state = _state(request)
-    state.check_admitting()
-    raw = await read_json(request, state.max_json_separators)
-    body = parse_chat_request(raw, supports_media=state.bridge.supports_media)
-    model = state.resolve_model(body.model)
-    if body.stream:
-        events, group = await chat_completion_stream(state, body, model)
-        return sse_response(events, group.close)
-    return JSONResponse(await until_disconnected(request, chat_completion(state, body, model)))
+    return await _generate(request, lambda raw: parse_chat_request(
+        raw, supports_media=state.bridge.supports_media), chat_completion_stream, chat_completion)
 
 
 @api_route
 async def completions(request: Request) -> Response:
-    state = _state(request)
-    state.check_admitting()
-    body = parse_completion_request(await read_json(request, state.max_json_separators))
-    model = state.resolve_model(body.model)
-    if body.stream:
-        events, group = await completion_stream(state, body, model)
-        return sse_response(events, group.close)
-    return JSONResponse(await until_disconnected(request, completion(state, body, model)))
+    return await _generate(request, parse_completion_request, completion_stream, completion)
 
 
 @api_route
 async def create_response(request: Request) -> Response:
+    return await _generate(request, parse_responses_request, create_response_stream,
+                           responses.create_response, named_events=True)
+
+
+async def _generate(request: Request, parse, stream, once, *,
+                    named_events: bool = False) -> Response:
+    """The shape every generation route shares: admit, parse the body, resolve the model, then
+    a server-sent event stream or one JSON response (abandoned if the client goes away)."""
     state = _state(request)
     state.check_admitting()
-    body = parse_responses_request(await read_json(request, state.max_json_separators))
+    body = parse(await read_json(request, state.max_json_separators))
     model = state.resolve_model(body.model)
     if body.stream:
-        events, group = await create_response_stream(state, body, model)
-        return sse_response(events, group.close, is_named=True)
-    return JSONResponse(await until_disconnected(request, responses.create_response(
-        state, body, model)))
+        events, group = await stream(state, body, model)
+        return sse_response(events, group.close, is_named=named_events)
+    return JSONResponse(await until_disconnected(request, once(state, body, model)))
 
 
 @api_route
