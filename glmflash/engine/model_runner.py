@@ -155,12 +155,13 @@ class ModelRunner:
             num_sampled = logits.shape[0] - len(prompt_rows.rows)
             self.prompt_logprobs.record(logits[num_sampled:], prompt_rows)
             return logits[:num_sampled]
-        rows = self.decode_rows(batch)
-        if rows is not None and self.graphs is not None \
-                and self.graphs.can_replay(len(rows.input_ids)):
-            self.apply_page_updates(batch.page_updates)
-            self.apply_cache_ops(batch.cache_ops)
-            return self.graphs.replay(rows)
+        # Only a batch that a graph could replay is read as decodes here; `prepare` reads the
+        # others (once).
+        if self.graphs is not None and self.graphs.can_replay(len(batch.seqs)):
+            rows = self.decode_rows(batch)
+            if rows is not None:
+                self.apply_cache_changes(batch.page_updates, batch.cache_ops)
+                return self.graphs.replay(rows)
         return self.model(self.prepare(batch), self.state)
 
     def capture_graphs(self, batch_sizes: list[int]) -> None:
@@ -212,8 +213,7 @@ class ModelRunner:
                 extra_logit_rows: list[int] | None = None) -> ForwardBatch:
         rows = None if extra_logit_rows else self.decode_rows(batch)
         if rows is not None:
-            self.apply_page_updates(batch.page_updates)
-            self.apply_cache_ops(batch.cache_ops)
+            self.apply_cache_changes(batch.page_updates, batch.cache_ops)
             return decode_batch(upload(self.pack_decode(rows), self.device), self.page_table,
                                 self.page_size, self.pool_width(rows.num_pools))
         return self.prepare_inputs(collect_inputs(batch, self.page_size, extra_logit_rows))
@@ -221,8 +221,7 @@ class ModelRunner:
     def prepare_inputs(self, inputs: StepInputs) -> ForwardBatch:
         """The device side of a varlen step: page-table updates, the prefix cache's copies, one
         upload, spliced rows."""
-        self.apply_page_updates(inputs.page_updates)
-        self.apply_cache_ops(inputs.cache_ops)
+        self.apply_cache_changes(inputs.page_updates, inputs.cache_ops)
         forward_batch = build_forward_batch(
             inputs.input_ids, inputs.token_slots, inputs.cu_seqlens, inputs.prefix_lens,
             inputs.state_slots, self.page_table, self.page_size, logit_seqs=inputs.logit_seqs,
@@ -230,6 +229,13 @@ class ModelRunner:
         forward_batch.input_embeds = self._input_embeds(forward_batch.input_ids,
                                                         inputs.embed_rows)
         return forward_batch
+
+    def apply_cache_changes(self, page_updates: list[tuple[int, int, int]],
+                            cache_ops: CacheOps | None) -> None:
+        """What the cache manager did since the last step: pages handed out, then the prefix
+        cache's copies (every path into a forward makes both, in this order)."""
+        self.apply_page_updates(page_updates)
+        self.apply_cache_ops(cache_ops)
 
     def apply_page_updates(self, updates: list[tuple[int, int, int]]) -> None:
         """Mirror pages handed out by the cache manager into the device page table."""

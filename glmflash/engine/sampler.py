@@ -74,7 +74,8 @@ class Sampler:
         t = SamplingTensors.build(seqs, logits.shape[1], logits.device, self._step_key(seqs),
                                   self.penalties)
         if t.is_plain_greedy:
-            return self._copy_back(logits, logits.argmax(dim=-1), seqs, t, {})
+            return _copy_back(logits, logits.argmax(dim=-1), seqs, t, {},
+                              self.sleep_while_waiting)
         raw = logits.float()
         logits, errors = apply_processors(raw, seqs, t.processor_rows)
         if t.penalties is not None:
@@ -82,14 +83,10 @@ class Sampler:
         token_ids = choose(logits, t)
         if t.penalties is not None:
             self.penalties.count(token_ids, t.penalties)
-        return self._copy_back(raw, token_ids, seqs, t, errors)
+        return _copy_back(raw, token_ids, seqs, t, errors, self.sleep_while_waiting)
 
     def release(self, seq: Sequence) -> None:
         self.penalties.release(seq.seq_id)
-
-    def _copy_back(self, raw: torch.Tensor, token_ids: torch.Tensor, seqs: list[Sequence],
-                   t: SamplingTensors, errors: dict[int, str]) -> SampleOutput:
-        return _copy_back(raw, token_ids, seqs, t, errors, self.sleep_while_waiting)
 
     def _step_key(self, seqs: list[Sequence]) -> int:
         """A fresh key when an unseeded row draws: reproducible for a fixed engine seed."""

@@ -60,7 +60,7 @@ def positive_float(text: str) -> float:
 
 
 def fraction(text: str) -> float:
-    """A value in (0, 1] (a share of device memory)."""
+    """A value in (0, 1]: a share of device memory, or top-p (`probability`)."""
     value = _parse(float, text, "a number")
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
@@ -87,12 +87,7 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def probability(text: str) -> float:
-    """A value in (0, 1] (top-p)."""
-    value = _parse(float, text, "a number")
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
+probability = fraction
 
 
 def _parse(kind: type, text: str, what: str):

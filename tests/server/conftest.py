@@ -142,3 +142,10 @@ def strict_live(tiny_dirs):
 @pytest.fixture
 def client(live) -> openai.OpenAI:
     return live.client()
+
+
+def recording_exits(server: LiveServer) -> list[int]:
+    """The server's requests to exit the process, recorded instead of carried out."""
+    exits: list[int] = []
+    server.app_state.lifecycle.request_exit = lambda: exits.append(1)
+    return exits

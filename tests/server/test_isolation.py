@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL, start_server
+from tests.server.conftest import MODEL, recording_exits, start_server
 
 HI = [{"role": "user", "content": "hi"}]
 NAN, INF = float("nan"), float("inf")
@@ -72,9 +72,7 @@ def test_hostile_values_are_400s_beside_three_live_streams(live):
 @pytest.fixture
 def doomed(tiny_dirs):
     server = start_server(tiny_dirs["embedded"])
-    exits: list[int] = []
-    server.app_state.lifecycle.request_exit = lambda: exits.append(1)
-    yield server, exits
+    yield server, recording_exits(server)
     server.stop()
 
 

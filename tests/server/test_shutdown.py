@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL, start_server
+from tests.server.conftest import MODEL, recording_exits, start_server
 from tests.server.test_serve_cli import _free_port
 
 HI = [{"role": "user", "content": "hi"}]
@@ -36,9 +36,7 @@ def _wait_running(engine_running, count: int, timeout: float = 30) -> None:
 @pytest.fixture
 def draining(tiny_dirs):
     server = start_server(tiny_dirs["embedded"], graceful_shutdown_timeout_s=1.5)
-    exits: list[int] = []
-    server.app_state.lifecycle.request_exit = lambda: exits.append(1)
-    yield server, exits
+    yield server, recording_exits(server)
     server.stop()
 
 
