@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 GIB = 1 << 30
 MIB = 1 << 20
 GPU, PINNED, HOST = "GPU", "pinned host", "host"
+# GPU rows whose bytes torch's caching allocator holds (graph pools included); the CUDA context,
+# other processes and the planning margin are outside it, and prompt-logprob logits are held only
+# while a request asks for them.
+ALLOCATOR_ROWS = ("weights and buffers", "allocator cache", "activations and workspaces",
+                  "CUDA graphs", "KDA state slots", "prefix-cache snapshots", "MLA pages")
 
 
 class MemoryPlanError(ValueError):
@@ -54,6 +59,14 @@ class MemoryLedger:
         """Bytes of the rows at `where` (default: the cache's device)."""
         where = where or self.cache_where
         return sum(max(r.nbytes, r.measured or 0) for r in self.rows if r.where == where)
+
+    def expected_reserved(self) -> int:
+        """Bytes torch's allocator is expected to hold on the GPU while serving (no prompt
+        log-probabilities asked): each row it holds at its measured value where the engine
+        measured one (warm-up, graph capture), else as planned or estimated. `used` keeps the
+        larger of the two for the plan; this is the ledger's prediction after start."""
+        return sum(r.nbytes if r.measured is None else r.measured for r in self.rows
+                   if r.where == GPU and r.name in ALLOCATOR_ROWS)
 
     @property
     def cache_where(self) -> str:

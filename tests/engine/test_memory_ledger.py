@@ -114,3 +114,22 @@ def test_engine_refuses_to_start_with_the_ledger(tiny_dirs):
     with pytest.raises(MemoryPlanError, match="--cache-budget-gb"):
         Engine(tiny_dirs["embedded"], device="cpu", dtype="float32", context_length=ONE_M,
                cache_budget_gb=0.01, background_loop=False)
+
+
+def test_expected_reserved_takes_measured_rows_and_leaves_out_what_torch_does_not_hold():
+    from glmflash.engine.memory_ledger import GPU, MemoryLedger
+
+    ledger = MemoryLedger("cuda:0", 100 * GIB)
+    ledger.add("weights and buffers", GPU, 30 * GIB, "measured")
+    ledger.add("CUDA context, other processes", GPU, GIB, "measured")
+    ledger.add("activations and workspaces", GPU, 5 * GIB, "estimated")
+    ledger.add("prompt-logprob logits", GPU, 12 * GIB, "estimated")
+    ledger.add("CUDA graphs", GPU, MIB, "estimated")
+    ledger.add("margin", GPU, GIB // 2, "planned")
+    ledger.add("MLA pages", GPU, 2 * GIB, "planned")
+    assert ledger.expected_reserved() == 37 * GIB + MIB
+    ledger.record("activations and workspaces", 3 * GIB)
+    ledger.record("CUDA graphs", 200 * MIB)
+    assert ledger.expected_reserved() == 35 * GIB + 200 * MIB
+    # The plan keeps the larger of estimate and measurement.
+    assert ledger.used() == 30 * GIB + GIB + 5 * GIB + 12 * GIB + 200 * MIB + GIB // 2 + 2 * GIB
