@@ -201,9 +201,8 @@ class Engine(EngineApiMixin, EngineLoopMixin):
                                  options.kt_gpu_prefill_token_threshold)
 
     def _why_no_graphs(self) -> str | None:
-        # The other ranks of a split model would have to capture with rank 0 (docs/parallelism.md).
-        return "tensor-parallel ranks run eager" if self.options.tp_size > 1 \
-            else graphs_unsupported(self.device)
+        # A split model's ranks capture together, collectives inside (docs/parallelism.md).
+        return graphs_unsupported(self.device)
 
     def _capture_graphs(self) -> None:
         """Decode CUDA graphs at start-up, unless off or impossible here (said once)."""

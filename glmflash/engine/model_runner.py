@@ -106,6 +106,14 @@ class DecodeHostRows(NamedTuple):
     """The most complete indexer pools of any of the sequences after this step."""
 
 
+class DecodeStep(NamedTuple):
+    """One step of decodes as it travels: the rows, and the cache changes to make first."""
+
+    rows: DecodeHostRows
+    page_updates: list[tuple[int, int, int]]
+    cache_ops: CacheOps | None
+
+
 def selection_widths(max_pools: int, first: int = FIRST_SELECTION_WIDTH) -> list[int]:
     """Pools a decode's indexer scores: 4x steps from `first` up to the longest sequence's."""
     widths, width = [], min(first, max_pools)
@@ -151,18 +159,30 @@ class ModelRunner:
         """
         prompt_rows = self.prompt_logprobs.plan(batch)
         if prompt_rows is not None:
-            logits = self.model(self.prepare(batch, prompt_rows.rows), self.state)
+            logits = self.run_inputs(collect_inputs(batch, self.page_size, prompt_rows.rows))
             num_sampled = logits.shape[0] - len(prompt_rows.rows)
             self.prompt_logprobs.record(logits[num_sampled:], prompt_rows)
             return logits[:num_sampled]
-        # Only a batch that a graph could replay is read as decodes here; `prepare` reads the
-        # others (once).
-        if self.graphs is not None and self.graphs.can_replay(len(batch.seqs)):
-            rows = self.decode_rows(batch)
-            if rows is not None:
-                self.apply_cache_changes(batch.page_updates, batch.cache_ops)
-                return self.graphs.replay(rows)
-        return self.model(self.prepare(batch), self.state)
+        rows = self.decode_rows(batch)
+        if rows is not None:
+            return self.run_decode(DecodeStep(rows, list(batch.page_updates), batch.cache_ops))
+        return self.run_inputs(collect_inputs(batch, self.page_size))
+
+    def run_inputs(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits of a step in the varlen form (prefill chunks, mixed batches, prompt rows)."""
+        return self.model(self.prepare_inputs(inputs), self.state)
+
+    def run_decode(self, step: DecodeStep) -> torch.Tensor:
+        """Logits of a batch of decodes: a graph replay when one holds the batch, else the
+        decode form eagerly. (The other ranks of a split model make the same choice: they
+        captured the same sizes.)"""
+        self.apply_cache_changes(step.page_updates, step.cache_ops)
+        if self.graphs is not None and self.graphs.can_replay(len(step.rows.input_ids)):
+            return self.graphs.replay(step.rows)
+        forward_batch = decode_batch(upload(self.pack_decode(step.rows), self.device),
+                                     self.page_table, self.page_size,
+                                     self.pool_width(step.rows.num_pools))
+        return self.model(forward_batch, self.state)
 
     def capture_graphs(self, batch_sizes: list[int]) -> None:
         from glmflash.engine.cuda_graph import CudaGraphRunner
@@ -208,15 +228,6 @@ class ModelRunner:
     def pool_width(self, num_pools: int) -> int:
         """The narrowest selection width that holds `num_pools` pools."""
         return next(w for w in self.pool_widths if w >= num_pools)
-
-    def prepare(self, batch: ScheduledBatch,
-                extra_logit_rows: list[int] | None = None) -> ForwardBatch:
-        rows = None if extra_logit_rows else self.decode_rows(batch)
-        if rows is not None:
-            self.apply_cache_changes(batch.page_updates, batch.cache_ops)
-            return decode_batch(upload(self.pack_decode(rows), self.device), self.page_table,
-                                self.page_size, self.pool_width(rows.num_pools))
-        return self.prepare_inputs(collect_inputs(batch, self.page_size, extra_logit_rows))
 
     def prepare_inputs(self, inputs: StepInputs) -> ForwardBatch:
         """The device side of a varlen step: page-table updates, the prefix cache's copies, one

@@ -13,11 +13,14 @@ import threading
 import time
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from glmflash.distributed.group import ERROR_WAIT_S, RankFailed, RankGroup, abort_group, join_group
-from glmflash.engine.model_runner import ModelRunner
+from glmflash.engine.model_runner import DecodeStep, ModelRunner
 from glmflash.engine.ranks import (
+    CAPTURE,
+    DECODE,
     STEP,
     STOP,
     RankSpec,
@@ -28,7 +31,7 @@ from glmflash.engine.ranks import (
     worker_main,
 )
 from glmflash.engine.scheduler import ScheduledBatch
-from glmflash.engine.step_inputs import collect_inputs
+from glmflash.engine.step_inputs import StepInputs
 from glmflash.utils import env
 
 logger = logging.getLogger(__name__)
@@ -93,20 +96,27 @@ class ParallelRunner(ModelRunner):
         if workers is not None:
             workers.on_death = self._rank_died
 
-    def prepare(self, batch: ScheduledBatch, extra_logit_rows: list[int] | None = None):
-        inputs = collect_inputs(batch, self.page_size, extra_logit_rows)
+    def run_inputs(self, inputs: StepInputs) -> torch.Tensor:
         # Device tensors would be unpickled onto rank 0's device: the rows travel on the host.
-        sent = dataclasses.replace(inputs, embed_rows=[(row, t.cpu())
-                                                       for row, t in inputs.embed_rows])
-        self.group.send((STEP, sent))
+        self._send(STEP, dataclasses.replace(inputs, embed_rows=[
+            (row, t.cpu()) for row, t in inputs.embed_rows]))
+        return super().run_inputs(inputs)
+
+    def run_decode(self, step: DecodeStep) -> torch.Tensor:
+        self._send(DECODE, step)
+        return super().run_decode(step)
+
+    def capture_graphs(self, batch_sizes: list[int]) -> None:
+        # Every rank captures the same graphs in the same order: the warm-up forwards before
+        # each capture run the all-reduces, and the captured ones replay together.
+        self._send(CAPTURE, batch_sizes)
+        super().capture_graphs(batch_sizes)
+
+    def _send(self, kind: str, message: object) -> None:
+        self.group.send((kind, message))
         self.num_steps += 1
         # The other ranks now wait in this step's first all-reduce.
         maybe_fail(f"step{self.num_steps}", 0)
-        # Decodes take the device-resident decode form here, the varlen form on the other ranks:
-        # the same layers and all-reduces, so the ranks stay in step.
-        if not extra_logit_rows and self.decode_rows(batch) is not None:
-            return super().prepare(batch)
-        return self.prepare_inputs(inputs)
 
     def run(self, batch: ScheduledBatch):
         if self.failure is not None:

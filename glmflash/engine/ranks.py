@@ -33,7 +33,9 @@ from glmflash.utils import env
 from glmflash.utils.logging import setup_logging
 
 logger = logging.getLogger(__name__)
-STEP, STOP = "step", "stop"
+# Messages from rank 0: a varlen step, a step of decodes (replayed from a graph where rank 0
+# replays one), capture the decode graphs, stop.
+STEP, DECODE, CAPTURE, STOP = "step", "decode", "capture", "stop"
 
 
 @dataclass(frozen=True)
@@ -112,13 +114,18 @@ def serve_steps(runner: ModelRunner, group: RankGroup) -> None:
     """Ranks other than 0: run each step rank 0 sends (no sampling: logits stay on rank 0)."""
     num_steps = 0
     while True:
-        kind, inputs = group.receive()
+        kind, message = group.receive()
         if kind == STOP:
             return
         num_steps += 1
         maybe_fail(f"step{num_steps}", group.rank)
-        inputs = dataclasses.replace(inputs, logit_seqs=[])
-        runner.model(runner.prepare_inputs(inputs), runner.state)
+        if kind == CAPTURE:
+            runner.capture_graphs(message)
+        elif kind == DECODE:
+            runner.run_decode(message)
+        else:
+            runner.run_inputs(dataclasses.replace(message, logit_seqs=[],
+                                                  extra_logit_rows=None))
 
 
 def worker_main(rank: int, spec: RankSpec) -> None:
