@@ -30,6 +30,7 @@ from glmflash.utils.env import kernel_override
 if TYPE_CHECKING:
     from glmflash.engine.graph_handoff import GraphHandOff
     from glmflash.engine.model_runner import DecodeHostRows, ModelRunner
+    from glmflash.engine.options import EngineConfig
 
 logger = logging.getLogger(__name__)
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
@@ -60,6 +61,16 @@ def graph_batch_sizes(requested: tuple[int, ...] | None, max_batch_size: int | N
     if layerwise_threshold is not None:
         limit = min(limit, layerwise_threshold - 1)
     return sorted({b for b in (requested or DEFAULT_BATCH_SIZES) if b <= limit})
+
+
+def decode_graph_sizes(options: EngineConfig, device: torch.device) -> list[int]:
+    """The decode batch sizes an engine with these options captures on `device` (none when
+    graphs are off or impossible there)."""
+    if options.disable_cuda_graph or graphs_unsupported(device) is not None:
+        return []
+    return graph_batch_sizes(options.cuda_graph_bs, options.cuda_graph_max_bs,
+                             options.max_running_requests,
+                             options.kt_gpu_prefill_token_threshold)
 
 
 def graphs_unsupported(device: torch.device) -> str | None:
@@ -131,25 +142,20 @@ class CudaGraphRunner:
         return events
 
     def close(self) -> None:
-        if self.handoff is not None:
-            self.handoff.close()
-            self.handoff = None
+        # The hand-off belongs to the expert placement (engine/experts.py `close_placement`).
+        self.handoff = None
 
     def _attach_handoff(self) -> None:
-        layers = [layer for layer in hybrid_layers(self.runner.model)
-                  if layer.num_gpu < layer.num_experts]
-        if not layers:
+        """The placement's graph hand-off, when CPU experts run inside the graphs."""
+        handoffs = {id(layer.graph_handoff): layer.graph_handoff
+                    for layer in hybrid_layers(self.runner.model)
+                    if layer.num_gpu < layer.num_experts}
+        if not handoffs:
             return
-        from glmflash.engine.graph_handoff import GraphHandOff
-        from glmflash.kernels.cpu_moe import NumbaMoeExperts
-
-        kernels = [layer.module.cpu_experts() for layer in layers]
-        if not all(isinstance(k, NumbaMoeExperts) for k in kernels):
-            raise RuntimeError("CPU experts in CUDA graphs need the Numba kernel")
-        top_k = self.runner.model.config.num_experts_per_tok
-        self.handoff = GraphHandOff(kernels, self.batch_sizes[-1], top_k, self.runner.device)
-        for layer in hybrid_layers(self.runner.model):
-            layer.graph_handoff = self.handoff
+        (self.handoff,) = handoffs.values()
+        if self.handoff is None or self.handoff.max_rows < self.batch_sizes[-1]:
+            raise RuntimeError(f"the expert placement made no graph hand-off for decode batches "
+                               f"of {self.batch_sizes[-1]}: place the experts with graph_rows")
 
     def _capture(self, size: int, width: int, pool) -> CapturedDecode:
         runner = self.runner

@@ -17,7 +17,7 @@ import torch
 from glmflash.config import ModelConfig
 from glmflash.engine.api import EngineApiMixin
 from glmflash.engine.cache import CacheManager, PrefixCacheStats
-from glmflash.engine.cuda_graph import graph_batch_sizes, graphs_unsupported
+from glmflash.engine.cuda_graph import decode_graph_sizes, graphs_unsupported
 from glmflash.engine.detokenizer import SequenceDetokenizer
 from glmflash.engine.errors import EngineDead, EngineOverloaded, PromptTooLong
 from glmflash.engine.loop import EngineLoopMixin
@@ -193,12 +193,7 @@ class Engine(EngineApiMixin, EngineLoopMixin):
 
     def _graph_sizes(self) -> list[int]:
         """Decode batch sizes to capture as CUDA graphs (none when off or impossible here)."""
-        options = self.options
-        if options.disable_cuda_graph or self._why_no_graphs() is not None:
-            return []
-        return graph_batch_sizes(options.cuda_graph_bs, options.cuda_graph_max_bs,
-                                 options.max_running_requests,
-                                 options.kt_gpu_prefill_token_threshold)
+        return decode_graph_sizes(self.options, self.device)
 
     def _why_no_graphs(self) -> str | None:
         # A split model's ranks capture together, collectives inside (docs/parallelism.md).

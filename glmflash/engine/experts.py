@@ -18,6 +18,7 @@ import time
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,6 +31,9 @@ from glmflash.model.forward_batch import build_forward_batch, contiguous_page_ta
 from glmflash.model.glm import GlmForCausalLM
 from glmflash.model.moe import Experts, Router, grouped_experts
 from glmflash.model.state import ModelState
+
+if TYPE_CHECKING:
+    from glmflash.engine.graph_handoff import GraphHandOff
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +48,9 @@ class ExpertPlacement:
     """Chunks of at least this many tokens take the layerwise path (None: never)."""
     pin_host_memory: bool = True
     """Page-lock the CPU expert weights in place so host-to-device copies run at DMA speed."""
+    graph_rows: int = 0
+    """Rows of the largest captured decode graph (0: no graphs). The CPU experts of captured
+    decodes go through one graph hand-off (engine/graph_handoff.py) sized for them."""
 
 
 @dataclass(slots=True)
@@ -67,7 +74,8 @@ class HybridExperts:
 
     def __init__(self, module: Experts, index: int, placement: ExpertPlacement,
                  device: torch.device, streamer: LayerwiseStreamer | None,
-                 resident: tuple | None, resident_ids: list[int], handoff: CpuHandOff) -> None:
+                 resident: tuple | None, resident_ids: list[int], handoff: CpuHandOff,
+                 graph_handoff: GraphHandOff | None = None) -> None:
         self.module, self.index, self.device = module, index, device
         self.num_gpu = len(resident_ids)
         self.num_experts = module.gate_proj.weight.shape[0]
@@ -77,8 +85,8 @@ class HybridExperts:
         self.local = torch.full((self.num_experts,), -1, dtype=torch.long, device=device)
         self.local[torch.tensor(resident_ids, dtype=torch.long, device=device)] = \
             torch.arange(self.num_gpu, device=device)
-        self.graph_handoff = None
-        """The hand-off of captured decodes (engine/graph_handoff.py), set by the graph runner."""
+        self.graph_handoff = graph_handoff
+        """The hand-off of captured decodes (shared by the layers; None without graphs)."""
         self.times = ExpertTimes()
         """Summed since the last `take_times()`."""
         self.record_gpu_times = False
@@ -171,8 +179,11 @@ def plan_placement(model: nn.Module, options: EngineConfig, device: torch.device
     """The engine options' placement, decided before anything is copied to the GPU: the first
     N experts of each layer, or (`kt_expert_placement="frequency"`) the N most routed over the
     warm-up prompt `warmup_ids`."""
+    from glmflash.engine.cuda_graph import decode_graph_sizes
+
     placement = ExpertPlacement(options.kt_num_gpu_experts or 0,
-                                prefill_token_threshold=options.kt_gpu_prefill_token_threshold)
+                                prefill_token_threshold=options.kt_gpu_prefill_token_threshold,
+                                graph_rows=max(decode_graph_sizes(options, device), default=0))
     if options.kt_expert_placement != "frequency" or not warmup_ids:
         return placement
     chosen = most_routed(count_routing(model, device, warmup_ids), placement.num_gpu_experts)
@@ -190,7 +201,8 @@ def place_experts(model: nn.Module, placement: ExpertPlacement, device: torch.de
     num_experts = modules[0].gate_proj.weight.shape[0]
     if not 0 <= placement.num_gpu_experts <= num_experts:
         raise ValueError(f"kt_num_gpu_experts must be in [0, {num_experts}]")
-    streamer = _attach(modules, placement, device)
+    top_k = next(m for m in model.modules() if isinstance(m, Router)).top_k
+    streamer = _attach(modules, placement, device, top_k)
     logger.info("experts: %d of %d per layer on the GPU, the rest on the CPU; layerwise prefill %s",
                 placement.num_gpu_experts, num_experts,
                 f"from {placement.prefill_token_threshold} tokens"
@@ -201,8 +213,8 @@ def _experts(model: nn.Module) -> list[Experts]:
     return [m for m in model.modules() if isinstance(m, Experts)]
 
 
-def _attach(modules: list[Experts], placement: ExpertPlacement,
-            device: torch.device) -> LayerwiseStreamer | None:
+def _attach(modules: list[Experts], placement: ExpertPlacement, device: torch.device,
+            top_k: int = 0) -> LayerwiseStreamer | None:
     resident_ids = [list(ids) for ids in placement.resident_ids] if placement.resident_ids \
         else [list(range(placement.num_gpu_experts))] * len(modules)
     assert len(resident_ids) == len(modules)
@@ -213,10 +225,37 @@ def _attach(modules: list[Experts], placement: ExpertPlacement,
     streamer = LayerwiseStreamer(modules, resident, resident_ids, device) \
         if placement.prefill_token_threshold is not None else None
     handoff = CpuHandOff(device)
+    graph_handoff = _graph_handoff(modules, resident_ids, top_k, placement, device)
     for i, m in enumerate(modules):
         m.backend = HybridExperts(m, i, placement, device, streamer, resident[i],
-                                  resident_ids[i], handoff)
+                                  resident_ids[i], handoff, graph_handoff)
     return streamer
+
+
+def _graph_handoff(modules: list[Experts], resident_ids: list[list[int]], top_k: int,
+                   placement: ExpertPlacement, device: torch.device) -> GraphHandOff | None:
+    """The hand-off of the CPU experts inside decode graphs, when some experts stay on the CPU
+    and graphs will be captured."""
+    num_experts = modules[0].gate_proj.weight.shape[0]
+    if not placement.graph_rows or all(len(ids) == num_experts for ids in resident_ids):
+        return None
+    from glmflash.engine.graph_handoff import GraphHandOff
+    from glmflash.kernels.cpu_moe import NumbaMoeExperts
+
+    kernels = [m.cpu_experts() for m in modules]
+    if not all(isinstance(k, NumbaMoeExperts) for k in kernels):
+        raise RuntimeError("CPU experts in CUDA graphs need the Numba kernel")
+    return GraphHandOff(kernels, placement.graph_rows, top_k, device)
+
+
+def close_placement(model: nn.Module) -> None:
+    """Stop what the placement started: the graph hand-off's serving loop (once)."""
+    handoffs = {id(layer.graph_handoff): layer.graph_handoff for layer in hybrid_layers(model)
+                if layer.graph_handoff is not None}
+    for handoff in handoffs.values():
+        handoff.close()
+    for layer in hybrid_layers(model):
+        layer.graph_handoff = None
 
 
 def _resident(module: Experts, ids: list[int], device: torch.device) -> tuple | None:

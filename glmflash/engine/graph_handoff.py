@@ -29,7 +29,7 @@ class GraphHandOff:
 
     def __init__(self, kernels: list, max_rows: int, top_k: int, device: torch.device) -> None:
         hidden = kernels[0].hidden
-        self.device = device
+        self.device, self.max_rows = device, max_rows
         shapes = ((max_rows, hidden, np.float32), (max_rows, top_k, np.int64),
                   (max_rows, top_k, np.float32), (max_rows, hidden, np.float32))
         self._host = [_registered(np.zeros(shape[:2], shape[2])) for shape in shapes]

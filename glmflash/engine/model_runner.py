@@ -191,8 +191,11 @@ class ModelRunner:
         self.graphs.capture()
 
     def close(self) -> None:
+        from glmflash.engine.experts import close_placement
+
         if self.graphs is not None:
             self.graphs.close()
+        close_placement(self.model)
 
     def decode_rows(self, batch: ScheduledBatch) -> DecodeHostRows | None:
         """The batch as decodes, or None when a sequence has more than one new token, none
