@@ -8,6 +8,11 @@ rate against the HBM copy bandwidth of the same run (goal: >= 60% at 1-8 tokens)
 report TFLOP/s against the dense GEMM (goal: >= 0.7x at 8192 tokens). CUDA-graph timed.
 
     python bench/fused_moe.py [--tokens 1 8 32 2048 8192] [--no-loop]
+    python bench/fused_moe.py --forms 8192 [--sweep]   # prefill: W8A8 form vs bf16 form
+
+`--forms`: at each given size (uniform routing) the W8A8 prefill form and the dequantising bf16
+form against the dense GEMM, and the sort alone; `--sweep` also times a few W8A8 launch shapes
+and names the fastest.
 """
 
 from __future__ import annotations
@@ -23,7 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import copy_bandwidth, graph_ms, table  # noqa: E402
 from glmflash.kernels.fp8_gemm import quantize_block_fp8  # noqa: E402
 from glmflash.kernels.fp8_gemm.triton_impl import fp8_linear_scaled_mm  # noqa: E402
-from glmflash.kernels.fused_moe.triton_impl import fused_moe  # noqa: E402
+from glmflash.kernels.fused_moe.triton_impl import (  # noqa: E402
+    DEFAULT_DISPATCH,
+    PREFILL_CONFIG,
+    W8A8MoeConfig,
+    fused_moe,
+    sort_pairs,
+)
 
 EXPERTS, HIDDEN, INTER, TOP_K, LIMIT = 288, 4096, 2048, 8, 7.0
 
@@ -91,11 +102,64 @@ def row(num_tokens: int, skewed: bool, w: list[torch.Tensor], copy_gbs: float,
             f"{flops / dense_ms / 1e9:.0f}", f"{dense_ms / fused_ms:.2f}"]
 
 
+# Launch shapes the sweep times (the default first).
+# 64 rows and 8 warps throughout: 128-row blocks or 4 warps spill registers on sm_90 (two
+# 128-column fp32 accumulators and their per-block partials; tools/smem_check.py).
+SWEEP = [DEFAULT_DISPATCH.w8a8,
+         W8A8MoeConfig(gate_up_stages=4, down_stages=4),
+         W8A8MoeConfig(group_m=4),
+         W8A8MoeConfig(group_m=16, gate_up_stages=4, down_stages=4),
+         W8A8MoeConfig(block_k=64, gate_up_stages=4, down_stages=4),
+         W8A8MoeConfig(block_k=64, gate_up_stages=6, down_stages=6)]
+
+
+def _shape(cfg) -> str:
+    if isinstance(cfg, W8A8MoeConfig):
+        return (f"w8a8 BM{cfg.block_m} G{cfg.group_m} gate/up {cfg.gate_up_warps}w"
+                f"{cfg.gate_up_stages}s down {cfg.down_warps}w{cfg.down_stages}s")
+    return f"bf16 BM{cfg.block_m} BN{cfg.block_n} BK{cfg.block_k} {cfg.num_warps}w"
+
+
+def prefill_forms(num_tokens: int, w: list[torch.Tensor], sweep: bool) -> str:
+    """One row per form / launch shape at `num_tokens` (uniform routing), against the dense
+    equal-FLOP block-FP8 GEMM; the fastest W8A8 shape is marked."""
+    x = torch.randn(num_tokens, HIDDEN, device="cuda").bfloat16()
+    ids, weights = routing(num_tokens, False)
+    flops = 2 * num_tokens * TOP_K * 3 * INTER * HIDDEN
+    dense_x = torch.randn(num_tokens * TOP_K, HIDDEN, device="cuda").bfloat16()
+    dense_w, dense_s = quantize_block_fp8(torch.randn(3 * INTER, HIDDEN, device="cuda"))
+    dense_ms = graph_ms(lambda: fp8_linear_scaled_mm(dense_x, dense_w, dense_s, 128))
+    rows, best = [], None
+    for cfg in [PREFILL_CONFIG] + (SWEEP if sweep else SWEEP[:1]):
+        ms = graph_ms(lambda c=cfg: fused_moe(x, ids, weights, *w, limit=LIMIT, config=c),
+                      rep=50)
+        rows.append([num_tokens, _shape(cfg), f"{ms * 1e3:.0f}", f"{flops / ms / 1e9:.0f}",
+                     f"{flops / dense_ms / 1e9:.0f}", f"{dense_ms / ms:.2f}"])
+        print(rows[-1], flush=True)
+        if isinstance(cfg, W8A8MoeConfig) and (best is None or ms < best[0]):
+            best = (ms, len(rows) - 1)
+    rows[best[1]][1] += " (fastest)"
+    sort_ms = graph_ms(lambda: sort_pairs(ids, EXPERTS, DEFAULT_DISPATCH.w8a8.block_m))
+    print(f"sort alone at {num_tokens} tokens (BM {DEFAULT_DISPATCH.w8a8.block_m}): "
+          f"{sort_ms * 1e3:.0f} us", flush=True)
+    return table(["tokens", "form, launch shape", "us", "TFLOP/s", "dense _scaled_mm TFLOP/s",
+                  "fused / dense (goal 0.7)"], rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 2048, 8192])
     parser.add_argument("--no-loop", action="store_true", help="skip the per-expert loop")
+    parser.add_argument("--forms", type=int, nargs="+", default=None,
+                        help="prefill sizes: W8A8 vs bf16 form only")
+    parser.add_argument("--sweep", action="store_true", help="with --forms: W8A8 shapes")
     args = parser.parse_args()
+    if args.forms:
+        w = expert_weights()
+        tables = [prefill_forms(n, w, args.sweep) for n in args.forms]
+        print("\nFused MoE prefill forms, 288 experts x 4096 x 2048, top-8, uniform routing, "
+              "CUDA-graph timed\n\n" + "\n\n".join(tables), flush=True)
+        return
     copy_gbs = copy_bandwidth()
     w = expert_weights()
     rows = []

@@ -1,6 +1,6 @@
 """GPU kernel benchmarks: Triton KDA, sparse MLA, indexer and FP8 linear against their baselines.
 
-    PYTHONPATH=. python bench/kernels.py [--ops kda,mla,indexer,fp8] [--out FILE]
+    PYTHONPATH=. python bench/kernels.py [--ops kda,mla,indexer,fp8,fp8_small] [--out FILE]
 
 Each op prints one markdown table and appends it to bench/RESULTS.md (or to --out, for runs on a
 remote machine whose tree does not come back). Bandwidth figures are compared with a
@@ -326,6 +326,52 @@ def _fp8_row(k: int, n: int, m: int, wq: torch.Tensor, ws: torch.Tensor) -> list
             f"{base / auto:.2f}"]
 
 
+# Weight-streaming launch shapes the small-row sweep times (the default first).
+STREAM_SWEEP = [(64, 4.0, 2, 4, 4), (64, 8.0, 2, 4, 4), (64, 4.0, 4, 4, 4), (64, 2.0, 2, 4, 6),
+                (128, 4.0, 2, 4, 4), (128, 4.0, 2, 8, 4), (32, 4.0, 2, 4, 4)]
+
+
+def bench_fp8_small(m: int, sweep: bool) -> str:
+    """M rows at the five release shapes: fp8_linear (the weight-streaming W8A8 form) against
+    per-tensor `_scaled_mm`, the weight-only form and blockwise `_scaled_mm`; with `sweep`, the
+    streaming launch shapes (block_n, waves, min split blocks, warps, stages), fastest named."""
+    rows = []
+    for k, n in FP8_SHAPES:
+        rows.append(_fp8_small_row(k, n, m, sweep))
+        print(rows[-1], flush=True)
+    return table(["shape", "M", "fp8_linear us", "GB/s", "per-tensor _scaled_mm us", "GB/s",
+                  "per-tensor / fp8_linear (goal 0.8)", "weight-only us",
+                  "blockwise _scaled_mm us", "fastest stream shape us (n, waves, split, w, s)"],
+                 rows)
+
+
+def _fp8_small_row(k: int, n: int, m: int, sweep: bool) -> list:
+    from glmflash.kernels.fp8_gemm import quantize_block_fp8
+    from glmflash.kernels.fp8_gemm import triton_impl as ti
+    from glmflash.kernels.fp8_gemm.triton_stream import StreamConfig, fp8_linear_stream
+
+    wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda"))
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    wqs = rotated(wq)
+    base = graph_ms([_scaled_mm(x.to(torch.float8_e4m3fn), w) for w in wqs])
+    auto = graph_ms([lambda w=w: ti.fp8_linear(x, w, ws) for w in wqs])
+    wo = graph_ms([lambda w=w: ti.fp8_linear_weight_only(x, w, ws, 128) for w in wqs])
+    blockwise = graph_ms([lambda w=w: ti.fp8_linear_scaled_mm(x, w, ws, 128) for w in wqs])
+    best = "-"
+    if sweep:
+        times = {}
+        for shape in STREAM_SWEEP:
+            cfg = StreamConfig(*shape)
+            times[shape] = graph_ms([lambda w=w, c=cfg: fp8_linear_stream(x, w, ws, 128, c)
+                                     for w in wqs])
+            print(f"sweep {k}->{n} M={m} {shape}: {times[shape] * 1e3:.1f} us", flush=True)
+        fastest = min(times, key=times.get)
+        best = f"{times[fastest] * 1e3:.1f} {fastest} ({base / times[fastest]:.2f})"
+    return [f"{k}->{n}", m, f"{auto * 1e3:.1f}", f"{n * k / auto / 1e6:.0f}",
+            f"{base * 1e3:.1f}", f"{n * k / base / 1e6:.0f}", f"{base / auto:.2f}",
+            f"{wo * 1e3:.1f}", f"{blockwise * 1e3:.1f}", best]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", default="kda,kda_decode,mla,indexer,fp8")
@@ -350,6 +396,10 @@ def main() -> None:
             f.write(f"\n## {title}\n\n{stamp} · {device_description()} · commit {commit}\n\n"
                     f"{body}\n")
 
+    if "fp8_small" in ops:
+        emit("FP8 block-scaled linear at 16 rows: weight-streaming W8A8 vs torch._scaled_mm "
+             "(per-tensor scales), CUDA-graph timed, weights rotated past L2 (bench/kernels.py)",
+             bench_fp8_small(16, args.sweep))
     if "fp8" in ops:
         emit("FP8 block-scaled linear vs torch._scaled_mm (per-tensor scales), CUDA-graph timed, "
              "decode weights rotated past L2 (bench/kernels.py)",

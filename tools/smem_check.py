@@ -29,7 +29,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from glmflash.kernels.fp8_gemm import triton_impl as fp8  # noqa: E402
+from glmflash.kernels.fp8_gemm import triton_stream as fp8_stream  # noqa: E402
 from glmflash.kernels.fused_moe import triton_impl as moe  # noqa: E402
+from glmflash.kernels.fused_moe import triton_w8a8 as moe_w8a8  # noqa: E402
 from glmflash.kernels.hyper import triton_impl as hyper  # noqa: E402
 from glmflash.kernels.indexer import topk_triton as indexer_topk  # noqa: E402
 from glmflash.kernels.indexer import triton_impl as indexer  # noqa: E402
@@ -148,6 +150,11 @@ def fp8_launches() -> list[Launch]:
            for bm, bn in ((1, fp8.DEFAULT_CONFIG.wdq_fma_block_n),
                           (16, fp8.DEFAULT_CONFIG.wdq_block_n),
                           (64, fp8.DEFAULT_CONFIG.wdq_block_n))]
+    stream = fp8.DEFAULT_CONFIG.stream
+    out += [Launch(f"fp8 stream w8a8 BN{stream.block_n} BM{bm}", fp8_stream.fp8_stream_gemm_kernel,
+                   dict(wdq, x="*bf16"), dict(BLOCK=128, BN=stream.block_n, BM=bm),
+                   stream.num_warps, stream.num_stages, aligned=("N", "K", "K_PER_SPLIT"))
+            for bm in (16, 64)]
     bm, bn, warps, stages = fp8.DEFAULT_CONFIG.w8a8_tile
     w8a8 = {"xq": "*fp8e4nv", "xs": "*fp32", "w": "*fp8e4nv", "ws": "*fp32", "y": "*bf16"}
     out.append(Launch(f"fp8 w8a8 {bm}x{bn}", fp8.fp8_gemm_kernel, w8a8,
@@ -175,6 +182,17 @@ def fused_moe_launches() -> list[Launch]:
                        dict(consts, TOP_K=8), cfg.num_warps, cfg.num_stages, aligned=("N", "K")),
                 Launch(f"{name} down", moe.fused_moe_down_kernel, down, consts, cfg.num_warps,
                        cfg.num_stages, aligned=("N", "K"))]
+    cfg = moe_w8a8.W8A8_CONFIG
+    rows = {"sorted_pairs": "*i32", "block_expert": "*i32", "xs": "*fp32", "hs": "*fp32"}
+    consts = dict(BLOCK=128, BM=cfg.block_m, BK=cfg.block_k, GROUP_M=cfg.group_m)
+    gate_up = dict(rows, xq="*fp8e4nv", w_gate="*fp8e4nv", s_gate="*fp32", w_up="*fp8e4nv",
+                   s_up="*fp32", hq="*fp8e4nv")
+    down = dict(rows, hq="*fp8e4nv", w="*fp8e4nv", s="*fp32", y="*bf16")
+    out += [Launch(f"fused_moe w8a8 BM{cfg.block_m} gate/up",
+                   moe_w8a8.fused_moe_w8a8_gate_up_kernel, gate_up, dict(consts, TOP_K=8),
+                   cfg.gate_up_warps, cfg.gate_up_stages, aligned=("N", "K")),
+            Launch(f"fused_moe w8a8 BM{cfg.block_m} down", moe_w8a8.fused_moe_w8a8_down_kernel,
+                   down, consts, cfg.down_warps, cfg.down_stages, aligned=("N", "K"))]
     out.append(Launch("fused_moe sum", moe.fused_moe_sum_kernel,
                       {"y": "*bf16", "ids": "*i64", "weights": "*fp32", "out": "*bf16"},
                       dict(TOP_K=8, BD=moe.SUM_BLOCK), 4, aligned=("D",)))

@@ -48,7 +48,7 @@ def test_weight_only_fp32_matches_ref(shape, nan_empty):
 def test_weight_only_bf16_and_block64(nan_empty):
     x, w, s = _case(3, 256, 384, torch.bfloat16, block=64)
     want = fp8_linear_ref(x, w, s, block=64)
-    got = triton_impl.fp8_linear(x, w, s, block=64)
+    got = triton_impl.fp8_linear_weight_only(x, w, s, 64)
     # One bf16 output rounding apart (measured 1 ulp: 0.25 at |y| ~ 60).
     assert (got.float() - want.float()).abs().max().item() <= 2 ** -7 * want.abs().max().item()
 
@@ -56,7 +56,7 @@ def test_weight_only_bf16_and_block64(nan_empty):
 def test_weight_only_bf16_split_k(nan_empty):
     x, w, s = _case(2, 16, 640, torch.bfloat16)
     want = fp8_linear_ref(x, w, s)
-    got = triton_impl.fp8_linear(x, w, s)
+    got = triton_impl.fp8_linear_weight_only(x, w, s, 128)
     assert got.dtype == torch.bfloat16
     # fp32 partial sums in another order, then one bf16 rounding: within 1 ulp.
     assert (got.float() - want.float()).abs().max().item() <= 2 ** -7 * want.abs().max().item()
@@ -108,7 +108,9 @@ def test_split_k_last_arrival_gpu(m, dtype):
     for _ in range(20):
         assert torch.equal(triton_impl.fp8_linear(x, w, s), first)
     want = fp8_linear_ref(x.float(), w, s)
-    assert ((first.float() - want).norm() / want.norm()).item() < 5e-3
+    # 16 bf16 rows take the weight-streaming W8A8 form: e4m3 activations add ~2.5%.
+    w8a8 = dtype == torch.bfloat16 and m >= triton_impl.DEFAULT_CONFIG.act_min_rows
+    assert ((first.float() - want).norm() / want.norm()).item() < (4e-2 if w8a8 else 5e-3)
     assert int(triton_impl._ARRIVALS[x.device].count_nonzero()) == 0
 
 
@@ -120,7 +122,8 @@ def test_release_shapes_gpu(m, n, k):
     want = fp8_linear_ref(x.float(), w, s)
     got = triton_impl.fp8_linear(x, w, s).float()
     rel = ((got - want).norm() / want.norm()).item()
-    # Weight-only: bf16 rounding (~3e-3); W8A8 (M >= 64): e4m3 activations add ~2-3%.
+    # Weight-only (one row): bf16 rounding (~3e-3); W8A8 (from 2 rows): e4m3 activations add
+    # ~2-3%.
     assert rel < (5e-3 if m < triton_impl.DEFAULT_CONFIG.act_min_rows else 4e-2)
 
 

@@ -1,12 +1,14 @@
 """Triton block-FP8 linear: `y = x W^T`, W in e4m3 with one fp32 scale per 128x128 block.
 
-Two paths, picked by the number of rows (README.md has the measurements):
-- few rows (decode): the weight is dequantised in registers to x's dtype (the reference's
-  rounding: fp8 * scale in fp32, then one cast) and multiplied in bf16 - one row by FMA in fp32
-  instead - split over K so that enough programs stream the weight;
-- many rows (prefill): activations are quantised per token and 128-channel group (DeepSeek /
-  HF style) by a small kernel, then an FP8 x FP8 GEMM applies both scales per K block: cuBLASLt's
-  block-scaled `torch._scaled_mm` on SM90, this file's Triton GEMM elsewhere.
+Three paths, picked by the number of rows (README.md has the measurements):
+- one row (decode at batch 1): the weight is dequantised in registers and multiplied by FMA in
+  fp32, split over K so that enough programs stream the weight (fp32 activations, and GPUs
+  without FP8 products, take this weight-only kernel at every size, with bf16 products);
+- a few rows (2..63): activations are quantised per row and 128-channel group (DeepSeek / HF
+  style) inside the weight-streaming FP8 x FP8 kernel of triton_stream.py;
+- many rows (prefill): the same quantisation by a small kernel, then an FP8 x FP8 GEMM that
+  applies both scales per K block: cuBLASLt's block-scaled `torch._scaled_mm` on SM90, this
+  file's Triton GEMM elsewhere.
 """
 
 from __future__ import annotations
@@ -21,17 +23,32 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
-from glmflash.kernels.triton_utils import ArrivalCounters, interpreting, jit, num_sms
-
-FP8_MAX = tl.constexpr(448.0) if triton is not None else 448.0
+from glmflash.kernels.fp8_gemm.triton_common import (
+    ARRIVALS,
+    has_fp8_products,
+    plan_splits,
+    quantize_rows,
+    split_buffer,
+    store_split,
+)
+from glmflash.kernels.fp8_gemm.triton_stream import (
+    STREAM_CONFIG,
+    StreamConfig,
+    fp8_linear_stream,
+)
+from glmflash.kernels.triton_utils import interpreting, jit
 
 
 @dataclass(frozen=True)
 class Fp8LinearConfig:
     """Launch shapes of the two paths (README.md has the sweeps that chose them)."""
 
-    act_min_rows: int = 64
+    act_min_rows: int = 2
     """Rows from which activations are quantised to FP8 (below: weight-only dequantisation)."""
+    gemm_min_rows: int = 64
+    """Rows from which the tiled FP8 GEMM runs (below: the weight-streaming W8A8 form)."""
+    stream: StreamConfig = STREAM_CONFIG
+    """Launch shape of the weight-streaming W8A8 form."""
     wdq_block_n: int = 64
     """Weight-only: output columns per program."""
     wdq_fma_rows: int = 1
@@ -49,10 +66,8 @@ class Fp8LinearConfig:
 
 
 DEFAULT_CONFIG = Fp8LinearConfig()
-# Per-device arrival counters of the split-K reduction: one per (row block, column block) tile;
-# every launch leaves them at zero. Allocated once and never replaced, so CUDA graphs that
-# captured a launch stay valid.
-_ARRIVALS = ArrivalCounters(1 << 16)
+# The split-K counters (kept under the old name for the tests that inspect them).
+_ARRIVALS = ARRIVALS
 
 
 @jit
@@ -112,26 +127,9 @@ def fp8_wdq_gemm_kernel(x, w, ws, y, part, arrivals, M, N, K, stride_xm, stride_
     else:
         b_acc = _dot_range(x, w, ws_row, o_m, o_n, m_m, m_n, k_begin, k_end, K, stride_xm,
                            stride_wn, BLOCK, BM, BN, DOT, PREC)
-    m_out = m_m[:, None] & m_n[None, :]
-    p_y = y + o_m[:, None].to(tl.int64) * stride_ym + o_n[None, :]
-    if SPLITS == 1:
-        tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_out)
-    else:
-        tile = i_m * tl.num_programs(1) + i_n
-        p_part = part + (tile * SPLITS).to(tl.int64) * (BM * BN) \
-            + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
-        tl.store(p_part + i_s * (BM * BN), b_acc, mask=m_out)
-        # Every warp's partial is written before the release; the last arrival acquires them all.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(arrivals + tile, 1, sem="acq_rel")
-        if arrived == SPLITS - 1:
-            tl.debug_barrier()
-            b_sum = tl.zeros([BM, BN], dtype=tl.float32)
-            for i in range(SPLITS):
-                b_sum += tl.load(p_part + i * (BM * BN), mask=m_out, other=0.0,
-                                 cache_modifier=".cg")
-            tl.store(p_y, b_sum.to(y.dtype.element_ty), mask=m_out)
-            tl.atomic_xchg(arrivals + tile, 0, sem="relaxed")
+    o_y = o_m[:, None].to(tl.int64) * stride_ym + o_n[None, :]
+    store_split(b_acc, y, o_y, m_m[:, None] & m_n[None, :], part, arrivals,
+                i_m * tl.num_programs(1) + i_n, i_s, SPLITS, BM, BN)
 
 
 @jit
@@ -144,8 +142,7 @@ def fp8_act_quant_kernel(x, xq, xs, M, K, stride_xm, stride_qm, stride_sm, strid
     m = (o_m < M)[:, None] & (o_k < K)[None, :]
     b_x = tl.load(x + o_m[:, None].to(tl.int64) * stride_xm + o_k[None, :], mask=m,
                   other=0.0).to(tl.float32)
-    b_s = tl.maximum(tl.max(tl.abs(b_x), 1), 1e-12) / FP8_MAX  # [BM]
-    b_q = (b_x / b_s[:, None]).to(xq.dtype.element_ty)
+    b_q, b_s = quantize_rows(b_x, xq.dtype.element_ty)  # [BM, BLOCK], [BM]
     tl.store(xq + o_m[:, None].to(tl.int64) * stride_qm + o_k[None, :], b_q, mask=m)
     tl.store(xs + o_m.to(tl.int64) * stride_sm + i_k * stride_sk, b_s, mask=o_m < M)
 
@@ -203,17 +200,10 @@ def fp8_linear_weight_only(x2: torch.Tensor, weight: torch.Tensor, scale_inv: to
     bm = 1 if fma else (16 if m <= 16 else (32 if m <= 32 else 64))
     bn = min(config.wdq_fma_block_n if fma else config.wdq_block_n, block)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    k_blocks = triton.cdiv(k, block)
-    want = int(num_sms(x2.device) * config.wdq_waves)
-    splits = max(1, min(k_blocks // config.wdq_min_split_blocks, triton.cdiv(want, tiles)))
-    arrivals = _ARRIVALS.get(x2.device, tiles) if splits > 1 else None
-    if arrivals is None:
-        splits = 1
-    k_per_split = triton.cdiv(k_blocks, splits) * block
-    splits = triton.cdiv(k, k_per_split)
+    splits, k_per_split, arrivals = plan_splits(x2.device, tiles, k, block, config.wdq_waves,
+                                                config.wdq_min_split_blocks)
     out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
-    part = torch.empty(tiles * splits * bm * bn, dtype=torch.float32, device=x2.device) \
-        if splits > 1 else out
+    part = split_buffer(splits, tiles, bm * bn, out)
     fp8_wdq_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), splits)](
         x2, weight, scale_inv, out, part, arrivals if splits > 1 else out, m, n, k, x2.stride(0),
         weight.stride(0), scale_inv.stride(0), out.stride(0), k_per_split, splits,
@@ -286,7 +276,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, *
                block: int = 128, config: Fp8LinearConfig | None = None) -> torch.Tensor:
     """Triton `fp8_linear_ref`: `y = x W^T`, x `[..., K]`, weight `[N, K]` e4m3, scale_inv
     `[ceil(N/block), ceil(K/block)]` fp32. Weight-only below `config.act_min_rows` rows, W8A8
-    from there (`config`: DEFAULT_CONFIG, read at call time)."""
+    from there: weight-streaming below `config.gemm_min_rows`, tiled from there (`config`:
+    DEFAULT_CONFIG, read at call time)."""
     config = config or DEFAULT_CONFIG
     _check(x, weight, scale_inv, block)
     lead = x.shape[:-1]
@@ -295,15 +286,26 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, *
         x2 = x2.contiguous()
     if x2.shape[0] == 0:
         return x.new_empty(*lead, weight.shape[0])
-    use_fp8 = x2.shape[0] >= config.act_min_rows and x2.dtype != torch.float32 \
-        and not interpreting()
-    impl = fp8_linear_weight_only
-    if use_fp8:
-        impl = fp8_linear_scaled_mm if scaled_mm_fits(x2, weight, block) else fp8_linear_w8a8
-    if impl is fp8_linear_scaled_mm:
-        return impl(x2, weight, scale_inv.float(), block).view(*lead, weight.shape[0])
-    return impl(x2, weight, scale_inv.float(), block, config).view(*lead, weight.shape[0])
+    out = _linear_2d(x2, weight, scale_inv.float(), block, config)
+    return out.view(*lead, weight.shape[0])
+
+
+def _linear_2d(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: int,
+               config: Fp8LinearConfig) -> torch.Tensor:
+    """The path by rows: weight-only, weight-streaming W8A8, or a tiled W8A8 GEMM (cuBLASLt's
+    where it fits); fp32 activations, the interpreter and GPUs without FP8 products (before
+    SM89) stay weight-only."""
+    m = x2.shape[0]
+    if m < config.act_min_rows or x2.dtype == torch.float32 or interpreting() \
+            or not has_fp8_products(x2.device):
+        return fp8_linear_weight_only(x2, weight, scale_inv, block, config)
+    if m < config.gemm_min_rows:
+        return fp8_linear_stream(x2, weight, scale_inv, block, config.stream)
+    if scaled_mm_fits(x2, weight, block):
+        return fp8_linear_scaled_mm(x2, weight, scale_inv, block)
+    return fp8_linear_w8a8(x2, weight, scale_inv, block, config)
 
 
 __all__ = ["DEFAULT_CONFIG", "Fp8LinearConfig", "fp8_linear", "fp8_linear_scaled_mm",
-           "fp8_linear_w8a8", "fp8_linear_weight_only", "quantize_activations", "scaled_mm_fits"]
+           "fp8_linear_stream", "fp8_linear_w8a8", "fp8_linear_weight_only",
+           "quantize_activations", "scaled_mm_fits"]

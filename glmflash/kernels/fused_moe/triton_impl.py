@@ -8,6 +8,8 @@ Four launches (README.md has the layout and why it needs no sync):
    (weights dequantised in registers), clamped SwiGLU, h in x's dtype;
 3. `fused_moe_down_kernel`: h W_down^T, one output row per pair, in x's dtype;
 4. `fused_moe_sum_kernel`: each token's pairs times their routing weights, summed in slot order.
+Prefill with FP8 weights on GPUs with FP8 products replaces 2 and 3 by the W8A8 form
+(triton_w8a8.py: activations and h quantised to e4m3, FP8 x FP8 products).
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
-from glmflash.kernels.triton_utils import dot_operand_type, jit, product_precision
+from glmflash.kernels.fp8_gemm.triton_common import has_fp8_products
+from glmflash.kernels.fp8_gemm.triton_impl import quantize_activations
+from glmflash.kernels.fused_moe.triton_w8a8 import W8A8_CONFIG, W8A8MoeConfig, w8a8_experts
+from glmflash.kernels.triton_utils import dot_operand_type, interpreting, jit, product_precision
 
 
 @dataclass(frozen=True)
@@ -45,19 +50,40 @@ DECODE_CONFIG = FusedMoeConfig()
 PREFILL_CONFIG = FusedMoeConfig(block_m=64, block_k=64)
 # fp32 operands (the tiny models' tests): FMA products, small tiles keep them out of spills.
 FP32_CONFIG = FusedMoeConfig(block_n=32, block_k=32, num_stages=2)
-# Pairs per expert (on average) from which the prefill shape is used.
-PREFILL_PAIRS_PER_EXPERT = 16
 # Pairs per step of the alignment scan and output columns per program of the sum.
 ALIGN_BLOCK = 256
 SUM_BLOCK = 1024
 
 
-def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> FusedMoeConfig:
-    if dtype == torch.float32:
+@dataclass(frozen=True)
+class MoeDispatchConfig:
+    """Which form and launch shape a call without a `config` takes."""
+
+    prefill_pairs_per_expert: int = 16
+    """Pairs per expert (on average) from which the prefill forms are used."""
+    fp8_activations: bool = True
+    """Prefill with FP8 weights runs W8A8 on FP8 tensor cores (SM89 and later, 16-bit x);
+    False: the dequantising bf16 form everywhere."""
+    w8a8: W8A8MoeConfig = W8A8_CONFIG
+
+
+DEFAULT_DISPATCH = MoeDispatchConfig()
+
+
+def default_config(num_pairs: int, num_experts: int, x: torch.Tensor, has_scale: bool,
+                   block: int, dispatch: MoeDispatchConfig | None = None
+                   ) -> FusedMoeConfig | W8A8MoeConfig:
+    """The launch shape by x's dtype and pairs per expert; W8A8 for FP8 prefill where the GPU
+    multiplies e4m3 (`dispatch`: DEFAULT_DISPATCH, read at call time)."""
+    dispatch = dispatch or DEFAULT_DISPATCH
+    if x.dtype == torch.float32:
         return FP32_CONFIG
-    if num_pairs >= PREFILL_PAIRS_PER_EXPERT * num_experts:
-        return PREFILL_CONFIG
-    return DECODE_CONFIG
+    if num_pairs < dispatch.prefill_pairs_per_expert * num_experts:
+        return DECODE_CONFIG
+    if (dispatch.fp8_activations and has_scale and block >= 32 and not interpreting()
+            and has_fp8_products(x.device)):
+        return dispatch.w8a8
+    return PREFILL_CONFIG
 
 
 
@@ -254,47 +280,69 @@ def sort_pairs(ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_pairs, block_expert
 
 
+def _dequant_experts(x: torch.Tensor, sorted_pairs: torch.Tensor, block_expert: torch.Tensor,
+                     top_k: int, w_gate: torch.Tensor, s_gate: torch.Tensor | None,
+                     w_up: torch.Tensor, s_up: torch.Tensor | None, w_down: torch.Tensor,
+                     s_down: torch.Tensor | None, *, limit: float, block: int,
+                     config: FusedMoeConfig) -> torch.Tensor:
+    """Both grouped GEMMs with the weights dequantised in registers: each pair's expert output
+    `[T * top_k, D]` in x's dtype (rows of skipped pairs unwritten)."""
+    num_tokens, hidden = x.shape
+    inter = w_gate.shape[1]
+    num_pairs = num_tokens * top_k
+    bm = config.block_m
+    max_blocks = block_expert.numel()
+    has_scale = s_gate is not None
+    bk = min(config.block_k, block) if has_scale else config.block_k
+    dot, prec = _dot_type(x)
+    shape = dict(BLOCK=block, HAS_SCALE=has_scale, BM=bm, BN=config.block_n, BK=bk, DOT=dot,
+                 PREC=prec, num_warps=config.num_warps, num_stages=config.num_stages)
+    h = torch.empty(max_blocks * bm, inter, dtype=x.dtype, device=x.device)
+    gate_args = _weight_args(w_gate, s_gate)
+    fused_moe_gate_up_kernel[(max_blocks, triton.cdiv(inter, config.block_n))](
+        x, sorted_pairs, block_expert, w_gate, gate_args[0], w_up, _weight_args(w_up, s_up)[0],
+        h, num_pairs, inter, hidden, float(limit), x.stride(0), *gate_args[1:], h.stride(0),
+        TOP_K=top_k, **shape)
+    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    down_args = _weight_args(w_down, s_down)
+    fused_moe_down_kernel[(max_blocks, triton.cdiv(hidden, config.block_n))](
+        h, sorted_pairs, block_expert, w_down, down_args[0], y, num_pairs, hidden, inter,
+        h.stride(0), *down_args[1:], y.stride(0), **shape)
+    return y
+
+
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
               s_gate: torch.Tensor | None, w_up: torch.Tensor, s_up: torch.Tensor | None,
               w_down: torch.Tensor, s_down: torch.Tensor | None, *, limit: float,
-              block: int = 128, config: FusedMoeConfig | None = None) -> torch.Tensor:
-    """Triton `fused_moe_ref`; see ref.py for shapes. `config`: the launch shape (default: by x's
-    dtype and the number of pairs per expert)."""
+              block: int = 128, config: FusedMoeConfig | W8A8MoeConfig | None = None
+              ) -> torch.Tensor:
+    """Triton `fused_moe_ref`; see ref.py for shapes. `config`: the form and launch shape
+    (default: `default_config`); a `W8A8MoeConfig` takes the FP8-activation form."""
     _check(x, ids, weights, w_gate, s_gate, w_up, s_up, w_down, s_down, block)
     num_tokens, hidden = x.shape
-    num_experts, inter, _ = w_gate.shape
+    num_experts = w_gate.shape[0]
     top_k = ids.shape[1]
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0 or top_k == 0:
         return out.zero_()
     x = x if x.stride(1) == 1 else x.contiguous()
     ids, weights = ids.contiguous(), weights.contiguous()
-    num_pairs = num_tokens * top_k
-    cfg = config or default_config(num_pairs, num_experts, x.dtype)
-    bm = cfg.block_m
-    sorted_pairs, block_expert = sort_pairs(ids, num_experts, bm)
-    max_blocks = block_expert.numel()
-    has_scale = s_gate is not None
-    bk = min(cfg.block_k, block) if has_scale else cfg.block_k
-    dot, prec = _dot_type(x)
-    shape = dict(BLOCK=block, HAS_SCALE=has_scale, BM=bm, BN=cfg.block_n, BK=bk, DOT=dot,
-                 PREC=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    h = torch.empty(max_blocks * bm, inter, dtype=x.dtype, device=x.device)
-    gate_args = _weight_args(w_gate, s_gate)
-    fused_moe_gate_up_kernel[(max_blocks, triton.cdiv(inter, cfg.block_n))](
-        x, sorted_pairs, block_expert, w_gate, gate_args[0], w_up, _weight_args(w_up, s_up)[0],
-        h, num_pairs, inter, hidden, float(limit), x.stride(0), *gate_args[1:], h.stride(0),
-        TOP_K=top_k, **shape)
-    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    down_args = _weight_args(w_down, s_down)
-    fused_moe_down_kernel[(max_blocks, triton.cdiv(hidden, cfg.block_n))](
-        h, sorted_pairs, block_expert, w_down, down_args[0], y, num_pairs, hidden, inter,
-        h.stride(0), *down_args[1:], y.stride(0), **shape)
+    cfg = config or default_config(ids.numel(), num_experts, x, s_gate is not None, block)
+    sorted_pairs, block_expert = sort_pairs(ids, num_experts, cfg.block_m)
+    if isinstance(cfg, W8A8MoeConfig):
+        assert s_gate is not None, "the W8A8 form needs FP8 weights"
+        xq, xs = quantize_activations(x, w_gate.dtype, block)
+        y = w8a8_experts(xq, xs, sorted_pairs, block_expert, top_k, w_gate, s_gate.float(),
+                         w_up, s_up.float(), w_down, s_down.float(), limit=limit, block=block,
+                         out_dtype=x.dtype, config=cfg)
+    else:
+        y = _dequant_experts(x, sorted_pairs, block_expert, top_k, w_gate, s_gate, w_up, s_up,
+                             w_down, s_down, limit=limit, block=block, config=cfg)
     fused_moe_sum_kernel[(num_tokens, triton.cdiv(hidden, SUM_BLOCK))](
         y, ids, weights, out, num_experts, hidden, y.stride(0), out.stride(0), TOP_K=top_k,
         BD=SUM_BLOCK, num_warps=4)
     return out
 
 
-__all__ = ["DECODE_CONFIG", "FP32_CONFIG", "PREFILL_CONFIG", "FusedMoeConfig", "default_config",
-           "fused_moe", "sort_pairs"]
+__all__ = ["DECODE_CONFIG", "DEFAULT_DISPATCH", "FP32_CONFIG", "PREFILL_CONFIG", "FusedMoeConfig",
+           "MoeDispatchConfig", "W8A8MoeConfig", "default_config", "fused_moe", "sort_pairs"]

@@ -1,0 +1,104 @@
+"""Block-FP8 linear for a few rows (2..63): W8A8 with the weight streamed straight into the
+tensor cores, split over K so that every SM streams.
+
+The products are swapped (`y^T = W x^T`): weight rows fill the product's M dimension (64 per
+program) and the few activation rows sit in its narrow N dimension, so the FP8 weight tile goes
+from memory through shared memory into the product unconverted. Each program quantises its
+activation rows per 128-channel block in registers (the quantiser of the prefill path), and
+applies `x scale * w scale` to each block's fp32 partial (one FMA per accumulator element).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the package must import without triton; the launchers need it
+    triton = None
+
+from glmflash.kernels.fp8_gemm.triton_common import (
+    plan_splits,
+    quantize_rows,
+    split_buffer,
+    store_split,
+)
+from glmflash.kernels.triton_utils import jit
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Launch shape of the weight-streaming W8A8 GEMM."""
+
+    block_n: int = 64
+    """Weight rows per program (the product's M: 64 is one warpgroup's wgmma)."""
+    waves: float = 4.0
+    """K is split until about this many programs per SM stream the weight."""
+    min_split_blocks: int = 2
+    """Scale blocks per K range at least."""
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+STREAM_CONFIG = StreamConfig()
+
+
+@jit
+def fp8_stream_gemm_kernel(x, w, ws, y, part, arrivals, M, N, K, stride_xm, stride_wn,
+                           stride_wsn, stride_ym, K_PER_SPLIT, SPLITS, BLOCK: tl.constexpr,
+                           BN: tl.constexpr, BM: tl.constexpr):
+    """y[rows, cols]^T = sum over the K blocks of one range of (W_kb xq_kb^T) * ws[col block, kb]
+    * xs[row, kb]: weight rows as the product's M, activation rows (quantised here per block)
+    as its N."""
+    i_n, i_m, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_n = i_n * BN + tl.arange(0, BN)
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_k = tl.arange(0, BLOCK)
+    m_n, m_m = o_n < N, o_m < M
+    # NOTE: BN divides BLOCK, so one weight-scale row per program; the scale is loaded as a
+    # [BM] vector (every lane the same address): a scalar scale load in a pipelined loop is a
+    # known miscompile (spec/kernels.md §4).
+    p_ws = ws + ((i_n * BN) // BLOCK) * stride_wsn + o_m * 0
+    p_w = w + o_n[:, None].to(tl.int64) * stride_wn + o_k[None, :]
+    p_x = x + o_m[:, None].to(tl.int64) * stride_xm + o_k[None, :]
+    k_begin = i_s * K_PER_SPLIT
+    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    b_acc = tl.zeros([BN, BM], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK):
+        m_k = k0 + o_k < K
+        b_x = tl.load(p_x + k0, mask=m_m[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_xq, b_xs = quantize_rows(b_x, w.dtype.element_ty)  # [BM, BLOCK], [BM]
+        b_w = tl.load(p_w + k0, mask=m_n[:, None] & m_k[None, :], other=0.0)  # [BN, BLOCK]
+        b_ws = tl.load(p_ws + k0 // BLOCK)  # [BM]
+        b_acc += tl.dot(b_w, tl.trans(b_xq)) * (b_xs * b_ws)[None, :]
+    o_y = o_m[None, :].to(tl.int64) * stride_ym + o_n[:, None]
+    store_split(b_acc, y, o_y, m_n[:, None] & m_m[None, :], part, arrivals,
+                i_m * tl.num_programs(0) + i_n, i_s, SPLITS, BN, BM)
+
+
+def fp8_linear_stream(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                      block: int, config: StreamConfig = STREAM_CONFIG) -> torch.Tensor:
+    """[M, K] x block-FP8 [N, K] -> [M, N] in x's dtype, W8A8 (activations quantised per row
+    and `block` channels). Launches on one device must run in stream order (they share the
+    split-K counters)."""
+    m, k = x2.shape
+    n = weight.shape[0]
+    bm = max(16, triton.next_power_of_2(m))
+    assert bm <= 64, f"{m} rows: the streaming form is for fewer than 64"
+    bn = min(config.block_n, block)
+    tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
+    splits, k_per_split, arrivals = plan_splits(x2.device, tiles, k, block, config.waves,
+                                                config.min_split_blocks)
+    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    part = split_buffer(splits, tiles, bm * bn, out)
+    fp8_stream_gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), splits)](
+        x2, weight, scale_inv, out, part, out if arrivals is None else arrivals, m, n, k,
+        x2.stride(0), weight.stride(0), scale_inv.stride(0), out.stride(0), k_per_split, splits,
+        BLOCK=block, BN=bn, BM=bm, num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
+__all__ = ["STREAM_CONFIG", "StreamConfig", "fp8_linear_stream", "fp8_stream_gemm_kernel"]
