@@ -70,6 +70,10 @@ def table(header: list[str], rows: list[list]) -> str:
 
 
 def git_commit() -> str:
+    """The commit measured: GLMFLASH_COMMIT when set (a copied tree's git metadata may be older
+    than its files), else the checkout's HEAD."""
+    if os.environ.get("GLMFLASH_COMMIT"):
+        return os.environ["GLMFLASH_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, cwd=Path(__file__).parent, check=True)

@@ -28,7 +28,6 @@ import argparse
 import datetime
 import platform
 import re
-import subprocess
 import time
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from numba import njit, prange
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import git_commit  # noqa: E402
 from glmflash.kernels.cpu_moe import numba_kernels, routed_experts_ref  # noqa: E402
 from glmflash.kernels.cpu_moe.decode_choice import subnormal_share  # noqa: E402
 from glmflash.kernels.cpu_moe.numba_impl import NumbaMoeExperts  # noqa: E402
@@ -174,10 +174,6 @@ def device_line(num_threads: int) -> str:
             f"({numba.threading_layer()}, GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')})")
 
 
-def git_commit() -> str:
-    cmd = ["git", "rev-parse", "--short", "HEAD"]
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=RESULTS.parent)
-    return result.stdout.strip() or os.environ.get("GLMFLASH_COMMIT", "unknown")
 
 
 def format_table(rows: list[dict[str, float]], add: float, scaling: float, args) -> str:
