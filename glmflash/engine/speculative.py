@@ -128,13 +128,21 @@ class SpecDecoder:
         runs, logprobs = [], {}
         for k, seq in enumerate(sampled):
             first, draft = rows.first_row[k], rows.drafts_of[k]
-            accepted = 0
-            while accepted < len(draft) and token_ids[first + accepted] == draft[accepted]:
-                accepted += 1
-            runs.append(draft[:accepted] + [token_ids[first + accepted]])
+            targets = token_ids[first: first + len(draft) + 1]
+            accepted = self.count_accepted(draft, targets)
+            runs.append(targets[: accepted + 1])
             if seq.params.logprobs is not None:
                 logprobs[seq.seq_id] = entries[first: first + accepted + 1]
         return runs, logprobs
+
+    @staticmethod
+    def count_accepted(draft: list[int], targets: list[int]) -> int:
+        """Leading drafts equal to the tokens sampled at their positions (`targets` has one
+        more: the token after the last draft). bench/e2e_mtp.py replaces it to force a rate."""
+        accepted = 0
+        while accepted < len(draft) and targets[accepted] == draft[accepted]:
+            accepted += 1
+        return accepted
 
     def _count(self, seqs: list[Sequence], drafts: list[list[int]],
                accepted: list[int]) -> None:
