@@ -43,12 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import glmflash  # noqa: E402, F401  (sets the OpenMP spin policy before torch loads)
+from bench import e2e_mtp  # noqa: E402
 from bench.common import (  # noqa: E402
     add_fake_context_requests,
     append_results,
     results_section,
 )
-from bench import e2e_mtp  # noqa: E402
 from bench.e2e_long import decode_ratio_line, memory_line, reset_peak  # noqa: E402
 from bench.e2e_probes import (  # noqa: E402
     CpuExpertClock,

@@ -62,6 +62,7 @@ class SpecDecoder:
 
     def wants(self, batch: ScheduledBatch) -> bool:
         """This step takes the speculative path: it verifies drafts, or drafting is on."""
+        self._step = None  # what a failed step may have left
         self.policy.tick()
         return batch.draft_ids is not None or self.policy.allows(len(self.scheduler.running))
 
