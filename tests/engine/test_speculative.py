@@ -140,8 +140,8 @@ def test_abort_with_drafts_frees_pages_and_slots(engines, steps_before_abort):
     assert len(engine.cache.free_state_slots) == engine.cache.plan.num_state_slots
 
 
-def test_prefix_cache_hits_keep_the_tokens():
-    shared = Engine(TRAINED, device="cpu", dtype="float32", context_length=128, page_size=8,
+def test_prefix_cache_hits_keep_the_tokens(engines):
+    shared = Engine(TRAINED, device="cpu", dtype="float32", context_length=48, page_size=8,
                     chunked_prefill_size=8,
                     max_running_requests=2, background_loop=False, check_integrity=True,
                     skip_kernel_warmup=True, **SPEC)
@@ -156,7 +156,17 @@ def test_prefix_cache_hits_keep_the_tokens():
         assert [r.token_ids for r in again] == first
     finally:
         shared.shutdown()
-    plain = Engine(TRAINED, device="cpu", dtype="float32", context_length=128,
-                   background_loop=False, skip_kernel_warmup=True, disable_radix_cache=True)
-    assert [r.token_ids for r in plain.generate(prompt_token_ids=prompts,
-                                                sampling_params=params)] == first
+    assert [r.token_ids for r in engines["off"].generate(prompt_token_ids=prompts,
+                                                         sampling_params=params)] == first
+
+
+def test_metrics_report_acceptance(engines):
+    from glmflash.server.metrics import ServerMetrics as Metrics
+
+    engines["on"].generate(TEXTS[5], SamplingParams(max_tokens=6, temperature=0,
+                                                    ignore_eos=True))
+    text = Metrics(engines["on"]).render()
+    stats = engines["on"].stats().speculative
+    assert f"glmflash_spec_draft_tokens_total {stats.num_draft_tokens}\n" in text
+    assert "glmflash_spec_acceptance_rate " in text and "glmflash_spec_drafting 1" in text
+    assert "glmflash_spec_" not in Metrics(engines["off"]).render()
