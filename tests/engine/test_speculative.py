@@ -170,3 +170,34 @@ def test_metrics_report_acceptance(engines):
     assert f"glmflash_spec_draft_tokens_total {stats.num_draft_tokens}\n" in text
     assert "glmflash_spec_acceptance_rate " in text and "glmflash_spec_drafting 1" in text
     assert "glmflash_spec_" not in Metrics(engines["off"]).render()
+
+
+def test_committed_state_tracks_a_run_without_drafts():
+    """After every step, the state slot of a sequence decoded with drafts holds what the same
+    sequence without drafts holds at the same position. Equal to float rounding only: the
+    verify's projections multiply more rows at once, which rounds differently (bit-for-bit
+    equality given the same per-token inputs is tests/model/test_verify.py)."""
+    options = dict(device="cpu", dtype="float32", background_loop=False, context_length=64,
+                   max_running_requests=1, disable_radix_cache=True, skip_kernel_warmup=True)
+    engines = {"on": Engine(TRAINED, **options, **SPEC), "off": Engine(TRAINED, **options)}
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    seqs = {}
+    for name, engine in engines.items():
+        engine.add_request(engine.tokenizer.encode(TEXTS[0]), params, lambda delta: None)
+        engine._drain_inbox(block=False)
+        seqs[name] = engine.scheduler.waiting[0]
+    on, off, compared, largest = seqs["on"], seqs["off"], 0, 0.0
+    while not on.is_finished:
+        engines["on"].step()
+        while not off.is_finished and off.num_computed_tokens < on.num_computed_tokens:
+            engines["off"].step()
+        if on.is_finished or off.num_computed_tokens != on.num_computed_tokens:
+            continue
+        for name in ("recurrent", "conv", "index_tail"):
+            for i, live in getattr(engines["off"].runner.state, name).items():
+                drafted = getattr(engines["on"].runner.state, name)[i][on.state_slot]
+                largest = max(largest, float((drafted - live[off.state_slot]).abs().max()))
+        compared += 1
+    assert compared >= 4 and engines["on"].stats().speculative.num_accepted_tokens > 0
+    assert on.token_ids.tolist()[:len(off.token_ids)] == off.token_ids.tolist()
+    assert largest < 1e-5, largest
