@@ -88,8 +88,8 @@ def test_seeded_sampling_draws_the_tokens_of_mtp_off(engines):
     prompt = engines["off"].tokenizer.encode(TEXTS[0])
     outputs = {}
     for name, engine in engines.items():
-        params = [SamplingParams(max_tokens=8, temperature=0.8, seed=s, ignore_eos=True)
-                  for s in range(3)]
+        params = [SamplingParams(max_tokens=6, temperature=0.8, seed=s, ignore_eos=True)
+                  for s in range(2)]
         outputs[name] = [r.token_ids for r in engine.generate(
             prompt_token_ids=[prompt] * len(params), sampling_params=params)]
     assert outputs["on"] == outputs["off"]
@@ -147,7 +147,7 @@ def test_prefix_cache_hits_keep_the_tokens(engines):
                     skip_kernel_warmup=True, **SPEC)
     prefix = shared.tokenizer.encode("Once upon a time, a little fox lived in the woods. ")
     prompts = [prefix + shared.tokenizer.encode(t) for t in ("The fox", "One day it")]
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     try:
         first = [r.token_ids for r in shared.generate(prompt_token_ids=prompts,
                                                       sampling_params=params)]
