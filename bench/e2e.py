@@ -24,6 +24,7 @@ The last line printed is `e2e_ratio=` roofline / measured for hybrid-0 at batch 
     python bench/e2e.py --quick --modes hybrid-0
     python bench/e2e.py --tiny                # CPU smoke run on the tiny config (under 2 min)
     python bench/e2e.py --long-context        # 16K..1M: prefill, decode, ledger vs peak memory
+    python bench/e2e.py --mtp                 # MTP speculative decoding on vs off (e2e_mtp.py)
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import glmflash  # noqa: E402, F401  (sets the OpenMP spin policy before torch loads)
+from bench import e2e_mtp  # noqa: E402
 from bench.common import (  # noqa: E402
     add_fake_context_requests,
     append_results,
@@ -343,7 +345,15 @@ def parse_args() -> argparse.Namespace:
                    help="contexts 16K 128K 512K 1M at batch 1, chunks of 8192: prefill time, "
                         "decode, the memory ledger and the peak allocated against it")
     p.add_argument("--append", action="store_true", help="append the table to bench/RESULTS.md")
+    e2e_mtp.add_arguments(p)
     args = p.parse_args()
+    args.reuse_given = args.reuse
+    if args.mtp:
+        args.batches = args.batches or [1, 4, 16]
+        args.steps = args.steps or 8
+        args.contexts = args.contexts or ([256] if args.tiny else [4096])
+        args.modes = args.modes or (["all-gpu", "hybrid-0"] if torch.cuda.is_available()
+                                    else ["cpu"])
     if args.batches:
         args.batches = sorted(args.batches)
     preset = PRESETS["tiny" if args.tiny else "quick" if args.quick else
@@ -369,6 +379,10 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.mtp:
+        with tempfile.TemporaryDirectory(prefix="glmflash-e2e-") as tmp:
+            e2e_mtp.main(args, write_folder(bench_config(args.tiny, args.layers), Path(tmp)))
+        return
     is_cuda = any(m != "cpu" for m in args.modes)
     bandwidth = {"hbm": hbm_copy_gbs() if is_cuda else None,
                  "cpu": cpu_read_gbs(args.probe_mb << 20)}

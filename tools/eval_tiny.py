@@ -10,6 +10,9 @@
 * the MTP layer: top-1 agreement with the main model's next-next token on the generated parts;
 * greedy tokens in bf16 against fp32 on the CPU.
 
+`--mtp-acceptance STEPS` instead measures speculative decoding's acceptance (STEPS chained
+drafts) on the task prompts, beside the MTP agreement over the same outputs.
+
 Held-out prompts come from their own seed; tool names seen in training are skipped (the training
 stream is regenerated from the manifest).
 """
@@ -141,6 +144,25 @@ def evaluate(checkpoint: Path, seed: int, per_family: int, num_tools: int,
     return dict(tasks=tasks, tools=tools, images=images, mtp_agreement=mtp, bf16_vs_fp32=bf16)
 
 
+def mtp_acceptance(checkpoint: Path, seed: int, per_family: int, num_steps: int = 1) -> dict:
+    """Speculative decoding's real acceptance on the held-out task prompts (greedy, MTP on),
+    beside the MTP layer's measured agreement over the same outputs."""
+    engine = Engine(checkpoint, device="cpu", dtype="float32", context_length=2048,
+                    skip_kernel_warmup=True, speculative_algorithm="NEXTN",
+                    speculative_num_steps=num_steps, speculative_max_batch_size=64,
+                    speculative_min_acceptance=0.0)
+    try:
+        tasks = eval_tasks(engine, held_out_tasks(seed, per_family), set())
+        stats = engine.stats().speculative
+    finally:
+        engine.shutdown()
+    return dict(acceptance_rate=round(stats.acceptance_rate, 4),
+                per_position=[round(a, 4) for a in stats.position_acceptance()],
+                mean_accepted_length=round(stats.mean_accepted_length, 4),
+                num_draft_tokens=stats.num_draft_tokens,
+                mtp_agreement=mtp_agreement(checkpoint, tasks["sequences"], tasks["prompt_lens"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -148,8 +170,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1000)
     parser.add_argument("--per-family", type=int, default=32)
     parser.add_argument("--tools", type=int, default=48)
+    parser.add_argument("--mtp-acceptance", type=int, metavar="STEPS", default=None,
+                        help="only measure speculative decoding's acceptance with STEPS drafts")
     args = parser.parse_args()
     checkpoint = args.checkpoint or embedded_checkpoint()
+    if args.mtp_acceptance:
+        print(json.dumps(mtp_acceptance(checkpoint, args.seed, args.per_family,
+                                        args.mtp_acceptance), indent=2))
+        return
     print(json.dumps(evaluate(checkpoint, args.seed, args.per_family, args.tools), indent=2))
 
 

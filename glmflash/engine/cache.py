@@ -166,6 +166,13 @@ class CacheManager:
         for _ in range(needed):
             self._give(seq, len(seq.page_ids), self.pages.take())
 
+    def truncate(self, seq: Sequence) -> None:
+        """Give back the pages past a sequence's computed tokens (those of a verify step's
+        rejected drafts; they are its own, never a cached prefix's)."""
+        keep = -(-seq.num_computed_tokens // self.page_size)
+        while len(seq.page_ids) > keep:
+            self.pages.unref(seq.page_ids.pop())
+
     def _give(self, seq: Sequence, index: int, page: int) -> None:
         self.page_updates.append((seq.state_slot, index, page))
         seq.page_ids.append(page)

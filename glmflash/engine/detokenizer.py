@@ -39,6 +39,19 @@ class SequenceDetokenizer:
         safe = len(self.text) if is_last else len(self.text) - self._held_back()
         return TextDelta(self._emit(safe), False)
 
+    def add_run(self, token_ids: list[int], *, is_last: bool) -> tuple[TextDelta, int]:
+        """`add` one token at a time (a verify step brings several): the text up to the token
+        that completes a stop string, and how many tokens were taken."""
+        if len(token_ids) <= 1:
+            return self.add(token_ids, is_last=is_last), len(token_ids)
+        pieces = []
+        for i, token in enumerate(token_ids):
+            delta = self.add([token], is_last=is_last and i == len(token_ids) - 1)
+            pieces.append(delta.text)
+            if delta.hit_stop_string:
+                return TextDelta("".join(pieces), True), i + 1
+        return TextDelta("".join(pieces), False), len(token_ids)
+
     def _emit(self, upto: int) -> str:
         upto = max(upto, self.num_emitted)
         out = self.text[self.num_emitted: upto]

@@ -30,7 +30,11 @@ from glmflash.engine.progress import PrefillProgress
 from glmflash.engine.sampler import Sampler
 from glmflash.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, TokenDelta
 from glmflash.engine.sequence import Sequence
+from glmflash.engine.spec_policy import DraftPolicy
+from glmflash.engine.spec_runner import SpecRunner, load_mtp_module
+from glmflash.engine.speculative import SpecDecoder
 from glmflash.engine.warmup import warm_up_kernels
+from glmflash.model.mtp import with_mtp_layer
 from glmflash.multimodal.fetch import UrlPolicy
 from glmflash.multimodal.prompt import MultimodalPrompt
 from glmflash.sampling_params import SamplingParams, wrap_seed
@@ -84,6 +88,7 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         self.progress = PrefillProgress(self.options.chunked_prefill_size)
         self.sampler = Sampler(self.options.seed, sleep_while_waiting=self.device.type == "cuda"
                                and self.options.kt_num_gpu_experts is not None)
+        self.spec = self._speculative_decoder()
         self.media = MediaPreparer(self.config, self.tokenizer,
                                    limits=self.options.limit_mm_data_per_request,
                                    process=self.options.mm_process_config,
@@ -121,13 +126,19 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         """The model on this device, or this rank's part of it with the other ranks started."""
         self.memory_ledger = None
         """The start-up MemoryLedger (one process; ranks log their own)."""
+        self.mtp = None
+        """The checkpoint's MTP layer, when speculative decoding is on."""
         if self.options.tp_size == 1:
             model = load_model(self.model_path, self.config, self.device, self.dtype,
                                self.options, warmup_ids=warmup_ids)
+            state_config = self.config
+            if self.options.num_speculative_steps:
+                self.mtp = load_mtp_module(self.model_path, model, self.device, self.options)
+                state_config = with_mtp_layer(self.config)
             plan, self.memory_ledger = plan_memory(
-                self.config, self.options, self.max_seq_len, self.device, self.dtype,
+                state_config, self.options, self.max_seq_len, self.device, self.dtype,
                 model=model, graph_sizes=self._graph_sizes())
-            return ModelRunner(model, plan), plan
+            return ModelRunner(model, plan, state_config), plan
         from glmflash.distributed.parallel import ParallelConfig
         from glmflash.engine.parallel_runner import RankSpec, start_ranks
 
@@ -191,6 +202,17 @@ class Engine(EngineApiMixin, EngineLoopMixin):
             self._thread = None
         self.runner.close()
 
+    def _speculative_decoder(self) -> SpecDecoder | None:
+        options = self.options
+        if not options.num_speculative_steps:
+            return None
+        runner = SpecRunner(self.runner, self.mtp, options.num_speculative_steps,
+                            options.max_running_requests)
+        policy = DraftPolicy(options.speculative_max_batch_size,
+                             options.speculative_min_acceptance)
+        return SpecDecoder(runner, self.scheduler, self.cache, self.sampler,
+                           options.num_speculative_steps, policy, self.max_seq_len)
+
     def _graph_sizes(self) -> list[int]:
         """Decode batch sizes to capture as CUDA graphs (none when off or impossible here)."""
         return decode_graph_sizes(self.options, self.device)
@@ -237,10 +259,14 @@ class Engine(EngineApiMixin, EngineLoopMixin):
 
     def _run(self, batch: ScheduledBatch) -> None:
         start = time.perf_counter()
-        logits = self.runner.run(batch)
         sampled = [s for s, need in zip(batch.seqs, batch.needs_sample, strict=True) if need]
-        token_ids = self._end_failed_rows(sampled, self.sampler.sample(logits, sampled))
-        deltas = self.scheduler.update(batch, token_ids)
+        if self.spec is not None and self.spec.wants(batch):
+            runs = self.spec.verify(batch, sampled)
+        else:
+            runs = [[t] for t in self.sampler.sample(self.runner.run(batch), sampled)]
+        deltas = self.scheduler.update_runs(batch, self._end_failed_rows(sampled, runs))
+        if self.spec is not None:
+            self.spec.after_update(deltas)
         self.progress.observe(batch, start, self._request_name)
         self._emit(deltas)
         self._batch = None
@@ -255,7 +281,8 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         """Called by whichever thread drives the steps, the only one that changes this state."""
         self._stats = EngineStats(len(self.scheduler.waiting), len(self.scheduler.running),
                                   self.cache.num_free_pages, self.cache.plan.num_pages,
-                                  self.cache_stats())
+                                  self.cache_stats(),
+                                  self.spec.stats() if self.spec is not None else None)
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()
@@ -268,7 +295,7 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         choice = self._choices.get(seq.seq_id)
         return str(seq.seq_id) if choice is None else f"{choice.request_id}/{choice.index}"
 
-    def _end_failed_rows(self, seqs: list[Sequence], token_ids: list[int]) -> list[int]:
+    def _end_failed_rows(self, seqs: list[Sequence], token_ids: list) -> list:
         """End the sequences whose logits processor raised; the other rows' ids, in order.
 
         NOTE: Scheduler.update skips a finished sequence without taking an id.
@@ -341,13 +368,16 @@ class Engine(EngineApiMixin, EngineLoopMixin):
             if delta.finish_reason == "stop":
                 # The scheduler stops only on a stop token (eos or stop_token_ids): not text.
                 visible = visible[:-1]
-            text = choice.detok.add(visible, is_last=delta.finish_reason is not None)
+            is_last = delta.finish_reason is not None
+            text, num_taken = choice.detok.add_run(visible, is_last=is_last)
             reason = delta.finish_reason
-            if text.hit_stop_string and reason is None:
-                self.scheduler.finish(seq, "stop")
+            if text.hit_stop_string:
+                _drop_after_stop(seq, delta, len(delta.token_ids) - num_taken)
+                if reason is None:
+                    self.scheduler.finish(seq, "stop")
                 reason = "stop"
             logprobs = seq.logprobs[-len(delta.token_ids):] if seq.params.logprobs is not None \
-                else None
+                and delta.token_ids else None
             out = StreamDelta(choice.request_id, choice.index, text.text, delta.token_ids, reason,
                               logprobs, seq.num_prompt_tokens, seq.num_output_tokens,
                               num_cached_tokens=seq.num_cached_tokens or 0)
@@ -369,6 +399,7 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         delta.num_prompt_tokens = seq.num_prompt_tokens
         delta.num_output_tokens = seq.num_output_tokens
         delta.num_cached_tokens = seq.num_cached_tokens or 0
+        delta.speculative = (seq.num_draft_tokens, seq.num_accepted_tokens, seq.num_verify_steps)
         choice.sink(delta)
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
@@ -378,6 +409,17 @@ class Engine(EngineApiMixin, EngineLoopMixin):
             raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size})")
         if len(token_ids) >= self.max_seq_len:
             raise PromptTooLong(len(token_ids), self.max_seq_len)
+
+
+def _drop_after_stop(seq: Sequence, delta: TokenDelta, num_dropped: int) -> None:
+    """A stop string ended the text before the last of a run's tokens: the tokens after the
+    one that completed it are not output (nor their logprobs)."""
+    if num_dropped <= 0:
+        return
+    del delta.token_ids[-num_dropped:]
+    del seq.token_ids[-num_dropped:]
+    if seq.params.logprobs is not None:
+        del seq.logprobs[-num_dropped:]
 
 
 def warmup_text() -> str:

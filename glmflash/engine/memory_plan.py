@@ -57,6 +57,9 @@ class DeviceMemory(NamedTuple):
                    torch.cuda.memory_reserved(device))
 
 
+SPEC_SCRATCH = "speculative verify scratch"
+
+
 class CacheShape(NamedTuple):
     page_size: int
     per_token: int
@@ -97,6 +100,10 @@ def plan_memory(model_config: ModelConfig, options: EngineConfig, max_seq_len: i
                "planned", f"{shape.num_slots} + 1 reserved x {human(shape.per_slot)}")
     ledger.add("prefix-cache snapshots", ledger.cache_where, snapshot_bytes, "planned",
                f"{num_snapshots} x {human(shape.per_slot)}" if num_snapshots else "off")
+    num_steps = options.num_speculative_steps
+    if num_steps:
+        ledger.add(SPEC_SCRATCH, ledger.cache_where, shape.num_slots * num_steps * shape.per_slot,
+                   "planned", f"{shape.num_slots} x {num_steps} drafts x {human(shape.per_slot)}")
     if on_gpu:
         ledger.add("margin", GPU, GPU_MARGIN, "planned", "allocator rounding")
     num_pages = _fit_pages(ledger, options, shape, memory)
@@ -181,7 +188,8 @@ def _fit_pages(ledger: MemoryLedger, options: EngineConfig, shape: CacheShape,
     sequence at full length needs."""
     # NOTE: the budget covers the slots and pages sequences use; the runner's reserved slot and
     # page (padding rows) come on top, as the ledger's rows show.
-    fixed = shape.num_slots * shape.per_slot + ledger.row("prefix-cache snapshots").nbytes
+    fixed = shape.num_slots * shape.per_slot + ledger.row("prefix-cache snapshots").nbytes + \
+        sum(r.nbytes for r in ledger.rows if r.name == SPEC_SCRATCH)
     if memory is not None:
         budget = memory.total * options.mem_fraction_static - memory.allocated - fixed
     else:

@@ -133,12 +133,16 @@ class ModelRunner:
     padding rows of replays; no sequence is ever given them.
     """
 
-    def __init__(self, model: GlmForCausalLM, plan: CachePlan) -> None:
+    def __init__(self, model: GlmForCausalLM, plan: CachePlan,
+                 state_config: ModelConfig | None = None) -> None:
+        """`state_config`: the layers the cache holds, when more than the model's (the MTP
+        layer's, `with_mtp_layer`)."""
         self.model = model
         self.device = next(model.parameters()).device
         self.page_size = plan.page_size
         self.dummy_slot, self.dummy_page = plan.num_state_slots, plan.num_pages
-        self.state = ModelState(model.config, num_token_slots=plan.num_token_slots + plan.page_size,
+        self.state = ModelState(state_config or model.config,
+                                num_token_slots=plan.num_token_slots + plan.page_size,
                                 num_state_slots=plan.num_state_slots + 1, dtype=model.dtype,
                                 device=self.device)
         self.page_table = torch.zeros(plan.num_state_slots + 1, plan.max_pages_per_seq,

@@ -15,6 +15,7 @@ from glmflash.utils.cli_args import (
     chunk_size,
     fraction,
     json_object,
+    non_negative_float,
     non_negative_int,
     positive_float,
     positive_int,
@@ -23,11 +24,13 @@ from glmflash.utils.preflight import max_cpu_threads
 from glmflash.utils.validation import require
 
 LOAD_FORMATS = ("auto", "dummy")
+SPECULATIVE_ALGORITHMS = ("NEXTN", "EAGLE")
+"""EAGLE is SGLang's name for the same thing here: chain drafts from the checkpoint's MTP layer."""
 EXPERT_PLACEMENTS = ("front", "frequency")
 # --help sections of the flags.
-MODEL, ENGINE, CPU_EXPERTS, MEDIA = ("model", "engine",
-                                     "routed experts on the CPU (GPU machines: hybrid)",
-                                     "images and video")
+MODEL, ENGINE, CPU_EXPERTS, MEDIA, SPECULATIVE = (
+    "model", "engine", "routed experts on the CPU (GPU machines: hybrid)", "images and video",
+    "speculative decoding (the checkpoint's MTP layer)")
 FLAG = "flag"
 
 
@@ -134,10 +137,38 @@ class EngineConfig:
     skip_kernel_warmup: bool = option(
         False, "do not compile and warm the kernels at start (the first requests pay for it)",
         MODEL, action="store_true")
+    speculative_algorithm: str | None = option(
+        None, "NEXTN (alias EAGLE): draft tokens with the checkpoint's MTP layer and verify them "
+        "in one forward (default: off)", SPECULATIVE, choices=SPECULATIVE_ALGORITHMS,
+        type=str.upper)
+    speculative_num_steps: int | None = option(
+        None, "draft tokens per step, chained (default 1)", SPECULATIVE, type=positive_int)
+    speculative_eagle_topk: int | None = option(
+        None, "drafts per step and position: only 1 (a chain)", SPECULATIVE, type=positive_int)
+    speculative_num_draft_tokens: int | None = option(
+        None, "tokens verified per sequence and step: --speculative-num-steps + 1", SPECULATIVE,
+        type=positive_int)
+    speculative_max_batch_size: int = option(
+        8, "no drafts while more sequences than this decode together (verify steps stop "
+        "paying once decode is compute-bound)", SPECULATIVE, type=positive_int)
+    speculative_min_acceptance: float = option(
+        0.2, "drafting pauses (and is retried later) while the measured acceptance of first "
+        "drafts is below this (0: never)", SPECULATIVE, type=non_negative_float)
     background_loop: bool = option(True, "", None)
     """Drive steps from an engine thread; False: the caller drives `step()` (tests, offline)."""
     check_integrity: bool = option(False, "", None)
     """Debug: verify cache ownership after every step."""
+
+    @property
+    def num_speculative_steps(self) -> int:
+        """Draft tokens per sequence and step (0: speculative decoding is off)."""
+        if self.speculative_algorithm is None:
+            return 0
+        if self.speculative_num_steps is not None:
+            return self.speculative_num_steps
+        if self.speculative_num_draft_tokens is not None:
+            return self.speculative_num_draft_tokens - 1
+        return 1
 
     @property
     def num_state_snapshots(self) -> int:
@@ -185,10 +216,36 @@ class EngineConfig:
              f"load_format {self.load_format!r} must be one of {LOAD_FORMATS}"),
         ]
         require(checks)
+        self._check_speculative()
         if self.kt_cpuinfer is not None:
             limit = max_cpu_threads()
             require([(self.kt_cpuinfer <= limit, f"kt_cpuinfer ({self.kt_cpuinfer}) is more than "
                       f"the {limit} CPU threads this process can use")])
+
+    def _check_speculative(self) -> None:
+        algorithm, steps = self.speculative_algorithm, self.speculative_num_steps
+        given = [n for n in ("speculative_num_steps", "speculative_eagle_topk",
+                             "speculative_num_draft_tokens") if getattr(self, n) is not None]
+        draft_tokens = self.speculative_num_draft_tokens
+        require([
+            (algorithm is not None or not given,
+             f"{', '.join(given)} need speculative_algorithm (NEXTN)"),
+            (algorithm is None or algorithm.upper() in SPECULATIVE_ALGORITHMS,
+             f"speculative_algorithm {algorithm!r} must be one of {SPECULATIVE_ALGORITHMS}"),
+            (steps is None or steps >= 1, "speculative_num_steps must be >= 1"),
+            (self.speculative_eagle_topk in (None, 1),
+             "speculative_eagle_topk must be 1 (drafts are a chain, no tree)"),
+            (draft_tokens is None or draft_tokens >= 2,
+             "speculative_num_draft_tokens must be >= 2"),
+            (draft_tokens is None or steps is None or draft_tokens == steps + 1,
+             f"speculative_num_draft_tokens ({draft_tokens}) must be speculative_num_steps + 1 "
+             f"({steps} + 1) with a chain of drafts"),
+            (algorithm is None or self.tp_size == 1,
+             "speculative decoding needs tp_size 1 (the ranks of a split model do not draft)"),
+            (0 <= self.speculative_min_acceptance <= 1,
+             "speculative_min_acceptance must be in [0, 1]"),
+            (self.speculative_max_batch_size >= 1, "speculative_max_batch_size must be >= 1"),
+        ])
 
     @classmethod
     def from_options(cls, options: dict) -> EngineConfig:
@@ -197,6 +254,8 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown Engine options {unknown}; known: {sorted(known)}")
         values = {k: v for k, v in options.items() if v is not None}
+        if values.get("speculative_algorithm") is not None:
+            values["speculative_algorithm"] = values["speculative_algorithm"].upper()
         if values.get("cuda_graph_bs") is not None:
             values["cuda_graph_bs"] = tuple(values["cuda_graph_bs"])
         return cls(**values)

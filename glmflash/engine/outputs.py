@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from glmflash.engine.cache import PrefixCacheStats
+from glmflash.engine.spec_policy import SpecCounters
 
 
 @dataclass(slots=True)
@@ -27,6 +28,8 @@ class StreamDelta:
     {token id: logprob} of it and the top alternatives, None for the first token."""
     num_cached_tokens: int = 0
     """Prompt tokens this choice took from the prefix cache."""
+    speculative: tuple[int, int, int] | None = None
+    """On a choice's last delta: (drafts verified, drafts accepted, verify steps with drafts)."""
 
 
 @dataclass
@@ -38,6 +41,22 @@ class Choice:
     logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0
     """Prompt tokens taken from the prefix cache (not computed again)."""
+    num_draft_tokens: int = 0
+    """Speculative decoding: drafts verified for this choice, `num_accepted_tokens` of them
+    accepted, over `num_verify_steps` steps that had drafts."""
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens gained per verify step (accepted drafts plus the target's own token)."""
+        if not self.num_verify_steps:
+            return 0.0
+        return 1 + self.num_accepted_tokens / self.num_verify_steps
 
 
 @dataclass
@@ -72,6 +91,16 @@ class Result:
         """Prompt tokens taken from the prefix cache (choice 0's; usage counts the prompt once)."""
         return self.choices[0].num_cached_tokens
 
+    @property
+    def acceptance_rate(self) -> float:
+        """Speculative decoding: accepted / verified drafts of choice 0 (0 without drafts)."""
+        return self.choices[0].acceptance_rate
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Speculative decoding: choice 0's tokens per verify step."""
+        return self.choices[0].mean_accepted_length
+
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
@@ -86,6 +115,8 @@ class EngineStats:
     num_pages: int
     prefix_cache: PrefixCacheStats
     """The prefix cache's counters (zeros when it is off)."""
+    speculative: SpecCounters | None = None
+    """Speculative decoding's counters (None when it is off)."""
 
     @property
     def cache_usage(self) -> float:
@@ -112,6 +143,9 @@ class ResultCollector:
         if delta.finish_reason:
             choice.finish_reason = delta.finish_reason
             choice.num_cached_tokens = delta.num_cached_tokens
+        if delta.speculative is not None:
+            (choice.num_draft_tokens, choice.num_accepted_tokens,
+             choice.num_verify_steps) = delta.speculative
         if delta.error:
             self.error = delta.error
         if delta.prompt_logprobs is not None:

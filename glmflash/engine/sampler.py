@@ -64,15 +64,19 @@ class Sampler:
         self.errors = out.errors
         return token_ids
 
-    def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
+    def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence],
+                         output_offsets: list[int] | None = None) -> SampleOutput:
         """Choose every row's token on the logits' device with no host sync; start the copy back.
+
+        `output_offsets`: per row, how many tokens past the sequence's end it draws (a verify
+        step's rows after its first; default 0), so each output position has its own noise.
 
         NOTE: each sampled id is taken to be appended to its sequence (penalty counts follow the
         ids on the device); a sequence whose tokens then differ is recounted from its tokens.
         """
         assert logits.shape[0] == len(seqs)
         t = SamplingTensors.build(seqs, logits.shape[1], logits.device, self._step_key(seqs),
-                                  self.penalties)
+                                  self.penalties, output_offsets)
         if t.is_plain_greedy:
             return _copy_back(logits, logits.argmax(dim=-1), seqs, t, {},
                               self.sleep_while_waiting)

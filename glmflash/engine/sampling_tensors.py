@@ -65,8 +65,10 @@ class SamplingTensors:
 
     @classmethod
     def build(cls, seqs: list[Sequence], vocab_size: int, device: torch.device, step_key: int,
-              penalty_state: PenaltyState) -> SamplingTensors:
+              penalty_state: PenaltyState,
+              output_offsets: list[int] | None = None) -> SamplingTensors:
         params = [seq.params for seq in seqs]
+        offsets = output_offsets or [0] * len(seqs)
         sample_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         drawn = [params[i] for i in sample_rows]
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -80,7 +82,8 @@ class SamplingTensors:
         ], torch.float32, device)
         rows, top_k, keys, positions, logprob_ids, penalty_ids, slot_ids = to_device([
             sample_rows, [p.top_k or vocab_size for p in drawn], keys,
-            [seqs[i].num_output_tokens for i in sample_rows], logprob_rows, penalty_rows, slots,
+            [seqs[i].num_output_tokens + offsets[i] for i in sample_rows], logprob_rows,
+            penalty_rows, slots,
         ], torch.int64, device)
         penalties = PenaltyTensors(penalty_ids, slot_ids, repetition, presence, frequency,
                                    [seqs[i].seq_id for i in penalty_rows]) if penalty_rows else None

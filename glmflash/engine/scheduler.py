@@ -35,6 +35,9 @@ class ScheduledBatch:
     """(state slot, page index, page id) handed out since the previous batch."""
     cache_ops: CacheOps | None = None
     """State snapshots and page copies of the prefix cache, applied before the forward."""
+    draft_ids: list[list[int]] | None = None
+    """Speculative decoding: the drafts verified after each sequence's last token (its
+    `num_tokens` counts them); None when no sequence has any."""
 
 
 @dataclass(slots=True)
@@ -90,9 +93,11 @@ class Scheduler:
         budget = self.config.chunked_prefill_size
         for seq in list(self.running):
             if seq.num_uncomputed_tokens == 1 and seq in self.running:
-                if self._reserve(seq, 1):
-                    plan[seq.seq_id] = 1
-                    budget -= 1
+                if seq.draft_ids and not self.cache.can_append(seq, 1 + len(seq.draft_ids)):
+                    seq.draft_ids = []
+                if self._reserve(seq, 1 + len(seq.draft_ids)):
+                    plan[seq.seq_id] = 1 + len(seq.draft_ids)
+                    budget -= plan[seq.seq_id]
         for seq in list(self.running):
             if seq.num_uncomputed_tokens > 1 and budget > 0 and seq in self.running:
                 chunk = self._fit(seq, min(seq.num_uncomputed_tokens, budget))
@@ -108,10 +113,11 @@ class Scheduler:
             return None
         seqs = [s for s in self.running if s.seq_id in plan]
         num_tokens = [plan[s.seq_id] for s in seqs]
-        needs_sample = [s.num_computed_tokens + n == s.num_tokens
-                        for s, n in zip(seqs, num_tokens, strict=True)]
+        drafts = [list(s.draft_ids) for s in seqs]
+        needs_sample = [s.num_computed_tokens + n - len(d) == s.num_tokens
+                        for s, n, d in zip(seqs, num_tokens, drafts, strict=True)]
         return ScheduledBatch(seqs, num_tokens, needs_sample, self.cache.take_page_updates(),
-                              self.cache.take_ops())
+                              self.cache.take_ops(), drafts if any(drafts) else None)
 
     def _admit(self, plan: dict[int, int], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
@@ -154,26 +160,45 @@ class Scheduler:
         self.running.remove(seq)
         self.cache.free(seq)
         seq.num_computed_tokens = 0
+        seq.draft_ids = []
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def update(self, batch: ScheduledBatch, sampled: list[int]) -> list[TokenDelta]:
         """Advance counters; append the sampled tokens (one per `needs_sample` row, in order)."""
-        deltas, tokens = [], iter(sampled)
-        for seq, n, sample in zip(batch.seqs, batch.num_tokens, batch.needs_sample, strict=True):
-            seq.num_computed_tokens += n
+        return self.update_runs(batch, [[token] for token in sampled])
+
+    def update_runs(self, batch: ScheduledBatch, runs: list[list[int]]) -> list[TokenDelta]:
+        """`update` where each sampled row brings a run of tokens: a verify step's accepted
+        drafts plus the target's own next token. Its computed tokens grow by the run's length
+        (the last token and the accepted drafts); the tokens are appended one at a time, and
+        a stop condition ends the run there."""
+        deltas, runs = [], iter(runs)
+        drafts = batch.draft_ids or [()] * len(batch.seqs)
+        for seq, n, sample, draft in zip(batch.seqs, batch.num_tokens, batch.needs_sample,
+                                         drafts, strict=True):
+            run = next(runs) if sample and not seq.is_finished else None
+            seq.num_computed_tokens += n if run is None else n - len(draft) + len(run) - 1
             if seq.num_computed_tokens <= seq.num_prompt_tokens:
                 self.cache.cache_prefix(seq)
-            if not sample or seq.is_finished:
+            if run is None:
                 continue
-            token = next(tokens)
+            taken, reason = self._append_run(seq, run)
+            if reason:
+                self.finish(seq, reason)
+            elif draft:
+                self.cache.truncate(seq)
+            deltas.append(TokenDelta(seq, taken, reason))
+        return deltas
+
+    def _append_run(self, seq: Sequence, run: list[int]) -> tuple[list[int], str | None]:
+        for i, token in enumerate(run):
             seq.token_ids.append(token)
             reason = self._stop_reason(seq, token)
             if reason:
-                self.finish(seq, reason)
-            deltas.append(TokenDelta(seq, [token], reason))
-        return deltas
+                return run[: i + 1], reason
+        return list(run), None
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a running sequence (stop condition found here or by the detokenizer)."""

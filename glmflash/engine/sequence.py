@@ -48,6 +48,14 @@ class Sequence:
         """Prompt tokens taken from the prefix cache at the first admission."""
         self.cache_node = None
         """The deepest prefix-cache node this sequence uses (locked while it runs)."""
+        self.draft_ids: list[int] = []
+        """Speculative decoding: tokens the MTP layer proposes after the last token, verified
+        by the next step (never part of `token_ids` before they are accepted)."""
+        self.num_draft_tokens = 0
+        """Drafts verified so far; `num_accepted_tokens` of them were accepted, over
+        `num_verify_steps` steps that had drafts."""
+        self.num_accepted_tokens = 0
+        self.num_verify_steps = 0
 
     @property
     def num_tokens(self) -> int:

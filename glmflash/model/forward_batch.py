@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from glmflash.utils.device import upload
+
+if TYPE_CHECKING:
+    from glmflash.model.verify import VerifyInputs
 
 
 @dataclass
@@ -66,6 +69,9 @@ class ForwardBatch:
     """`[T, D]` embeddings overriding the lookup (multimodal rows already merged)."""
     decode: DecodeRows | None = None
     """Set for a batch of decodes: their geometry on the device, in place of the host lists."""
+    verify: VerifyInputs | None = None
+    """Set for a verify forward (speculative decoding): every sequence is a decode plus its
+    drafts, whose fixed-size state advances position by position (model/verify.py)."""
     memo: dict[str, Any] = field(default_factory=dict)
     """Per-forward results that every layer shares (e.g. the indexer's write plan)."""
 

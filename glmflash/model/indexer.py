@@ -18,6 +18,7 @@ from glmflash.kernels.indexer import (
 from glmflash.model.forward_batch import ForwardBatch
 from glmflash.model.layers import Linear
 from glmflash.model.state import ModelState
+from glmflash.model.verify import verify_indexer_write
 
 INDEXER_NORM_EPS = 1e-6
 
@@ -60,6 +61,10 @@ class Indexer(nn.Module):
         """Fold this forward's keys into the pooled keys and the tails."""
         tail, pool_keys = state.index_tail[self.layer_idx], state.pool_keys[self.layer_idx]
         ape = self.index_kpool_compress_ape
+        if batch.verify is not None:
+            verify_indexer_write(keys, gates, ape, pool_keys, tail, batch.page_table,
+                                 batch.verify, self.layer_idx, page_size=batch.page_size)
+            return
         if batch.decode is not None:
             indexer_write_decode(keys, gates, ape, pool_keys, tail, batch.page_table,
                                  batch.decode.state_slots, batch.decode.positions,

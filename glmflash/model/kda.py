@@ -17,6 +17,7 @@ from glmflash.kernels.kda import (
 from glmflash.model.forward_batch import ForwardBatch
 from glmflash.model.layers import Linear, fused_weight
 from glmflash.model.state import ModelState
+from glmflash.model.verify import verify_conv, verify_kda
 
 
 class KimiDeltaAttention(nn.Module):
@@ -55,7 +56,10 @@ class KimiDeltaAttention(nn.Module):
                                                       self.g_a_proj)))
         f_a, b, g_a = small.split([d, heads, d], dim=-1)
         conv_state, recurrent = state.conv[self.layer_idx], state.recurrent[self.layer_idx]
-        if batch.decode is not None:
+        if batch.verify is not None:
+            mixed = verify_conv(mixed, self.conv_weight(), conv_state, batch.verify,
+                                self.layer_idx)
+        elif batch.decode is not None:
             mixed = causal_conv1d_decode(mixed, self.conv_weight(), conv_state,
                                          batch.decode.conv_meta)
         else:
@@ -63,7 +67,9 @@ class KimiDeltaAttention(nn.Module):
                                   batch.state_slots, batch.is_fresh)
         q, k, v = (t.view(num_tokens, heads, d) for t in mixed.chunk(3, dim=-1))
         g, beta = kda_gates(self.f_b_proj(f_a), self.dt_bias, self.A_log, b, self.lower_bound)
-        if batch.decode is not None:
+        if batch.verify is not None:
+            o = verify_kda(q, k, v, g, beta, recurrent, batch.verify, self.layer_idx)
+        elif batch.decode is not None:
             o = kda_decode(q, k, v, g, beta, recurrent, batch.decode.kda_meta)
         else:
             o = kda(q, k, v, g, beta, recurrent, batch.cu_seqlens, batch.state_slots,

@@ -19,6 +19,7 @@ from torch import nn
 from glmflash.config import MLA, ModelConfig
 from glmflash.kernels.fp8_gemm import FP8_DTYPE
 from glmflash.model.forward_batch import ForwardBatch
+from glmflash.model.glm import GlmForCausalLM
 from glmflash.model.layers import Linear, RMSNorm
 from glmflash.model.mla import MultiLatentAttention
 from glmflash.model.moe import MoE
@@ -55,12 +56,17 @@ class MtpLayer(nn.Module):
         """hidden `[T, D]` (main model, position t) and the embedding of token t+1 `[T, D]` ->
         the normed state whose lm_head logits predict token t+2. `batch` lays out the MTP
         sequence (the next tokens); `state` must come from `with_mtp_layer(config)`."""
+        return self.shared_head.norm(self.hidden(hidden, next_embeds, batch, state))
+
+    def hidden(self, hidden: torch.Tensor, next_embeds: torch.Tensor, batch: ForwardBatch,
+               state: ModelState) -> torch.Tensor:
+        """`forward` before `shared_head.norm`: what a chained draft step takes as its hidden
+        state (the layer's own output, not the main model's)."""
         h = self.eh_proj(torch.cat([self.enorm(next_embeds.to(hidden.dtype)),
                                     self.hnorm(hidden)], dim=-1))
         y, _ = self.self_attn(self.input_layernorm(h), batch, state, None)
         h = h + y
-        h = h + self.mlp(self.post_attention_layernorm(h))
-        return self.shared_head.norm(h)
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class GlmMtp(nn.Module):
@@ -80,6 +86,12 @@ class GlmMtp(nn.Module):
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         return self.layer(*args, **kwargs)
+
+    def logits(self, model: GlmForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits `[N, V]` (fp32) of the layer's pre-norm output `[N, D]`:
+        `shared_head.norm`, then the main model's head (its final norm and lm_head), the
+        composition the layer was trained with (tools/tiny_trainer.py)."""
+        return model.logits(self.layer.shared_head.norm(hidden))
 
 
 def load_mtp(mtp: GlmMtp, path: str | Path) -> int:

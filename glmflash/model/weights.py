@@ -134,7 +134,7 @@ def _read(handle, name: str, target: str, shard: Path, layout: CheckpointLayout
 def _skip_reason(name: str, num_layers: int, params: dict[str, nn.Parameter]) -> str | None:
     layer = _LAYER.match(name)
     if layer and int(layer.group(1)) >= num_layers:
-        return "MTP block (next-token prediction, not used yet)"
+        return "MTP block (next-token prediction: loaded with speculative decoding)"
     if name.startswith("model.visual.") and not any(p.startswith("model.visual.") for p in params):
         return "vision tower (not built: text-only model)"
     return None

@@ -114,6 +114,7 @@ class ServerMetrics:
             Gauge("glmflash_cache_usage_fraction", "Fraction of cache pages in use.",
                   lambda: engine.stats().cache_usage),
             *_prefix_cache_metrics(engine),
+            *_speculative_metrics(engine),
         ]
         self._all = [self.requests, self.prompt_tokens, self.completion_tokens, *gauges,
                      self.time_to_first_token, self.inter_token_latency, self.e2e_latency]
@@ -144,4 +145,27 @@ def _prefix_cache_metrics(engine: Engine) -> list[Gauge]:
               lambda: stats().num_snapshots),
         Gauge("glmflash_prefix_cache_max_snapshots", "State snapshots planned at start.",
               lambda: stats().max_snapshots),
+    ]
+
+
+def _speculative_metrics(engine: Engine) -> list[Gauge]:
+    """Speculative decoding's acceptance and accepted length per step (none when it is off)."""
+    if engine.stats().speculative is None:
+        return []
+
+    def stats():
+        return engine.stats().speculative
+
+    return [
+        CounterView("glmflash_spec_draft_tokens_total", "Draft tokens verified.",
+                    lambda: stats().num_draft_tokens),
+        CounterView("glmflash_spec_accepted_tokens_total", "Draft tokens accepted.",
+                    lambda: stats().num_accepted_tokens),
+        Gauge("glmflash_spec_acceptance_rate", "Accepted / verified draft tokens.",
+              lambda: stats().acceptance_rate),
+        Gauge("glmflash_spec_mean_accepted_length",
+              "Tokens a sequence gains per verify step (accepted drafts plus one).",
+              lambda: stats().mean_accepted_length),
+        Gauge("glmflash_spec_drafting", "1 while the policy lets sequences draft.",
+              lambda: float(stats().is_drafting)),
     ]

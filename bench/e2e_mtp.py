@@ -1,0 +1,241 @@
+"""`bench/e2e.py --mtp`: decode tok/s with MTP speculative decoding on vs off, at release width
+and reduced depth on dummy weights (the model of bench/e2e.py plus an MTP layer).
+
+Random weights accept nothing and route without locality, so both are forced:
+- acceptance: each draft is accepted with probability `--accept` (a chain: the first rejection
+  ends it) and the accepted tokens are the target's own greedy tokens, so a step costs what a
+  real one with that acceptance costs (verify of 1 + drafts tokens, MTP over the accepted
+  positions, chained drafts);
+- routing: inside one forward, each token of a sequence keeps `--reuse` of the previous token's
+  experts (the rest its own choice), which is what decides the union of experts a verify step
+  reads. Decodes of one token per sequence are not changed (graph replays keep their routing).
+One engine per mode: MTP off is the same engine with drafting switched off (its decode steps
+replay the CUDA graphs; verify steps run eagerly). Rows: the measured tok/s, and the estimate
+at the release's 45 layers (the main forward's share scaled by 45 / layers, the MTP layer's
+time kept).
+
+    python bench/e2e.py --mtp                           # H200: all-gpu and hybrid-0, < 2 min
+    python bench/e2e.py --mtp --tiny --modes cpu        # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from bench.common import add_fake_context_requests
+from glmflash import Engine, SamplingParams
+from glmflash.engine.speculative import SpecDecoder
+from glmflash.model.glm import GlmForCausalLM
+from glmflash.model.moe import Router
+
+RELEASE_DEPTH = 45
+
+
+class ForcedRouting:
+    """Routers of the main model keep `share` of the previous token's experts within each
+    sequence of a multi-token forward."""
+
+    def __init__(self, model: GlmForCausalLM, share: float) -> None:
+        self.share, self.cu_seqlens = share, None
+        self.model, self.hidden_states = model, model.hidden_states
+        self.routers = [m for m in model.modules() if isinstance(m, Router)]
+        self.forwards = [r.forward for r in self.routers]
+        model.hidden_states = self._hidden_states
+        for router, forward in zip(self.routers, self.forwards, strict=True):
+            router.forward = self._routed(forward)
+
+    def close(self) -> None:
+        self.model.hidden_states = self.hidden_states
+        for router, forward in zip(self.routers, self.forwards, strict=True):
+            router.forward = forward
+
+    def _hidden_states(self, batch, state, **kwargs):
+        self.cu_seqlens = batch.cu_seqlens
+        return self.hidden_states(batch, state, **kwargs)
+
+    def _routed(self, forward):
+        def route(x):
+            ids, weights = forward(x)
+            if self.cu_seqlens is not None and ids.shape[0] == self.cu_seqlens[-1]:
+                ids = reuse_experts(ids, self.cu_seqlens, self.share)
+            return ids, weights
+        return route
+
+
+def reuse_experts(ids: torch.Tensor, cu_seqlens: list[int], share: float) -> torch.Tensor:
+    """Row t of a sequence takes the first round(share * k) experts of row t-1, then its own
+    choices not among them."""
+    k = ids.shape[1]
+    keep = round(share * k)
+    ids = ids.clone()
+    lens = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)]
+    for j in range(1, max(lens, default=0)):
+        rows = torch.tensor([a + j for a, n in zip(cu_seqlens, lens, strict=False) if n > j],
+                            device=ids.device)
+        kept, own = ids[rows - 1, :keep], ids[rows]
+        is_new = ~(own[:, :, None] == kept[:, None, :]).any(-1)
+        order = torch.argsort((~is_new).int(), dim=1, stable=True)
+        ids[rows] = torch.cat([kept, own.gather(1, order)[:, : k - keep]], dim=1)
+    return ids
+
+
+def forced_acceptance(rate: float, seed: int = 0):
+    rng = random.Random(seed)
+
+    def count(draft: list[int], targets: list[int]) -> int:
+        accepted = 0
+        while accepted < len(draft) and rng.random() < rate:
+            accepted += 1
+        return accepted
+    return count
+
+
+def measure(engine: Engine, batch: int, context: int, steps: int, warmup: int) -> dict:
+    """Output tokens per second over `steps` steps after `warmup`, and the MTP layer's share."""
+    params = SamplingParams(max_tokens=10**6, temperature=0, ignore_eos=True)
+    seqs = add_fake_context_requests(engine, batch, context, params)
+    for _ in range(warmup):
+        engine.step()
+    before = sum(s.num_output_tokens for s in seqs)
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    clock = MtpClock(engine)
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    seconds = time.perf_counter() - start
+    tokens = sum(s.num_output_tokens for s in seqs) - before
+    for seq in seqs:
+        engine.abort(engine._choices[seq.seq_id].request_id)
+    engine.step()
+    clock.close()
+    return dict(tok_s=tokens / seconds, step_ms=1e3 * seconds / steps,
+                mtp_ms=1e3 * clock.seconds / steps, tokens_per_step=tokens / steps / batch)
+
+
+class MtpClock:
+    """Wall time inside the MTP layer's forwards (synchronised around each)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.seconds, self.spec = 0.0, engine.spec
+        self.device = engine.device
+        if self.spec is None:
+            return
+        runner = self.spec.runner
+        self.originals = (runner.draft_extend, runner.draft_chain)
+        runner.draft_extend = self._timed(runner.draft_extend)
+        runner.draft_chain = self._timed(runner.draft_chain)
+
+    def _timed(self, fn):
+        def call(*args, **kwargs):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.seconds += time.perf_counter() - start
+            return out
+        return call
+
+    def close(self) -> None:
+        if self.spec is not None:
+            self.spec.runner.draft_extend, self.spec.runner.draft_chain = self.originals
+
+
+def release_tok_s(row: dict, batch: int, num_layers: int) -> float:
+    """tok/s with the main forward scaled to 45 layers and the MTP layer's time kept."""
+    main_ms = row["step_ms"] - row["mtp_ms"]
+    step_ms = main_ms * RELEASE_DEPTH / num_layers + row["mtp_ms"]
+    return row["tokens_per_step"] * batch / step_ms * 1e3
+
+
+def run_mode(engine: Engine, mode: str, args: argparse.Namespace, deadline: float) -> list[str]:
+    lines = []
+    spec = engine.spec
+    num_layers = engine.config.num_hidden_layers
+    for reuse in args.reuse:
+        routing = ForcedRouting(engine.runner.model, reuse)
+        try:
+            for batch in args.batches:
+                if time.perf_counter() > deadline:
+                    lines.append(f"| {mode} | {reuse} | {batch} | (time limit) |")
+                    continue
+                spec.policy.max_batch_size = 0
+                off = measure(engine, batch, args.context, args.steps, args.warmup)
+                spec.policy.max_batch_size = batch
+                for rate in args.accept:
+                    spec.count_accepted = forced_acceptance(rate)
+                    on = measure(engine, batch, args.context, args.steps, args.warmup)
+                    lines.append(format_row(mode, reuse, batch, rate, off, on, num_layers))
+                    print(lines[-1], flush=True)
+                spec.count_accepted = SpecDecoder.count_accepted
+        finally:
+            routing.close()
+    return lines
+
+
+def format_row(mode, reuse, batch, rate, off, on, num_layers) -> str:
+    off_45, on_45 = (release_tok_s(r, batch, num_layers) for r in (off, on))
+    return (f"| {mode} | {reuse} | {batch} | {rate} | {off['tok_s']:.1f} | {on['tok_s']:.1f} | "
+            f"{on['tok_s'] / off['tok_s']:.2f} | {on['tokens_per_step']:.2f} | "
+            f"{off['step_ms']:.2f} / {on['step_ms']:.2f} | {on['mtp_ms']:.2f} | "
+            f"{off_45:.1f} / {on_45:.1f} ({on_45 / off_45:.2f}x) |")
+
+
+HEADER = ("| mode | expert reuse | batch | forced acceptance | off tok/s | MTP tok/s | speedup | "
+          "tokens/seq/step | step ms off / on | MTP layer ms/step | 45-layer tok/s off / on |")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mtp", action="store_true",
+                   help="decode tok/s with MTP speculative decoding on vs off (bench/e2e_mtp.py)")
+    p.add_argument("--accept", type=float, nargs="+", default=[0.7],
+                   help="--mtp: forced acceptance rates of each draft")
+    p.add_argument("--reuse", type=float, nargs="+", default=None,
+                   help="--mtp: share of the previous token's experts each token keeps "
+                        "(default: 0 for all-gpu, 0 and 0.75 for hybrid)")
+    p.add_argument("--num-drafts", type=int, default=1, help="--mtp: --speculative-num-steps")
+    p.add_argument("--time-limit", type=float, default=100.0,
+                   help="--mtp: seconds after which the remaining points are skipped")
+
+
+def engine_options(mode: str, args: argparse.Namespace, context: int) -> dict:
+    options = dict(load_format="dummy", background_loop=False, disable_radix_cache=True,
+                   max_running_requests=max(args.batches), context_length=context + 4096,
+                   speculative_algorithm="NEXTN", speculative_num_steps=args.num_drafts,
+                   speculative_min_acceptance=0.0, skip_kernel_warmup=mode == "cpu",
+                   cuda_graph_bs=args.batches)
+    if mode.startswith("hybrid-"):
+        import os
+
+        options.update(kt_num_gpu_experts=int(mode.split("-", 1)[1]), kt_cpuinfer=os.cpu_count())
+    return options
+
+
+def main(args: argparse.Namespace, folder) -> None:
+    """Called by bench/e2e.py with its parsed arguments and the bench model's folder."""
+    deadline = time.perf_counter() + args.time_limit
+    args.context = args.contexts[0]
+    print(HEADER + "\n" + "|---" * (HEADER.count(" | ") + 1) + "|", flush=True)
+    lines = []
+    for mode in args.modes:
+        mode = mode.partition("+")[0]
+        device = "cpu" if mode == "cpu" else "cuda"
+        engine = Engine(folder, device=device, dtype="float32" if device == "cpu" else "bfloat16",
+                        **engine_options(mode, args, args.context))
+        reuse = args.reuse_given or ([0.0] if mode in ("all-gpu", "cpu") else [0.0, 0.75])
+        args.reuse = reuse
+        try:
+            lines += run_mode(engine, mode, args, deadline)
+        finally:
+            engine.shutdown()
+            del engine
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    print("\n" + HEADER + "\n" + "|---" * (HEADER.count(" | ") + 1) + "|\n" + "\n".join(lines))

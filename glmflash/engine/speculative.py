@@ -1,0 +1,293 @@
+"""Speculative decoding with the checkpoint's MTP layer (NEXTN): draft, verify, accept.
+
+A step with drafts runs up to two forwards: the prefill chunks as always, and the verify forward
+of the decodes (each sequence's last token plus its drafts, model/verify.py). Every row of a
+verified sequence is sampled as a plain step would sample it at that output position (the same
+seeded noise); drafts are accepted while they equal those tokens, and the first token that
+differs ends the run. With a greedy draft (one token) this is the standard rejection rule:
+draft t is kept with probability p(t), and otherwise the token comes from p without t,
+renormalised, which is `max(p - onehot(t), 0)` normalised; so sampling keeps its distribution
+and greedy output is the target's own. Then the fixed-size state is committed at the accepted
+position, the scheduler appends the run (a stop condition cuts it), and the MTP layer runs over
+the positions each sequence committed: its last row drafts the next token, and chained steps
+(`--speculative-num-steps` > 1) feed the layer its own output and draft.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from glmflash.engine.sampler import Sampler, unpack
+from glmflash.engine.sampling_tensors import uses_penalties
+from glmflash.engine.scheduler import ScheduledBatch, Scheduler, TokenDelta
+from glmflash.engine.sequence import Sequence
+from glmflash.engine.spec_policy import DraftPolicy, SpecCounters
+from glmflash.engine.spec_runner import MainOutput, MtpRows, SpecRunner, gather_rows
+from glmflash.utils.device import upload
+
+if TYPE_CHECKING:
+    from glmflash.engine.cache import CacheManager
+
+logger = logging.getLogger(__name__)
+
+
+class _Step(NamedTuple):
+    """What a verify step leaves for the drafting after the scheduler's update."""
+
+    batch: ScheduledBatch
+    starts: list[int]
+    """Each sequence's computed tokens before the step."""
+    committed: list[int]
+    """Positions each sequence computed for good this step."""
+    main: MainOutput | None
+    main_rows: dict[int, int]
+    """Batch index -> its sequence's index in the main forward."""
+    verify: MainOutput | None
+    verify_rows: dict[int, int]
+    logprobs: dict[int, list]
+    """seq id -> logprob entries of its run (cut to the tokens the update kept)."""
+
+
+class SpecDecoder:
+    def __init__(self, runner: SpecRunner, scheduler: Scheduler, cache: CacheManager,
+                 sampler: Sampler, num_steps: int, policy: DraftPolicy,
+                 max_seq_len: int) -> None:
+        self.runner, self.scheduler, self.cache, self.sampler = runner, scheduler, cache, sampler
+        self.num_steps, self.policy, self.max_seq_len = num_steps, policy, max_seq_len
+        self.counters = SpecCounters.empty(num_steps)
+        self._step: _Step | None = None
+
+    def wants(self, batch: ScheduledBatch) -> bool:
+        """This step takes the speculative path: it verifies drafts, or drafting is on."""
+        self._step = None  # what a failed step may have left
+        self.policy.tick()
+        return batch.draft_ids is not None or self.policy.allows(len(self.scheduler.running))
+
+    def verify(self, batch: ScheduledBatch, sampled: list[Sequence]) -> list[list[int]]:
+        """The step's forwards and the accepted run of every sampled sequence (in order).
+        Rows whose logits processor raised are in `sampler.errors`, by sampled index."""
+        self.runner.runner.apply_cache_changes(batch.page_updates, batch.cache_ops)
+        drafts = batch.draft_ids or [[] for _ in batch.seqs]
+        is_verify = [_is_verify(seq, n, sample, d) for seq, n, sample, d in
+                     zip(batch.seqs, batch.num_tokens, batch.needs_sample, drafts, strict=True)]
+        main_idx = [i for i, v in enumerate(is_verify) if not v]
+        verify_idx = [i for i, v in enumerate(is_verify) if v]
+        starts = [seq.num_computed_tokens for seq in batch.seqs]
+        for seq in batch.seqs:
+            seq.draft_ids = []
+        main = self.runner.forward_main(_part(batch, main_idx)) if main_idx else None
+        verify = self.runner.forward_verify([batch.seqs[i] for i in verify_idx],
+                                            [drafts[i] for i in verify_idx]) \
+            if verify_idx else None
+        rows = _SampleRows.of(batch, drafts, main_idx, verify_idx, main, verify)
+        runs, logprobs = self._accept(rows, sampled, drafts)
+        accepted = [len(runs[rows.sampled_of[i]]) - 1 for i in verify_idx]
+        if verify_idx:
+            self.runner.commit([batch.seqs[i] for i in verify_idx],
+                               [drafts[i] for i in verify_idx], accepted)
+            self._count([batch.seqs[i] for i in verify_idx], [drafts[i] for i in verify_idx],
+                        accepted)
+        committed = list(batch.num_tokens)
+        for i, a in zip(verify_idx, accepted, strict=True):
+            committed[i] = 1 + a
+        self._step = _Step(batch, starts, committed, main, {i: k for k, i in enumerate(main_idx)},
+                           verify, {i: k for k, i in enumerate(verify_idx)}, logprobs)
+        return runs
+
+    def after_update(self, deltas: list[TokenDelta]) -> None:
+        """Logprobs of the tokens kept; then the MTP layer over the committed positions, and
+        the drafts of the next step."""
+        step, self._step = self._step, None
+        if step is None:
+            return
+        for delta in deltas:
+            entries = step.logprobs.get(delta.seq.seq_id)
+            if entries is not None:
+                delta.seq.logprobs.extend(entries[: len(delta.token_ids)])
+        rows, drafting = self._mtp_rows(step)
+        if not rows.seqs:
+            return
+        hidden, first = self.runner.draft_extend(rows, len(drafting))
+        drafts = [[t] for t in first]
+        self._chain(drafting, hidden, drafts)
+        for seq, draft in zip(drafting, drafts, strict=True):
+            seq.draft_ids = draft
+
+    def stats(self) -> SpecCounters:
+        return self.counters.with_drafting(self.policy.is_drafting)
+
+    def _accept(self, rows: _SampleRows, sampled: list[Sequence],
+                drafts: list[list[int]]) -> tuple[list[list[int]], dict[int, list]]:
+        """Sample every row; each sequence's run: its drafts while they equal the sampled
+        tokens, then the first sampled token that differs (or the one after the last draft)."""
+        out = self.sampler.sample_on_device(rows.logits, rows.seqs, rows.offsets)
+        token_ids, entries = unpack(out)
+        self.sampler.errors = {rows.sampled_of_row[r]: e for r, e in out.errors.items()}
+        runs, logprobs = [], {}
+        for k, seq in enumerate(sampled):
+            first, draft = rows.first_row[k], rows.drafts_of[k]
+            targets = token_ids[first: first + len(draft) + 1]
+            accepted = self.count_accepted(draft, targets)
+            runs.append(targets[: accepted + 1])
+            if seq.params.logprobs is not None:
+                logprobs[seq.seq_id] = entries[first: first + accepted + 1]
+        return runs, logprobs
+
+    @staticmethod
+    def count_accepted(draft: list[int], targets: list[int]) -> int:
+        """Leading drafts equal to the tokens sampled at their positions (`targets` has one
+        more: the token after the last draft). bench/e2e_mtp.py replaces it to force a rate."""
+        accepted = 0
+        while accepted < len(draft) and targets[accepted] == draft[accepted]:
+            accepted += 1
+        return accepted
+
+    def _count(self, seqs: list[Sequence], drafts: list[list[int]],
+               accepted: list[int]) -> None:
+        first_drafts = first_accepted = 0
+        for seq, draft, a in zip(seqs, drafts, accepted, strict=True):
+            if not draft:
+                continue
+            seq.num_verify_steps += 1
+            seq.num_draft_tokens += len(draft)
+            seq.num_accepted_tokens += a
+            self.counters = self.counters.add(len(draft), a)
+            first_drafts += 1
+            first_accepted += int(a > 0)
+        self.policy.observe(first_drafts, first_accepted)
+
+    def _mtp_rows(self, step: _Step) -> tuple[MtpRows, list[Sequence]]:
+        """The positions each live sequence committed (drafting sequences first), with their
+        main hidden states."""
+        drafting, others = [], []
+        allowed = self.policy.allows(len(self.scheduler.running))
+        for i, seq in enumerate(step.batch.seqs):
+            if seq.is_finished:
+                continue
+            if allowed and self._draft_budget(seq) > 0:
+                drafting.append(i)
+            else:
+                others.append(i)
+        order = drafting + others
+        if not order:
+            return MtpRows([], [], [], None), []
+        pieces = []
+        for i in order:
+            out, k = (step.verify, step.verify_rows[i]) if i in step.verify_rows \
+                else (step.main, step.main_rows[i])
+            pieces.append((out, out.cu_seqlens[k], step.committed[i]))
+        hidden = _gather(pieces)
+        seqs = [step.batch.seqs[i] for i in order]
+        return MtpRows(seqs, [step.starts[i] for i in order], [step.committed[i] for i in order],
+                       hidden), seqs[: len(drafting)]
+
+    def _draft_budget(self, seq: Sequence) -> int:
+        """Drafts a sequence may take now: up to num_steps, never past its max_tokens or the
+        context; none for a prefill, or under penalties or logits processors (they depend on
+        the tokens before each draft)."""
+        params = seq.params
+        if seq.num_uncomputed_tokens != 1 or seq.num_computed_tokens < seq.num_prompt_tokens \
+                or params.logits_processors or uses_penalties(params):
+            return 0
+        return max(0, min(self.num_steps, params.max_tokens - seq.num_output_tokens - 1,
+                          self.max_seq_len - seq.num_tokens - 1))
+
+    def _chain(self, drafting: list[Sequence], hidden: torch.Tensor,
+               drafts: list[list[int]]) -> None:
+        """Chained draft steps 2..num_steps for the sequences with budget and pages for them;
+        the MTP layer's tail is restored afterwards (its chained positions are drafts)."""
+        budgets = [self._chain_budget(seq) for seq in drafting]
+        active = [b for b, n in enumerate(budgets) if n > 1]
+        if not active:
+            return
+        self.runner.apply_page_updates(self.cache.take_page_updates())
+        saved = self.runner.save_mtp_tail([drafting[b] for b in active])
+        hidden = hidden[active]
+        for step in range(2, max(budgets) + 1):
+            keep = [j for j, b in enumerate(active) if budgets[b] >= step]
+            active, hidden = [active[j] for j in keep], hidden[keep]
+            seqs = [drafting[b] for b in active]
+            hidden, ids = self.runner.draft_chain(
+                seqs, [s.num_computed_tokens + step - 2 for s in seqs], hidden,
+                [drafts[b][-1] for b in active])
+            for b, token in zip(active, ids, strict=True):
+                drafts[b].append(token)
+        self.runner.restore_mtp_tail(saved)
+
+    def _chain_budget(self, seq: Sequence) -> int:
+        """Drafts for `seq` this round, after taking the pages its chained positions need."""
+        budget = self._draft_budget(seq)
+        if budget > 1 and self.cache.can_append(seq, budget - 1):
+            self.cache.append(seq, budget - 1)
+            return budget
+        return 1
+
+
+def _is_verify(seq: Sequence, num_tokens: int, needs_sample: bool, drafts: list[int]) -> bool:
+    """A decode (the last token an output token), with or without drafts."""
+    return needs_sample and num_tokens == 1 + len(drafts) and \
+        seq.num_computed_tokens >= seq.num_prompt_tokens
+
+
+def _part(batch: ScheduledBatch, idx: list[int]) -> ScheduledBatch:
+    return ScheduledBatch([batch.seqs[i] for i in idx], [batch.num_tokens[i] for i in idx],
+                          [batch.needs_sample[i] for i in idx])
+
+
+def _gather(pieces: list[tuple[MainOutput, int, int]]) -> torch.Tensor:
+    """Rows (first, count) of each piece's hidden states, back to back."""
+    parts, run = [], None
+    for out, first, count in pieces:
+        if run is not None and run[0] is out:
+            run[1].append(first)
+            run[2].append(count)
+        else:
+            run = (out, [first], [count])
+            parts.append(run)
+    return torch.cat([gather_rows(out.hidden, firsts, counts) for out, firsts, counts in parts])
+
+
+class _SampleRows(NamedTuple):
+    """The rows a step samples, sampled sequences in batch order, each with all its rows."""
+
+    logits: torch.Tensor
+    seqs: list[Sequence]
+    offsets: list[int]
+    first_row: list[int]
+    drafts_of: list[list[int]]
+    sampled_of: dict[int, int]
+    """Batch index -> index among the sampled sequences."""
+    sampled_of_row: list[int]
+
+    @classmethod
+    def of(cls, batch: ScheduledBatch, drafts: list[list[int]], main_idx: list[int],
+           verify_idx: list[int], main: MainOutput | None,
+           verify: MainOutput | None) -> _SampleRows:
+        main_row = {i: k for k, i in enumerate(i for i in main_idx if batch.needs_sample[i])}
+        verify_pos = {i: k for k, i in enumerate(verify_idx)}
+        offset = main.logits.shape[0] if main is not None else 0
+        index, seqs, offsets, first_row, drafts_of, of_row = ([] for _ in range(6))
+        sampled_of = {}
+        for i, seq in enumerate(batch.seqs):
+            if not batch.needs_sample[i]:
+                continue
+            sampled_of[i] = len(first_row)
+            first_row.append(len(index))
+            if i in verify_pos:
+                first = offset + verify.cu_seqlens[verify_pos[i]]
+                rows = list(range(first, first + 1 + len(drafts[i])))
+                drafts_of.append(drafts[i])
+            else:
+                rows = [main_row[i]]
+                drafts_of.append([])
+            index += rows
+            seqs += [seq] * len(rows)
+            offsets += list(range(len(rows)))
+            of_row += [sampled_of[i]] * len(rows)
+        logits = torch.cat([o.logits for o in (main, verify) if o is not None])
+        if index != list(range(logits.shape[0])):
+            logits = logits.index_select(0, upload(index, logits.device))
+        return cls(logits, seqs, offsets, first_row, drafts_of, sampled_of, of_row)

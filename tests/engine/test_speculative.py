@@ -1,0 +1,203 @@
+"""Speculative decoding with the trained tiny model's MTP layer against the same engine without
+drafts: greedy tokens over concurrent arrivals, chunked prefill and preemption; seeded sampling;
+stop strings inside an accepted run; logprobs; aborts; the prefix cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from glmflash import Engine, SamplingParams
+from glmflash.config import ModelConfig
+from glmflash.engine.options import EngineConfig
+from glmflash.engine.outputs import ResultCollector
+from glmflash.model.mtp import with_mtp_layer
+from glmflash.model.state import cache_bytes
+from glmflash.tiny.embedded import embedded_checkpoint
+
+TRAINED = embedded_checkpoint()
+# 5 pages of 8 tokens, 3 state slots, chunks of 7: the arrivals below cannot all fit, so the
+# scheduler preempts and recomputes, and prompts are prefilled in several chunks.
+SMALL = dict(context_length=40, page_size=8, chunked_prefill_size=7, max_running_requests=3,
+             background_loop=False, check_integrity=True, skip_kernel_warmup=True,
+             disable_radix_cache=True)
+SPEC = dict(speculative_algorithm="NEXTN", speculative_num_steps=2)
+TEXTS = ["Once upon a time, a little fox", "The cat sat on the", "Tom has three apples and",
+         "In the morning the sun", "A dog ran to the park and", "Hello! My name is"]
+
+
+def _budget_gb(options: dict, pages: int) -> float:
+    config = ModelConfig.from_dict(json.loads((TRAINED / "config.json").read_text()))
+    engine_config = EngineConfig(**options)
+    if engine_config.num_speculative_steps:
+        config = with_mtp_layer(config)
+    per_token, per_slot = cache_bytes(config, torch.float32)
+    slots = engine_config.max_running_requests * (1 + engine_config.num_speculative_steps) + \
+        engine_config.num_state_snapshots
+    return (slots * per_slot + pages * options["page_size"] * per_token) / 2**30
+
+
+def _engine(pages: int = 5, **extra) -> Engine:
+    options = {**SMALL, **extra}
+    return Engine(TRAINED, device="cpu", dtype="float32",
+                  cache_budget_gb=_budget_gb(options, pages), **options)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return {"off": _engine(), "on": _engine(**SPEC)}
+
+
+def _run_arrivals(engine: Engine, prompts: list[list[int]], arrivals: list[int],
+                  params: SamplingParams) -> list[ResultCollector]:
+    collectors, step = [], 0
+    while step <= max(arrivals) or not all(c.is_done for c in collectors):
+        for prompt, at in zip(prompts, arrivals, strict=True):
+            if at == step:
+                collector = ResultCollector("", prompt, 1)
+                collector.request_id = engine.add_request(prompt, params, collector.add)
+                collectors.append(collector)
+        engine.step()
+        step += 1
+        assert step < 400
+    return collectors
+
+
+def test_greedy_tokens_equal_mtp_off_with_chunks_and_preemption(engines):
+    prompts = [engines["off"].tokenizer.encode(t) for t in TEXTS[:4]]
+    arrivals = [0, 0, 1, 3]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    outputs = {}
+    for name, engine in engines.items():
+        preempted = engine.scheduler.num_preemptions
+        results = [c.result() for c in _run_arrivals(engine, prompts, arrivals, params)]
+        assert engine.scheduler.num_preemptions > preempted, name
+        assert engine.cache.num_free_pages == engine.cache.plan.num_pages
+        outputs[name] = [r.token_ids for r in results]
+    assert outputs["on"] == outputs["off"]
+    stats = engines["on"].stats().speculative
+    # Drafts were made and used (the measured agreement of this MTP layer is about 0.8).
+    assert stats.num_draft_tokens > 10 and stats.acceptance_rate > 0.3
+    assert stats.mean_accepted_length > 1.3
+    assert results[0].mean_accepted_length > 1.0 and results[0].choices[0].num_draft_tokens
+
+
+def test_seeded_sampling_draws_the_tokens_of_mtp_off(engines):
+    prompt = engines["off"].tokenizer.encode(TEXTS[0])
+    outputs = {}
+    for name, engine in engines.items():
+        params = [SamplingParams(max_tokens=6, temperature=0.8, seed=s, ignore_eos=True)
+                  for s in range(2)]
+        outputs[name] = [r.token_ids for r in engine.generate(
+            prompt_token_ids=[prompt] * len(params), sampling_params=params)]
+    assert outputs["on"] == outputs["off"]
+    assert len({tuple(o) for o in outputs["on"]}) > 1
+
+
+def test_stop_string_inside_an_accepted_run_cuts_tokens_and_logprobs(engines):
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    (base,) = engines["off"].generate(TEXTS[1], params)
+    text = base.text
+    stop = next(text[i:i + 2] for i in range(3, len(text) - 2) if text[i:i + 2].strip())
+    results = {}
+    for name, engine in engines.items():
+        stopped = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2,
+                                 stop=[stop])
+        deltas = list(engine.stream(TEXTS[1], stopped))
+        (result,) = engine.generate(TEXTS[1], stopped)
+        assert "".join(d.text for d in deltas) == result.text == text[: text.index(stop)]
+        assert deltas[-1].finish_reason == "stop"
+        assert len(result.logprobs) == len(result.token_ids) == deltas[-1].num_output_tokens
+        results[name] = result
+    assert results["on"].token_ids == results["off"].token_ids
+    for on, off in zip(results["on"].logprobs, results["off"].logprobs, strict=True):
+        assert on.keys() == off.keys()
+        assert all(abs(on[t] - off[t]) < 1e-4 for t in on)
+
+
+def test_max_tokens_is_never_passed_by_a_run(engines):
+    for max_tokens in (1, 2, 4):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        (on,) = engines["on"].generate(TEXTS[2], params)
+        (off,) = engines["off"].generate(TEXTS[2], params)
+        assert on.token_ids == off.token_ids and len(on.token_ids) == max_tokens
+
+
+@pytest.mark.parametrize("steps_before_abort", [2, 7], ids=["mid_prefill", "mid_decode"])
+def test_abort_with_drafts_frees_pages_and_slots(engines, steps_before_abort):
+    engine = engines["on"]
+    deltas = []
+    rid = engine.add_request(engine.tokenizer.encode(TEXTS[3]),
+                             SamplingParams(max_tokens=30, ignore_eos=True), deltas.append)
+    for _ in range(steps_before_abort):
+        engine.step()
+    engine.abort(rid)
+    engine.step()
+    assert deltas[-1].finish_reason == "abort"
+    assert engine.cache.num_free_pages == engine.cache.plan.num_pages
+    assert len(engine.cache.free_state_slots) == engine.cache.plan.num_state_slots
+
+
+def test_prefix_cache_hits_keep_the_tokens(engines):
+    shared = Engine(TRAINED, device="cpu", dtype="float32", context_length=48, page_size=8,
+                    chunked_prefill_size=8,
+                    max_running_requests=2, background_loop=False, check_integrity=True,
+                    skip_kernel_warmup=True, **SPEC)
+    prefix = shared.tokenizer.encode("Once upon a time, a little fox lived in the woods. ")
+    prompts = [prefix + shared.tokenizer.encode(t) for t in ("The fox", "One day it")]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    try:
+        first = [r.token_ids for r in shared.generate(prompt_token_ids=prompts,
+                                                      sampling_params=params)]
+        again = shared.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert all(r.num_cached_tokens > 0 for r in again)
+        assert [r.token_ids for r in again] == first
+    finally:
+        shared.shutdown()
+    assert [r.token_ids for r in engines["off"].generate(prompt_token_ids=prompts,
+                                                         sampling_params=params)] == first
+
+
+def test_metrics_report_acceptance(engines):
+    from glmflash.server.metrics import ServerMetrics as Metrics
+
+    engines["on"].generate(TEXTS[5], SamplingParams(max_tokens=6, temperature=0,
+                                                    ignore_eos=True))
+    text = Metrics(engines["on"]).render()
+    stats = engines["on"].stats().speculative
+    assert f"glmflash_spec_draft_tokens_total {stats.num_draft_tokens}\n" in text
+    assert "glmflash_spec_acceptance_rate " in text and "glmflash_spec_drafting 1" in text
+    assert "glmflash_spec_" not in Metrics(engines["off"]).render()
+
+
+def test_committed_state_tracks_a_run_without_drafts():
+    """After every step, the state slot of a sequence decoded with drafts holds what the same
+    sequence without drafts holds at the same position. Equal to float rounding only: the
+    verify's projections multiply more rows at once, which rounds differently (bit-for-bit
+    equality given the same per-token inputs is tests/model/test_verify.py)."""
+    options = dict(device="cpu", dtype="float32", background_loop=False, context_length=64,
+                   max_running_requests=1, disable_radix_cache=True, skip_kernel_warmup=True)
+    engines = {"on": Engine(TRAINED, **options, **SPEC), "off": Engine(TRAINED, **options)}
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    seqs = {}
+    for name, engine in engines.items():
+        engine.add_request(engine.tokenizer.encode(TEXTS[0]), params, lambda delta: None)
+        engine._drain_inbox(block=False)
+        seqs[name] = engine.scheduler.waiting[0]
+    on, off, compared, largest = seqs["on"], seqs["off"], 0, 0.0
+    while not on.is_finished:
+        engines["on"].step()
+        while not off.is_finished and off.num_computed_tokens < on.num_computed_tokens:
+            engines["off"].step()
+        if on.is_finished or off.num_computed_tokens != on.num_computed_tokens:
+            continue
+        for name in ("recurrent", "conv", "index_tail"):
+            for i, live in getattr(engines["off"].runner.state, name).items():
+                drafted = getattr(engines["on"].runner.state, name)[i][on.state_slot]
+                largest = max(largest, float((drafted - live[off.state_slot]).abs().max()))
+        compared += 1
+    assert compared >= 4 and engines["on"].stats().speculative.num_accepted_tokens > 0
+    assert on.token_ids.tolist()[:len(off.token_ids)] == off.token_ids.tolist()
+    assert largest < 1e-5, largest

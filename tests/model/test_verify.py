@@ -1,0 +1,154 @@
+"""The verify forward of speculative decoding on the trained tiny model (fp32, CPU):
+
+* after committing any accepted position, the KDA recurrent state, the conv window and the
+  indexer tail of every layer are, bit for bit, those of steps of one token each over the same
+  per-token inputs (the varlen prefill entry points, not the decode kernels the verify uses);
+* the MTP layer's logits computed incrementally over its own cache (chunks, then one position
+  at a time, as the engine drafts) equal one forward over the whole sequence (the composition
+  the layer was trained with). transformers' glm5_next has no MTP layer, so the oracle cannot
+  check it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import glmflash.model.verify as verify_module
+from glmflash.kernels.indexer import indexer_write, write_plan
+from glmflash.kernels.kda import causal_conv1d, kda
+from glmflash.model.forward_batch import build_forward_batch, contiguous_page_table, token_slots_of
+from glmflash.model.mtp import GlmMtp, load_mtp, with_mtp_layer
+from glmflash.model.state import ModelState
+from glmflash.model.verify import VerifyInputs, VerifyScratch, commit, verify_positions
+from glmflash.tiny.embedded import embedded_checkpoint
+from glmflash.tokenizer import Tokenizer
+from tests.conftest import LOGIT_ATOL, load_tiny
+
+TRAINED = embedded_checkpoint()
+PAGE = 16
+NUM_DRAFTS = 3
+# 21 cached tokens: the verified positions 21..24 complete the k-pool 20..23 at the third.
+PROMPT = Tokenizer.from_dir(TRAINED).encode(
+    "Once upon a time, a little fox lived in the woods with her mother and her two brothers.")[:22]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_tiny(TRAINED)
+
+
+def _batch(tokens: list[int], start: int, table: torch.Tensor, logit_rows: list[int] | None = None):
+    slots = token_slots_of(table[0].tolist(), start, len(tokens), PAGE)
+    return build_forward_batch(tokens, slots, [0, len(tokens)], [start], [0], table, PAGE,
+                               logit_seqs=[] if logit_rows else None,
+                               extra_logit_rows=logit_rows)
+
+
+def _state_copy(state: ModelState) -> dict:
+    return {name: {i: t.clone() for i, t in getattr(state, name).items()}
+            for name in ("recurrent", "conv", "index_tail", "pool_keys")}
+
+
+class Recorder:
+    """The verify's calls of the three state kernels, with their (gathered) inputs."""
+
+    def __init__(self, monkeypatch, state: ModelState) -> None:
+        self.calls = []
+        self.layer_of = {id(t): i for name in ("recurrent", "conv", "index_tail")
+                         for i, t in getattr(state, name).items()}
+        for name in ("kda_decode", "causal_conv1d_decode", "indexer_write_decode"):
+            monkeypatch.setattr(verify_module, name, self._wrap(name, getattr(verify_module, name)))
+
+    def _wrap(self, name, fn):
+        def record(*args, **kwargs):
+            state_arg = {"kda_decode": 5, "causal_conv1d_decode": 2,
+                         "indexer_write_decode": 4}[name]
+            self.calls.append((name, self.layer_of[id(args[state_arg])],
+                               [a.clone() if isinstance(a, torch.Tensor) else a for a in args]))
+            return fn(*args, **kwargs)
+        return record
+
+
+def _one_token_steps(calls, ref: dict, table: torch.Tensor, num_positions: int,
+                     kpool: int) -> None:
+    """Replay the recorded per-token inputs of the first `num_positions` positions, one token
+    per step, through the varlen entry points (as a prefill of one token would run them)."""
+    seen: dict[tuple[str, int], int] = {}
+    for name, layer, args in calls:
+        position = seen.get((name, layer), 0)
+        seen[(name, layer)] = position + 1
+        if position >= num_positions:
+            continue
+        if name == "kda_decode":
+            q, k, v, g, beta = args[:5]
+            kda(q, k, v, g, beta, ref["recurrent"][layer], [0, 1], [0], [False])
+        elif name == "causal_conv1d_decode":
+            causal_conv1d(args[0], args[1], ref["conv"][layer], [0, 1], [0], [False])
+        else:
+            keys, gates, ape = args[:3]
+            pos = int(args[7][0])
+            plan = write_plan([0, 1], [pos], [0], ref["index_tail"][layer].shape[0], kpool,
+                              keys.device)
+            indexer_write(keys, gates, ape, ref["pool_keys"][layer], ref["index_tail"][layer],
+                          table, plan, page_size=PAGE)
+
+
+def test_committed_state_equals_one_token_steps_bit_for_bit(model, monkeypatch):
+    config = model.config
+    state = ModelState(config, num_token_slots=4 * 64, num_state_slots=1, dtype=torch.float32,
+                       device="cpu")
+    table = contiguous_page_table(1, 64, PAGE, "cpu")
+    cached = len(PROMPT) - 1
+    model(_batch(PROMPT[:-1], 0, table), state)
+    before = _state_copy(state)
+    recorder = Recorder(monkeypatch, state)
+    tokens = [PROMPT[-1], 11, 12, 13]
+    fb = _batch(tokens, cached, table, list(range(len(tokens))))
+    scratch = VerifyScratch(config, state, 1, NUM_DRAFTS)
+    fb.verify = VerifyInputs(verify_positions([len(tokens)], [cached], [0], "cpu"), scratch)
+    model(fb, state)
+    after = _state_copy(state)
+    for accepted in range(NUM_DRAFTS + 1):
+        for name in after:
+            for i, t in getattr(state, name).items():
+                t.copy_(after[name][i])
+        commit(state, scratch, [0], [len(tokens)], [accepted])
+        ref = {name: {i: t.clone() for i, t in d.items()} for name, d in before.items()}
+        _one_token_steps(recorder.calls, ref, table, accepted + 1, config.index_kpool)
+        for name in ("recurrent", "conv", "index_tail"):
+            for i, t in getattr(state, name).items():
+                assert torch.equal(t, ref[name][i]), f"{name} of layer {i}, {accepted} accepted"
+                # The check can fail: before the commit the slot holds the last position's.
+                if accepted < NUM_DRAFTS and name != "index_tail":
+                    assert not torch.equal(after[name][i], ref[name][i])
+
+
+def test_mtp_logits_incremental_equal_one_forward(model):
+    config = with_mtp_layer(model.config)
+    mtp = GlmMtp(model.config, torch.float32)
+    load_mtp(mtp, TRAINED)
+    mtp.eval()
+    tokens = PROMPT + [3, 4, 5]
+    table = contiguous_page_table(1, 64, PAGE, "cpu")
+    with torch.inference_mode():
+        state = ModelState(config, num_token_slots=4 * 64, num_state_slots=1,
+                           dtype=torch.float32, device="cpu")
+        hidden = model.hidden_states(_batch(tokens, 0, table), state)
+        embeds = model.text.embed_tokens(torch.tensor(tokens[1:]))
+        n = len(tokens) - 1
+        whole = mtp.logits(model, mtp.layer.hidden(hidden[:n], embeds, _batch(tokens[1:], 0,
+                                                                               table), state))
+        state = ModelState(config, num_token_slots=4 * 64, num_state_slots=1,
+                           dtype=torch.float32, device="cpu")
+        model.hidden_states(_batch(tokens, 0, table), state)
+        parts, start = [], 0
+        for stop in (9, 17, *range(18, n + 1)):
+            fb = _batch(tokens[start + 1: stop + 1], start, table)
+            out = mtp.layer.hidden(hidden[start:stop], embeds[start:stop], fb, state)
+            parts.append(mtp.logits(model, out))
+            start = stop
+    incremental = torch.cat(parts)
+    assert np.isfinite(whole.numpy()).all()
+    assert (incremental - whole).abs().max() < LOGIT_ATOL
