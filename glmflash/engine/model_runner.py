@@ -180,13 +180,25 @@ class ModelRunner:
         """Logits of a batch of decodes: a graph replay when one holds the batch, else the
         decode form eagerly. (The other ranks of a split model make the same choice: they
         captured the same sizes.)"""
-        self.apply_cache_changes(step.page_updates, step.cache_ops)
         if self.graphs is not None and self.graphs.can_replay(len(step.rows.input_ids)):
+            self.apply_cache_changes(step.page_updates, step.cache_ops)
             return self.graphs.replay(step.rows)
-        forward_batch = decode_batch(upload(self.pack_decode(step.rows), self.device),
-                                     self.page_table, self.page_size,
-                                     self.pool_width(step.rows.num_pools))
-        return self.model(forward_batch, self.state)
+        return self.model(self.prepare_decode(step), self.state)
+
+    def prepare(self, batch: ScheduledBatch,
+                extra_logit_rows: list[int] | None = None) -> ForwardBatch:
+        """The batch's forward inputs, cache changes applied: the decode form for a batch of
+        decodes, else the varlen form (always with prompt rows to score)."""
+        rows = None if extra_logit_rows else self.decode_rows(batch)
+        if rows is not None:
+            return self.prepare_decode(DecodeStep(rows, list(batch.page_updates),
+                                                  batch.cache_ops))
+        return self.prepare_inputs(collect_inputs(batch, self.page_size, extra_logit_rows))
+
+    def prepare_decode(self, step: DecodeStep) -> ForwardBatch:
+        self.apply_cache_changes(step.page_updates, step.cache_ops)
+        return decode_batch(upload(self.pack_decode(step.rows), self.device), self.page_table,
+                            self.page_size, self.pool_width(step.rows.num_pools))
 
     def capture_graphs(self, batch_sizes: list[int]) -> None:
         from glmflash.engine.cuda_graph import CudaGraphRunner
