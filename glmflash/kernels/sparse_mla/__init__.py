@@ -11,7 +11,6 @@ import torch
 from glmflash.kernels.dispatch import use_triton
 from glmflash.kernels.sparse_mla.plan import SparseMlaWorkspace, split_plan
 from glmflash.kernels.sparse_mla.ref import sparse_mla_ref
-from glmflash.kernels.triton_utils import num_sms
 
 
 def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *,
@@ -31,6 +30,7 @@ def sparse_mla_workspace(q_lat: torch.Tensor, slots: torch.Tensor) -> SparseMlaW
     if not use_triton(q_lat, "sparse_mla"):
         return None
     from glmflash.kernels.sparse_mla.plan import DEFAULT_CONFIG
+    from glmflash.kernels.triton_utils import num_sms
 
     num_queries, heads, rank = q_lat.shape
     sms, width = num_sms(q_lat.device), slots.shape[1]
