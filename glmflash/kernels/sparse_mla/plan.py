@@ -49,10 +49,10 @@ class SparseMlaConfig:
     compiles for the device (shared memory) is kept per device and problem shape."""
 
     prefill: tuple[SparseMlaLaunch, ...] = (SparseMlaLaunch(64, 2), SparseMlaLaunch(32, 2),
-                                            SparseMlaLaunch(16, 1, num_warps=4))
+                                            SparseMlaLaunch(16, 2))
     """Shapes when every program attends a query's whole selection (enough queries)."""
     decode: tuple[SparseMlaLaunch, ...] = (SparseMlaLaunch(64, 2), SparseMlaLaunch(32, 2),
-                                           SparseMlaLaunch(16, 1, num_warps=4))
+                                           SparseMlaLaunch(16, 2))
     """Shapes when the selection is split over several programs per query."""
     waves: float = 1.0
     """Programs per SM that splitting the selection aims for."""
@@ -131,7 +131,7 @@ class SparseMlaWorkspace:
                num_sms: int, config: SparseMlaConfig = DEFAULT_CONFIG) -> SparseMlaWorkspace:
         smallest = min(shape.block_slots for shape in config.decode)
         splits = split_plan(num_queries, heads, width, smallest, num_sms, config).num_splits
-        rows = num_queries * splits
+        rows = num_queries * splits if splits > 1 else 0
         return cls(torch.empty(rows, heads, rank, dtype=torch.float32, device=device),
                    torch.empty(rows, heads, dtype=torch.float32, device=device),
                    torch.zeros(num_queries * -(-heads // head_block(heads)), dtype=torch.int32,

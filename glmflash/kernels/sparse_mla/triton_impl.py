@@ -197,10 +197,7 @@ def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *
     out = torch.empty(num_queries, heads, rank, dtype=q_lat.dtype, device=q_lat.device)
     if num_queries == 0:
         return out
-    device = q_lat.device
-    split = wanted_splits(num_queries, heads, num_sms(device), config) > 1
-    shapes = config.decode if split else config.prefill
-    key = (device, shapes, heads, rank, q_lat.dtype)
+    split, shapes, key = _regime(q_lat, config)
     tried = (_FITTED[key],) if key in _FITTED else shapes
     for i, shape in enumerate(tried):
         try:
@@ -215,19 +212,47 @@ def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *
     raise AssertionError("unreachable")
 
 
+def launch_plan(q_lat: torch.Tensor, slots: torch.Tensor, config: SparseMlaConfig = DEFAULT_CONFIG,
+                workspace: SparseMlaWorkspace | None = None
+                ) -> tuple[SparseMlaLaunch, SplitPlan, bool]:
+    """What `sparse_mla` launches for these shapes: the launch shape (the one that fitted, once
+    known), the split, and whether the last split combines (else the combine kernel)."""
+    split, shapes, key = _regime(q_lat, config)
+    shape = _FITTED.get(key, shapes[0])
+    plan = _split(q_lat, slots, shape, config, workspace, split)
+    return shape, plan, 1 < plan.num_splits <= config.max_fused_splits
+
+
+def _regime(q_lat: torch.Tensor, config: SparseMlaConfig
+            ) -> tuple[bool, tuple[SparseMlaLaunch, ...], tuple]:
+    """Whether the selection is split, the launch shapes to try, and the key of the one that
+    fitted."""
+    num_queries, heads, rank = q_lat.shape
+    split = wanted_splits(num_queries, heads, num_sms(q_lat.device), config) > 1
+    shapes = config.decode if split else config.prefill
+    return split, shapes, (q_lat.device, shapes, heads, rank, q_lat.dtype)
+
+
+def _split(q_lat, slots, shape: SparseMlaLaunch, config: SparseMlaConfig,
+           workspace: SparseMlaWorkspace | None, split: bool) -> SplitPlan:
+    num_queries, heads, rank = q_lat.shape
+    width = slots.shape[1]
+    if not split:
+        full_steps = width // shape.block_slots
+        return SplitPlan(1, full_steps, 0, full_steps)
+    max_splits = workspace.max_splits(num_queries, heads, rank) if workspace else None
+    return split_plan(num_queries, heads, width, shape.block_slots, num_sms(q_lat.device),
+                      config, max_splits)
+
+
 def _launch(q_lat, latent, slots, out, scale: float, shape: SparseMlaLaunch,
             config: SparseMlaConfig, workspace: SparseMlaWorkspace | None, split: bool) -> None:
     """The attention launch, and the combine launch of a split, with one launch shape."""
     num_queries, heads, rank = q_lat.shape
-    width, device = slots.shape[1], q_lat.device
-    full_steps = width // shape.block_slots
-    plan = SplitPlan(1, full_steps, 0, full_steps)
-    if split:
-        plan = split_plan(num_queries, heads, width, shape.block_slots, num_sms(device), config,
-                          workspace.max_splits(num_queries, heads, rank) if workspace else None)
+    plan = _split(q_lat, slots, shape, config, workspace, split)
     if plan.num_splits > 1 and workspace is None:
-        workspace = SparseMlaWorkspace.create(num_queries, heads, rank, width, device,
-                                              num_sms(device), config)
+        workspace = SparseMlaWorkspace.create(num_queries, heads, rank, slots.shape[1],
+                                              q_lat.device, num_sms(q_lat.device), config)
     fused = 1 < plan.num_splits <= config.max_fused_splits
     _attend(q_lat, latent, slots, out, scale, shape, config, plan,
             workspace if plan.num_splits > 1 else None, fused)
@@ -265,4 +290,4 @@ def _combine(workspace: SparseMlaWorkspace, out: torch.Tensor, num_splits: int,
 
 
 __all__ = ["DEFAULT_CONFIG", "SparseMlaConfig", "SparseMlaLaunch", "SparseMlaWorkspace",
-           "sparse_mla"]
+           "launch_plan", "sparse_mla"]
