@@ -22,22 +22,24 @@ PREFILL_QUERIES = 4096
 
 
 def sweep_configs(queries: int) -> dict[str, object]:
-    """The default launch configuration and two or three variations that the row can decide."""
+    """The default launch configuration and three variations that the row can decide."""
     from glmflash.kernels.sparse_mla.plan import DEFAULT_CONFIG, SparseMlaLaunch, split_plan
 
     def shapes(*launches):
         return dataclasses.replace(DEFAULT_CONFIG, prefill=launches, decode=launches)
 
     configs = {"default": DEFAULT_CONFIG,
-               "32-slot steps": shapes(SparseMlaLaunch(32, 2)),
                "scores on both warpgroups": shapes(SparseMlaLaunch(64, 2, split_scores=False))}
     splits = split_plan(queries, HEADS, WIDTH, 64, 132, DEFAULT_CONFIG).num_splits
+    if splits == 1:
+        configs["32-slot steps"] = shapes(SparseMlaLaunch(32, 2))
+        configs["3 stages"] = shapes(SparseMlaLaunch(64, 3))
+        return configs
+    configs["16-slot tail steps"] = shapes(SparseMlaLaunch(64, 2, tail_slots=16))
     if splits > DEFAULT_CONFIG.max_fused_splits:
         configs["fused combine"] = dataclasses.replace(DEFAULT_CONFIG, max_fused_splits=splits)
-    elif splits > 1:
-        configs["combine kernel"] = dataclasses.replace(DEFAULT_CONFIG, max_fused_splits=1)
     else:
-        configs["16-slot tail steps"] = shapes(SparseMlaLaunch(64, 2, tail_slots=16))
+        configs["combine kernel"] = dataclasses.replace(DEFAULT_CONFIG, max_fused_splits=1)
     return configs
 
 

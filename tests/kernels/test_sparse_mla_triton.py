@@ -156,14 +156,27 @@ def test_launch_shapes_fall_back_when_shared_memory_is_short(monkeypatch, nan_em
                    config=SparseMlaConfig(prefill=(wide,), decode=(wide,), waves=0.25))
 
 
+RELEASE_CONFIGS = {
+    "default": SparseMlaConfig(),
+    # The sweep's variations: 16-wide tail products, scores on both warpgroups, 32-slot steps.
+    "tail16": SparseMlaConfig(prefill=(SparseMlaLaunch(64, 2, tail_slots=16),),
+                              decode=(SparseMlaLaunch(64, 2, tail_slots=16),)),
+    "unsplit_scores": SparseMlaConfig(prefill=(SparseMlaLaunch(64, 2, split_scores=False),),
+                                      decode=(SparseMlaLaunch(64, 2, split_scores=False),)),
+    "steps32": SparseMlaConfig(prefill=(SparseMlaLaunch(32, 2),),
+                               decode=(SparseMlaLaunch(32, 2),)),
+}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", RELEASE_CONFIGS.values(), ids=RELEASE_CONFIGS.keys())
 @pytest.mark.parametrize("tokens", [1, 8, 32, 300, 4096], ids=lambda t: f"T{t}")
-def test_release_shape_gpu(tokens):
-    """64 heads x 512, 2051 slots, bf16, the default config: unsplit from a wave of queries on,
-    split (fused or combine kernel) below."""
+def test_release_shape_gpu(tokens, config):
+    """64 heads x 512, 2051 slots, bf16: unsplit from a wave of queries on, split (fused or
+    combine kernel) below."""
     q, latent, slots = _case(tokens, 64, 512, 2051, dtype=torch.bfloat16, cache=20000)
     want = sparse_mla_ref(q.float(), latent.float(), slots, scale=1 / 16)
-    got = sparse_mla(q, latent, slots, scale=1 / 16)
+    got = sparse_mla(q, latent, slots, scale=1 / 16, config=config)
     assert (got.float() - want).abs().max().item() < BF16_ATOL
 
 
