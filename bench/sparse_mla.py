@@ -24,13 +24,15 @@ PREFILL_QUERIES = 4096
 def sweep_configs(queries: int) -> dict[str, object]:
     """The default launch configuration and three variations that the row can decide."""
     from glmflash.kernels.sparse_mla.plan import DEFAULT_CONFIG, SparseMlaLaunch, split_plan
+    from glmflash.kernels.triton_utils import num_sms
 
     def shapes(*launches):
         return dataclasses.replace(DEFAULT_CONFIG, prefill=launches, decode=launches)
 
     configs = {"default": DEFAULT_CONFIG,
                "scores on both warpgroups": shapes(SparseMlaLaunch(64, 2, split_scores=False))}
-    splits = split_plan(queries, HEADS, WIDTH, 64, 132, DEFAULT_CONFIG).num_splits
+    sms = num_sms(torch.device("cuda"))
+    splits = split_plan(queries, HEADS, WIDTH, 64, sms, DEFAULT_CONFIG).num_splits
     if splits == 1:
         configs["32-slot steps"] = shapes(SparseMlaLaunch(32, 2))
         configs["3 stages"] = shapes(SparseMlaLaunch(64, 3))
