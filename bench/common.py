@@ -58,6 +58,15 @@ def copy_bandwidth() -> float:
     return 2 * (2 << 30) / ms / 1e6
 
 
+def bf16_peak_tflops() -> float:
+    """A large bf16 matrix product (torch, cuBLAS): the tensor throughput rooflines divide by."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda").bfloat16()
+    b = torch.randn(n, n, device="cuda").bfloat16()
+    ms = bench_ms(lambda: a @ b, warmup=5, rep=50)
+    return 2 * n ** 3 / ms / 1e9
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()

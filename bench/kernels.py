@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import (  # noqa: E402
     append_results,
     bench_ms,
-    copies,
+    bf16_peak_tflops,
     copy_bandwidth,
     device_description,
     git_commit,
@@ -30,6 +30,7 @@ from bench.common import (  # noqa: E402
     rotated,
     table,
 )
+from bench.sparse_mla import bench_sparse_mla  # noqa: E402
 
 H, D = 64, 128  # KDA heads x head dim (release)
 
@@ -186,47 +187,6 @@ def _kda_decode_row(b: int, copy_gbs: float, fla_recurrent) -> list:
             use_qk_l2norm_in_kernel=True) for s in states])
         row += [f"{fla_ms * 1e3:.1f}", f"{moved / fla_ms / 1e6:.0f}"]
     return row
-
-
-def bench_sparse_mla(batches: list[int], context: int, copy_gbs: float) -> str:
-    rows = []
-    for b in batches + [4096]:
-        rows.append(_sparse_mla_row(b, context, copy_gbs))
-        print(rows[-1], flush=True)
-    return table(["queries", "triton us (eager)", "triton us (graph)",
-                  "GB/s (latents gathered, graph)", "% of copy (goal 60%)", "TFLOP/s",
-                  "torch ref us", "rel err vs fp32 ref"], rows)
-
-
-def _sparse_mla_row(b: int, context: int, copy_gbs: float) -> list:
-    from glmflash.kernels.sparse_mla import sparse_mla_ref
-    from glmflash.kernels.sparse_mla import triton_impl as ti
-
-    heads, rank, width = 64, 512, 2051
-    # One 128K-token cache per sequence (prefill row: 4096 queries of one sequence).
-    seqs = b if b <= 32 else 1
-    latent = torch.randn(seqs * context, rank, device="cuda").bfloat16()
-    q = torch.randn(b, heads, rank, device="cuda").bfloat16()
-    owner = torch.arange(b, device="cuda") % seqs
-    slots = torch.stack([torch.randperm(context, device="cuda")[:width]
-                         for _ in range(min(b, 64))])
-    slots = slots.repeat(-(-b // slots.shape[0]), 1)[:b] + owner[:, None] * context
-    eager = bench_ms(lambda: ti.sparse_mla(q, latent, slots, scale=1 / 16), rep=100)
-    moved = b * width * rank * 2 + 2 * q.numel() * 2 + slots.numel() * 8
-    # Other slot sets over the same cache: each call gathers rows no recent call touched.
-    n_sets = copies(moved) if b <= 32 else 1
-    slot_sets = [slots] + [torch.randint(0, context, slots.shape, device="cuda")
-                           + owner[:, None] * context for _ in range(n_sets - 1)]
-    ms = graph_ms([lambda s=s: ti.sparse_mla(q, latent, s, scale=1 / 16)
-                   for s in slot_sets])
-    flops = 4 * b * heads * width * rank
-    ref_ms = bench_ms(lambda: sparse_mla_ref(q, latent, slots, scale=1 / 16), rep=50)
-    err = rel(ti.sparse_mla(q, latent, slots, scale=1 / 16).float(),
-              sparse_mla_ref(q.float(), latent.float(), slots, scale=1 / 16))
-    gbs = moved / ms / 1e6
-    return [b, f"{eager * 1e3:.1f}", f"{ms * 1e3:.1f}", f"{gbs:.0f}",
-            f"{100 * gbs / copy_gbs:.0f}%", f"{flops / ms / 1e9:.0f}",
-            f"{ref_ms * 1e3:.0f}", f"{err:.1e}"]
 
 
 INDEXER_SHAPES = [(131072, 1), (1048576, 32)]  # (context tokens, decoding sequences)
@@ -405,9 +365,12 @@ def main() -> None:
              "decode weights rotated past L2 (bench/kernels.py)",
              bench_fp8([1, 16, 2048]))
     if "mla" in ops:
-        emit(f"Sparse MLA decode, 64 heads, latent 512, 2051 slots of a 128K cache, CUDA-graph "
-             f"timed, slot sets rotated past L2 (bench/kernels.py; copy {copy_gbs:.0f} GB/s)",
-             bench_sparse_mla([1, 8, 32], 131072, copy_gbs))
+        peak = bf16_peak_tflops()
+        print(f"bf16 matmul peak: {peak:.0f} TFLOP/s", flush=True)
+        emit(f"Sparse MLA decode and prefill, 64 heads, latent 512, 2051 slots of a 128K cache, "
+             f"CUDA-graph timed, decode slot sets rotated past L2 (bench/sparse_mla.py; copy "
+             f"{copy_gbs:.0f} GB/s, bf16 peak {peak:.0f} TFLOP/s)",
+             bench_sparse_mla(copy_gbs, peak))
     if "indexer" in ops:
         emit(f"Indexer select (decode), 32 heads x 128, kpool 4, top-2048, CUDA-graph timed "
              f"(bench/kernels.py; copy {copy_gbs:.0f} GB/s)",

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import copies, graph_ms, rel, rotated  # noqa: E402
+from bench.common import graph_ms, rotated  # noqa: E402
 from bench.kernels import FP8_SHAPES, D, _kda_inputs  # noqa: E402
 
 
@@ -43,41 +43,31 @@ def _sweep_kda_decode_batch(b: int) -> None:
 def sweep_sparse_mla() -> None:
     from glmflash.kernels.sparse_mla import triton_impl as ti
 
-    for b in (1, 32, 4096):
+    for b in (1, 8, 32, 4096):
         _sweep_sparse_mla_batch(b)
     ti._FITTED.clear()  # fits found for the swept configurations
 
 
 def _sweep_sparse_mla_batch(b: int) -> None:
+    """Every launch shape (slots per step, stages, scores split or not) and, for split launches,
+    the two combines, in bench/sparse_mla.py's setting (its `time_config`)."""
+    from bench.sparse_mla import mla_inputs, rotated_slots, time_config
     from glmflash.kernels.sparse_mla import sparse_mla_ref
-    from glmflash.kernels.sparse_mla import triton_impl as ti
+    from glmflash.kernels.sparse_mla.plan import DEFAULT_CONFIG, SparseMlaLaunch
 
-    heads, rank, width, context = 64, 512, 2051, 131072
-    seqs = b if b <= 32 else 1
-    latent = torch.randn(seqs * context, rank, device="cuda").bfloat16()
-    q = torch.randn(b, heads, rank, device="cuda").bfloat16()
-    owner = (torch.arange(b, device="cuda") % seqs)[:, None] * context
-    moved = b * width * rank * 2
-    # Slot sets rotated past L2 as in bench/kernels.py: a 1-stage config won here on one set
-    # and lost there.
-    slot_sets = [torch.randint(0, context, (b, width), device="cuda") + owner
-                 for _ in range(copies(moved) if b <= 32 else 1)]
-    slots = slot_sets[0]
+    q, latent, slots, owner = mla_inputs(b)
+    moved = b * slots.shape[1] * latent.shape[1] * 2
+    slot_sets = rotated_slots(slots, owner, moved)
     want = sparse_mla_ref(q.float(), latent.float(), slots, scale=1 / 16)
-    for bv, bn, stages in itertools.product((128, 256, 512), (16, 32, 64), (1, 2, 3)):
-        shape = ((bv, bn, stages),)
-        config = ti.SparseMlaConfig(narrow=shape, wide=shape)
-        try:
-            err = rel(ti.sparse_mla(q, latent, slots, scale=1 / 16, config=config).float(), want)
-            ms = graph_ms([lambda s=s, c=config: ti.sparse_mla(q, latent, s, scale=1 / 16,
-                                                               config=c)
-                           for s in slot_sets])
-        except Exception as e:  # noqa: BLE001 - a shape that does not fit is a result too
-            print(f"sparse mla b={b} BRV={bv} BN={bn} stages={stages}: {type(e).__name__}",
-                  flush=True)
-            continue
-        print(f"sparse mla b={b} BRV={bv} BN={bn} stages={stages}: {ms * 1e3:.1f} us "
-              f"{moved / ms / 1e6:.0f} GB/s rel err {err:.1e}", flush=True)
+    for bn, stages, split_scores, max_fused in itertools.product(
+            (32, 64), (2, 3), (True, False), (1, 64) if b <= 32 else (1,)):
+        shape = SparseMlaLaunch(bn, stages, split_scores=split_scores)
+        config = dataclasses.replace(DEFAULT_CONFIG, prefill=(shape,), decode=(shape,),
+                                     max_fused_splits=max_fused)
+        ms, err, how = time_config(q, latent, slot_sets, want, config)
+        print(f"sparse mla b={b} {how} stages={stages} split_scores={split_scores}: "
+              f"{ms * 1e3:.1f} us {moved / max(ms, 1e-9) / 1e6:.0f} GB/s rel err {err}",
+              flush=True)
 
 
 def sweep_fp8(w8a8: bool) -> None:

@@ -97,20 +97,25 @@ def _cubin_resources(cubin: bytes) -> tuple[int, int]:
 
 
 def sparse_mla_launches() -> list[Launch]:
-    ptrs = {"q": "*bf16", "latent": "*bf16", "slots": "*i64", "o": "*bf16", "part_o": "*bf16",
-            "part_ml": "*fp32"}
+    """Every launch shape of both regimes (64 heads x 512, bf16), and the combine kernel."""
+    ptrs = {"q": "*bf16", "latent": "*bf16", "slots": "*i64", "o": "*bf16", "part_o": "*fp32",
+            "part_lse": "*fp32", "arrivals": "*i32", "scale_log2": "fp32"}
     out = []
     config = mla.DEFAULT_CONFIG
-    for regime, configs in (("narrow", config.narrow), ("wide", config.wide)):
-        for value_block, bn, stages in configs:
-            one_piece = value_block == 512
-            consts = dict(NUM_SPLITS=2, HEAD_BLOCKS=1, BH=64, BR=512,
-                          BRC=512 if one_piece else config.score_block, BRV=value_block, BN=bn,
-                          ONE_PIECE=one_piece, DOT=tl.bfloat16, PREC="tf32")
-            warps = 8 if 64 * value_block >= 64 * 256 else 4
-            name = f"sparse_mla {regime} {value_block}/{bn}/{stages or 'default'}"
-            out.append(Launch(name, mla.sparse_mla_kernel, ptrs, consts, warps, stages,
-                              aligned=("H", "R", "SPLIT_W")))
+    for regime, shapes in (("prefill", config.prefill), ("decode", config.decode)):
+        for shape in shapes:
+            consts = dict(BH=64, BR=512, BN=shape.block_slots, TAIL_BN=shape.tail,
+                          NUM_STAGES=shape.num_stages, BC=config.combine_columns,
+                          SPLIT_SCORES=shape.split_scores, IS_SPLIT=regime == "decode",
+                          FUSE_COMBINE=regime == "decode", DOT=tl.bfloat16, PREC="tf32")
+            name = (f"sparse_mla {regime} {shape.block_slots}/{shape.tail}/{shape.num_stages}"
+                    f"/{shape.num_warps}w")
+            out.append(Launch(name, mla.sparse_mla_kernel, ptrs, consts, shape.num_warps,
+                              aligned=("H", "R")))
+    combine = {"part_o": "*fp32", "part_lse": "*fp32", "o": "*bf16"}
+    out.append(Launch("sparse_mla_combine", mla.sparse_mla_combine_kernel, combine,
+                      dict(BH=config.combine_heads, BC=config.combine_columns), 4,
+                      aligned=("H", "R")))
     return out
 
 
@@ -249,7 +254,7 @@ def problems(used: dict[str, dict[int, int]]) -> list[str]:
     for name, per_arch in used.items():
         for arch, size in per_arch.items():
             fits = size <= BLOCK_LIMIT[arch]
-            if name.startswith("sparse_mla"):
+            if name.startswith("sparse_mla "):
                 regimes.setdefault((name.split()[1], arch), []).append(fits)
             elif not fits:
                 found.append(f"{name} needs {size} bytes on sm_{arch}")

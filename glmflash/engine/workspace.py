@@ -12,21 +12,27 @@ the peak of one layer, the largest of:
   recurrence's two fp32 `[T, linear_dim]` operands;
 - MoE: per routed pair the activation `[moe_intermediate]` and the expert output `[hidden]`, and
   fp32 router logits; a dense MLP's gate/up and activation;
-plus the indexer's score tile (bounded by its tiling, not by the context) and the rows of logits
+plus the indexer's score tile (bounded by its tiling, not by the context), the rows of logits
 (the sampled ones and, in a prefill, up to one per new token for prompt log-probabilities, with
-their log-softmax). Each term is exact for the tensor it names; what is not named in the layers
-(norm outputs, small metadata) is covered by `SLACK`. On a GPU the engine also measures the
-warm-up's peak and the graphs' memory, and the ledger shows both (engine/memory_plan.py).
+their log-softmax) and, on the GPU, the partial outputs of split sparse MLA launches (bounded by
+one wave of programs, not by the tokens). Each term is exact for the tensor it names; what is not
+named in the layers (norm outputs, small metadata) is covered by `SLACK`. On a GPU the engine also
+measures the warm-up's peak and the graphs' memory, and the ledger shows both
+(engine/memory_plan.py).
 """
 
 from __future__ import annotations
 
 from glmflash.config import KDA, MLA, ModelConfig
 from glmflash.kernels.indexer.ref import REF_TILING, SelectTiling
+from glmflash.kernels.sparse_mla.plan import HEAD_BLOCK
 
 # Unnamed small tensors (norms, router top-k, metadata): a fraction of the named ones.
 SLACK = 1.25
 FP32, INT64 = 4, 8
+# Programs of one wave on the largest GPU planned for (2 per SM on up to 132 SMs): a split sparse
+# MLA launch keeps one partial output and log-sum-exp per head of each.
+SPLIT_PROGRAMS = 264
 
 
 def _gpu_tiling() -> SelectTiling:
@@ -91,7 +97,16 @@ def forward_bytes(config: ModelConfig, num_tokens: int, num_logit_rows: int, max
     whose longest context has `max_pools` pools, returning `num_logit_rows` rows of logits."""
     layers = int(num_tokens * per_token_bytes(config, item, reference) * SLACK)
     scores = score_tile_bytes(config, num_tokens, max_pools, reference)
-    return layers + scores + logit_bytes(config, num_logit_rows, item)
+    partials = 0 if reference else split_partial_bytes(config)
+    return layers + scores + partials + logit_bytes(config, num_logit_rows, item)
+
+
+def split_partial_bytes(config: ModelConfig) -> int:
+    """The workspace of split sparse MLA launches (kernels/sparse_mla/plan.py)."""
+    if MLA not in config.layer_types:
+        return 0
+    rows = SPLIT_PROGRAMS * min(config.num_attention_heads, HEAD_BLOCK)
+    return rows * (config.kv_lora_rank + 1) * FP32
 
 
 def logit_bytes(config: ModelConfig, num_rows: int, item: int) -> int:

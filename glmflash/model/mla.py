@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from glmflash.config import ModelConfig
-from glmflash.kernels.sparse_mla import sparse_mla
+from glmflash.kernels.sparse_mla import sparse_mla, sparse_mla_workspace
 from glmflash.model.forward_batch import ForwardBatch
 from glmflash.model.indexer import Indexer
 from glmflash.model.layers import Linear, RMSNorm
@@ -54,6 +54,10 @@ class MultiLatentAttention(nn.Module):
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.qk_dim + self.v_dim, self.kv_rank)
         w_uk, w_uv = w_kv[:, : self.qk_dim], w_kv[:, self.qk_dim:]
         q_absorbed = torch.einsum("thd,hdr->thr", q, w_uk)
-        o_latent = sparse_mla(q_absorbed, latent_cache, selection, scale=self.qk_dim ** -0.5)
+        # One workspace for the split launches of every MLA layer of this forward.
+        workspace = batch.cached("sparse_mla_workspace",
+                                 lambda: sparse_mla_workspace(q_absorbed, selection))
+        o_latent = sparse_mla(q_absorbed, latent_cache, selection, scale=self.qk_dim ** -0.5,
+                              workspace=workspace)
         o = torch.einsum("thr,hvr->thv", o_latent, w_uv).reshape(num_tokens, -1)
         return self.o_proj(o), selection

@@ -22,4 +22,4 @@ def test_every_launch_fits_consumer_gpus():
     proc = subprocess.run([sys.executable, str(TOOL), "--skip-prep", "--check", "--arch", "89",
                            "120"], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
-    assert "| sparse_mla wide 256/32/1 |" in proc.stdout
+    assert "| sparse_mla decode 16/16/2/8w |" in proc.stdout

@@ -1,15 +1,17 @@
-"""Triton sparse MLA: absorbed-latent attention over gathered cache slots (see ref.py).
+"""Triton sparse MLA: absorbed-latent attention over each query's gathered cache slots (ref.py).
 
-One program owns a query token, a block of heads, a block of output columns and a range of its
-selected slots: it gathers those latent rows, scores them against all heads of the block (an MQA
-over the one latent head) and keeps an fp32 online softmax. With several slot ranges per token
-(decode: too few tokens to fill the GPU) the partial results are merged by a second kernel.
+One program owns a query, a block of heads (the M of both products: 64 heads x one query) and a
+range of the query's selected slots. It gathers those latent rows step by step, scores them
+against every head of the block (an MQA over the one latent head) and keeps an fp32 online
+softmax. With enough queries a program owns a whole selection (prefill); with
+few (decode) the selection is split so that a wave of programs fills the GPU, each split writes
+its normalised output and log-sum-exp to the caller's workspace, and they are merged either by
+the last split to finish (arrival counter) or by a second kernel (README.md).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -19,200 +21,273 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
+from glmflash.kernels.sparse_mla.plan import (
+    DEFAULT_CONFIG,
+    SparseMlaConfig,
+    SparseMlaLaunch,
+    SparseMlaWorkspace,
+    SplitPlan,
+    head_block,
+    split_plan,
+    wanted_splits,
+)
 from glmflash.kernels.triton_utils import dot_operand_type, jit, num_sms, product_precision
 
 logger = logging.getLogger(__name__)
 
-BlockShape = tuple[int, int, int | None]
-"""(output columns per program, slots per step, software pipeline stages or None for Triton's)."""
-
-
-@dataclass(frozen=True)
-class SparseMlaConfig:
-    """Launch shapes of the sparse MLA kernel (README.md, "Launch shapes", says where they come
-    from). Block shapes are tried in order; the first that fits the GPU's shared memory is kept."""
-
-    narrow: tuple[BlockShape, ...] = ((128, 64, None), (128, 64, 1), (128, 32, 1))
-    """Below `wide_tokens` queries: narrow output blocks give few queries more programs."""
-    wide: tuple[BlockShape, ...] = ((512, 64, 2), (512, 32, 2), (512, 16, 2), (256, 32, 1),
-                                    (128, 32, 1))
-    """From `wide_tokens` queries: whole-rank blocks score each slot once."""
-    wide_tokens: int = 16
-    score_block: int = 128
-    """Rank columns per score product when a program owns fewer output columns than the rank."""
-    split_waves: float = 1.0
-    """Programs per SM the split-slot decode aims for."""
-
-
-DEFAULT_CONFIG = SparseMlaConfig()
-# (device, block shapes tried, rank block, head block) -> the block shape that fitted there
-_FITTED: dict[tuple, BlockShape] = {}
+LOG2E = 1.4426950408889634
+# (device, shapes tried, heads, rank, dtype) -> the launch shape that compiled there
+_FITTED: dict[tuple, SparseMlaLaunch] = {}
 
 
 @jit
-def sparse_mla_kernel(q, latent, slots, o, part_o, part_ml, scale, T, H, W, R,
+def _attend_step(b_q, latent, p_slot, w0, w_end, b_m, b_l, b_acc, o_r, m_r, stride_l, scale_log2,
+                 BN: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                 SPLIT_SCORES: tl.constexpr):
+    """One step of the online softmax over slots p_slot[w0 : w0 + BN] (those < w_end)."""
+    o_n = w0 + tl.arange(0, BN)
+    idx = tl.load(p_slot + o_n, mask=o_n < w_end, other=-1)
+    valid = idx >= 0
+    # NOTE: padded slots (-1) are masked, so they cost no memory traffic.
+    b_kv = tl.load(latent + idx.to(tl.int64)[:, None] * stride_l + o_r[None, :],
+                   mask=valid[:, None] & m_r[None, :], other=0.0,
+                   cache_modifier=".cg").to(DOT)  # [BN, BR]
+    b_s = tl.dot(b_q, tl.trans(b_kv), input_precision=PREC)  # [BH, BN]
+    b_s = tl.where(valid[None, :], b_s * scale_log2, float("-inf"))
+    b_mn = tl.maximum(b_m, tl.max(b_s, 1))
+    # NOTE: rows that have seen no valid slot keep m = -inf; shift by 0 there (no NaN).
+    b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
+    b_p = tl.exp2(b_s - b_ms[:, None])
+    b_alpha = tl.exp2(b_m - b_ms)
+    b_l = b_l * b_alpha + tl.sum(b_p, 1)
+    if SPLIT_SCORES:
+        # NOTE: Triton lays a product whose result reaches another product (the scores reach
+        # the value product) with every warp along M; with 64 rows and 8 warps both warpgroups
+        # would compute all the scores. Results of a branch with a side effect are not
+        # followed, so the scores are split by columns between the warpgroups instead. The
+        # branch is always taken (w0 >= 0); the store in the other one never runs.
+        if w0 >= 0:
+            b_pd = b_p.to(DOT)
+            b_acc = b_acc * b_alpha[:, None]
+        else:
+            tl.store(p_slot + o_n, idx, mask=o_n < w0)
+            b_pd = tl.zeros_like(b_p).to(DOT)
+    else:
+        b_pd = b_p.to(DOT)
+        b_acc = b_acc * b_alpha[:, None]
+    b_acc = tl.dot(b_pd, b_kv, b_acc, input_precision=PREC)  # [BH, BR]
+    return b_mn, b_l, b_acc
+
+
+@jit
+def _combine_splits(part_o, part_lse, o, i_t, o_h, m_h, c_begin, c_end, H, R, NUM_SPLITS,
+                    stride_ot, stride_oh, BH: tl.constexpr, BC: tl.constexpr):
+    """out[i_t, heads o_h, columns [c_begin, c_end)] = sum_s 2^lse_s o_s / sum_s 2^lse_s
+    (zeros where no split saw a slot). Loads bypass L1: other programs wrote the partials."""
+    rows = i_t * NUM_SPLITS * H + o_h  # [BH] split 0's rows of the partials
+    p_lse = part_lse + rows
+    b_mx = tl.full([BH], float("-inf"), dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        b_lse = tl.load(p_lse + s * H, mask=m_h, other=float("-inf"), cache_modifier=".cg")
+        b_mx = tl.maximum(b_mx, b_lse)
+    b_mx = tl.where(b_mx == float("-inf"), 0.0, b_mx)
+    b_den = tl.zeros([BH], dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        b_lse = tl.load(p_lse + s * H, mask=m_h, other=float("-inf"), cache_modifier=".cg")
+        b_den += tl.exp2(b_lse - b_mx)
+    b_inv = 1.0 / tl.where(b_den > 0, b_den, 1.0)
+    o_c = tl.arange(0, BC)
+    p_o = o + i_t * stride_ot + o_h[:, None] * stride_oh
+    for c0 in range(c_begin, c_end, BC):
+        m_out = m_h[:, None] & (c0 + o_c < c_end)[None, :]
+        b_out = tl.zeros([BH, BC], dtype=tl.float32)
+        for s in range(NUM_SPLITS):
+            b_lse = tl.load(p_lse + s * H, mask=m_h, other=float("-inf"), cache_modifier=".cg")
+            p_part = part_o + (rows + s * H)[:, None] * R + c0 + o_c[None, :]
+            b_part = tl.load(p_part, mask=m_out, other=0.0, cache_modifier=".cg")
+            b_out += (tl.exp2(b_lse - b_mx) * b_inv)[:, None] * b_part
+        tl.store(p_o + c0 + o_c[None, :], b_out.to(o.dtype.element_ty), mask=m_out)
+
+
+@jit(do_not_specialize=("W", "NUM_SPLITS", "STEPS_PER", "EXTRA_STEPS", "FULL_W"))
+def sparse_mla_kernel(q, latent, slots, o, part_o, part_lse, arrivals, scale_log2, H, W, R,
                       stride_qt, stride_qh, stride_l, stride_s, stride_ot, stride_oh,
-                      SPLIT_W, NUM_SPLITS: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
-                      BH: tl.constexpr, BR: tl.constexpr, BRC: tl.constexpr, BRV: tl.constexpr,
-                      BN: tl.constexpr, ONE_PIECE: tl.constexpr, DOT: tl.constexpr,
+                      NUM_SPLITS, STEPS_PER, EXTRA_STEPS, FULL_W, BH: tl.constexpr,
+                      BR: tl.constexpr, BN: tl.constexpr, TAIL_BN: tl.constexpr,
+                      NUM_STAGES: tl.constexpr, BC: tl.constexpr, SPLIT_SCORES: tl.constexpr,
+                      IS_SPLIT: tl.constexpr, FUSE_COMBINE: tl.constexpr, DOT: tl.constexpr,
                       PREC: tl.constexpr):
-    """Online-softmax attention of q[t, heads] over latent[slots[t, range]], output columns
-    [i_rv * BRV, +BRV) only. Scores take the whole rank in BRC-wide pieces, so a program can own
-    fewer output columns than the rank; with ONE_PIECE (BRC = BRV = BR) the latent tile of the
-    scores is the value tile too, and q stays loaded across slot steps."""
-    i_t, i_hr, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_hb, i_rv = i_hr % HEAD_BLOCKS, i_hr // HEAD_BLOCKS
+    """Online-softmax attention of q[t, head block] over latent[slots[t, split's range]].
+
+    Split s attends whole BN steps (STEPS_PER of them, one more for s < EXTRA_STEPS); the last
+    split also attends the tail [FULL_W, W), in TAIL_BN steps. Unsplit: out directly; split:
+    the normalised partial output and log2-sum-exp2 per (query, split, head), merged here by
+    the last split to arrive (FUSE_COMBINE) or by `sparse_mla_combine_kernel`.
+    """
+    i_t, i_hb, i_s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     o_h = i_hb * BH + tl.arange(0, BH)
-    o_c = tl.arange(0, BRC)
-    o_v = i_rv * BRV + tl.arange(0, BRV)
-    m_h, m_v = o_h < H, o_v < R
-    i_t64 = i_t.to(tl.int64)
-    p_q = q + i_t64 * stride_qt + o_h[:, None] * stride_qh
+    o_r = tl.arange(0, BR)
+    m_h, m_r = o_h < H, o_r < R
+    m_out = m_h[:, None] & m_r[None, :]
+    b_q = tl.load(q + i_t * stride_qt + o_h[:, None] * stride_qh + o_r[None, :], mask=m_out,
+                  other=0.0).to(DOT)  # [BH, BR]
     b_m = tl.full([BH], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BH], dtype=tl.float32)
-    b_acc = tl.zeros([BH, BRV], dtype=tl.float32)
-    w_start = i_s * SPLIT_W
-    w_end = tl.minimum(w_start + SPLIT_W, W)
-    if ONE_PIECE:
-        b_q1 = tl.load(p_q + o_c[None, :], mask=m_h[:, None] & (o_c < R)[None, :],
-                       other=0.0).to(DOT)
-    for w0 in range(w_start, w_end, BN):
-        o_n = w0 + tl.arange(0, BN)
-        idx = tl.load(slots + i_t64 * stride_s + o_n, mask=o_n < w_end, other=-1)
-        valid = idx >= 0
-        p_kv = latent + idx.to(tl.int64)[:, None] * stride_l
-        if ONE_PIECE:
-            b_kv = tl.load(p_kv + o_c[None, :], mask=valid[:, None] & (o_c < R)[None, :],
-                           other=0.0).to(DOT)
-            b_s = tl.dot(b_q1, tl.trans(b_kv), input_precision=PREC)
-        else:
-            b_s = tl.zeros([BH, BN], dtype=tl.float32)
-            for r0 in tl.static_range(0, BR, BRC):
-                m_c = r0 + o_c < R
-                b_q = tl.load(p_q + r0 + o_c[None, :], mask=m_h[:, None] & m_c[None, :],
-                              other=0.0)
-                b_kc = tl.load(p_kv + r0 + o_c[None, :], mask=valid[:, None] & m_c[None, :],
-                               other=0.0)
-                b_s = tl.dot(b_q.to(DOT), tl.trans(b_kc.to(DOT)), b_s, input_precision=PREC)
-        b_s = tl.where(valid[None, :], b_s * scale, float("-inf"))
-        b_mn = tl.maximum(b_m, tl.max(b_s, 1))
-        # NOTE: rows that have seen no valid slot keep m = -inf; shift by 0 there (no NaN).
-        b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
-        b_p = tl.exp(b_s - b_ms[:, None])
-        b_alpha = tl.exp(b_m - b_ms)
-        b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        if not ONE_PIECE:
-            b_kv = tl.load(p_kv + o_v[None, :], mask=valid[:, None] & m_v[None, :],
-                           other=0.0).to(DOT)
-        b_acc = tl.dot(b_p.to(DOT), b_kv, b_acc * b_alpha[:, None], input_precision=PREC)
-        b_m = b_mn
-    m_out = m_h[:, None] & m_v[None, :]
+    b_acc = tl.zeros([BH, BR], dtype=tl.float32)
+    p_slot = slots + i_t * stride_s
+    w_begin = (i_s * STEPS_PER + tl.minimum(i_s, EXTRA_STEPS)) * BN
+    w_end = w_begin + (STEPS_PER + (i_s < EXTRA_STEPS).to(tl.int32)) * BN
+    is_last = i_s == NUM_SPLITS - 1
+    if TAIL_BN == BN:
+        # The last split's loop runs on into the tail, its final step masked.
+        w_end = tl.where(is_last, W, w_end)
+    for w0 in tl.range(w_begin, w_end, BN, num_stages=NUM_STAGES):
+        b_m, b_l, b_acc = _attend_step(b_q, latent, p_slot, w0, w_end, b_m, b_l, b_acc, o_r,
+                                       m_r, stride_l, scale_log2, BN, DOT, PREC, SPLIT_SCORES)
+    if TAIL_BN < BN:
+        # Narrower steps over the tail: the last split's only (an empty range for the others).
+        for w0 in tl.range(tl.where(is_last, FULL_W, W), W, TAIL_BN, num_stages=NUM_STAGES):
+            b_m, b_l, b_acc = _attend_step(b_q, latent, p_slot, w0, W, b_m, b_l, b_acc, o_r,
+                                           m_r, stride_l, scale_log2, TAIL_BN, DOT, PREC,
+                                           SPLIT_SCORES)
     b_out = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
-    if NUM_SPLITS == 1:
-        p_o = o + i_t64 * stride_ot + o_h[:, None] * stride_oh + o_v[None, :]
+    if not IS_SPLIT:
+        p_o = o + i_t * stride_ot + o_h[:, None] * stride_oh + o_r[None, :]
         tl.store(p_o, b_out.to(o.dtype.element_ty), mask=m_out)
     else:
-        # Partials: the normalised output of this range, and (m, l) to weight it.
-        row = (i_t64 * NUM_SPLITS + i_s) * H + o_h
-        tl.store(part_o + row[:, None] * R + o_v[None, :], b_out.to(part_o.dtype.element_ty),
-                 mask=m_out)
-        if i_rv == 0:
-            tl.store(part_ml + row * 2, b_m, mask=m_h)
-            tl.store(part_ml + row * 2 + 1, b_l, mask=m_h)
+        row = (i_t * NUM_SPLITS + i_s) * H + o_h  # [BH]
+        tl.store(part_o + row[:, None] * R + o_r[None, :], b_out, mask=m_out)
+        b_lse = tl.where(b_l > 0, b_m + tl.log2(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
+        tl.store(part_lse + row, b_lse, mask=m_h)
+        if FUSE_COMBINE:
+            p_arrived = arrivals + i_t * tl.num_programs(1) + i_hb
+            # Every warp's partial is written before the release; the last arrival acquires all.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(p_arrived, 1, sem="acq_rel")
+            if arrived == NUM_SPLITS - 1:
+                tl.debug_barrier()
+                _combine_splits(part_o, part_lse, o, i_t, o_h, m_h, 0, R, H, R, NUM_SPLITS,
+                                stride_ot, stride_oh, BH, BC)
+                tl.atomic_xchg(p_arrived, 0, sem="relaxed")
 
 
-@jit
-def sparse_mla_combine_kernel(part_o, part_ml, o, H, R, stride_ot, stride_oh,
-                              NUM_SPLITS: tl.constexpr, BS: tl.constexpr, BR: tl.constexpr):
-    """out[t, h] = sum_s l_s e^(m_s - M) o_s / sum_s l_s e^(m_s - M); zeros if nothing valid."""
-    i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    o_s = tl.arange(0, BS)
-    o_r = tl.arange(0, BR)
-    m_s = o_s < NUM_SPLITS
-    row = (i_t * NUM_SPLITS + o_s) * H + i_h
-    b_m = tl.load(part_ml + row * 2, mask=m_s, other=float("-inf"))
-    b_l = tl.load(part_ml + row * 2 + 1, mask=m_s, other=0.0)
-    b_mx = tl.max(b_m, 0)
-    b_mx = tl.where(b_mx == float("-inf"), 0.0, b_mx)
-    b_w = b_l * tl.exp(b_m - b_mx)  # [BS]
-    b_o = tl.load(part_o + row[:, None] * R + o_r[None, :], mask=m_s[:, None] & (o_r < R)[None, :],
-                  other=0.0).to(tl.float32)
-    b_sum = tl.sum(b_w, 0)
-    b_out = tl.sum(b_o * b_w[:, None], 0) / tl.where(b_sum > 0, b_sum, 1.0)
-    tl.store(o + i_t * stride_ot + i_h * stride_oh + o_r, b_out.to(o.dtype.element_ty),
-             mask=o_r < R)
+@jit(do_not_specialize=("NUM_SPLITS",))
+def sparse_mla_combine_kernel(part_o, part_lse, o, H, R, NUM_SPLITS, stride_ot, stride_oh,
+                              BH: tl.constexpr, BC: tl.constexpr):
+    """Merge the splits of (query, BH heads, BC columns) written by `sparse_mla_kernel`."""
+    i_t, i_h, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    o_h = i_h * BH + tl.arange(0, BH)
+    c_begin = i_c * BC
+    _combine_splits(part_o, part_lse, o, i_t, o_h, o_h < H, c_begin, tl.minimum(c_begin + BC, R),
+                    H, R, NUM_SPLITS, stride_ot, stride_oh, BH, BC)
 
 
-def _num_splits(programs: int, width: int, bn: int, device: torch.device, waves: float) -> int:
-    """Slot ranges per token so that about `waves` programs run per SM, each range at least one
-    bn-slot step."""
-    if programs == 0 or width == 0:
-        return 1
-    want = int(num_sms(device) * waves) // programs
-    return max(1, min(want, triton.cdiv(width, bn)))
+def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *, scale: float,
+               config: SparseMlaConfig = DEFAULT_CONFIG,
+               workspace: SparseMlaWorkspace | None = None) -> torch.Tensor:
+    """Triton `sparse_mla_ref`: q_lat `[T, H, R]`, latent `[N, R]`, slots `[T, W]` (-1 = none).
 
-
-def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *,
-               scale: float, config: SparseMlaConfig = DEFAULT_CONFIG) -> torch.Tensor:
-    """Triton `sparse_mla_ref`: q_lat `[T, H, R]`, latent `[N, R]`, slots `[T, W]` (-1 = none)."""
-    num_tokens, heads, rank = q_lat.shape
-    assert latent.shape[1] == rank and slots.shape[0] == num_tokens
+    `workspace` holds the splits of a decode-sized launch (`sparse_mla_workspace`); without
+    one, a split launch allocates its own. Host work depends on shapes only (CUDA graphs).
+    """
+    num_queries, heads, rank = q_lat.shape
+    assert latent.shape[1] == rank and slots.shape[0] == num_queries
     assert q_lat.stride(2) == 1 and latent.stride(1) == 1 and slots.stride(1) == 1
-    out = torch.empty(num_tokens, heads, rank, dtype=q_lat.dtype, device=q_lat.device)
-    if num_tokens == 0:
+    assert slots.dtype in (torch.int32, torch.int64), slots.dtype
+    out = torch.empty(num_queries, heads, rank, dtype=q_lat.dtype, device=q_lat.device)
+    if num_queries == 0:
         return out
-    slots = slots if slots.dtype in (torch.int32, torch.int64) else slots.long()
-    br = triton.next_power_of_2(rank)
-    bh = 64 if heads > 32 else max(16, triton.next_power_of_2(heads))
-    shapes = config.wide if num_tokens >= config.wide_tokens else config.narrow
-    key = (q_lat.device, shapes, br, bh)
+    split, shapes, key = _regime(q_lat, config)
     tried = (_FITTED[key],) if key in _FITTED else shapes
     for i, shape in enumerate(tried):
         try:
-            _launch(q_lat, latent, slots, out, scale, br, bh, shape, config)
+            _launch(q_lat, latent, slots, out, scale, shape, config, workspace, split)
         except triton.runtime.errors.OutOfResources as e:
             if i + 1 == len(tried):
                 raise
-            logger.info("sparse MLA: blocks %s do not fit (%s); trying %s", shape, e,
-                        tried[i + 1])
+            logger.info("sparse MLA: %s does not fit (%s); trying %s", shape, e, tried[i + 1])
             continue
         _FITTED[key] = shape
         return out
     raise AssertionError("unreachable")
 
 
-def _launch(q_lat, latent, slots, out, scale: float, br: int, bh: int, shape: BlockShape,
-            config: SparseMlaConfig) -> None:
-    """One attention launch (and the merge of slot ranges) with the given block sizes."""
-    num_tokens, heads, rank = q_lat.shape
-    value_block, bn, stages = shape
+def launch_plan(q_lat: torch.Tensor, slots: torch.Tensor, config: SparseMlaConfig = DEFAULT_CONFIG,
+                workspace: SparseMlaWorkspace | None = None
+                ) -> tuple[SparseMlaLaunch, SplitPlan, bool]:
+    """What `sparse_mla` launches for these shapes: the launch shape (the one that fitted, once
+    known), the split, and whether the last split combines (else the combine kernel)."""
+    split, shapes, key = _regime(q_lat, config)
+    shape = _FITTED.get(key, shapes[0])
+    plan = _split(q_lat, slots, shape, config, workspace, split)
+    return shape, plan, 1 < plan.num_splits <= config.max_fused_splits
+
+
+def _regime(q_lat: torch.Tensor, config: SparseMlaConfig
+            ) -> tuple[bool, tuple[SparseMlaLaunch, ...], tuple]:
+    """Whether the selection is split, the launch shapes to try, and the key of the one that
+    fitted."""
+    num_queries, heads, rank = q_lat.shape
+    split = wanted_splits(num_queries, heads, num_sms(q_lat.device), config) > 1
+    shapes = config.decode if split else config.prefill
+    return split, shapes, (q_lat.device, shapes, heads, rank, q_lat.dtype)
+
+
+def _split(q_lat, slots, shape: SparseMlaLaunch, config: SparseMlaConfig,
+           workspace: SparseMlaWorkspace | None, split: bool) -> SplitPlan:
+    num_queries, heads, rank = q_lat.shape
     width = slots.shape[1]
-    brv = min(value_block, br)
-    # One piece: the score tile doubles as the value tile.
-    brc = br if brv == br else min(config.score_block, br)
-    head_blocks = triton.cdiv(heads, bh)
-    value_blocks = br // brv
-    splits = _num_splits(num_tokens * head_blocks * value_blocks, width, bn, q_lat.device,
-                         config.split_waves)
-    split_w = triton.cdiv(triton.cdiv(width, splits), bn) * bn if width else bn
-    splits = triton.cdiv(width, split_w) if width else 1
-    part_dt = torch.float32 if q_lat.dtype == torch.float32 else q_lat.dtype
-    part_o = torch.empty(num_tokens * splits * heads, rank, dtype=part_dt,
-                         device=q_lat.device) if splits > 1 else out
-    part_ml = torch.empty(num_tokens * splits * heads, 2, dtype=torch.float32,
-                          device=q_lat.device) if splits > 1 else out
-    sparse_mla_kernel[(num_tokens, head_blocks * value_blocks, splits)](
-        q_lat, latent, slots, out, part_o, part_ml, scale, num_tokens, heads, width, rank,
+    if not split:
+        full_steps = width // shape.block_slots
+        return SplitPlan(1, full_steps, 0, full_steps)
+    max_splits = workspace.max_splits(num_queries, heads, rank) if workspace else None
+    return split_plan(num_queries, heads, width, shape.block_slots, num_sms(q_lat.device),
+                      config, max_splits)
+
+
+def _launch(q_lat, latent, slots, out, scale: float, shape: SparseMlaLaunch,
+            config: SparseMlaConfig, workspace: SparseMlaWorkspace | None, split: bool) -> None:
+    """The attention launch, and the combine launch of a split, with one launch shape."""
+    num_queries, heads, rank = q_lat.shape
+    plan = _split(q_lat, slots, shape, config, workspace, split)
+    if plan.num_splits > 1 and workspace is None:
+        workspace = SparseMlaWorkspace.create(num_queries, heads, rank, slots.shape[1],
+                                              q_lat.device, num_sms(q_lat.device), config)
+    fused = 1 < plan.num_splits <= config.max_fused_splits
+    _attend(q_lat, latent, slots, out, scale, shape, config, plan,
+            workspace if plan.num_splits > 1 else None, fused)
+    if plan.num_splits > 1 and not fused:
+        _combine(workspace, out, plan.num_splits, config)
+
+
+def _attend(q_lat, latent, slots, out, scale: float, shape: SparseMlaLaunch,
+            config: SparseMlaConfig, plan: SplitPlan, workspace: SparseMlaWorkspace | None,
+            fused: bool) -> None:
+    num_queries, heads, rank = q_lat.shape
+    bh, br = head_block(heads), max(16, triton.next_power_of_2(rank))
+    # Without a split the partials are never touched: `out` stands in for them.
+    parts = (workspace.partial_out, workspace.partial_lse, workspace.arrivals) \
+        if workspace is not None else (out, out, out)
+    sparse_mla_kernel[(num_queries, triton.cdiv(heads, bh), plan.num_splits)](
+        q_lat, latent, slots, out, *parts, scale * LOG2E, heads, slots.shape[1], rank,
         q_lat.stride(0), q_lat.stride(1), latent.stride(0), slots.stride(0), out.stride(0),
-        out.stride(1), split_w, NUM_SPLITS=splits, HEAD_BLOCKS=head_blocks, BH=bh, BR=br,
-        BRC=brc, BRV=brv, BN=bn, ONE_PIECE=brc == br and brv == br,
+        out.stride(1), plan.num_splits, plan.steps_per_split, plan.extra_steps,
+        plan.full_steps * shape.block_slots, BH=bh, BR=br, BN=shape.block_slots,
+        TAIL_BN=shape.tail, NUM_STAGES=shape.num_stages, BC=min(config.combine_columns, br),
+        SPLIT_SCORES=shape.split_scores, IS_SPLIT=workspace is not None, FUSE_COMBINE=fused,
         DOT=dot_operand_type(q_lat.dtype), PREC=product_precision(q_lat.dtype),
-        num_warps=8 if bh * brv >= 64 * 256 else 4,
-        **({} if stages is None else {"num_stages": stages}))
-    if splits > 1:
-        sparse_mla_combine_kernel[(num_tokens, heads)](
-            part_o, part_ml, out, heads, rank, out.stride(0), out.stride(1), NUM_SPLITS=splits,
-            BS=triton.next_power_of_2(splits), BR=br, num_warps=4)
+        num_warps=shape.num_warps)
 
 
-__all__ = ["DEFAULT_CONFIG", "SparseMlaConfig", "sparse_mla"]
+def _combine(workspace: SparseMlaWorkspace, out: torch.Tensor, num_splits: int,
+             config: SparseMlaConfig) -> None:
+    num_queries, heads, rank = out.shape
+    bh = min(config.combine_heads, head_block(heads))
+    bc = min(config.combine_columns, max(16, triton.next_power_of_2(rank)))
+    sparse_mla_combine_kernel[(num_queries, triton.cdiv(heads, bh), triton.cdiv(rank, bc))](
+        workspace.partial_out, workspace.partial_lse, out, heads, rank, num_splits,
+        out.stride(0), out.stride(1), BH=bh, BC=bc, num_warps=4)
+
+
+__all__ = ["DEFAULT_CONFIG", "SparseMlaConfig", "SparseMlaLaunch", "SparseMlaWorkspace",
+           "launch_plan", "sparse_mla"]

@@ -1,0 +1,119 @@
+"""Sparse MLA rows of bench/kernels.py: decode at 1, 8 and 32 queries and a prefill of 4096, each
+with a few launch configurations, against the roofline max(bytes / HBM copy, FLOPs / bf16 peak).
+
+    PYTHONPATH=. python bench/kernels.py --ops mla --out /tmp/mla.md
+
+Release shapes: 64 heads, a 512-wide bf16 latent, 2051 selected slots per query out of a
+128K-token cache per sequence (decode rows: one sequence per query; prefill: 4096 queries of
+one sequence). Decode rows rotate slot sets so that replays gather from HBM, not L2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from bench.common import bench_ms, copies, graph_ms, rel, table
+
+HEADS, RANK, WIDTH, CONTEXT = 64, 512, 2051, 131072
+DECODE_QUERIES = (1, 8, 32)
+PREFILL_QUERIES = 4096
+
+
+def sweep_configs(queries: int) -> dict[str, object]:
+    """The default launch configuration and three variations that the row can decide."""
+    from glmflash.kernels.sparse_mla.plan import DEFAULT_CONFIG, SparseMlaLaunch, split_plan
+    from glmflash.kernels.triton_utils import num_sms
+
+    def shapes(*launches):
+        return dataclasses.replace(DEFAULT_CONFIG, prefill=launches, decode=launches)
+
+    configs = {"default": DEFAULT_CONFIG,
+               "scores on both warpgroups": shapes(SparseMlaLaunch(64, 2, split_scores=False))}
+    sms = num_sms(torch.device("cuda"))
+    splits = split_plan(queries, HEADS, WIDTH, 64, sms, DEFAULT_CONFIG).num_splits
+    if splits == 1:
+        configs["32-slot steps"] = shapes(SparseMlaLaunch(32, 2))
+        configs["3 stages"] = shapes(SparseMlaLaunch(64, 3))
+        return configs
+    configs["16-slot tail steps"] = shapes(SparseMlaLaunch(64, 2, tail_slots=16))
+    if splits > DEFAULT_CONFIG.max_fused_splits:
+        configs["fused combine"] = dataclasses.replace(DEFAULT_CONFIG, max_fused_splits=splits)
+    else:
+        configs["combine kernel"] = dataclasses.replace(DEFAULT_CONFIG, max_fused_splits=1)
+    return configs
+
+
+def mla_inputs(queries: int):
+    seqs = queries if queries <= 32 else 1
+    latent = torch.randn(seqs * CONTEXT, RANK, device="cuda").bfloat16()
+    q = torch.randn(queries, HEADS, RANK, device="cuda").bfloat16()
+    owner = (torch.arange(queries, device="cuda") % seqs)[:, None] * CONTEXT
+    distinct = torch.stack([torch.randperm(CONTEXT, device="cuda")[:WIDTH]
+                            for _ in range(min(queries, 64))])
+    slots = distinct.repeat(-(-queries // distinct.shape[0]), 1)[:queries] + owner
+    return q, latent, slots, owner
+
+
+def rotated_slots(slots: torch.Tensor, owner: torch.Tensor, moved: int) -> list[torch.Tensor]:
+    """Decode: `slots` and other slot sets over the same caches, so that each call gathers rows
+    no recent call touched. Prefill (more queries than sequences): `slots` alone."""
+    if slots.shape[0] > DECODE_QUERIES[-1]:
+        return [slots]
+    return [slots] + [torch.randint(0, CONTEXT, slots.shape, device="cuda") + owner
+                      for _ in range(copies(moved) - 1)]
+
+
+def bench_sparse_mla(copy_gbs: float, peak_tflops: float) -> str:
+    rows = []
+    for queries in DECODE_QUERIES + (PREFILL_QUERIES,):
+        rows += _rows(queries, copy_gbs, peak_tflops)
+    return table(["queries", "config", "launch", "us (graph)", "GB/s",
+                  "% of copy", "TFLOP/s", "roofline us", "% of roofline", "torch ref us",
+                  "rel err vs fp32 ref"], rows)
+
+
+def _rows(queries: int, copy_gbs: float, peak_tflops: float) -> list[list]:
+    from glmflash.kernels.sparse_mla import sparse_mla_ref
+
+    q, latent, slots, owner = mla_inputs(queries)
+    moved = queries * WIDTH * RANK * 2 + 2 * q.numel() * 2 + slots.numel() * 8
+    flops = 4 * queries * HEADS * WIDTH * RANK
+    roofline_ms = max(moved / copy_gbs / 1e6, flops / peak_tflops / 1e9)
+    slot_sets = rotated_slots(slots, owner, moved)
+    want = sparse_mla_ref(q.float(), latent.float(), slots, scale=1 / 16)
+    ref_ms = bench_ms(lambda: sparse_mla_ref(q, latent, slots, scale=1 / 16),
+                      rep=50 if queries <= 32 else 5)
+    rows = []
+    for name, config in sweep_configs(queries).items():
+        ms, err, how = time_config(q, latent, slot_sets, want, config)
+        gbs = moved / ms / 1e6 if ms else 0.0
+        rows.append([queries, name, how, f"{ms * 1e3:.1f}", f"{gbs:.0f}",
+                     f"{100 * gbs / copy_gbs:.0f}%", f"{flops / ms / 1e9:.0f}" if ms else "-",
+                     f"{roofline_ms * 1e3:.1f}", f"{100 * roofline_ms / ms:.0f}%" if ms else "-",
+                     f"{ref_ms * 1e3:.0f}", err])
+        print(rows[-1], flush=True)
+    return rows
+
+
+def time_config(q, latent, slot_sets, want, config) -> tuple[float, str, str]:
+    """(ms per call replayed from a CUDA graph, relative error, how the launch split)."""
+    from glmflash.kernels.sparse_mla import triton_impl as ti
+    from glmflash.kernels.sparse_mla.plan import SparseMlaWorkspace
+    from glmflash.kernels.triton_utils import num_sms
+
+    workspace = SparseMlaWorkspace.create(q.shape[0], HEADS, RANK, WIDTH, q.device,
+                                          num_sms(q.device), config)
+    try:
+        err = rel(ti.sparse_mla(q, latent, slot_sets[0], scale=1 / 16, config=config,
+                                workspace=workspace).float(), want)
+        ms = graph_ms([lambda s=s: ti.sparse_mla(q, latent, s, scale=1 / 16, config=config,
+                                                 workspace=workspace) for s in slot_sets])
+    except Exception as e:  # noqa: BLE001 - a configuration that does not run is a result too
+        return 0.0, type(e).__name__, "-"
+    shape, plan, fused = ti.launch_plan(q, slot_sets[0], config, workspace)
+    splits = plan.num_splits
+    how = f"{shape.block_slots}-slot steps, " + (
+        "unsplit" if splits == 1 else f"{splits} splits, {'fused' if fused else 'kernel'}")
+    return ms, f"{err:.1e}", how
