@@ -35,7 +35,7 @@ def sweep_configs(queries: int) -> dict[str, object]:
     splits = split_plan(queries, HEADS, WIDTH, 64, sms, DEFAULT_CONFIG).num_splits
     if splits == 1:
         configs["32-slot steps"] = shapes(SparseMlaLaunch(32, 2))
-        configs["3 stages"] = shapes(SparseMlaLaunch(64, 3))
+        configs["2 stages"] = shapes(SparseMlaLaunch(64, 2))
         return configs
     configs["16-slot tail steps"] = shapes(SparseMlaLaunch(64, 2, tail_slots=16))
     if splits > DEFAULT_CONFIG.max_fused_splits:

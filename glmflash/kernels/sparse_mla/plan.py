@@ -48,8 +48,8 @@ class SparseMlaConfig:
     """How the sparse MLA launcher shapes its launches. Shapes are tried in order; the first that
     compiles for the device (shared memory) is kept per device and problem shape."""
 
-    prefill: tuple[SparseMlaLaunch, ...] = (SparseMlaLaunch(64, 2), SparseMlaLaunch(32, 2),
-                                            SparseMlaLaunch(16, 2))
+    prefill: tuple[SparseMlaLaunch, ...] = (SparseMlaLaunch(64, 3), SparseMlaLaunch(64, 2),
+                                            SparseMlaLaunch(32, 2), SparseMlaLaunch(16, 2))
     """Shapes when every program attends a query's whole selection (enough queries)."""
     decode: tuple[SparseMlaLaunch, ...] = (SparseMlaLaunch(64, 2), SparseMlaLaunch(32, 2),
                                            SparseMlaLaunch(16, 2))
@@ -58,9 +58,10 @@ class SparseMlaConfig:
     """Programs per SM that splitting the selection aims for."""
     min_split_steps: int = 2
     """Whole `block_slots` steps each split gets at least."""
-    max_fused_splits: int = 4
+    max_fused_splits: int = 1
     """Up to this many splits the last split to finish combines them (arrival counter); above,
-    a second kernel does, spread over the GPU."""
+    a second kernel does, spread over the GPU. 1: always the second kernel (on the H200 it was
+    faster at 1, 8 and 32 queries: the last split alone reads every partial; README.md)."""
     combine_heads: int = 16
     """Heads per program of the combine kernel."""
     combine_columns: int = 128
