@@ -16,8 +16,8 @@ from glmflash.kernels.kda import triton_impl as ti
 # Prep-kernel configs the sweep tries besides the default (README.md, "Launch shapes").
 SWEEP_CONFIGS = (
     ti.KdaConfig(prep_max_registers=168),  # three programs per SM instead of two
-    ti.KdaConfig(prep_warps=8),
-    ti.KdaConfig(prep_key_block=32, prep_value_block=32),
+    ti.KdaConfig(prep_warps=8),  # one program per SM
+    ti.KdaConfig(prep_warps=8, prep_key_block=32, prep_value_block=32),  # half the steps
 )
 
 

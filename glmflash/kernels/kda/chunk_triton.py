@@ -44,6 +44,8 @@ def _load_rows(ptr, t0, t_end, stride_t, col0, NCOL: tl.constexpr, BCOL: tl.cons
 @jit
 def _store_rows(ptr, b_x, t0, t_end, stride_t, col0, NCOL: tl.constexpr, BCOL: tl.constexpr,
                 BR: tl.constexpr):
+    """Stores b_x `[BR, BCOL]` at rows [t0, t0 + BR) x columns [col0, col0 + BCOL), rows past
+    t_end and columns past NCOL left alone."""
     o_t = t0 + tl.arange(0, BR)
     o_c = col0 + tl.arange(0, BCOL)
     m = (o_t < t_end)[:, None] & (o_c < NCOL)[None, :]
@@ -189,9 +191,9 @@ def _upper_inverse(b_u0, b_u1, b_u2, b_u3, SOLVE: tl.constexpr):
     `[16, 64]`: the diagonal blocks' inverses, then block back substitution along the rows,
     V_ji = -(sum_{j <= m < i} V_jm U_mi) V_ii."""
     b_u00, b_u01, b_u02, b_u03 = _unstack_cols(b_u0)
-    b_u10, b_u11, b_u12, b_u13 = _unstack_cols(b_u1)
-    b_u20, b_u21, b_u22, b_u23 = _unstack_cols(b_u2)
-    b_u30, b_u31, b_u32, b_u33 = _unstack_cols(b_u3)
+    _, b_u11, b_u12, b_u13 = _unstack_cols(b_u1)
+    _, _, b_u22, b_u23 = _unstack_cols(b_u2)
+    _, _, _, b_u33 = _unstack_cols(b_u3)
     b_v00 = _unit_upper_inverse(b_u00, SOLVE)
     b_v11 = _unit_upper_inverse(b_u11, SOLVE)
     b_v22 = _unit_upper_inverse(b_u22, SOLVE)
