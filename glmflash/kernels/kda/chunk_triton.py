@@ -1,6 +1,6 @@
 """Triton KDA chunked prefill: a prep kernel per (64-token chunk, head) in fla's decomposition,
-then the state walk per (sequence, head, value block). README.md, "Chunked form", derives both;
-ref.py's `_chunk` is the spec.
+then the state walk per (sequence, head, value block). README.md ("Chunked form", "The prep
+kernel") derives both; ref.py's `_chunk` is the spec.
 """
 
 from __future__ import annotations
@@ -104,9 +104,9 @@ def _key_block(b_aq, b_ak, b_q, b_k, b_e, b_between, b_kj, b_ej, b_sj, J: tl.con
     its sub-chunk's start; b_between: the decay from sub-chunk J's start to the row's
     sub-chunk's start (zero in J); b_kj, b_ej, b_sj: J's keys, their b_e rows and the decay
     across J. Decays in log2 units."""
-    # The anchor, relative to J's start: its middle decay, so that the factors of its own rows
-    # and keys stay within 2^(span / 2); its end for steep channels, whose rows in J are then
-    # left to `_steep_diag_block`. Later rows and all keys then carry factors <= 1.
+    # The anchor, relative to J's start: its middle decay, so that the factors of J's keys and
+    # rows stay within 2^(span / 2) and later rows' within 2^(s_J / 2) <= 1; its end for steep
+    # channels (every factor <= 1), whose rows in J are then left to `_steep_diag_block`.
     b_safe = -b_sj <= SAFE_SPAN
     b_h = tl.where(b_safe, 0.5 * b_sj, b_sj)
     b_c = b_kj * tl.exp2(b_h[None, :] - b_ej)  # [16, BK]
