@@ -1,16 +1,21 @@
-"""Which intermediate of the KDA prep kernel its 16-bit products put off (GPU only).
+"""Which KDA prefill intermediate the 16-bit products put off, and whether the compiler is to
+blame (GPU only).
 
     PYTHONPATH=. python bench/kda_diag.py
     DISABLE_MMA_V3=1 PYTHONPATH=. python bench/kda_diag.py   # the same without wgmma
 
-Runs `kda_chunk_prep_kernel` on bf16 inputs (bf16 tensor-core products) and on fp32 copies of
-them (fp32 FMA products), and prints the relative difference of every buffer (Aqk, w, u, qg, kd,
-exp(G_last)) for a few decay strengths. A difference that changes with the MMA version is the
-compiler's, one that does not is precision. Prints only; nothing is appended to RESULTS.md.
+Runs the prep kernel on bf16 inputs (TF32 products) and on fp32 copies of them (fp32 FMA
+products) and prints the relative difference of every buffer it hands the state walk (w, u, qg,
+kd, Aqk, exp(G_last)), then the whole prefill's output and state against the fp32 reference,
+for a weak, the release-strength and a steep decay (the last takes the exact diagonal form).
+The prep kernel's products are all mma.sync or FMA; only the state walk's 64-row products may
+become wgmma. A difference that changes with DISABLE_MMA_V3 is the compiler's, one that does not
+is precision. Prints only; nothing is appended to RESULTS.md.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -20,46 +25,58 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import rel  # noqa: E402
 
-HEADS, DIM = 4, 128
+HEADS, DIM, TOKENS = 4, 128, 200
 NAMES = ("w", "u", "qg", "kd", "aqk", "gl")
 
 
-def _inputs(num_tokens: int, decay: float, seed: int = 0):
+def _inputs(decay: float, seed: int = 0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
     def rnd(*shape):
         return torch.randn(*shape, generator=gen, device="cuda")
 
-    q, k, v = (rnd(num_tokens, HEADS, DIM).bfloat16() for _ in range(3))
-    g = -decay * torch.sigmoid(rnd(num_tokens, HEADS, DIM))
-    beta = torch.sigmoid(rnd(num_tokens, HEADS)).bfloat16()
-    return q, k, v, g, beta
+    q, k, v = (rnd(TOKENS, HEADS, DIM).bfloat16() for _ in range(3))
+    g = -decay * torch.sigmoid(rnd(TOKENS, HEADS, DIM))
+    beta = torch.sigmoid(rnd(TOKENS, HEADS)).bfloat16()
+    state = rnd(1, HEADS, DIM, DIM) * 0.1
+    return (q, k, v, g, beta), state
 
 
-def _prep(ti, q, k, v, g, beta):
-    n = q.shape[0]
-    plan = ti._plan((0, n), (0,), (False,), q.device)
-    buf = ti._prefill_buffers(q, v, plan.num_chunks)
+def _prep(inputs):
+    from glmflash.kernels.kda import chunk_triton
+    from glmflash.kernels.kda import triton_impl as ti
+
+    plan = ti._plan((0, TOKENS), (0,), (False,), inputs[0].device)
+    buf = chunk_triton.prefill_buffers(inputs[0], inputs[2], plan.num_chunks)
     for t in buf:
         t.fill_(float("nan"))
-    strides = (q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0))
-    ti._launch_prep(q, k, v, g, beta, buf, plan, DIM ** -0.5, strides)
+    chunk_triton.launch_prep(*inputs, buf, plan, ti.DEFAULT_CONFIG)
     torch.cuda.synchronize()
     return buf
 
 
-def main() -> None:
+def _prefill_errors(inputs, state) -> list[str]:
+    from glmflash.kernels.kda import kda_ref
     from glmflash.kernels.kda import triton_impl as ti
 
-    print("| decay | tokens | " + " | ".join(NAMES) + " |")
-    print("|---|---|" + "---|" * len(NAMES))
-    for decay in (0.05, 5.0):
-        n = 200
-        inputs = _inputs(n, decay)
-        want = _prep(ti, *(t.float() for t in inputs))
-        got = _prep(ti, *inputs)
+    s_ref, s_got = state.clone(), state.clone()
+    want = kda_ref(*inputs, s_ref, [0, TOKENS], [0], [False])
+    got = ti.kda(*inputs, s_got, [0, TOKENS], [0], [False])
+    return [f"{rel(got.float(), want.float()):.1e}", f"{rel(s_got, s_ref):.1e}"]
+
+
+def main() -> None:
+    print(f"DISABLE_MMA_V3={os.environ.get('DISABLE_MMA_V3', '')!r}; prep buffers bf16 vs fp32 "
+          f"inputs, then the bf16 prefill vs the fp32 reference ({TOKENS} tokens, {HEADS} x {DIM})")
+    print("| decay | " + " | ".join(NAMES) + " | o | state |")
+    print("|---|" + "---|" * (len(NAMES) + 2))
+    for decay in (0.05, 5.0, 20.0):
+        inputs, state = _inputs(decay)
+        want = _prep([t.float() for t in inputs])
+        got = _prep(inputs)
         errs = [f"{rel(a.float(), b.float()):.1e}" for a, b in zip(got, want, strict=True)]
-        print(f"| {decay} | {n} | " + " | ".join(errs) + " |", flush=True)
+        errs += _prefill_errors(inputs, state)
+        print(f"| {decay} | " + " | ".join(errs) + " |", flush=True)
 
 
 if __name__ == "__main__":

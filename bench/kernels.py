@@ -26,7 +26,6 @@ from bench.common import (  # noqa: E402
     device_description,
     git_commit,
     graph_ms,
-    rel,
     rotated,
     table,
 )
@@ -56,103 +55,6 @@ def _fla():
     except Exception as e:  # noqa: BLE001 - report any reason fla is unusable
         print(f"fla-core unavailable: {e!r}")
         return None, None
-
-
-def bench_kda_prefill(sizes: list[int]) -> str:
-    chunk_kda, _ = _fla()
-    rows = []
-    for n in sizes:
-        row = _kda_prefill_row(n, chunk_kda)
-        rows.append(row)
-        print(row, flush=True)
-        torch.cuda.empty_cache()
-    return table(["tokens (1 seq)", "triton ms", "prep ms", "state walk ms", "fla chunk_kda ms",
-                  "fla / triton (goal >= 1)", "rel diff vs fla (o / state)"], rows)
-
-
-def _kda_prefill_row(n: int, chunk_kda) -> list:
-    from glmflash.kernels.kda import triton_impl as ti
-
-    q, k, v, g, beta, state = _kda_inputs(n)
-    cu = [0, n]
-    s_mine = state.clone()
-    out = ti.kda(q, k, v, g, beta, s_mine, cu, [0], [False])
-    ms = bench_ms(lambda: ti.kda(q, k, v, g, beta, state.clone(), cu, [0], [False]))
-    clone_ms = bench_ms(lambda: state.clone())
-    plan = ti._plan(tuple(cu), (0,), (False,), q.device)
-    buf = ti._prefill_buffers(q, v, plan.num_chunks)
-    strides = (q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0))
-    prep_ms = bench_ms(lambda: ti._launch_prep(q, k, v, g, beta, buf, plan, D ** -0.5,
-                                                 strides))
-    row = [n, f"{ms - clone_ms:.3f}", f"{prep_ms:.3f}", f"{ms - clone_ms - prep_ms:.3f}"]
-    if chunk_kda is not None:
-        cu_t = torch.tensor(cu, device="cuda")
-
-        def run_fla(s0):
-            return chunk_kda(q[None], k[None], v[None], g[None], beta[None], scale=D ** -0.5,
-                             initial_state=s0, output_final_state=True,
-                             use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t)
-
-        o_fla, s_fla = run_fla(state.clone())
-        fla_ms = bench_ms(lambda: run_fla(state.clone())) - clone_ms
-        row += [f"{fla_ms:.3f}", f"{fla_ms / (ms - clone_ms):.2f}",
-                f"{rel(out, o_fla[0]):.1e} / {rel(s_mine, s_fla):.1e}"]
-    else:
-        row += ["n/a", "n/a", "n/a"]
-    return row
-
-
-def sweep_kda(sizes: list[int]) -> None:
-    """Launch-shape sweep of the two prefill kernels (printed only)."""
-    for n in sizes:
-        _sweep_kda_size(n)
-        torch.cuda.empty_cache()
-
-
-def _sweep_kda_size(n: int) -> None:
-    from glmflash.kernels.kda import triton_impl as ti
-
-    q, k, v, g, beta, state = _kda_inputs(n)
-    plan = ti._plan((0, n), (0,), (False,), q.device)
-    buf = ti._prefill_buffers(q, v, plan.num_chunks)
-    out = torch.empty_like(q)
-    strides = (q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0))
-    for warps, bkc in ((4, 16), (8, 16), (8, 32)):
-        config = ti.KdaConfig(prep_warps=warps, prep_key_block=bkc)
-        ms = bench_ms(lambda c=config: ti._launch_prep(q, k, v, g, beta, buf, plan, D ** -0.5,
-                                                       strides, c))
-        print(f"sweep n={n} prep warps={warps} bkc={bkc}: {ms:.3f} ms", flush=True)
-    for bv in (32, 64):
-        for warps in (4, 8):
-            config = ti.KdaConfig(state_value_block=bv, state_warps=warps)
-            ms = bench_ms(lambda c=config: ti._launch_state(state, out, buf, plan, c))
-            print(f"sweep n={n} state BV={bv} warps={warps}: {ms:.3f} ms", flush=True)
-
-
-def check_kda_accuracy(sizes: list[int]) -> str:
-    """Relative errors of the prefill's output and state against the fp32 reference on the
-    GPU, and the prep kernel's time."""
-    rows = []
-    for n in sizes:
-        rows.append([n, *_check_kda(n)])
-        print(rows[-1], flush=True)
-        torch.cuda.empty_cache()
-    return table(["tokens", "rel err o", "rel err state", "prep ms"], rows)
-
-
-def _check_kda(n: int) -> list[str]:
-    from glmflash.kernels.kda import kda_ref
-    from glmflash.kernels.kda import triton_impl as ti
-
-    q, k, v, g, beta, state = _kda_inputs(n)
-    s_ref, s_got = state.clone(), state.clone()
-    want = kda_ref(q, k, v, g, beta, s_ref, [0, n], [0], [False])
-    got = ti.kda(q, k, v, g, beta, s_got, [0, n], [0], [False])
-    ms = bench_ms(lambda: ti._launch_prep(
-        q, k, v, g, beta, ti._prefill_buffers(q, v, n // 64),
-        ti._plan((0, n), (0,), (False,), q.device), D ** -0.5,
-        (q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0))))
-    return [f"{rel(got.float(), want.float()):.1e}", f"{rel(s_got, s_ref):.1e}", f"{ms:.3f}"]
 
 
 def bench_kda_decode(batches: list[int], copy_gbs: float) -> str:
@@ -340,6 +242,8 @@ def main() -> None:
     parser.add_argument("--commit", default=None, help="commit to record (default: git HEAD)")
     parser.add_argument("--quick", action="store_true", help="smaller sizes")
     parser.add_argument("--sweep", action="store_true", help="launch-shape sweeps first")
+    parser.add_argument("--kda-tokens", default=None,
+                        help="KDA prefill lengths, comma-separated (default 4096,32768,131072)")
     args = parser.parse_args()
     ops = args.ops.split(",")
     copy_gbs = copy_bandwidth()
@@ -376,11 +280,15 @@ def main() -> None:
              f"(bench/kernels.py; copy {copy_gbs:.0f} GB/s)",
              bench_indexer(INDEXER_SHAPES, copy_gbs))
     if "kda" in ops:
-        emit("KDA prefill: accuracy vs the fp32 reference (bench/kernels.py)",
-             check_kda_accuracy([4096] if args.quick else [4096, 32768]))
-        if args.sweep:
-            sweep_kda([32768, 131072])
+        from bench.kda_prefill import bench_kda_prefill, check_kda_accuracy, sweep_kda
+
         sizes = [4096, 32768] if args.quick else [4096, 32768, 131072]
+        if args.kda_tokens:
+            sizes = [int(n) for n in args.kda_tokens.split(",")]
+        emit("KDA prefill: accuracy vs the fp32 reference (bench/kernels.py)",
+             check_kda_accuracy([n for n in sizes if n <= 32768]))
+        if args.sweep:
+            sweep_kda([min(sizes, key=lambda n: abs(n - 32768))])
         emit("KDA prefill, 64 heads x 128, bf16, one sequence (bench/kernels.py)",
              bench_kda_prefill(sizes))
     if "kda_decode" in ops:

@@ -35,6 +35,7 @@ from glmflash.kernels.fused_moe import triton_w8a8 as moe_w8a8  # noqa: E402
 from glmflash.kernels.hyper import triton_impl as hyper  # noqa: E402
 from glmflash.kernels.indexer import topk_triton as indexer_topk  # noqa: E402
 from glmflash.kernels.indexer import triton_impl as indexer  # noqa: E402
+from glmflash.kernels.kda import chunk_triton as chunk  # noqa: E402
 from glmflash.kernels.kda import triton_impl as kda  # noqa: E402
 from glmflash.kernels.sparse_mla import triton_impl as mla  # noqa: E402
 
@@ -128,14 +129,15 @@ def kda_launches(with_prep: bool) -> list[Launch]:
            for bv, warps in (config.decode_narrow, config.decode_wide)]
     walk = dict.fromkeys(("w", "u", "qg", "kd", "aqk", "o"), "*bf16")
     walk.update(gl="*fp32", state="*fp32", meta="*i32")
-    out.append(Launch("kda state walk", kda.kda_chunk_state_kernel, walk,
+    out.append(Launch("kda state walk", chunk.kda_chunk_state_kernel, walk,
                       dict(H=64, K=128, V=128, BK=128, BV=config.state_value_block,
                            PREC="tf32", DOT=tl.bfloat16), config.state_warps))
     if with_prep:
         prep = dict(ptrs, w="*bf16", u="*bf16", qg="*bf16", kd="*bf16", aqk="*bf16", gl="*fp32")
-        out.append(Launch("kda prep", kda.kda_chunk_prep_kernel, prep,
-                          dict(H=64, K=128, V=128, BK=128, BVF=128, BKC=config.prep_key_block,
-                               PREC="tf32", DOT=tl.bfloat16), config.prep_warps))
+        out.append(Launch("kda prep", chunk.kda_chunk_prep_kernel, prep,
+                          dict(H=64, K=128, V=128, BK=config.prep_key_block,
+                               BV=config.prep_value_block, PREC="tf32",
+                               SOLVE=config.prep_solve_precision), config.prep_warps))
     conv = {"x": "*bf16", "weight": "*fp32", "conv_state": "*bf16", "out": "*bf16",
             "meta": "*i32"}
     out.append(Launch("causal conv1d", kda.causal_conv1d_kernel, conv,

@@ -1,4 +1,5 @@
-"""Triton KDA: short causal conv, fused recurrent decode step, chunked prefill (README.md).
+"""Triton KDA: short causal conv, fused recurrent decode step, and the launcher that splits a
+packed batch between the decode kernel and the chunked prefill (chunk_triton.py; README.md).
 
 Same signatures and semantics as ref.py. Per-sequence metadata (host lists) is packed into one
 int32 tensor per distinct batch and cached, so the 34 KDA layers of a forward share one copy.
@@ -12,6 +13,8 @@ from typing import NamedTuple
 
 import torch
 
+from glmflash.kernels.kda import chunk_triton
+from glmflash.kernels.kda.chunk_triton import CHUNK
 from glmflash.utils.device import upload
 
 try:
@@ -20,14 +23,7 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
-from glmflash.kernels.triton_utils import constexpr, dot_operand_type, jit, product_precision
-
-# Chunk length of the prefill kernels (sub-chunks of 16 rows inside).
-CHUNK = 64
-# Rows of a 16-row sub-chunk use exp(G_t - a) * exp(a - G_s) around its mid-decay a; safe while
-# its total decay stays under this (natural log units, factors within e^+-42), else the
-# diagonal block is computed column by column.
-SAFE_SPAN = constexpr(84.0)
+from glmflash.kernels.triton_utils import jit
 
 
 @dataclass(frozen=True)
@@ -41,7 +37,14 @@ class KdaConfig:
     decode_wide_batch: int = 16
     prep_warps: int = 4
     prep_key_block: int = 16
-    """Key columns per step of the prep kernel."""
+    """Channels per step of the prep kernel (its passes over q, k and g)."""
+    prep_value_block: int = 16
+    """Value columns per step of the prep kernel's u."""
+    prep_max_registers: int | None = None
+    """Register cap per thread of the prep kernel (None: the compiler's choice)."""
+    prep_solve_precision: str = "ieee"
+    """`input_precision` of the 16x16 products of the prep kernel's inverse for 16-bit models
+    (fp32 models always take "ieee")."""
     state_value_block: int = 64
     """Value columns per program of the state walk."""
     state_warps: int = 4
@@ -50,6 +53,8 @@ class KdaConfig:
 
 
 DEFAULT_CONFIG = KdaConfig()
+
+
 class KdaPlan(NamedTuple):
     """Device metadata of one batch; host counts for the grids."""
 
@@ -118,229 +123,6 @@ def kda_decode_kernel(q, k, v, g, beta, state, o, meta, scale, stride_q, stride_
     tl.store(o + tok * stride_o + i_h * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
 
 
-@jit
-def _row(x, o_r, r):
-    """Row r of a register tile, as a vector over its columns."""
-    return tl.sum(tl.where(o_r[:, None] == r, x, 0.0), 0)
-
-
-@jit
-def _store_rows(ptr, b_x, t0, t_end, stride_t, col0, NCOL: tl.constexpr, BCOL: tl.constexpr,
-                BR: tl.constexpr):
-    o_t = t0 + tl.arange(0, BR)
-    o_c = tl.arange(0, BCOL)
-    m = (o_t < t_end)[:, None] & (col0 + o_c < NCOL)[None, :]
-    p = ptr + o_t.to(tl.int64)[:, None] * stride_t + col0 + o_c[None, :]
-    tl.store(p, b_x.to(ptr.dtype.element_ty), mask=m)
-
-
-@jit
-def _load_rows(ptr, t0, t_end, stride_t, col0, NCOL: tl.constexpr, BCOL: tl.constexpr,
-               BR: tl.constexpr):
-    """Rows [t0, t0 + BR) x columns [col0, col0 + BCOL) of a row-major matrix, zero past
-    t_end or NCOL, as fp32."""
-    o_t = t0 + tl.arange(0, BR)
-    o_c = tl.arange(0, BCOL)
-    m = (o_t < t_end)[:, None] & (col0 + o_c < NCOL)[None, :]
-    p = ptr + o_t.to(tl.int64)[:, None] * stride_t + col0 + o_c[None, :]
-    return tl.load(p, mask=m, other=0.0).to(tl.float32)
-
-
-@jit
-def _diag_fallback(b_aq, b_ak, b_q, b_k, b_G, i, BT: tl.constexpr):
-    """Diagonal sub-block i one column at a time, for decays too steep for the factored form."""
-    o_t = tl.arange(0, BT)
-    in_blk = (o_t // 16) == i
-    for j in range(16):
-        s = i * 16 + j
-        b_ks = _row(b_k, o_t, s)
-        b_gs = _row(b_G, o_t, s)
-        m = (in_blk & (o_t >= s))[:, None]
-        b_e = tl.exp(tl.where(m, b_G - b_gs[None, :], float("-inf"))) * b_ks[None, :]
-        b_aq = tl.where(o_t[None, :] == s, b_aq + tl.sum(b_q * b_e, 1)[:, None], b_aq)
-        b_ak = tl.where(o_t[None, :] == s, b_ak + tl.sum(b_k * b_e, 1)[:, None], b_ak)
-    return b_aq, b_ak
-
-
-@jit
-def _unit_tril_inverse(b_a, BT: tl.constexpr):
-    """(I + A)^-1 for strictly lower-triangular A [64, 64] in fp32 FMA products: A^64 = 0, so
-    the Neumann series sum (-A)^n equals (I - A)(I + A^2)(I + A^4)...(I + A^32): ten products,
-    no row loop."""
-    o_t = tl.arange(0, BT)
-    eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
-    b_p = b_a
-    b_t = eye - b_a
-    for _ in range(5):
-        b_p = tl.dot(b_p, b_p, input_precision="ieee")
-        b_t = tl.dot(b_t, eye + b_p, input_precision="ieee")
-    return b_t
-
-
-@jit
-def kda_chunk_prep_kernel(q, k, v, g, beta, w, u, qg, kd, aqk, gl, meta, scale,
-                          stride_q, stride_k, stride_v, stride_g, stride_b,
-                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                          BK: tl.constexpr, BVF: tl.constexpr, BKC: tl.constexpr,
-                          PREC: tl.constexpr, DOT: tl.constexpr):
-    """Intra-chunk part of one (chunk, head) of 64 rows, for the sequential state kernel:
-    Aqk, T = (I + diag(beta) Akk)^-1, w = T (beta k exp(G)), u = T (beta v), qg = q exp(G),
-    kd = k exp(G_last - G) and exp(G_last). Derivation and anchoring in README.md. The A
-    products take DOT operands, the inverse fp32 FMA products (README.md, "Open problems")."""
-    BT: tl.constexpr = 64
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0 = tl.load(meta + i_c * 3)
-    t_end = tl.load(meta + i_c * 3 + 1)
-    o_t = tl.arange(0, BT)
-    blk = o_t // 16
-    col = i_h * K
-    b_aq = tl.zeros([BT, BT], dtype=tl.float32)
-    b_ak = tl.zeros([BT, BT], dtype=tl.float32)
-    b_sq = tl.zeros([BT], dtype=tl.float32)
-    b_sk = tl.zeros([BT], dtype=tl.float32)
-    # NOTE: loops, not unrolled: unrolled, the kernel's code outgrows the instruction cache.
-    for kb in range(BK // BKC):
-        c0 = kb * BKC
-        b_g = _load_rows(g + col, t0, t_end, stride_g, c0, K, BKC, BT)
-        b_G = tl.cumsum(b_g, 0)  # [BT, BKC] decay from the chunk start
-        # c_i: decay carried into 16-row sub-chunk i; each row is anchored at its own c_i.
-        c1 = tl.sum(tl.where(blk[:, None] < 1, b_g, 0.0), 0)
-        c2 = tl.sum(tl.where(blk[:, None] < 2, b_g, 0.0), 0)
-        c3 = tl.sum(tl.where(blk[:, None] < 3, b_g, 0.0), 0)
-        c4 = tl.sum(b_g, 0)
-        # Anchor a_i: the mid-decay of sub-chunk i, so its own rows' factors stay within
-        # e^(+-span/2) and earlier rows' column factors are <= 1; a sub-chunk whose span is too
-        # steep is anchored at its start c_i instead (then every factor is <= 1).
-        sp0, sp1, sp2, sp3 = tl.max(-c1, 0), tl.max(c1 - c2, 0), tl.max(c2 - c3, 0), \
-            tl.max(c3 - c4, 0)
-        a0 = tl.where(sp0 <= SAFE_SPAN, 0.5, 0.0) * c1
-        a1 = c1 + tl.where(sp1 <= SAFE_SPAN, 0.5, 0.0) * (c2 - c1)
-        a2 = c2 + tl.where(sp2 <= SAFE_SPAN, 0.5, 0.0) * (c3 - c2)
-        a3 = c3 + tl.where(sp3 <= SAFE_SPAN, 0.5, 0.0) * (c4 - c3)
-        b_cb = tl.where(blk[:, None] == 0, a0[None, :], a1[None, :])
-        b_cb = tl.where(blk[:, None] == 2, a2[None, :], b_cb)
-        b_cb = tl.where(blk[:, None] == 3, a3[None, :], b_cb)
-        b_q = _load_rows(q + col, t0, t_end, stride_q, c0, K, BKC, BT)
-        b_k = _load_rows(k + col, t0, t_end, stride_k, c0, K, BKC, BT)
-        b_sq += tl.sum(b_q * b_q, 1)
-        b_sk += tl.sum(b_k * b_k, 1)
-        b_up = tl.exp(b_G - b_cb)
-        b_rq = b_q * b_up
-        b_rk = b_k * b_up
-        for i in range(4):
-            a_i = tl.where(i == 0, a0, tl.where(i == 1, a1, tl.where(i == 2, a2, a3)))
-            span = tl.where(i == 0, sp0, tl.where(i == 1, sp1, tl.where(i == 2, sp2, sp3)))
-            # Columns: earlier rows (factor exp(a_i - G_s) <= 1) and, while the sub-chunk's
-            # decay span allows, its own rows (factor <= e^(SAFE_SPAN / 2)).
-            m_col = (blk < i) | ((blk == i) & ((blk * 0.0 + span) <= SAFE_SPAN))
-            b_x = tl.where(m_col[:, None], a_i[None, :] - b_G, 0.0)
-            b_ct = tl.trans(tl.where(m_col[:, None], b_k * tl.exp(b_x), 0.0)).to(DOT)
-            m_row = (blk == i)[:, None]
-            b_aq = tl.dot(tl.where(m_row, b_rq, 0.0).to(DOT), b_ct, b_aq, input_precision=PREC)
-            b_ak = tl.dot(tl.where(m_row, b_rk, 0.0).to(DOT), b_ct, b_ak, input_precision=PREC)
-            if span > SAFE_SPAN:
-                b_aq, b_ak = _diag_fallback(b_aq, b_ak, b_q, b_k, b_G, i, BT)
-    # l2 norms as row / column scalings (eps inside the root, as the reference).
-    b_rnq = scale / tl.sqrt(b_sq + 1e-6)
-    b_rnk = 1.0 / tl.sqrt(b_sk + 1e-6)
-    o_r = t0 + o_t
-    b_b = tl.load(beta + o_r.to(tl.int64) * stride_b + i_h, mask=o_r < t_end,
-                  other=0.0).to(tl.float32)
-    causal = o_t[:, None] >= o_t[None, :]
-    b_aq = tl.where(causal, b_aq * b_rnq[:, None] * b_rnk[None, :], 0.0)
-    _store_rows(aqk + i_h * BT, b_aq, t0, t_end, H * BT, 0, BT, BT, BT)
-    strict = o_t[:, None] > o_t[None, :]
-    b_a = tl.where(strict, b_ak * (b_b * b_rnk)[:, None] * b_rnk[None, :], 0.0)
-    b_t = _unit_tril_inverse(b_a, BT).to(DOT)
-    _wy_phase(q, k, v, g, w, u, qg, kd, gl, b_t, b_b, b_rnq, b_rnk, t0, t_end, i_c, i_h,
-              stride_q, stride_k, stride_v, stride_g, H, K, V, BK, BVF, BKC, PREC, DOT)
-
-
-@jit
-def _wy_phase(q, k, v, g, w, u, qg, kd, gl, b_t, b_b, b_rnq, b_rnk, t0, t_end, i_c, i_h,
-              stride_q, stride_k, stride_v, stride_g, H: tl.constexpr, K: tl.constexpr,
-              V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BKC: tl.constexpr,
-              PREC: tl.constexpr, DOT: tl.constexpr):
-    """w, qg, kd, exp(G_last) per key block, then u per value block, from T in registers."""
-    BT: tl.constexpr = 64
-    BVC: tl.constexpr = BKC if BVF > BKC else BVF
-    col = i_h * K
-    sx = H * K
-    for kb in range(BK // BKC):
-        c0 = kb * BKC
-        b_g = _load_rows(g + col, t0, t_end, stride_g, c0, K, BKC, BT)
-        b_G = tl.cumsum(b_g, 0)
-        b_last = tl.sum(b_g, 0)
-        o_k = c0 + tl.arange(0, BKC)
-        tl.store(gl + (i_c * H + i_h).to(tl.int64) * K + o_k, tl.exp(b_last), mask=o_k < K)
-        b_e = tl.exp(b_G)
-        b_q = _load_rows(q + col, t0, t_end, stride_q, c0, K, BKC, BT) * b_rnq[:, None]
-        _store_rows(qg + col, b_q * b_e, t0, t_end, sx, c0, K, BKC, BT)
-        b_k = _load_rows(k + col, t0, t_end, stride_k, c0, K, BKC, BT) * b_rnk[:, None]
-        _store_rows(kd + col, b_k * tl.exp(b_last[None, :] - b_G), t0, t_end, sx, c0, K, BKC,
-                    BT)
-        b_kb = (b_k * b_e * b_b[:, None]).to(DOT)
-        _store_rows(w + col, tl.dot(b_t, b_kb, input_precision=PREC), t0, t_end, sx, c0, K,
-                    BKC, BT)
-    for vb in range(BVF // BVC):
-        c0 = vb * BVC
-        b_v = _load_rows(v + i_h * V, t0, t_end, stride_v, c0, V, BVC, BT)
-        b_vb = (b_v * b_b[:, None]).to(DOT)
-        _store_rows(u + i_h * V, tl.dot(b_t, b_vb, input_precision=PREC), t0, t_end, H * V, c0,
-                    V, BVC, BT)
-
-
-@jit
-def kda_chunk_state_kernel(w, u, qg, kd, aqk, gl, state, o, meta, stride_o,
-                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                           BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-                           DOT: tl.constexpr):
-    """Walk one sequence's chunks for one (head, value block): v' = u - w S, output
-    o = qg S + Aqk v', then S <- exp(G_last) S + kd^T v'. Initial and final S in the slot."""
-    BT: tl.constexpr = 64
-    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start = tl.load(meta + i_n * 5)
-    end = tl.load(meta + i_n * 5 + 1)
-    slot = tl.load(meta + i_n * 5 + 2).to(tl.int64)
-    fresh = tl.load(meta + i_n * 5 + 3)
-    chunk0 = tl.load(meta + i_n * 5 + 4)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    o_t = tl.arange(0, BT)
-    m_k, m_v = o_k < K, o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-    p_s = state + ((slot * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
-    m_old = m_s & ((o_k[:, None] * 0 + fresh) == 0)
-    b_s = tl.load(p_s, mask=m_old, other=0.0)  # [BK, BV] fp32
-    dt = DOT
-    num_chunks = tl.cdiv(end - start, BT)
-    for i_c in tl.range(num_chunks, num_stages=2):
-        rows = start + i_c * BT + o_t
-        m_t = rows < end
-        rows = rows.to(tl.int64)
-        m_tk = m_t[:, None] & m_k[None, :]
-        m_tv = m_t[:, None] & m_v[None, :]
-        p_x = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
-        b_w = tl.load(w + p_x, mask=m_tk, other=0.0)
-        b_qg = tl.load(qg + p_x, mask=m_tk, other=0.0)
-        b_kd = tl.load(kd + p_x, mask=m_tk, other=0.0)
-        b_u = tl.load(u + rows[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_tv, other=0.0)
-        m_a = m_t[:, None] & (o_t[None, :] <= o_t[:, None])
-        b_a = tl.load(aqk + rows[:, None] * (H * BT) + i_h * BT + o_t[None, :], mask=m_a,
-                      other=0.0)
-        b_gl = tl.load(gl + ((chunk0 + i_c) * H + i_h).to(tl.int64) * K + o_k, mask=m_k,
-                       other=0.0)
-        b_sd = b_s.to(dt)
-        b_vn = b_u.to(tl.float32) - tl.dot(b_w.to(dt), b_sd, input_precision=PREC)  # [BT, BV]
-        b_vnd = b_vn.to(dt)
-        b_o = tl.dot(b_qg.to(dt), b_sd, input_precision=PREC)
-        b_o = tl.dot(b_a.to(dt), b_vnd, b_o, input_precision=PREC)
-        tl.store(o + rows[:, None] * stride_o + i_h * V + o_v[None, :],
-                 b_o.to(o.dtype.element_ty), mask=m_tv)
-        b_s = b_s * b_gl[:, None] + tl.dot(tl.trans(b_kd.to(dt)), b_vnd, input_precision=PREC)
-    tl.store(p_s, b_s, mask=m_s)
-
-
 def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
         state: torch.Tensor, cu_seqlens: list[int], state_slots: list[int], is_fresh: list[bool],
         *, chunk_size: int = 64, config: KdaConfig = DEFAULT_CONFIG) -> torch.Tensor:
@@ -362,8 +144,7 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     if plan.num_decode:
         _launch_decode(q, k, v, g, beta, state, out, plan.meta, plan.num_decode, config)
     if plan.num_prefill:
-        strides = (q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0))
-        _prefill(q, k, v, g, beta, state, out, plan, dk ** -0.5, strides, config)
+        chunk_triton.prefill(q, k, v, g, beta, state, out, plan, config)
     return out
 
 
@@ -393,57 +174,6 @@ def _launch_decode(q, k, v, g, beta, state, out, meta: torch.Tensor, num_decode:
                             k.stride(0), v.stride(0), g.stride(0), beta.stride(0),
                             out.stride(0), H=heads, K=dk, V=dv, BK=triton.next_power_of_2(dk),
                             BV=bv, num_warps=warps)
-
-
-class PrefillBuffers(NamedTuple):
-    w: torch.Tensor
-    u: torch.Tensor
-    qg: torch.Tensor
-    kd: torch.Tensor
-    aqk: torch.Tensor
-    gl: torch.Tensor
-
-
-def _prefill_buffers(q: torch.Tensor, v: torch.Tensor, num_chunks: int) -> PrefillBuffers:
-    num_tokens, heads, dk = q.shape
-    dt = q.dtype if q.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-    w = torch.empty(num_tokens, heads, dk, dtype=dt, device=q.device)
-    aqk = torch.empty(num_tokens, heads, CHUNK, dtype=dt, device=q.device)
-    return PrefillBuffers(w, torch.empty(num_tokens, heads, v.shape[2], dtype=dt, device=q.device),
-                          torch.empty_like(w), torch.empty_like(w), aqk,
-                          torch.empty(num_chunks, heads, dk, dtype=torch.float32,
-                                      device=q.device))
-
-
-def _launch_prep(q, k, v, g, beta, buf: PrefillBuffers, plan: KdaPlan, scale: float,
-                 strides, config: KdaConfig = DEFAULT_CONFIG) -> None:
-    heads, dk, dv = q.shape[1], q.shape[2], v.shape[2]
-    bk, bvf = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
-    assert bk >= 16 and bvf >= 16, "head dims below 16 do not fit tl.dot"
-    chunk_meta = plan.meta[plan.num_decode * 3 + plan.num_prefill * 5:]
-    kda_chunk_prep_kernel[(plan.num_chunks, heads)](
-        q, k, v, g, beta, *buf, chunk_meta, scale, *strides, H=heads, K=dk, V=dv, BK=bk,
-        BVF=bvf, BKC=min(config.prep_key_block, bk), PREC=product_precision(q.dtype),
-        DOT=dot_operand_type(q.dtype), num_warps=config.prep_warps)
-
-
-def _launch_state(state, out, buf: PrefillBuffers, plan: KdaPlan,
-                  config: KdaConfig = DEFAULT_CONFIG) -> None:
-    heads, dk, dv = state.shape[1:]
-    bk = triton.next_power_of_2(dk)
-    bv = min(config.state_value_block, triton.next_power_of_2(dv))
-    seq_meta = plan.meta[plan.num_decode * 3:]
-    kda_chunk_state_kernel[(plan.num_prefill, heads, triton.cdiv(dv, bv))](
-        buf.w, buf.u, buf.qg, buf.kd, buf.aqk, buf.gl, state, out, seq_meta, out.stride(0),
-        H=heads, K=dk, V=dv, BK=bk, BV=bv, PREC=product_precision(out.dtype),
-        DOT=dot_operand_type(out.dtype), num_warps=config.state_warps)
-
-
-def _prefill(q, k, v, g, beta, state, out, plan: KdaPlan, scale: float, strides,
-             config: KdaConfig) -> None:
-    buf = _prefill_buffers(q, v, plan.num_chunks)
-    _launch_prep(q, k, v, g, beta, buf, plan, scale, strides, config)
-    _launch_state(state, out, buf, plan, config)
 
 
 @jit

@@ -1,0 +1,54 @@
+"""Seeded KDA inputs and the run-against-ref helper shared by the KDA kernel tests."""
+
+from __future__ import annotations
+
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    assert torch.isfinite(got).all(), "non-finite values (unwritten output?)"
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def cu_seqlens(lens: list[int]) -> list[int]:
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def kda_inputs(lens: list[int], heads: int, dim: int, dtype: torch.dtype, decay: float = 1.0,
+               seed: int = 42) -> list[torch.Tensor]:
+    """q, k, v, g, beta and a state with two spare slots. The release gate has a lower bound
+    of -5, g in (-5, 0); `decay` > 1 makes sub-chunks steeper than it allows."""
+    gen = torch.Generator().manual_seed(seed)
+    num = sum(lens)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q, k, v = (rnd(num, heads, dim).to(dtype) for _ in range(3))
+    g = -5 * torch.sigmoid(rnd(num, heads, dim)) * decay
+    beta = torch.sigmoid(rnd(num, heads)).to(dtype)
+    state = rnd(len(lens) + 2, heads, dim, dim)
+    return [t.to(DEVICE) for t in (q, k, v, g, beta, state)]
+
+
+def run_kda(lens: list[int], heads: int, dim: int, dtype: torch.dtype, decay: float = 1.0,
+            **kwargs) -> tuple[torch.Tensor, ...]:
+    """(out, out_ref, state, state_ref) of the Triton `kda` and `kda_ref` on one batch whose
+    sequences use scrambled slots, every third one fresh. `kwargs` go to the Triton call."""
+    from glmflash.kernels.kda import kda_ref
+    from glmflash.kernels.kda.triton_impl import kda
+
+    q, k, v, g, beta, state = kda_inputs(lens, heads, dim, dtype, decay)
+    cu = cu_seqlens(lens)
+    slots = [(3 * b + 1) % (len(lens) + 2) for b in range(len(lens))]
+    fresh = [b % 3 == 1 for b in range(len(lens))]
+    s_ref, s_got = state.clone(), state.clone()
+    want = kda_ref(q, k, v, g, beta, s_ref, cu, slots, fresh)
+    got = kda(q, k, v, g, beta, s_got, cu, slots, fresh, **kwargs)
+    return got, want, s_got, s_ref
