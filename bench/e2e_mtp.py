@@ -209,7 +209,8 @@ def engine_options(mode: str, args: argparse.Namespace, context: int) -> dict:
     options = dict(load_format="dummy", background_loop=False, disable_radix_cache=True,
                    max_running_requests=max(args.batches), context_length=context + 4096,
                    speculative_algorithm="NEXTN", speculative_num_steps=args.num_drafts,
-                   speculative_min_acceptance=0.0, skip_kernel_warmup=mode == "cpu",
+                   speculative_min_acceptance=0.0, disable_speculative_speed_check=True,
+                   skip_kernel_warmup=mode == "cpu",
                    cuda_graph_bs=args.batches)
     if mode.startswith("hybrid-"):
         import os

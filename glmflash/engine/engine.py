@@ -209,7 +209,8 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         runner = SpecRunner(self.runner, self.mtp, options.num_speculative_steps,
                             options.max_running_requests)
         policy = DraftPolicy(options.speculative_max_batch_size,
-                             options.speculative_min_acceptance)
+                             options.speculative_min_acceptance,
+                             check_speed=not options.disable_speculative_speed_check)
         return SpecDecoder(runner, self.scheduler, self.cache, self.sampler,
                            options.num_speculative_steps, policy, self.max_seq_len)
 
@@ -260,13 +261,18 @@ class Engine(EngineApiMixin, EngineLoopMixin):
     def _run(self, batch: ScheduledBatch) -> None:
         start = time.perf_counter()
         sampled = [s for s, need in zip(batch.seqs, batch.needs_sample, strict=True) if need]
-        if self.spec is not None and self.spec.wants(batch):
+        decodes_only = all(s.num_computed_tokens >= s.num_prompt_tokens for s in batch.seqs)
+        speculative = self.spec is not None and self.spec.wants(batch)
+        if speculative:
             runs = self.spec.verify(batch, sampled)
         else:
             runs = [[t] for t in self.sampler.sample(self.runner.run(batch), sampled)]
         deltas = self.scheduler.update_runs(batch, self._end_failed_rows(sampled, runs))
         if self.spec is not None:
             self.spec.after_update(deltas)
+            if decodes_only:
+                self.spec.observe_speed(batch, speculative, sum(map(len, runs)),
+                                        time.perf_counter() - start)
         self.progress.observe(batch, start, self._request_name)
         self._emit(deltas)
         self._batch = None

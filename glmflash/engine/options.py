@@ -154,6 +154,9 @@ class EngineConfig:
     speculative_min_acceptance: float = option(
         0.2, "drafting pauses (and is retried later) while the measured acceptance of first "
         "drafts is below this (0: never)", SPECULATIVE, type=non_negative_float)
+    disable_speculative_speed_check: bool = option(
+        False, "keep drafting even when decode measures slower with drafts than without (by "
+        "default drafting is held off for a while then)", SPECULATIVE, action="store_true")
     background_loop: bool = option(True, "", None)
     """Drive steps from an engine thread; False: the caller drives `step()` (tests, offline)."""
     check_integrity: bool = option(False, "", None)

@@ -116,6 +116,15 @@ class SpecDecoder:
         for seq, draft in zip(drafting, drafts, strict=True):
             seq.draft_ids = draft
 
+    def observe_speed(self, batch: ScheduledBatch, speculative: bool, num_tokens: int,
+                      seconds: float) -> None:
+        """A step of decodes only took `seconds` for `num_tokens`: the policy compares steps
+        that verified drafts with plain ones (steps on the speculative path without drafts,
+        while drafting starts, are neither)."""
+        drafted = batch.draft_ids is not None and any(batch.draft_ids)
+        if drafted or not speculative:
+            self.policy.speed.observe(drafted, len(batch.seqs), num_tokens, seconds)
+
     def stats(self) -> SpecCounters:
         return self.counters.with_drafting(self.policy.is_drafting)
 
