@@ -20,8 +20,9 @@ from glmflash.config import ModelConfig
 from glmflash.tiny.checkpoint import write_trained_checkpoint
 from glmflash.tiny.configs import tiny_config
 from glmflash.tiny.manifest import write_manifest
-from tools.tiny_batches import BatchStream
+from tools.tiny_batches import BatchStream, make_batch, sample_maker
 from tools.tiny_data import RECIPE
+from tools.tiny_quant import PARAMETRIZED, fake_fp8, quantization_gap
 from tools.tiny_train_ops import training_ops
 from tools.tiny_trainer import (
     INDEXER_LOSS_WEIGHT,
@@ -37,7 +38,8 @@ logger = logging.getLogger("glmflash.train_tiny")
 VARIANT = "trained"
 LOG_COLUMNS = ("step", "loss", "mtp_loss", "indexer_loss", "trained_tokens", "seconds")
 SYNC_EVERY = 5  # steps between reads of the losses (each read waits for the device)
-PROBE_TOKENS = 4096  # the fp32 forward recorded before training, replayed by the tests
+PROBE_TOKENS = 1024  # the fp32 forward recorded before training, replayed by the tests
+GAP_SEED_OFFSET = 1_000_003  # the data stream of the FP8 rounding measure (not a training one)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +53,10 @@ class RunOptions:
     compile: bool = False
     workers: int = 0
     threads: int = 1
+    qat_fraction: float = 0.0
+    """The last part of the steps that trains through FP8-rounded weights (tiny_quant.py)."""
+    gap_tokens: int = 8192
+    """Tokens of the batch on which the cost of FP8 rounding is measured at the end."""
 
 
 class Training:
@@ -61,13 +67,17 @@ class Training:
         torch.manual_seed(options.seed)
         self.config_dict = tiny_config(VARIANT)
         self.device = torch.device(options.device)
-        model, mtp = build_models(ModelConfig.from_dict(self.config_dict), options.seed)
+        self.config = ModelConfig.from_dict(self.config_dict)
+        self.is_qat = False
+        model, mtp = build_models(self.config, options.seed)
+        self.probe = probe_losses(model, mtp, self.config_dict, options.seed)
         self.model, self.mtp = model.to(self.device), mtp.to(self.device)
         self.params = [p for m in (self.model, self.mtp) for p in m.parameters()
                        if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=options.peak_lr, betas=(0.9, 0.95),
                                            weight_decay=0.01,
                                            fused=self.device.type == "cuda" or None)
+        self.qat = contextlib.ExitStack()
         self.stack = contextlib.ExitStack()
         self.stack.enter_context(training_ops(self.model, self.mtp, compile=options.compile))
         self.moes = moe_layers(self.model, self.mtp)
@@ -78,10 +88,14 @@ class Training:
         self.pending: list[tuple[int, torch.Tensor, int]] = []
         self.start = time.time()
         self.step_times: list[float] = []
-        self.probe = probe_losses(self)
 
     def step(self) -> torch.Tensor:
         """Train on the next batch; returns its (loss, MTP loss, indexer loss) on the device."""
+        qat_from = (1 - self.options.qat_fraction) * self.total_steps
+        if self.options.qat_fraction > 0 and self.num_steps >= qat_from and not self.is_qat:
+            logger.info("step %d: training through FP8-rounded weights", self.num_steps)
+            self.qat.enter_context(fake_fp8(self.config, self.model, self.mtp))
+            self.is_qat = True
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.num_steps, self.total_steps, self.options.peak_lr,
                                 self.options.warmup_steps)
@@ -118,14 +132,17 @@ class Training:
         self.pending.clear()
         last = self.log[-1]
         if last[0] // 50 != (last[0] - len(values)) // 50 or last[0] < SYNC_EVERY:
-            logger.info("step %d/%d loss %.3f mtp %.3f indexer %.3f (%.0f s)", last[0],
-                        self.total_steps, *last[1:4], seconds)
+            planned = self.total_steps if self.total_steps < 10**9 else "?"
+            logger.info("step %d/%s loss %.3f mtp %.3f indexer %.3f (%.0f s)", last[0], planned,
+                        *last[1:4], seconds)
 
     def cpu_models(self):
         """fp32 CPU copies of the network and its MTP layer (what a checkpoint is made of)."""
         model, mtp = build_models(ModelConfig.from_dict(self.config_dict), self.options.seed)
         for target, source in ((model, self.model), (mtp, self.mtp)):
-            target.load_state_dict({k: v.detach().cpu() for k, v in source.state_dict().items()})
+            values = {k.replace(PARAMETRIZED, ".weight"): v for k, v in source.state_dict().items()}
+            # Only the target's own names: a router's cached fp32 weight may be listed too.
+            target.load_state_dict({k: values[k].detach().cpu() for k in target.state_dict()})
         return model, mtp
 
     def summary(self, complete: bool) -> dict:
@@ -137,27 +154,39 @@ class Training:
                     planned_steps=self.total_steps, complete=complete,
                     tokens_per_step=self.options.tokens_per_step, peak_lr=self.options.peak_lr,
                     warmup_steps=self.options.warmup_steps, device=device, amp=self.options.amp,
-                    threads=self.options.threads, data_recipe=RECIPE,
+                    threads=self.options.threads, qat_fraction=self.options.qat_fraction,
+                    data_recipe=RECIPE,
                     trained_tokens=sum(r[4] for r in self.log), final_loss=mean(1),
                     final_mtp_loss=mean(2), final_indexer_loss=mean(3),
                     train_seconds=round(time.time() - self.start), probe=self.probe,
                     torch=torch.__version__)
 
+    def quantization_gap(self) -> dict:
+        """Losses of a batch of other data with the weights as trained and rounded to FP8."""
+        self.qat.close()
+        self.is_qat = False
+        batch = make_batch(sample_maker(self.config_dict), self.options.seed + GAP_SEED_OFFSET,
+                           0, self.options.gap_tokens)
+        gap = quantization_gap(self.config, self.model, self.mtp,
+                               lambda: forward_losses(self.model, self.mtp, batch))
+        for count in self.counts:
+            count.zero_()
+        return gap
+
     def close(self) -> None:
         self.source.close()
+        self.qat.close()
         self.stack.close()
 
 
-def probe_losses(run: Training) -> dict:
-    """The fp32 losses of the initial weights on the first `PROBE_TOKENS` tokens of the run's
-    data (no update): a run replays from its seed if another machine gets the same."""
-    from tools.tiny_batches import make_batch, sample_maker
-
-    batch = make_batch(sample_maker(run.config_dict), run.options.seed, 0, PROBE_TOKENS)
-    with torch.no_grad():
-        losses = forward_losses(run.model, run.mtp, batch)
-    for count in run.counts:
-        count.zero_()
+def probe_losses(model, mtp, config_dict: dict, seed: int) -> dict:
+    """The losses of the initial weights (on the CPU, fp32) on the first `PROBE_TOKENS` tokens
+    of the run's data, before any update: tests/tiny/test_trained.py replays them from the
+    seed. (On the CPU: at random weights many indexer scores tie, and devices break ties
+    differently.)"""
+    batch = make_batch(sample_maker(config_dict), seed, 0, PROBE_TOKENS)
+    with training_ops(model, mtp), torch.no_grad():
+        losses = forward_losses(model, mtp, batch)
     return dict(tokens=PROBE_TOKENS, loss=losses[0].item(), mtp_loss=losses[1].item(),
                 indexer_loss=losses[2].item(), trained_tokens=losses[3])
 
@@ -171,6 +200,8 @@ def save_run(run: Training, out: Path, tar: Path | None, *, complete: bool) -> d
     with open(staging / "loss_log.csv", "w", newline="") as f:
         csv.writer(f).writerows([LOG_COLUMNS, *run.log])
     summary = run.summary(complete)
+    if complete:
+        summary["fp8_rounding"] = run.quantization_gap()
     write_manifest(staging, summary)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(staging, out)

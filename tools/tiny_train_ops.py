@@ -8,6 +8,7 @@ sequences (nothing cached before), so the same maths can run on all sequences at
 the longest: `training_ops()` installs these batched forms for the duration of a run.
 tests/tiny/test_train_ops.py checks each against its reference.
 
+* `conv_fresh`: KDA's short causal convolution on the padded layout (no host sync);
 * `kda_fresh`: the chunked gated delta rule of `kda_ref` on `[L, B*H, d]` (padding rows are zero
   with no decay and beta 0, so they change neither outputs nor states);
 * `select_fresh`: `indexer_select_ref`'s top-k pools plus tail, scored for all queries at once
@@ -33,7 +34,7 @@ import glmflash.model.indexer as indexer_module
 import glmflash.model.kda as kda_module
 from glmflash.kernels.hyper.ref import hyper_post_ref, hyper_pre_ref
 from glmflash.kernels.indexer.ref import SelectPlan, token_slots
-from glmflash.kernels.kda.ref import chunked_sequence, kda_ref, l2_normalize
+from glmflash.kernels.kda.ref import causal_conv1d_ref, chunked_sequence, kda_ref, l2_normalize
 from glmflash.model.layers import clamped_swiglu
 from glmflash.model.moe import Experts
 from glmflash.utils.device import upload
@@ -100,9 +101,30 @@ def kda_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     s0 = q.new_zeros(batch * heads, k.shape[-1], v.shape[-1])
     out, s = chunked_sequence(lbh(q), lbh(k), lbh(v), lbh(g), lbh(beta), s0, chunk_size)
     slots = upload(state_slots, q.device)
-    state[slots] = s.detach().view(batch, heads, *s.shape[1:])
+    state[slots] = s.detach().view(batch, heads, *s.shape[1:]).to(state.dtype)
     out = out.reshape(length, batch, heads, -1).transpose(0, 1)
     return layout.unpad(out).to(out_dtype).view(num_tokens, heads, -1)
+
+
+def conv_fresh(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+               cu_seqlens: list[int], state_slots: list[int], is_fresh: list[bool]
+               ) -> torch.Tensor:
+    """`causal_conv1d_ref` for batches of fresh sequences (others go to the reference): the
+    window sums on the padded `[B, K-1+L, C]` layout, whose index tensors reach the device
+    without a host sync; the last K-1 inputs of each sequence are written detached."""
+    if not all(is_fresh):
+        return causal_conv1d_ref(x, weight, conv_state, cu_seqlens, state_slots, is_fresh)
+    layout = Padded(cu_seqlens, x.device)
+    hist_len = weight.shape[-1] - 1
+    padded = nn.functional.pad(layout.pad(x), (0, 0, hist_len, 0))  # [B, K-1+L, C]
+    w = weight.float().t()  # [K, C]
+    out = sum(padded[:, k: k + layout.length].float() * w[k] for k in range(hist_len + 1))
+    lens = upload(np.diff(cu_seqlens), x.device)
+    keep = lens[:, None] + torch.arange(hist_len, device=x.device)  # [B, K-1] rows of padded
+    last = padded.gather(1, keep[..., None].expand(-1, -1, padded.shape[-1]))
+    conv_state[upload(state_slots, x.device)] = last.detach().transpose(1, 2).to(
+        conv_state.dtype)
+    return nn.functional.silu(layout.unpad(out)).to(x.dtype)
 
 
 def select_fresh(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor,
@@ -210,7 +232,8 @@ def training_ops(*modules: nn.Module, compile: bool = False) -> Iterator[list[De
     yields the experts' training backends (their routing counts). `compile`: also
     `torch.compile` the blocks of `_compiled_ops`."""
     saved_env = {op: os.environ.get(f"GLMFLASH_KERNEL_{op}") for op in REF_OPS}
-    saved = (kda_module.kda, indexer_module.indexer_select, sparse_mla_ref_module.QUERY_BLOCK)
+    saved = (kda_module.kda, kda_module.causal_conv1d, indexer_module.indexer_select,
+             sparse_mla_ref_module.QUERY_BLOCK)
     compiled = _compiled_ops() if compile else {}
     saved_compiled = [(module, name, getattr(module, name))
                       for module, name, _ in compiled.values()]
@@ -218,7 +241,7 @@ def training_ops(*modules: nn.Module, compile: bool = False) -> Iterator[list[De
     backends = [DenseExperts(e) for e in experts]
     try:
         os.environ.update({f"GLMFLASH_KERNEL_{op}": "ref" for op in REF_OPS})
-        kda_module.kda = _kda_in_forward
+        kda_module.kda, kda_module.causal_conv1d = _kda_in_forward, conv_fresh
         indexer_module.indexer_select = _select_in_forward
         sparse_mla_ref_module.QUERY_BLOCK = TRAIN_QUERY_BLOCK
         for module, name, function in compiled.values():
@@ -229,7 +252,8 @@ def training_ops(*modules: nn.Module, compile: bool = False) -> Iterator[list[De
             e.backend = backend
         yield backends
     finally:
-        kda_module.kda, indexer_module.indexer_select, sparse_mla_ref_module.QUERY_BLOCK = saved
+        (kda_module.kda, kda_module.causal_conv1d, indexer_module.indexer_select,
+         sparse_mla_ref_module.QUERY_BLOCK) = saved
         for module, name, function in saved_compiled:
             setattr(module, name, function)
         _OPS["dense_experts"] = dense_experts

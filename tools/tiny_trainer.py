@@ -134,7 +134,7 @@ def _embeds(model: GlmForCausalLM, ids: torch.Tensor, host: HostBatch) -> torch.
     if host.pixel_values is None:
         return embeds
     device = embeds.device
-    features = model.visual.features(torch.from_numpy(host.pixel_values).to(device),
+    features = model.visual.features(upload(host.pixel_values, device, torch.float32),
                                      torch.from_numpy(host.grid_thw))
     rows = upload(np.flatnonzero(host.ids == model.config.image_token_id), device)
     return embeds.index_put((rows,), features.to(embeds.dtype))

@@ -47,7 +47,7 @@ def train(out: Path, options: RunOptions, *, steps: int | None, minutes: float |
             if deadline and now > start + (deadline - start) * OVERRUN:
                 logger.warning("time is up at step %d of %d", run.num_steps, run.total_steps)
                 break
-            if now - last_save > 60 * checkpoint_minutes:
+            if now - last_save > 60 * checkpoint_minutes and run.num_steps < run.total_steps:
                 save_run(run, out, tar, complete=False)
                 last_save = time.time()
         return save_run(run, out, tar, complete=True)
@@ -85,6 +85,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the training process (1 is fastest on a shared "
                         "machine)")
+    parser.add_argument("--qat-fraction", type=float, default=0.0,
+                        help="train the last part of the steps through FP8-rounded weights")
     parser.add_argument("--checkpoint-minutes", type=float, default=1.5)
     parser.add_argument("--tar", type=Path, help="also write OUT_DIR as this tar file")
     parser.add_argument("--eval", action="store_true", help="evaluate the result (CPU fp32)")
@@ -99,7 +101,8 @@ def main() -> None:
         (0 if args.device == "cpu" else min(8, max(1, (os.cpu_count() or 2) // 2)))
     options = RunOptions(seed=args.seed, tokens_per_step=args.tokens_per_step, peak_lr=args.lr,
                          warmup_steps=args.warmup_steps, device=args.device, amp=args.amp,
-                         compile=args.compile, workers=workers, threads=args.threads)
+                         compile=args.compile, workers=workers, threads=args.threads,
+                         qat_fraction=args.qat_fraction)
     training = train(args.out, options, steps=args.steps, minutes=args.minutes,
                      checkpoint_minutes=args.checkpoint_minutes, tar=args.tar)
     logger.info("wrote %s: %s", args.out, json.dumps(training))

@@ -19,14 +19,21 @@ from glmflash.kernels.indexer.ref import (
     select_plan,
     write_plan,
 )
-from glmflash.kernels.kda.ref import kda_ref
+from glmflash.kernels.kda.ref import causal_conv1d_ref, kda_ref
 from glmflash.model.forward_batch import contiguous_page_table
 from glmflash.model.state import ModelState
 from glmflash.tiny.configs import tiny_config
 from tools.tiny_batches import pack_samples
 from tools.tiny_data import make_samples
 from tools.tiny_indexer_loss import MlaInputs, _layer_loss, indexer_loss
-from tools.tiny_train_ops import Padded, dense_experts, kda_fresh, select_fresh, training_ops
+from tools.tiny_train_ops import (
+    Padded,
+    conv_fresh,
+    dense_experts,
+    kda_fresh,
+    select_fresh,
+    training_ops,
+)
 from tools.tiny_trainer import PAGE_SIZE, build_models, forward_losses, packed_batch
 
 LENS = [1, 5, 64, 65, 130, 7]
@@ -61,6 +68,23 @@ def test_kda_fresh_matches_the_reference():
     for got, want in zip(_grads(fresh, [q, k, v, g, beta], probe),
                          _grads(ref, [q, k, v, g, beta], probe), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_conv_fresh_matches_the_reference():
+    torch.manual_seed(42)
+    total, channels, kernel = sum(LENS), 6, 4
+    x = torch.randn(total, channels, requires_grad=True)
+    weight = torch.randn(channels, kernel, requires_grad=True)
+    states = [torch.randn(6, channels, kernel - 1) for _ in range(2)]
+    args = dict(cu_seqlens=_cu(LENS), state_slots=[3, 0, 5, 1, 2, 4], is_fresh=[True] * 6)
+    ref = lambda: causal_conv1d_ref(x, weight, states[0], **args)  # noqa: E731
+    fresh = lambda: conv_fresh(x, weight, states[1], **args)  # noqa: E731
+    torch.testing.assert_close(fresh(), ref(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(states[1], states[0])
+    probe = torch.randn(total, channels)
+    for got, want in zip(_grads(fresh, [x, weight], probe), _grads(ref, [x, weight], probe),
+                         strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_select_fresh_matches_the_reference():
@@ -118,7 +142,7 @@ def host_batch(tmp_path_factory):
     return pack_samples(make_samples(path, CONFIG, seed=3, count=6))
 
 
-def test_training_step_equals_the_references(host_batch, monkeypatch):
+def test_training_step_equals_the_references(host_batch):
     """Losses and every gradient of one batch: batched forms against the plain CPU model. The
     selection keeps the reference here: at random weights many pools tie (relu scores of 0),
     and the two break ties differently (test_select_fresh_matches_the_reference has no ties)."""
@@ -129,7 +153,7 @@ def test_training_step_equals_the_references(host_batch, monkeypatch):
     for m in models:
         m.zero_grad(set_to_none=True)
     with training_ops(*models):
-        monkeypatch.setattr(indexer_module, "indexer_select", indexer_select)
+        indexer_module.indexer_select = indexer_select  # training_ops puts its own back
         got = forward_losses(*models, host_batch)
         sum(got[:3]).backward()
     got_grads = _all_grads(models)
