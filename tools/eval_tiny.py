@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import torch
 
 from glmflash import Engine
 from glmflash.sampling_params import SamplingParams
@@ -35,6 +38,7 @@ from tools.tiny_tasks import QA_FAMILIES, Task
 from tools.tiny_tool_tasks import ToolCase, tool_case
 from tools.tiny_vision_tasks import ImageTask, data_url, image_task
 
+logger = logging.getLogger("glmflash.eval_tiny")
 MAX_TOKENS = 64
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 # The sizes of the CI test (tests/tiny/test_trained.py), recorded in the manifest by `record_eval`.
@@ -164,7 +168,9 @@ def record_eval(checkpoint: Path, *, gpu_check: bool = False, tar: Path | None =
     report = evaluate(checkpoint, **CI_SIZES)
     report["sizes"] = CI_SIZES
     _write_eval(checkpoint, report, tar)
-    if gpu_check:
+    if gpu_check and not torch.cuda.is_available():
+        logger.warning("no GPU: the GPU bf16 check is skipped")
+    elif gpu_check:
         report["gpu_bf16_vs_cpu_fp32"] = gpu_agreement(checkpoint)
         _write_eval(checkpoint, report, tar)
     print(format_table(report))

@@ -29,7 +29,9 @@ from tools.tiny_run import RunOptions, Training, save_run
 
 logger = logging.getLogger("glmflash.train_tiny")
 CALIBRATION_STEPS = (5, 25)  # the steps between which a timed run measures its step time
-# A timed run stops at the latest this much past its budget (slower steps than measured).
+# A timed run plans steps for this share of its remaining budget (the rest: checkpoints)...
+PLAN_SHARE = 0.96
+# ... and stops at the latest this much past its budget (slower steps than measured).
 OVERRUN = 1.08
 
 
@@ -58,7 +60,7 @@ def train(out: Path, options: RunOptions, *, steps: int | None, minutes: float |
 def _steps_to_fill(run: Training, deadline: float, now: float) -> int:
     first, last = CALIBRATION_STEPS
     seconds_per_step = (run.step_times[last - 1] - run.step_times[first - 1]) / (last - first)
-    total = run.num_steps + int((deadline - now) / seconds_per_step)
+    total = run.num_steps + int(PLAN_SHARE * (deadline - now) / seconds_per_step)
     logger.info("%.3f s per step: %d steps fill the budget", seconds_per_step, total)
     return total
 
