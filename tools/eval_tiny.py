@@ -1,6 +1,7 @@
 """Evaluate the trained tiny checkpoint on held-out generated prompts:
 
     python tools/eval_tiny.py [CHECKPOINT] [--seed 1000] [--per-family 32] [--tools 48]
+    python tools/eval_tiny.py [CHECKPOINT] --record [--gpu-check]
 
 * template tasks through `Engine.chat`, greedy: exact match of the answer, and whether the output
   split into reasoning and content (a non-empty `<think>` part and the answer after it);
@@ -10,61 +11,62 @@
 * the MTP layer: top-1 agreement with the main model's next-next token on the generated parts;
 * greedy tokens in bf16 against fp32 on the CPU.
 
+Held-out prompts come from their own seed and from the held-out part of each family
+(`tiny_data.is_held_out`: a fixed eighth of the questions and tool names, which training never
+draws). `record_eval` (train_tiny.py --eval) measures a checkpoint at the CI test's sizes and
+writes the figures into its manifest, where the tests read their floors.
+
 `--mtp-acceptance STEPS` instead measures speculative decoding's acceptance (STEPS chained
 drafts) on the task prompts, beside the MTP agreement over the same outputs.
-
-Held-out prompts come from their own seed; tool names seen in training are skipped (the training
-stream is regenerated from the manifest).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import random
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
 from pathlib import Path
 
+import torch
+
 from glmflash import Engine
-from glmflash.config import ModelConfig
 from glmflash.sampling_params import SamplingParams
 from glmflash.tiny.embedded import embedded_checkpoint
-from glmflash.tiny.manifest import read_manifest
-from tools.tiny_data import SampleMaker, Seen
-from tools.tiny_eval_models import bf16_agreement, mtp_agreement
+from glmflash.tiny.manifest import MANIFEST, read_manifest
+from tools.tiny_data import is_held_out
+from tools.tiny_eval_models import bf16_agreement, greedy_agreement, greedy_outputs, mtp_agreement
 from tools.tiny_tasks import QA_FAMILIES, Task
 from tools.tiny_tool_tasks import ToolCase, tool_case
 from tools.tiny_vision_tasks import ImageTask, data_url, image_task
 
+logger = logging.getLogger("glmflash.eval_tiny")
 MAX_TOKENS = 64
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-
-
-@lru_cache(maxsize=2)
-def training_seen(checkpoint: Path) -> Seen:
-    """Questions and tool names of the checkpoint's training stream (from its manifest)."""
-    from tools.train_tiny import batches
-
-    training = read_manifest(checkpoint)["training"]
-    seen = Seen()
-    maker = SampleMaker(checkpoint, ModelConfig.from_hf(checkpoint))
-    stream = batches(maker, training["seed"], training["tokens_per_step"], seen)
-    for _ in range(training["steps"]):
-        next(stream)
-    return seen
+# The sizes of the CI test (tests/tiny/test_trained.py), recorded in the manifest by `record_eval`.
+CI_SIZES = dict(seed=1000, per_family=16, num_tools=16, num_compare=16)
+GPU_CHECK_TOKENS = 48
 
 
 def held_out_tasks(seed: int, per_family: int) -> list[Task]:
-    rng = random.Random(seed)
-    return [family(rng) for family in QA_FAMILIES for _ in range(per_family)]
+    rng, tasks = random.Random(seed), []
+    for family in QA_FAMILIES:
+        drawn = 0
+        while drawn < per_family:
+            task = family(rng)
+            if is_held_out(task.question):
+                tasks.append(task)
+                drawn += 1
+    return tasks
 
 
-def held_out_tool_cases(seed: int, count: int, seen_names: set[str]) -> list[ToolCase]:
+def held_out_tool_cases(seed: int, count: int) -> list[ToolCase]:
+    """Requests whose every tool has a held-out name."""
     rng, cases = random.Random(seed + 1), []
     while len(cases) < count:
         case = tool_case(rng)
-        if not any(t["function"]["name"] in seen_names for t in case.tools):
+        if all(is_held_out(t["function"]["name"]) for t in case.tools):
             cases.append(case)
     return cases
 
@@ -76,7 +78,7 @@ def _chat_all(engine: Engine, conversations: list[tuple[list, list | None]]):
                              conversations))
 
 
-def eval_tasks(engine: Engine, tasks: list[Task], seen_questions: set[str]) -> dict:
+def eval_tasks(engine: Engine, tasks: list[Task]) -> dict:
     results = _chat_all(engine, [([{"role": "user", "content": t.question}], None)
                                  for t in tasks])
     report = {}
@@ -84,8 +86,7 @@ def eval_tasks(engine: Engine, tasks: list[Task], seen_questions: set[str]) -> d
         rows = [(t, r) for t, r in zip(tasks, results, strict=True) if t.family == family]
         report[family] = dict(
             exact_match=_rate((r.content or "").strip() == t.answer for t, r in rows),
-            reasoning_split=_rate(bool(r.reasoning_content) and bool(r.content) for _, r in rows),
-            unseen_prompts=_rate(t.question not in seen_questions for t, _ in rows))
+            reasoning_split=_rate(bool(r.reasoning_content) and bool(r.content) for _, r in rows))
     report["exact_match"] = _rate((r.content or "").strip() == t.answer
                                   for t, r in zip(tasks, results, strict=True))
     report["sequences"] = [r.result.prompt_token_ids + r.result.token_ids for r in results]
@@ -127,12 +128,11 @@ def _rate(flags) -> float:
 
 def evaluate(checkpoint: Path, seed: int, per_family: int, num_tools: int,
              num_compare: int = 16) -> dict:
-    seen = training_seen(checkpoint)
     engine = Engine(checkpoint, device="cpu", dtype="float32", context_length=2048,
                     skip_kernel_warmup=True)
     try:
-        tasks = eval_tasks(engine, held_out_tasks(seed, per_family), seen.questions)
-        tools = eval_tool_calls(engine, held_out_tool_cases(seed, num_tools, seen.tool_names))
+        tasks = eval_tasks(engine, held_out_tasks(seed, per_family))
+        tools = eval_tool_calls(engine, held_out_tool_cases(seed, num_tools))
         images = eval_images(engine, held_out_images(seed, per_family))
         prompts = [s[:n] for s, n in zip(tasks["sequences"], tasks["prompt_lens"], strict=True)]
         step = max(1, len(prompts) // num_compare)
@@ -152,7 +152,7 @@ def mtp_acceptance(checkpoint: Path, seed: int, per_family: int, num_steps: int 
                     speculative_num_steps=num_steps, speculative_max_batch_size=64,
                     speculative_min_acceptance=0.0)
     try:
-        tasks = eval_tasks(engine, held_out_tasks(seed, per_family), set())
+        tasks = eval_tasks(engine, held_out_tasks(seed, per_family))
         stats = engine.stats().speculative
     finally:
         engine.shutdown()
@@ -161,6 +161,80 @@ def mtp_acceptance(checkpoint: Path, seed: int, per_family: int, num_steps: int 
                 mean_accepted_length=round(stats.mean_accepted_length, 4),
                 num_draft_tokens=stats.num_draft_tokens,
                 mtp_agreement=mtp_agreement(checkpoint, tasks["sequences"], tasks["prompt_lens"]))
+
+
+def gpu_agreement(checkpoint: Path, max_tokens: int = GPU_CHECK_TOKENS) -> dict:
+    """Greedy tokens of the whole model in bf16 on the GPU (Triton kernels) against the CPU fp32
+    reference, on 8 held-out questions and 8 held-out tool requests."""
+    chats = [([{"role": "user", "content": t.question}], None) for t in held_out_tasks(2000, 4)]
+    chats += [([{"role": "user", "content": c.user}], c.tools)
+              for c in held_out_tool_cases(2000, 4)]
+    cpu = Engine(checkpoint, device="cpu", dtype="float32", context_length=2048,
+                 skip_kernel_warmup=True)
+    try:
+        prompts = [cpu.tokenizer.encode(cpu.tokenizer.apply_chat_template(m, tools=t))
+                   for m, t in chats]
+        reference = greedy_outputs(cpu, prompts, max_tokens)
+    finally:
+        cpu.shutdown()
+    gpu = Engine(checkpoint, device="cuda", dtype="bfloat16", context_length=2048)
+    try:
+        return greedy_agreement(reference, greedy_outputs(gpu, prompts, max_tokens))
+    finally:
+        gpu.shutdown()
+
+
+def record_eval(checkpoint: Path, *, gpu_check: bool = False, tar: Path | None = None) -> dict:
+    """Evaluate `checkpoint` at the CI sizes, print a table and write the figures into its
+    manifest (and `tar`, if given), where tests/tiny/test_trained.py takes its floors."""
+    report = evaluate(checkpoint, **CI_SIZES)
+    report["sizes"] = CI_SIZES
+    _write_eval(checkpoint, report, tar)
+    if gpu_check and not torch.cuda.is_available():
+        logger.warning("no GPU: the GPU bf16 check is skipped")
+    elif gpu_check:
+        report["gpu_bf16_vs_cpu_fp32"] = gpu_agreement(checkpoint)
+        _write_eval(checkpoint, report, tar)
+    print(format_table(report))
+    return report
+
+
+def _write_eval(checkpoint: Path, report: dict, tar: Path | None) -> None:
+    manifest = read_manifest(checkpoint)
+    manifest["eval"] = report
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    if tar is not None:
+        from tools.tiny_run import write_tar
+
+        write_tar(checkpoint, tar)
+
+
+def format_table(report: dict) -> str:
+    """The eval's figures against issue 16's goals, as a markdown table."""
+    tasks, tools = report["tasks"], report["tools"]
+    families = " / ".join(f"{tasks[f]['exact_match']:.3f}" for f in ("arithmetic", "copy",
+                                                                      "recall"))
+    rows = [("exact match, template tasks (arithmetic / copy / recall)",
+             f"{tasks['exact_match']:.3f} ({families})", ">= 0.80"),
+            ("reasoning split", " / ".join(f"{tasks[f]['reasoning_split']:.2f}" for f in
+                                           ("arithmetic", "copy", "recall")), ""),
+            ("tool call parsed / right name / right name and arguments",
+             f"{tools['tool_call_rate']:.3f} / {tools['right_name']:.3f} / "
+             f"{tools['right_call']:.3f}", ">= 0.80 (right call)"),
+            ("picture questions", f"{report['images']['exact_match']:.3f}", ""),
+            ("MTP top-1 = main model's next-next token", f"{report['mtp_agreement']:.3f}",
+             ">= 0.60"),
+            ("greedy bf16 vs fp32 on the CPU, positions (identical outputs)",
+             _agreement(report["bf16_vs_fp32"]), ">= 0.90")]
+    if "gpu_bf16_vs_cpu_fp32" in report:
+        rows.append(("greedy GPU bf16 (Triton) vs CPU fp32, positions (identical outputs)",
+                     _agreement(report["gpu_bf16_vs_cpu_fp32"]), ">= 0.95"))
+    lines = ["| measure | value | goal |", "|---|---|---|"]
+    return "\n".join(lines + [f"| {a} | {b} | {c} |" for a, b, c in rows])
+
+
+def _agreement(figures: dict) -> str:
+    return f"{figures['position_agreement']:.3f} ({figures['identical_outputs']:.3f})"
 
 
 def main() -> None:
@@ -172,13 +246,23 @@ def main() -> None:
     parser.add_argument("--tools", type=int, default=48)
     parser.add_argument("--mtp-acceptance", type=int, metavar="STEPS", default=None,
                         help="only measure speculative decoding's acceptance with STEPS drafts")
+    parser.add_argument("--record", action="store_true",
+                        help="measure at the CI test's sizes and write the figures into the "
+                        "checkpoint's manifest (the tests' floors)")
+    parser.add_argument("--gpu-check", action="store_true",
+                        help="with --record: also greedy bf16 on the GPU against CPU fp32")
     args = parser.parse_args()
     checkpoint = args.checkpoint or embedded_checkpoint()
     if args.mtp_acceptance:
         print(json.dumps(mtp_acceptance(checkpoint, args.seed, args.per_family,
                                         args.mtp_acceptance), indent=2))
         return
-    print(json.dumps(evaluate(checkpoint, args.seed, args.per_family, args.tools), indent=2))
+    if args.record:
+        record_eval(checkpoint, gpu_check=args.gpu_check)
+        return
+    report = evaluate(checkpoint, args.seed, args.per_family, args.tools)
+    print(json.dumps(report, indent=2))
+    print(format_table(report))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass, field
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +22,11 @@ from glmflash.multimodal.image import ImageInputs
 from glmflash.multimodal.prompt import prepare_multimodal_prompt
 from glmflash.tokenizer import Tokenizer
 from tools.tiny_tasks import QA_FAMILIES, Task, greeting, story
-from tools.tiny_tool_tasks import tool_case, tool_conversation
+from tools.tiny_tool_tasks import ToolCase, tool_case, tool_conversation
 from tools.tiny_vision_tasks import ImageTask, image_task
 
 EOS = "<|endoftext|>"
+HELD_OUT_MODULUS = 8
 END_OF_TURN = "<|user|>"
 # family -> share of the samples
 MIXTURE = {"greeting": 0.06, "story": 0.08, "raw_qa": 0.08, "chat_qa": 0.34, "tool": 0.34,
@@ -92,12 +94,29 @@ def qa_messages(task: Task) -> list[dict[str, Any]]:
             {"role": "assistant", "content": task.answer, "reasoning_content": task.reasoning}]
 
 
+def is_held_out(text: str) -> bool:
+    """The fixed eighth of questions and tool names kept for the eval: training never draws
+    them (a stable hash, the same in every process)."""
+    return zlib.crc32(text.encode()) % HELD_OUT_MODULUS == 0
+
+
 def random_task(rng: random.Random) -> Task:
-    return rng.choice(QA_FAMILIES)(rng)
+    """A training question (never a held-out one)."""
+    while is_held_out((task := rng.choice(QA_FAMILIES)(rng)).question):
+        pass
+    return task
 
 
-def make_sample(maker: SampleMaker, rng: random.Random, seen: Seen | None = None) -> Sample:
-    """One sample of the mixture; `seen` (if given) records its questions and tool names."""
+def training_tool_case(rng: random.Random) -> ToolCase:
+    """A tool-use request whose tool names are none of the held-out ones."""
+    while True:
+        case = tool_case(rng)
+        if not any(is_held_out(t["function"]["name"]) for t in case.tools):
+            return case
+
+
+def make_sample(maker: SampleMaker, rng: random.Random) -> Sample:
+    """One sample of the mixture."""
     family = rng.choices(list(MIXTURE), weights=list(MIXTURE.values()))[0]
     if family == "greeting":
         return maker.plain(greeting(rng))
@@ -106,29 +125,13 @@ def make_sample(maker: SampleMaker, rng: random.Random, seen: Seen | None = None
     if family == "image":
         return maker.image_chat(image_task(rng))
     if family == "raw_qa":
-        task = _noted(random_task(rng), seen)
+        task = random_task(rng)
         return maker.plain(f"Q: {task.question}\nA: {task.answer}")
-    history = qa_messages(_noted(random_task(rng), seen)) if rng.random() < 0.3 else []
+    history = qa_messages(random_task(rng)) if rng.random() < 0.3 else []
     if family == "chat_qa":
-        return maker.chat(history + qa_messages(_noted(random_task(rng), seen)))
-    case = tool_case(rng)
-    if seen is not None:
-        seen.tool_names.update(t["function"]["name"] for t in case.tools)
+        return maker.chat(history + qa_messages(random_task(rng)))
+    case = training_tool_case(rng)
     return maker.chat(history + tool_conversation(rng, case), tools=case.tools)
-
-
-@dataclass
-class Seen:
-    """What a run of the generator produced: questions and tool names (held-out checks)."""
-
-    questions: set[str] = field(default_factory=set)
-    tool_names: set[str] = field(default_factory=set)
-
-
-def _noted(task: Task, seen: Seen | None) -> Task:
-    if seen is not None:
-        seen.questions.add(task.question)
-    return task
 
 
 def make_samples(tokenizer_dir: str | Path, config: ModelConfig, seed: int,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from glmflash import Engine
@@ -14,7 +15,7 @@ from glmflash.model.mtp import GlmMtp, load_mtp, with_mtp_layer
 from glmflash.model.state import ModelState
 from glmflash.model.weights import load_checkpoint
 from glmflash.sampling_params import SamplingParams
-from tools.tiny_trainer import PAGE_SIZE, _batch
+from tools.tiny_trainer import PAGE_SIZE, packed_batch
 
 
 def load_with_mtp(checkpoint: Path) -> tuple[GlmForCausalLM, GlmMtp]:
@@ -39,12 +40,13 @@ def mtp_agreement(checkpoint: Path, sequences: list[list[int]], prompt_lens: lis
         state = ModelState(with_mtp_layer(model.config), num_token_slots=len(part) * pages *
                            PAGE_SIZE, num_state_slots=len(part), dtype=torch.float32,
                            device="cpu")
-        batch = _batch(part)
+        batch = packed_batch([len(s) for s in part], np.concatenate(part), "cpu")
         hidden = model.hidden_states(batch, state)
         main_top = model.logits(hidden).argmax(-1)
         rows = torch.cat([torch.arange(a, b - 1) for a, b in
                           zip(batch.cu_seqlens[:-1], batch.cu_seqlens[1:], strict=True)])
-        mtp_batch = _batch([s[1:] for s in part])
+        mtp_batch = packed_batch([len(s) - 1 for s in part], np.concatenate([s[1:] for s in part]),
+                                 "cpu")
         mtp_top = model.logits(mtp(hidden[rows], model.text.embed_tokens(mtp_batch.input_ids),
                                    mtp_batch, state)).argmax(-1)
         j = 0

@@ -1,128 +1,68 @@
 """Train the tiny model (the `trained` variant of glmflash/tiny/configs.py) and write it in the
-release layout with a manifest:
+release layout with a manifest and its loss log:
 
-    python tools/train_tiny.py OUT_DIR [--seed 0] [--steps 560] [--tokens-per-step 2048]
+    python tools/train_tiny.py OUT_DIR [--device cuda] [--minutes 5 | --steps N]
+        [--tokens-per-step 32768] [--workers 8] [--tar OUT.tar] [--eval]
 
-The network is the project's own (glmflash.model) with the reference ops under autograd, on the
-CPU; the data is made by tools/tiny_data.py from the seed. Losses are logged and written to
-OUT_DIR/loss_log.csv; the same seed, steps and thread count give the same checkpoint.
+The network is the project's own (glmflash.model) with the reference ops under autograd
+(tools/tiny_trainer.py); the data is made by tools/tiny_batches.py from the seed, batch k from
+its own stream. With `--minutes` the run times its first steps and fixes the number of steps
+that fills the budget (the learning-rate schedule follows it; the manifest records it, and
+`--steps` with that number replays the run). OUT_DIR (and `--tar`) hold a complete checkpoint
+every `--checkpoint-minutes`, so a run stopped from outside still leaves a model. `--eval` runs
+tools/eval_tiny.py on the result and records its figures in the manifest.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import logging
-import random
-import tempfile
+import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from glmflash.config import ModelConfig
-from glmflash.tiny.checkpoint import write_trained_checkpoint
-from glmflash.tiny.configs import tiny_config
-from glmflash.tiny.manifest import write_manifest
-from glmflash.tiny.tokenizer_files import write_tiny_tokenizer
 from glmflash.utils.logging import setup_logging
-from tools.tiny_data import RECIPE, Sample, SampleMaker, Seen, make_sample
-from tools.tiny_trainer import (
-    INDEXER_LOSS_WEIGHT,
-    MTP_LOSS_WEIGHT,
-    balance_routers,
-    build_models,
-    forward_losses,
-    lr_at,
-    routers,
-)
+from tools.tiny_run import RunOptions, Training, save_run
 
 logger = logging.getLogger("glmflash.train_tiny")
-VARIANT = "trained"
+CALIBRATION_STEPS = (5, 25)  # the steps between which a timed run measures its step time
+# A timed run plans steps for this share of its remaining budget (the rest: checkpoints)...
+PLAN_SHARE = 0.96
+# ... and stops at the latest this much past its budget (slower steps than measured).
+OVERRUN = 1.08
 
 
-def batches(maker: SampleMaker, seed: int, max_tokens: int,
-            seen: Seen | None = None) -> Iterator[list[Sample]]:
-    """Endless deterministic batches of whole samples, at most `max_tokens` tokens each
-    (`seen` records what they contain)."""
-    rng, pending = random.Random(seed), None
-    while True:
-        batch, size = [], 0
-        while True:
-            sample = pending or make_sample(maker, rng, seen)
-            pending = None
-            if batch and size + len(sample.ids) > max_tokens:
-                pending = sample
+def train(out: Path, options: RunOptions, *, steps: int | None, minutes: float | None,
+          checkpoint_minutes: float, tar: Path | None) -> dict:
+    run = Training(options, total_steps=steps or 10**9)
+    start = last_save = time.time()
+    deadline = start + 60 * minutes if minutes else None
+    try:
+        while run.num_steps < run.total_steps:
+            run.step()
+            now = time.time()
+            if run.num_steps == CALIBRATION_STEPS[1] and steps is None:
+                run.total_steps = _steps_to_fill(run, deadline, now)
+            if deadline and now > start + (deadline - start) * OVERRUN:
+                logger.warning("time is up at step %d of %d", run.num_steps, run.total_steps)
                 break
-            batch.append(sample)
-            size += len(sample.ids)
-        yield batch
+            if now - last_save > 60 * checkpoint_minutes and run.num_steps < run.total_steps:
+                save_run(run, out, tar, complete=False)
+                last_save = time.time()
+        return save_run(run, out, tar, complete=True)
+    finally:
+        run.close()
 
 
-class Training:
-    """The models, optimizer and data stream of one run; `step()` trains on one batch."""
-
-    def __init__(self, seed: int, total_steps: int, max_tokens: int, peak_lr: float) -> None:
-        torch.manual_seed(seed)
-        self.config_dict = tiny_config(VARIANT)
-        config = ModelConfig.from_dict(self.config_dict)
-        self.model, self.mtp = build_models(config, seed)
-        self.params = [p for m in (self.model, self.mtp) for p in m.parameters()
-                       if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=peak_lr, betas=(0.9, 0.95),
-                                           weight_decay=0.01)
-        self.counts = [torch.zeros(config.n_routed_experts, dtype=torch.long)
-                       for _ in routers(self.model, self.mtp)]
-        for router, count in zip(routers(self.model, self.mtp), self.counts, strict=True):
-            router.counts = count
-        tokenizer_dir = Path(tempfile.mkdtemp(prefix="tiny-tokenizer-"))
-        write_tiny_tokenizer(tokenizer_dir)
-        self.source = batches(SampleMaker(tokenizer_dir, config), seed, max_tokens)
-        self.total_steps, self.peak_lr, self.num_steps = total_steps, peak_lr, 0
-
-    def step(self) -> tuple[float, float, int]:
-        """(loss, MTP loss, indexer loss, assistant tokens) of the next batch, after the update."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.num_steps, self.total_steps, self.peak_lr, warmup=30)
-        loss, mtp_loss, index_loss, num_trained = forward_losses(self.model, self.mtp,
-                                                                 next(self.source))
-        self.optimizer.zero_grad(set_to_none=True)
-        (loss + MTP_LOSS_WEIGHT * mtp_loss + INDEXER_LOSS_WEIGHT * index_loss).backward()
-        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-        self.optimizer.step()
-        balance_routers(self.model, self.mtp, self.counts)
-        self.num_steps += 1
-        return loss.item(), mtp_loss.item(), index_loss.item(), num_trained
-
-    def finish(self, out: Path) -> None:
-        for router in routers(self.model, self.mtp):
-            router.counts = None
-        write_trained_checkpoint(out, self.config_dict, self.model, self.mtp)
-
-
-def train(out: Path, seed: int, steps: int, max_tokens: int, peak_lr: float) -> dict:
-    run = Training(seed, steps, max_tokens, peak_lr)
-    log, start = [], time.time()
-    for step in range(steps):
-        log.append((step, *run.step(), time.time() - start))
-        if step % 10 == 0 or step == steps - 1:
-            logger.info("step %d/%d loss %.3f mtp %.3f indexer %.3f (%.0f s)", step, steps,
-                        *log[-1][1:4], log[-1][5])
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "loss_log.csv", "w", newline="") as f:
-        csv.writer(f).writerows([("step", "loss", "mtp_loss", "indexer_loss", "trained_tokens",
-                                  "seconds"),
-                                 *log])
-    run.finish(out)
-    tail = log[-20:]
-    return dict(variant=VARIANT, seed=seed, steps=steps, tokens_per_step=max_tokens,
-                peak_lr=peak_lr, threads=torch.get_num_threads(), data_recipe=RECIPE,
-                final_loss=round(sum(r[1] for r in tail) / len(tail), 4),
-                final_mtp_loss=round(sum(r[2] for r in tail) / len(tail), 4),
-                final_indexer_loss=round(sum(r[3] for r in tail) / len(tail), 4),
-                train_seconds=round(log[-1][5]), torch=torch.__version__)
+def _steps_to_fill(run: Training, deadline: float, now: float) -> int:
+    first, last = CALIBRATION_STEPS
+    seconds_per_step = (run.step_times[last - 1] - run.step_times[first - 1]) / (last - first)
+    total = run.num_steps + int(PLAN_SHARE * (deadline - now) / seconds_per_step)
+    logger.info("%.3f s per step: %d steps fill the budget", seconds_per_step, total)
+    return total
 
 
 def main() -> None:
@@ -130,17 +70,49 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=560)
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--steps", type=int, help="a fixed number of steps")
+    budget.add_argument("--minutes", type=float, help="train for this long (steps fixed after "
+                        "timing the first ones)")
     parser.add_argument("--tokens-per-step", type=int, default=2048)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup-steps", type=int, default=30)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--amp", choices=("fp32", "bf16"), default="fp32",
+                        help="bf16: autocast on the device (the weights and optimizer stay fp32)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the mHC and MoE blocks (compile time counts)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="data worker processes (default: none on the CPU, up to 8 else)")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (1 is fastest on a shared machine)")
+                        help="torch threads of the training process (1 is fastest on a shared "
+                        "machine)")
+    parser.add_argument("--qat-fraction", type=float, default=0.0,
+                        help="train the last part of the steps through FP8-rounded weights")
+    parser.add_argument("--checkpoint-minutes", type=float, default=1.5)
+    parser.add_argument("--tar", type=Path, help="also write OUT_DIR as this tar file")
+    parser.add_argument("--eval", action="store_true", help="evaluate the result (CPU fp32)")
+    parser.add_argument("--gpu-check", action="store_true",
+                        help="with --eval: greedy bf16 on the GPU against CPU fp32")
     args = parser.parse_args()
+    if args.steps is None and args.minutes is None:
+        args.steps = 560
     setup_logging()
     torch.set_num_threads(args.threads)
-    training = train(args.out, args.seed, args.steps, args.tokens_per_step, args.lr)
-    write_manifest(args.out, training)
+    workers = args.workers if args.workers is not None else \
+        (0 if args.device == "cpu" else min(8, max(1, (os.cpu_count() or 2) // 2)))
+    options = RunOptions(seed=args.seed, tokens_per_step=args.tokens_per_step, peak_lr=args.lr,
+                         warmup_steps=args.warmup_steps, device=args.device, amp=args.amp,
+                         compile=args.compile, workers=workers, threads=args.threads,
+                         qat_fraction=args.qat_fraction)
+    training = train(args.out, options, steps=args.steps, minutes=args.minutes,
+                     checkpoint_minutes=args.checkpoint_minutes, tar=args.tar)
     logger.info("wrote %s: %s", args.out, json.dumps(training))
+    if args.eval:
+        from tools.eval_tiny import record_eval
+
+        torch.set_num_threads(os.cpu_count() or 1)
+        record_eval(args.out, gpu_check=args.gpu_check, tar=args.tar)
 
 
 if __name__ == "__main__":

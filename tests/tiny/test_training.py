@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from glmflash.config import ModelConfig
 from glmflash.tiny.configs import tiny_config
 from glmflash.tiny.tokenizer_files import write_tiny_tokenizer
-from tools.tiny_data import SampleMaker, make_samples
+from tools.tiny_batches import make_batch, pack_samples, sample_maker
+from tools.tiny_data import SampleMaker, is_held_out, make_samples, random_task, training_tool_case
 from tools.tiny_tool_tasks import tool_case, tool_conversation
+from tools.tiny_train_ops import training_ops
 from tools.tiny_trainer import build_models, forward_losses
 from tools.tiny_vision_tasks import image_task
 
@@ -30,6 +33,24 @@ def test_samples_follow_the_seed(tokenizer_dir):
     a, b = make_samples(tokenizer_dir, CONFIG, 3, 20), make_samples(tokenizer_dir, CONFIG, 3, 20)
     assert [s.ids for s in a] == [s.ids for s in b]
     assert [s.ids for s in a] != [s.ids for s in make_samples(tokenizer_dir, CONFIG, 4, 20)]
+
+
+def test_batches_follow_the_seed_and_step():
+    """Batch k of a run depends on (seed, k) only; no held-out question or tool is drawn."""
+    maker = sample_maker(tiny_config("trained"))
+    a, b = make_batch(maker, 0, 7, 4096), make_batch(maker, 0, 7, 4096)
+    assert np.array_equal(a.ids, b.ids) and a.cu_seqlens == b.cu_seqlens
+    assert not np.array_equal(make_batch(maker, 0, 8, 4096).ids[:64], a.ids[:64])
+    assert a.cu_seqlens[-1] <= 4096
+
+
+def test_training_never_draws_held_out_prompts():
+    rng = random.Random(0)
+    assert not any(is_held_out(random_task(rng).question) for _ in range(2000))
+    names = [t["function"]["name"] for _ in range(500) for t in training_tool_case(rng).tools]
+    assert not any(map(is_held_out, names))
+    assert 0.05 < sum(map(is_held_out, (tool_case(rng).tools[0]["function"]["name"]
+                                        for _ in range(2000)))) / 2000 < 0.2
 
 
 def test_chat_loss_covers_the_assistant_turns_only(tokenizer_dir):
@@ -57,8 +78,9 @@ def test_gradients_reach_every_trained_parameter(tokenizer_dir):
     model, mtp = build_models(CONFIG, seed=0)
     maker, rng = SampleMaker(tokenizer_dir, CONFIG), random.Random(0)
     samples = [maker.image_chat(image_task(rng)), *make_samples(tokenizer_dir, CONFIG, 0, 3)]
-    losses = forward_losses(model, mtp, samples)
-    sum(losses[:3]).backward()
+    with training_ops(model, mtp):
+        losses = forward_losses(model, mtp, pack_samples(samples))
+        sum(losses[:3]).backward()
     assert losses[3] > 0 and all(torch.isfinite(x) for x in losses[:3])
     # Each expert stack is one parameter; the indexer's gradient is its own loss's.
     missing = [name for module in (model, mtp) for name, p in module.named_parameters()

@@ -1,0 +1,30 @@
+"""The trainer on a GPU: a few steps with the reference ops under autograd on CUDA, worker
+processes making the data, the FP8-rounded final steps and a complete checkpoint (a pre-flight
+of the training command, under a minute)."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+
+from glmflash.tiny.manifest import mismatched_files
+from tools.tiny_run import RunOptions
+from tools.train_tiny import train
+
+pytestmark = pytest.mark.gpu
+
+
+def test_training_steps_on_the_gpu(tmp_path):
+    out = tmp_path / "tiny_trained"
+    options = RunOptions(tokens_per_step=16384, warmup_steps=2, device="cuda", workers=2,
+                         qat_fraction=0.4, gap_tokens=4096)
+    summary = train(out, options, steps=8, minutes=None, checkpoint_minutes=60, tar=None)
+    with open(out / "loss_log.csv") as f:
+        losses = [float(row["loss"]) for row in csv.DictReader(f)]
+    print(summary["fp8_rounding"], losses)
+    assert summary["complete"] and mismatched_files(out) == []
+    assert len(losses) == 8 and all(map(math.isfinite, losses))
+    assert losses[-1] < losses[0] - 0.3
+    assert abs(summary["fp8_rounding"]["loss_fp8"] - summary["fp8_rounding"]["loss_fp32"]) < 0.5

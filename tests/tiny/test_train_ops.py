@@ -1,0 +1,184 @@
+"""The batched training forms of tools/tiny_train_ops.py against the references they replace:
+outputs, states and gradients on varlen batches of fresh sequences."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import glmflash.model.indexer as indexer_module
+from glmflash.config import ModelConfig
+from glmflash.kernels.fused_moe.ref import fused_moe_ref
+from glmflash.kernels.indexer import indexer_select
+from glmflash.kernels.indexer.ref import (
+    indexer_select_ref,
+    indexer_write_ref,
+    select_plan,
+    write_plan,
+)
+from glmflash.kernels.kda.ref import causal_conv1d_ref, kda_ref
+from glmflash.model.forward_batch import contiguous_page_table
+from glmflash.model.state import ModelState
+from glmflash.tiny.configs import tiny_config
+from tools.tiny_batches import pack_samples
+from tools.tiny_data import make_samples
+from tools.tiny_indexer_loss import MlaInputs, _layer_loss, indexer_loss
+from tools.tiny_train_ops import (
+    Padded,
+    conv_fresh,
+    dense_experts,
+    kda_fresh,
+    select_fresh,
+    training_ops,
+)
+from tools.tiny_trainer import PAGE_SIZE, build_models, forward_losses, packed_batch
+
+LENS = [1, 5, 64, 65, 130, 7]
+CONFIG = ModelConfig.from_dict(tiny_config("trained"))
+
+
+def _cu(lens: list[int]) -> list[int]:
+    return np.cumsum([0, *lens]).tolist()
+
+
+def _grads(fn, inputs: list[torch.Tensor], probe: torch.Tensor) -> list[torch.Tensor]:
+    for x in inputs:
+        x.grad = None
+    (fn() * probe).sum().backward()
+    return [x.grad.clone() for x in inputs]
+
+
+def test_kda_fresh_matches_the_reference():
+    torch.manual_seed(42)
+    total, heads, dim = sum(LENS), 2, 8
+    q, k, v = (torch.randn(total, heads, dim, requires_grad=True) for _ in range(3))
+    g = (-torch.rand(total, heads, dim) * 0.5).requires_grad_()
+    beta = torch.rand(total, heads, requires_grad=True)
+    slots = [3, 0, 5, 1, 2, 4]
+    states = [torch.randn(6, heads, dim, dim) for _ in range(2)]
+    args = dict(cu_seqlens=_cu(LENS), state_slots=slots, is_fresh=[True] * len(LENS))
+    ref = lambda: kda_ref(q, k, v, g, beta, states[0], **args)  # noqa: E731
+    fresh = lambda: kda_fresh(q, k, v, g, beta, states[1], **args)  # noqa: E731
+    torch.testing.assert_close(fresh(), ref(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(states[1], states[0], rtol=1e-5, atol=1e-5)
+    probe = torch.randn(total, heads, dim)
+    for got, want in zip(_grads(fresh, [q, k, v, g, beta], probe),
+                         _grads(ref, [q, k, v, g, beta], probe), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_conv_fresh_matches_the_reference():
+    torch.manual_seed(42)
+    total, channels, kernel = sum(LENS), 6, 4
+    x = torch.randn(total, channels, requires_grad=True)
+    weight = torch.randn(channels, kernel, requires_grad=True)
+    states = [torch.randn(6, channels, kernel - 1) for _ in range(2)]
+    args = dict(cu_seqlens=_cu(LENS), state_slots=[3, 0, 5, 1, 2, 4], is_fresh=[True] * 6)
+    ref = lambda: causal_conv1d_ref(x, weight, states[0], **args)  # noqa: E731
+    fresh = lambda: conv_fresh(x, weight, states[1], **args)  # noqa: E731
+    torch.testing.assert_close(fresh(), ref(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(states[1], states[0])
+    probe = torch.randn(total, channels)
+    for got, want in zip(_grads(fresh, [x, weight], probe), _grads(ref, [x, weight], probe),
+                         strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_select_fresh_matches_the_reference():
+    """Positive queries, keys and head weights: no two pools tie, so the sets are unique."""
+    torch.manual_seed(42)
+    lens, kpool, dim, heads, topk = [3, 4, 9, 33, 64, 17], 4, 8, 3, 8
+    cu, total = _cu(lens), sum(lens)
+    table = contiguous_page_table(len(lens), max(lens), PAGE_SIZE, "cpu")
+    pool_keys = torch.zeros(table.numel() * PAGE_SIZE // kpool, dim)
+    tail = torch.zeros(len(lens), kpool - 1, 2 * dim)
+    slots = list(range(len(lens)))
+    plan = write_plan(cu, [0] * len(lens), slots, len(lens), kpool, "cpu")
+    indexer_write_ref(torch.rand(total, dim), torch.randn(total, dim), torch.randn(kpool, dim),
+                      pool_keys, tail, table, plan, page_size=PAGE_SIZE)
+    q, weights = torch.rand(total, heads, dim), torch.rand(total, heads)
+    selects = select_plan(cu, [0] * len(lens), slots, kpool, "cpu")
+    args = dict(page_size=PAGE_SIZE, topk=topk, kpool=kpool, select_tail=True)
+    want = indexer_select_ref(q, weights, pool_keys, table, selects, **args)
+    got = select_fresh(q, weights, pool_keys, table, selects, layout=Padded(cu, "cpu"), **args)
+    assert got.shape == want.shape
+    assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
+
+
+def test_dense_experts_match_the_reference():
+    torch.manual_seed(42)
+    tokens, experts, hidden, width = 37, 8, 16, 12
+    x = torch.randn(tokens, hidden, requires_grad=True)
+    ids = torch.stack([torch.randperm(experts)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, requires_grad=True)
+    w = [torch.randn(experts, width, hidden, requires_grad=True),
+         torch.randn(experts, width, hidden, requires_grad=True),
+         torch.randn(experts, hidden, width, requires_grad=True)]
+    ref = lambda: fused_moe_ref(x, ids, weights, w[0], None, w[1], None, w[2], None,  # noqa: E731
+                                limit=1.0)
+    dense = lambda: dense_experts(x, ids, weights, *w, 1.0)  # noqa: E731
+    torch.testing.assert_close(dense(), ref(), rtol=1e-5, atol=1e-5)
+    probe = torch.randn(tokens, hidden)
+    for got, want in zip(_grads(dense, [x, weights, *w], probe),
+                         _grads(ref, [x, weights, *w], probe), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _all_grads(models) -> list[torch.Tensor]:
+    """Every trained parameter's gradient (zeros where none reached it: no picture here)."""
+    return [torch.zeros_like(p) if p.grad is None else p.grad.clone()
+            for m in models for p in m.parameters() if p.requires_grad]
+
+
+@pytest.fixture(scope="module")
+def host_batch(tmp_path_factory):
+    from glmflash.tiny.tokenizer_files import write_tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    write_tiny_tokenizer(path)
+    return pack_samples(make_samples(path, CONFIG, seed=3, count=6))
+
+
+def test_training_step_equals_the_references(host_batch):
+    """Losses and every gradient of one batch: batched forms against the plain CPU model. The
+    selection keeps the reference here: at random weights many pools tie (relu scores of 0),
+    and the two break ties differently (test_select_fresh_matches_the_reference has no ties)."""
+    models = build_models(CONFIG, seed=0)
+    want = forward_losses(*models, host_batch)
+    sum(want[:3]).backward()
+    want_grads = _all_grads(models)
+    for m in models:
+        m.zero_grad(set_to_none=True)
+    with training_ops(*models):
+        indexer_module.indexer_select = indexer_select  # training_ops puts its own back
+        got = forward_losses(*models, host_batch)
+        sum(got[:3]).backward()
+    got_grads = _all_grads(models)
+    assert got[3] == want[3]
+    torch.testing.assert_close(torch.stack(got[:3]), torch.stack(want[:3]), rtol=1e-5, atol=0)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
+
+
+def test_indexer_loss_is_the_mean_of_per_sequence_losses(host_batch):
+    """The padded loss of a batch equals the mean of each layer's loss on each sequence alone
+    (the same MLA inputs)."""
+    model, _ = build_models(CONFIG, seed=0)
+    lens = np.diff(host_batch.cu_seqlens).tolist()
+    inputs = MlaInputs(model)
+    state = ModelState(CONFIG, num_token_slots=len(lens) * 1024, num_state_slots=len(lens),
+                       dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        model.hidden_states(packed_batch(lens, host_batch.ids, "cpu"), state)
+        whole = indexer_loss(inputs.records)
+        cu = host_batch.cu_seqlens
+        per_layer = [torch.stack([_layer_loss(mla, x[cu[b]:cu[b + 1]],
+                                              SimpleNamespace(cu_seqlens=[0, n]))
+                                  for b, n in enumerate(lens)]).mean()
+                     for mla, x, _ in inputs.records]
+    inputs.remove()
+    assert min(lens) >= CONFIG.index_kpool
+    torch.testing.assert_close(whole, torch.stack(per_layer).mean(), rtol=1e-5, atol=1e-7)
