@@ -19,10 +19,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from glmflash.distributed.host_reduce import HostAllReduce
+
 logger = logging.getLogger(__name__)
 
 IDLE_TIMEOUT = timedelta(days=7)
 ERROR_KEY = "glmflash/error/{rank}"
+HOST_REDUCE_KEY = "glmflash/host_reduce"
 # How long rank 0 waits for the failing rank's own message after a collective breaks.
 ERROR_WAIT_S = 3.0
 
@@ -42,9 +45,12 @@ class RankGroup:
     store: Any
     control: Any
     backend: str
+    host_reduce: HostAllReduce | None = None
+    """Small all-reduces of CPU ranks on one host, through shared memory."""
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        dist.all_reduce(tensor)
+        if self.host_reduce is None or not self.host_reduce.all_reduce(tensor):
+            dist.all_reduce(tensor)
 
     def send(self, message: object) -> None:
         """Rank 0: one message to every other rank, in order."""
@@ -83,13 +89,17 @@ class RankGroup:
             time.sleep(0.05)
 
     def close(self) -> None:
+        if self.host_reduce is not None:
+            self.host_reduce.close()
+            self.host_reduce = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def join_group(rank: int, world_size: int, store, device_type: str, timeout_s: float
-               ) -> RankGroup:
-    """Join the model and control groups (every rank calls it, rank 0 included)."""
+def join_group(rank: int, world_size: int, store, device_type: str, timeout_s: float,
+               same_host: bool = False) -> RankGroup:
+    """Join the model and control groups (every rank calls it, rank 0 included). CPU ranks
+    that rank 0 spawned on its host (`same_host`) also share a segment for small all-reduces."""
     if device_type == "cuda":
         local = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local)
@@ -100,7 +110,20 @@ def join_group(rank: int, world_size: int, store, device_type: str, timeout_s: f
                             timeout=timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     logger.info("rank %d of %d joined (%s on %s)", rank, world_size, backend, device)
-    return RankGroup(rank, world_size, device, store, control, backend)
+    host_reduce = _host_reduce(rank, world_size, store, timeout_s) \
+        if same_host and backend == "gloo" else None
+    return RankGroup(rank, world_size, device, store, control, backend, host_reduce)
+
+
+def _host_reduce(rank: int, world_size: int, store, timeout_s: float) -> HostAllReduce | None:
+    """Rank 0 makes the segment (if this host can) and says its name; the others follow."""
+    if rank == 0:
+        made = HostAllReduce.create(world_size, timeout_s) \
+            if HostAllReduce.supported(world_size) else None
+        store.set(HOST_REDUCE_KEY, made.name if made is not None else "")
+        return made
+    name = store.get(HOST_REDUCE_KEY).decode()
+    return HostAllReduce.attach(name, rank, world_size, timeout_s) if name else None
 
 
 def abort_group() -> None:

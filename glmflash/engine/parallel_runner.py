@@ -157,7 +157,10 @@ class ParallelRunner(ModelRunner):
 
     def _rank_died(self, rank: int, code: int | None) -> None:
         logger.error("rank %d exited unexpectedly (code %s)", rank, code)
-        # NCCL would wait for the dead rank until its timeout; gloo has already failed.
+        # NCCL would wait for the dead rank until its timeout, and so would the shared-memory
+        # all-reduce; gloo has already failed.
+        if self.group.host_reduce is not None:
+            self.group.host_reduce.abort()
         if self.group.backend == "nccl":
             abort_group()
 
@@ -186,7 +189,7 @@ def start_ranks(spec: RankSpec, warmup_ids: list[int] | None = None) -> Parallel
     group = None
     try:
         group = join_group(0, spec.parallel.tp_size, store, spec.device_type,
-                           env.dist_timeout_s())
+                           env.dist_timeout_s(), same_host=True)
         return build_rank_runner(spec, group, lambda model, plan: ParallelRunner(
             model, plan, group=group, workers=workers), warmup_ids)
     except BaseException as exc:

@@ -138,7 +138,8 @@ def worker_main(rank: int, spec: RankSpec) -> None:
 
 
 def run_worker(rank: int, spec: RankSpec, store) -> None:
-    group = join_group(rank, spec.parallel.tp_size, store, spec.device_type, env.dist_timeout_s())
+    group = join_group(rank, spec.parallel.tp_size, store, spec.device_type, env.dist_timeout_s(),
+                       same_host=spec.store_port is not None)
     spec = dataclasses.replace(spec, parallel=spec.parallel.for_rank(rank))
     try:
         runner = build_rank_runner(spec, group)
