@@ -4,6 +4,7 @@ every rank on shutdown. Any failure inside a step is fatal: the ranks are then o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -46,8 +47,9 @@ class WorkerSet:
         self.processes = [context.Process(target=worker_main, args=(rank, spec), daemon=True,
                                           name=f"glmflash-rank{rank}")
                           for rank in range(1, spec.parallel.tp_size)]
-        for process in self.processes:
-            process.start()
+        with _passive_openmp(spec.device_type == "cpu"):
+            for process in self.processes:
+                process.start()
         self.closing = False
         self.on_death = None
         threading.Thread(target=self._watch, name="glmflash-rank-watch", daemon=True).start()
@@ -163,6 +165,23 @@ class ParallelRunner(ModelRunner):
             self.group.host_reduce.abort()
         if self.group.backend == "nccl":
             abort_group()
+
+
+@contextlib.contextmanager
+def _passive_openmp(active: bool):
+    """CPU ranks share the host's cores: their OpenMP threads must not spin once idle (a
+    spinning rank takes the core another rank computes on). Spawned ranks read the environment
+    as it is at `start`."""
+    before = os.environ.get("GOMP_SPINCOUNT")
+    if active:
+        os.environ["GOMP_SPINCOUNT"] = "0"
+    try:
+        yield
+    finally:
+        if active and before is None:
+            os.environ.pop("GOMP_SPINCOUNT", None)
+        elif active:
+            os.environ["GOMP_SPINCOUNT"] = before
 
 
 def close_group(group: RankGroup, *, failed: bool) -> None:
