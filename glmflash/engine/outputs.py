@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from glmflash.engine.cache import PrefixCacheStats
-from glmflash.engine.spec_policy import SpecCounters
+from glmflash.engine.spec_policy import AcceptanceFigures, SpecCounters
 
 
 @dataclass(slots=True)
@@ -33,7 +33,7 @@ class StreamDelta:
 
 
 @dataclass
-class Choice:
+class Choice(AcceptanceFigures):
     index: int
     token_ids: list[int]
     text: str
@@ -46,17 +46,6 @@ class Choice:
     accepted, over `num_verify_steps` steps that had drafts."""
     num_accepted_tokens: int = 0
     num_verify_steps: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens gained per verify step (accepted drafts plus the target's own token)."""
-        if not self.num_verify_steps:
-            return 0.0
-        return 1 + self.num_accepted_tokens / self.num_verify_steps
 
 
 @dataclass

@@ -35,8 +35,27 @@ MAX_BATCH_RATIO = 1.5
 """The two sides' mean batch sizes must be this close for a comparison to count."""
 
 
+class AcceptanceFigures:
+    """Rates from `num_draft_tokens`, `num_accepted_tokens` and `num_verify_steps` (a choice's
+    or the engine's counters)."""
+
+    __slots__ = ()
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts / drafts."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a sequence gains per verify step (accepted drafts plus the target's own)."""
+        if not self.num_verify_steps:
+            return 0.0
+        return 1 + self.num_accepted_tokens / self.num_verify_steps
+
+
 @dataclass(frozen=True, slots=True)
-class SpecCounters:
+class SpecCounters(AcceptanceFigures):
     """Speculative decoding so far (Engine.stats().speculative, /metrics)."""
 
     num_verify_steps: int
@@ -52,18 +71,6 @@ class SpecCounters:
     @classmethod
     def empty(cls, num_steps: int) -> SpecCounters:
         return cls(0, 0, 0, (0,) * num_steps, (0,) * num_steps)
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted drafts / drafts."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens a sequence gains per verify step (accepted drafts plus the target's own)."""
-        if not self.num_verify_steps:
-            return 0.0
-        return 1 + self.num_accepted_tokens / self.num_verify_steps
 
     def position_acceptance(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in
