@@ -42,6 +42,15 @@ def _isolated_cache(tmp_path_factory):
     os.environ.setdefault("GLMFLASH_CACHE_DIR", str(tmp_path_factory.mktemp("glmflash-cache")))
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """A test that starts CPU ranks in-process (rank 0 takes its share of the cores) must not
+    change the thread count, hence the float summation order, of the tests after it."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     """variant -> checkpoint folder (FP8 release layout), made once per session."""
