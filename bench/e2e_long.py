@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from glmflash.engine.memory_ledger import ALLOCATOR_ROWS, GIB, GPU
+from glmflash.engine.memory_ledger import GIB
 
 
 def reset_peak() -> None:
@@ -22,8 +22,7 @@ def memory_line(engine, label: str) -> str:
     ledger = engine.memory_ledger
     peak = torch.cuda.max_memory_reserved()
     predicted = ledger.expected_reserved()
-    planned = sum(max(r.nbytes, r.measured or 0) for r in ledger.rows
-                  if r.where == GPU and r.name in ALLOCATOR_ROWS)
+    planned = ledger.expected_reserved(as_planned=True)
     return (f"memory {label}: peak reserved {peak / GIB:.3f} GiB, ledger after start "
             f"{predicted / GIB:.3f} GiB ({100 * (peak - predicted) / predicted:+.2f}%), start-up "
             f"plan {planned / GIB:.3f} GiB ({100 * (peak - planned) / planned:+.2f}%); peak "

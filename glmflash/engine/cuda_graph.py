@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from glmflash.engine.experts import hybrid_layers
+from glmflash.engine.experts import hybrid_layers, placement_graph_handoff
 from glmflash.model.forward_batch import decode_batch
 from glmflash.utils.device import upload
 from glmflash.utils.env import kernel_override
@@ -147,12 +147,10 @@ class CudaGraphRunner:
 
     def _attach_handoff(self) -> None:
         """The placement's graph hand-off, when CPU experts run inside the graphs."""
-        handoffs = {id(layer.graph_handoff): layer.graph_handoff
-                    for layer in hybrid_layers(self.runner.model)
-                    if layer.num_gpu < layer.num_experts}
-        if not handoffs:
+        model = self.runner.model
+        if all(layer.num_gpu == layer.num_experts for layer in hybrid_layers(model)):
             return
-        (self.handoff,) = handoffs.values()
+        self.handoff = placement_graph_handoff(model)
         if self.handoff is None or self.handoff.max_rows < self.batch_sizes[-1]:
             raise RuntimeError(f"the expert placement made no graph hand-off for decode batches "
                                f"of {self.batch_sizes[-1]}: place the experts with graph_rows")

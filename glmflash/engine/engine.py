@@ -218,10 +218,6 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         """Decode batch sizes to capture as CUDA graphs (none when off or impossible here)."""
         return decode_graph_sizes(self.options, self.device)
 
-    def _why_no_graphs(self) -> str | None:
-        # A split model's ranks capture together, collectives inside (docs/parallelism.md).
-        return graphs_unsupported(self.device)
-
     def _capture_graphs(self) -> None:
         """Decode CUDA graphs at start-up, unless off or impossible here (said once)."""
         options = self.options
@@ -234,7 +230,7 @@ class Engine(EngineApiMixin, EngineLoopMixin):
                 self.runner.capture_graphs(sizes)
         elif options.cuda_graph_bs is not None or self.device.type == "cuda":
             logger.info("decode runs without CUDA graphs: %s",
-                        self._why_no_graphs() or "no batch size to capture")
+                        graphs_unsupported(self.device) or "no batch size to capture")
 
     @property
     def supports_media(self) -> bool:
@@ -261,7 +257,9 @@ class Engine(EngineApiMixin, EngineLoopMixin):
     def _run(self, batch: ScheduledBatch) -> None:
         start = time.perf_counter()
         sampled = [s for s, need in zip(batch.seqs, batch.needs_sample, strict=True) if need]
-        decodes_only = all(s.num_computed_tokens >= s.num_prompt_tokens for s in batch.seqs)
+        # Read before the step changes it: the speed check compares steps of decodes only.
+        decodes_only = self.spec is not None and all(
+            s.num_computed_tokens >= s.num_prompt_tokens for s in batch.seqs)
         speculative = self.spec is not None and self.spec.wants(batch)
         if speculative:
             runs = self.spec.verify(batch, sampled)

@@ -248,14 +248,19 @@ def _graph_handoff(modules: list[Experts], resident_ids: list[list[int]], top_k:
     return GraphHandOff(kernels, placement.graph_rows, top_k, device)
 
 
+def placement_graph_handoff(model: nn.Module) -> GraphHandOff | None:
+    """The graph hand-off the placement made (one, shared by every hybrid layer), or None."""
+    return next((layer.graph_handoff for layer in hybrid_layers(model)
+                 if layer.graph_handoff is not None), None)
+
+
 def close_placement(model: nn.Module) -> None:
-    """Stop what the placement started: the graph hand-off's serving loop (once)."""
-    handoffs = {id(layer.graph_handoff): layer.graph_handoff for layer in hybrid_layers(model)
-                if layer.graph_handoff is not None}
-    for handoff in handoffs.values():
+    """Stop what the placement started: the graph hand-off's serving loop."""
+    handoff = placement_graph_handoff(model)
+    if handoff is not None:
         handoff.close()
-    for layer in hybrid_layers(model):
-        layer.graph_handoff = None
+        for layer in hybrid_layers(model):
+            layer.graph_handoff = None
 
 
 def _resident(module: Experts, ids: list[int], device: torch.device) -> tuple | None:

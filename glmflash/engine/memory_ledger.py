@@ -60,13 +60,14 @@ class MemoryLedger:
         where = where or self.cache_where
         return sum(max(r.nbytes, r.measured or 0) for r in self.rows if r.where == where)
 
-    def expected_reserved(self) -> int:
+    def expected_reserved(self, as_planned: bool = False) -> int:
         """Bytes torch's allocator is expected to hold on the GPU while serving (no prompt
         log-probabilities asked): each row it holds at its measured value where the engine
-        measured one (warm-up, graph capture), else as planned or estimated. `used` keeps the
-        larger of the two for the plan; this is the ledger's prediction after start."""
-        return sum(r.nbytes if r.measured is None else r.measured for r in self.rows
-                   if r.where == GPU and r.name in ALLOCATOR_ROWS)
+        measured one (warm-up, graph capture), else as planned or estimated: the ledger's
+        prediction after start. `as_planned`: the larger of the two, as `used` counts them."""
+        return sum(max(r.nbytes, r.measured or 0) if as_planned
+                   else r.nbytes if r.measured is None else r.measured
+                   for r in self.rows if r.where == GPU and r.name in ALLOCATOR_ROWS)
 
     @property
     def cache_where(self) -> str:

@@ -167,9 +167,9 @@ class ModelRunner:
             num_sampled = logits.shape[0] - len(prompt_rows.rows)
             self.prompt_logprobs.record(logits[num_sampled:], prompt_rows)
             return logits[:num_sampled]
-        rows = self.decode_rows(batch)
-        if rows is not None:
-            return self.run_decode(DecodeStep(rows, list(batch.page_updates), batch.cache_ops))
+        step = self.decode_step(batch)
+        if step is not None:
+            return self.run_decode(step)
         return self.run_inputs(collect_inputs(batch, self.page_size))
 
     def run_inputs(self, inputs: StepInputs) -> torch.Tensor:
@@ -189,10 +189,9 @@ class ModelRunner:
                 extra_logit_rows: list[int] | None = None) -> ForwardBatch:
         """The batch's forward inputs, cache changes applied: the decode form for a batch of
         decodes, else the varlen form (always with prompt rows to score)."""
-        rows = None if extra_logit_rows else self.decode_rows(batch)
-        if rows is not None:
-            return self.prepare_decode(DecodeStep(rows, list(batch.page_updates),
-                                                  batch.cache_ops))
+        step = None if extra_logit_rows else self.decode_step(batch)
+        if step is not None:
+            return self.prepare_decode(step)
         return self.prepare_inputs(collect_inputs(batch, self.page_size, extra_logit_rows))
 
     def prepare_decode(self, step: DecodeStep) -> ForwardBatch:
@@ -212,6 +211,12 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.close()
         close_placement(self.model)
+
+    def decode_step(self, batch: ScheduledBatch) -> DecodeStep | None:
+        """The batch as a step of decodes with its cache changes, or None (`decode_rows`)."""
+        rows = self.decode_rows(batch)
+        return None if rows is None else DecodeStep(rows, list(batch.page_updates),
+                                                    batch.cache_ops)
 
     def decode_rows(self, batch: ScheduledBatch) -> DecodeHostRows | None:
         """The batch as decodes, or None when a sequence has more than one new token, none

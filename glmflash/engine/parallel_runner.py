@@ -47,7 +47,10 @@ class WorkerSet:
         self.processes = [context.Process(target=worker_main, args=(rank, spec), daemon=True,
                                           name=f"glmflash-rank{rank}")
                           for rank in range(1, spec.parallel.tp_size)]
-        with _passive_openmp(spec.device_type == "cpu"):
+        # CPU ranks share the host's cores: their OpenMP threads must not spin once idle (a
+        # spinning rank takes the core another rank computes on).
+        with _environ("GOMP_SPINCOUNT", "0") if spec.device_type == "cpu" \
+                else contextlib.nullcontext():
             for process in self.processes:
                 process.start()
         self.closing = False
@@ -168,20 +171,18 @@ class ParallelRunner(ModelRunner):
 
 
 @contextlib.contextmanager
-def _passive_openmp(active: bool):
-    """CPU ranks share the host's cores: their OpenMP threads must not spin once idle (a
-    spinning rank takes the core another rank computes on). Spawned ranks read the environment
-    as it is at `start`."""
-    before = os.environ.get("GOMP_SPINCOUNT")
-    if active:
-        os.environ["GOMP_SPINCOUNT"] = "0"
+def _environ(name: str, value: str):
+    """`name` set to `value` inside the block (spawned processes read the environment as it is
+    at `start`), as it was after."""
+    before = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
-        if active and before is None:
-            os.environ.pop("GOMP_SPINCOUNT", None)
-        elif active:
-            os.environ["GOMP_SPINCOUNT"] = before
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def close_group(group: RankGroup, *, failed: bool) -> None:

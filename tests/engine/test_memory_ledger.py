@@ -133,3 +133,4 @@ def test_expected_reserved_takes_measured_rows_and_leaves_out_what_torch_does_no
     assert ledger.expected_reserved() == 35 * GIB + 200 * MIB
     # The plan keeps the larger of estimate and measurement.
     assert ledger.used() == 30 * GIB + GIB + 5 * GIB + 12 * GIB + 200 * MIB + GIB // 2 + 2 * GIB
+    assert ledger.expected_reserved(as_planned=True) == 37 * GIB + 200 * MIB
