@@ -6,13 +6,15 @@ Random weights accept nothing and route without locality, so both are forced:
   ends it) and the accepted tokens are the target's own greedy tokens, so a step costs what a
   real one with that acceptance costs (verify of 1 + drafts tokens, MTP over the accepted
   positions, chained drafts);
-- routing: inside one forward, each token of a sequence keeps `--reuse` of the previous token's
-  experts (the rest its own choice), which is what decides the union of experts a verify step
-  reads. Decodes of one token per sequence are not changed (graph replays keep their routing).
+- routing: inside a verify forward, each token of a sequence keeps `--reuse` of the previous
+  token's experts (the rest its own choice), which is what decides the union of experts a verify
+  step reads; the verify graphs are captured again once the override is in place. Decodes are
+  not changed.
 One engine per mode: MTP off is the same engine with drafting switched off (its decode steps
-replay the CUDA graphs; verify steps run eagerly). Rows: the measured tok/s, and the estimate
-at the release's 45 layers (the main forward's share scaled by 45 / layers, the MTP layer's
-time kept).
+replay the CUDA graphs); with MTP on, the verify and draft forwards replay their graphs
+(engine/spec_graphs.py) whenever every sequence has its drafts. Rows: the measured tok/s, and
+the estimate at the release's 45 layers (the main forward's share scaled by 45 / layers, the MTP
+layer's time kept).
 
     python bench/e2e.py --mtp                           # H200: all-gpu and hybrid-0, < 2 min
     python bench/e2e.py --mtp --tiny --modes cpu        # CPU smoke run
@@ -24,6 +26,7 @@ import argparse
 import random
 import time
 
+import numpy as np
 import torch
 
 from bench.common import add_fake_context_requests
@@ -37,10 +40,10 @@ RELEASE_DEPTH = 45
 
 class ForcedRouting:
     """Routers of the main model keep `share` of the previous token's experts within each
-    sequence of a multi-token forward."""
+    sequence of a verify forward."""
 
     def __init__(self, model: GlmForCausalLM, share: float) -> None:
-        self.share, self.cu_seqlens = share, None
+        self.share, self.num_tokens = share, None
         self.model, self.hidden_states = model, model.hidden_states
         self.routers = [m for m in model.modules() if isinstance(m, Router)]
         self.forwards = [r.forward for r in self.routers]
@@ -54,33 +57,44 @@ class ForcedRouting:
             router.forward = forward
 
     def _hidden_states(self, batch, state, **kwargs):
-        self.cu_seqlens = batch.cu_seqlens
+        self.num_tokens = batch.verify.num_tokens if batch.verify is not None else None
         return self.hidden_states(batch, state, **kwargs)
 
     def _routed(self, forward):
         def route(x):
             ids, weights = forward(x)
-            if self.cu_seqlens is not None and ids.shape[0] == self.cu_seqlens[-1]:
-                ids = reuse_experts(ids, self.cu_seqlens, self.share)
+            if self.num_tokens is not None and ids.shape[0] == sum(self.num_tokens):
+                ids = reuse_experts(ids, self.num_tokens, self.share)
             return ids, weights
         return route
 
 
-def reuse_experts(ids: torch.Tensor, cu_seqlens: list[int], share: float) -> torch.Tensor:
-    """Row t of a sequence takes the first round(share * k) experts of row t-1, then its own
-    choices not among them."""
+def reuse_experts(ids: torch.Tensor, num_tokens: list[int], share: float) -> torch.Tensor:
+    """Row t of a sequence (its rows back to back, `num_tokens` each) takes the first
+    round(share * k) experts of row t-1, then its own choices not among them. With equal
+    counts (a replayed verify) only views and device ops are used, so it can be captured."""
     k = ids.shape[1]
     keep = round(share * k)
-    ids = ids.clone()
-    lens = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)]
-    for j in range(1, max(lens, default=0)):
-        rows = torch.tensor([a + j for a, n in zip(cu_seqlens, lens, strict=False) if n > j],
-                            device=ids.device)
-        kept, own = ids[rows - 1, :keep], ids[rows]
-        is_new = ~(own[:, :, None] == kept[:, None, :]).any(-1)
-        order = torch.argsort((~is_new).int(), dim=1, stable=True)
-        ids[rows] = torch.cat([kept, own.gather(1, order)[:, : k - keep]], dim=1)
+    if not keep:
+        return ids
+    if len(set(num_tokens)) == 1:
+        rows = ids.view(len(num_tokens), num_tokens[0], k).clone()
+        for j in range(1, num_tokens[0]):
+            rows[:, j] = _keep_first(rows[:, j - 1, :keep], rows[:, j], k)
+        return rows.view(-1, k)
+    ids, starts = ids.clone(), np.cumsum([0, *num_tokens])[:-1]
+    for j in range(1, max(num_tokens)):
+        at = torch.tensor([s + j for s, n in zip(starts, num_tokens, strict=True) if n > j],
+                          device=ids.device)
+        ids[at] = _keep_first(ids[at - 1, :keep], ids[at], k)
     return ids
+
+
+def _keep_first(kept: torch.Tensor, own: torch.Tensor, k: int) -> torch.Tensor:
+    """`kept` experts, then `own`'s choices not among them, k in all."""
+    is_new = ~(own[:, :, None] == kept[:, None, :]).any(-1)
+    order = torch.argsort((~is_new).int(), dim=1, stable=True)
+    return torch.cat([kept, own.gather(1, order)[:, : k - kept.shape[1]]], dim=1)
 
 
 def forced_acceptance(rate: float, seed: int = 0):
@@ -127,9 +141,10 @@ class MtpClock:
         if self.spec is None:
             return
         runner = self.spec.runner
-        self.originals = (runner.draft_extend, runner.draft_chain)
+        self.originals = (runner.draft_extend, runner.draft_chain, runner.draft_verified)
         runner.draft_extend = self._timed(runner.draft_extend)
         runner.draft_chain = self._timed(runner.draft_chain)
+        runner.draft_verified = self._timed(runner.draft_verified)
 
     def _timed(self, fn):
         def call(*args, **kwargs):
@@ -145,7 +160,8 @@ class MtpClock:
 
     def close(self) -> None:
         if self.spec is not None:
-            self.spec.runner.draft_extend, self.spec.runner.draft_chain = self.originals
+            runner = self.spec.runner
+            runner.draft_extend, runner.draft_chain, runner.draft_verified = self.originals
 
 
 def release_tok_s(row: dict, batch: int, num_layers: int) -> float:
@@ -161,6 +177,7 @@ def run_mode(engine: Engine, mode: str, args: argparse.Namespace, deadline: floa
     num_layers = engine.config.num_hidden_layers
     for reuse in args.reuse:
         routing = ForcedRouting(engine.runner.model, reuse)
+        recapture_spec_graphs(engine)
         try:
             for batch in args.batches:
                 if time.perf_counter() > deadline:
@@ -178,6 +195,13 @@ def run_mode(engine: Engine, mode: str, args: argparse.Namespace, deadline: floa
         finally:
             routing.close()
     return lines
+
+
+def recapture_spec_graphs(engine: Engine) -> None:
+    """The verify graphs again, so that they hold the routing installed since their capture."""
+    graphs = engine.spec.runner.graphs
+    if graphs is not None:
+        engine.spec.runner.capture_graphs(graphs.batch_sizes)
 
 
 def format_row(mode, reuse, batch, rate, off, on, num_layers) -> str:
@@ -211,7 +235,7 @@ def engine_options(mode: str, args: argparse.Namespace, context: int) -> dict:
                    speculative_algorithm="NEXTN", speculative_num_steps=args.num_drafts,
                    speculative_min_acceptance=0.0, disable_speculative_speed_check=True,
                    skip_kernel_warmup=mode == "cpu",
-                   cuda_graph_bs=args.batches)
+                   cuda_graph_bs=args.batches, speculative_max_batch_size=max(args.batches))
     if mode.startswith("hybrid-"):
         import os
 

@@ -73,6 +73,23 @@ def decode_graph_sizes(options: EngineConfig, device: torch.device) -> list[int]
                              options.kt_gpu_prefill_token_threshold)
 
 
+def spec_graph_sizes(options: EngineConfig, device: torch.device) -> list[int]:
+    """The batch sizes whose verify and draft forwards are captured (speculative decoding):
+    the decode sizes up to the largest batch that drafts."""
+    if not options.num_speculative_steps:
+        return []
+    return [b for b in decode_graph_sizes(options, device)
+            if b <= options.speculative_max_batch_size]
+
+
+def max_graph_rows(options: EngineConfig, device: torch.device) -> int:
+    """The most token rows of any captured forward: a decode batch, or a verify batch of
+    drafts + 1 rows per sequence (0 without graphs)."""
+    rows = 1 + options.num_speculative_steps
+    return max([*decode_graph_sizes(options, device),
+                *(b * rows for b in spec_graph_sizes(options, device))], default=0)
+
+
 def graphs_unsupported(device: torch.device) -> str | None:
     """Why decode graphs cannot be captured here, or None."""
     if device.type != "cuda":
@@ -91,6 +108,8 @@ class CudaGraphRunner:
         self.batch_sizes = sorted(batch_sizes)
         self.graphs: dict[tuple[int, int], CapturedDecode] = {}
         self.handoff: GraphHandOff | None = None
+        self.pool = None
+        """The graphs' memory pool, once captured (speculative decoding's graphs share it)."""
         self.num_replays = 0
         self.replay_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
         """Benchmarks: a list to collect (start, end) CUDA events around each replay."""
@@ -108,6 +127,7 @@ class CudaGraphRunner:
                 captured = self._capture(size, width, pool)
                 pool = captured.graph.pool()
                 self.graphs[(size, width)] = captured
+        self.pool = pool
         torch.cuda.synchronize(device)
         used = (free_before - torch.cuda.mem_get_info(device)[0]) / 2**20
         logger.info("CUDA graphs: decode of %s sequences x selection widths %s pools, %d graphs "

@@ -17,7 +17,11 @@ import torch
 from glmflash.config import ModelConfig
 from glmflash.engine.api import EngineApiMixin
 from glmflash.engine.cache import CacheManager, PrefixCacheStats
-from glmflash.engine.cuda_graph import decode_graph_sizes, graphs_unsupported
+from glmflash.engine.cuda_graph import (
+    decode_graph_sizes,
+    graphs_unsupported,
+    spec_graph_sizes,
+)
 from glmflash.engine.detokenizer import SequenceDetokenizer
 from glmflash.engine.errors import EngineDead, EngineOverloaded, PromptTooLong
 from glmflash.engine.loop import EngineLoopMixin
@@ -137,7 +141,7 @@ class Engine(EngineApiMixin, EngineLoopMixin):
                 state_config = with_mtp_layer(self.config)
             plan, self.memory_ledger = plan_memory(
                 state_config, self.options, self.max_seq_len, self.device, self.dtype,
-                model=model, graph_sizes=self._graph_sizes())
+                model=model, graph_sizes=self._graph_rows())
             return ModelRunner(model, plan, state_config), plan
         from glmflash.distributed.parallel import ParallelConfig
         from glmflash.engine.parallel_runner import RankSpec, start_ranks
@@ -218,6 +222,13 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         """Decode batch sizes to capture as CUDA graphs (none when off or impossible here)."""
         return decode_graph_sizes(self.options, self.device)
 
+    def _graph_rows(self) -> list[int]:
+        """Token rows of every forward captured: the decode sizes, then a verify and a draft
+        forward per speculative size (for the memory plan)."""
+        rows = 1 + self.options.num_speculative_steps
+        spec = [b * rows for b in spec_graph_sizes(self.options, self.device)]
+        return self._graph_sizes() + spec + spec
+
     def _capture_graphs(self) -> None:
         """Decode CUDA graphs at start-up, unless off or impossible here (said once)."""
         options = self.options
@@ -228,6 +239,9 @@ class Engine(EngineApiMixin, EngineLoopMixin):
             with measured_peak(self.memory_ledger, "CUDA graphs", self.device,
                                "capturing the CUDA graphs"):
                 self.runner.capture_graphs(sizes)
+                spec_sizes = spec_graph_sizes(options, self.device)
+                if self.spec is not None and spec_sizes:
+                    self.spec.runner.capture_graphs(spec_sizes)
         elif options.cuda_graph_bs is not None or self.device.type == "cuda":
             logger.info("decode runs without CUDA graphs: %s",
                         graphs_unsupported(self.device) or "no batch size to capture")

@@ -179,11 +179,11 @@ def plan_placement(model: nn.Module, options: EngineConfig, device: torch.device
     """The engine options' placement, decided before anything is copied to the GPU: the first
     N experts of each layer, or (`kt_expert_placement="frequency"`) the N most routed over the
     warm-up prompt `warmup_ids`."""
-    from glmflash.engine.cuda_graph import decode_graph_sizes
+    from glmflash.engine.cuda_graph import max_graph_rows
 
     placement = ExpertPlacement(options.kt_num_gpu_experts or 0,
                                 prefill_token_threshold=options.kt_gpu_prefill_token_threshold,
-                                graph_rows=max(decode_graph_sizes(options, device), default=0))
+                                graph_rows=max_graph_rows(options, device))
     if options.kt_expert_placement != "frequency" or not warmup_ids:
         return placement
     chosen = most_routed(count_routing(model, device, warmup_ids), placement.num_gpu_experts)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -23,8 +23,18 @@ from glmflash.model.dummy_weights import fill_dummy_weights
 from glmflash.model.forward_batch import ForwardBatch, build_forward_batch, token_slots_of
 from glmflash.model.glm import GlmForCausalLM
 from glmflash.model.mtp import GlmMtp, load_mtp
-from glmflash.model.verify import VerifyInputs, VerifyScratch, commit, verify_positions
+from glmflash.model.verify import (
+    VerifyHostRows,
+    VerifyScratch,
+    commit,
+    pack_verify,
+    verify_batch,
+    verify_rows,
+)
 from glmflash.utils.device import upload
+
+if TYPE_CHECKING:
+    from glmflash.engine.spec_graphs import CapturedVerify, SpecGraphRunner
 
 logger = logging.getLogger(__name__)
 MTP_DUMMY_SEED = 1
@@ -72,8 +82,13 @@ class SpecRunner:
     def __init__(self, runner: ModelRunner, mtp: GlmMtp, num_steps: int, max_rows: int) -> None:
         self.runner, self.mtp, self.model = runner, mtp, runner.model
         self.state = runner.state
+        self.num_steps = num_steps
         self.scratch = VerifyScratch(self.model.config, self.state, max_rows, num_steps)
         self.mtp_layer = self.model.config.num_hidden_layers
+        self.graphs: SpecGraphRunner | None = None
+        """The captured verify and draft forwards (`capture_graphs`)."""
+        self.last_verify: CapturedVerify | None = None
+        """The graph the latest verify replayed, or None when it ran eagerly."""
 
     @torch.inference_mode()
     def forward_main(self, batch: ScheduledBatch) -> MainOutput:
@@ -91,25 +106,70 @@ class SpecRunner:
         cu = fb.cu_seqlens if fb.cu_seqlens is not None else list(range(len(batch.seqs) + 1))
         return MainOutput(hidden, logits, cu)
 
+    def capture_graphs(self, batch_sizes: list[int]) -> None:
+        """Capture the verify and draft forwards (after the runner's decode graphs, into their
+        memory pool)."""
+        from glmflash.engine.spec_graphs import SpecGraphRunner
+
+        self.graphs = SpecGraphRunner(self, batch_sizes, self.num_steps)
+        decode = self.runner.graphs
+        self.graphs.capture(decode.pool if decode is not None else None)
+
     @torch.inference_mode()
     def forward_verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> MainOutput:
-        """Each sequence's last token and its drafts in one forward: logits of every row."""
-        ids, slots, cu, prefix = [], [], [0], []
-        page = self.runner.page_size
-        for seq, draft in zip(seqs, drafts, strict=True):
-            start = seq.num_computed_tokens
-            ids += [seq.token_ids[start], *draft]
-            slots += token_slots_of(seq.page_ids, start, 1 + len(draft), page).tolist()
-            cu.append(cu[-1] + 1 + len(draft))
-            prefix.append(start)
-        state_slots = [seq.state_slot for seq in seqs]
-        fb = build_forward_batch(ids, slots, cu, prefix, state_slots, self.runner.page_table,
-                                 page, logit_seqs=[], extra_logit_rows=list(range(cu[-1])))
-        num_tokens = [1 + len(d) for d in drafts]
-        fb.verify = VerifyInputs(verify_positions(num_tokens, prefix, state_slots,
-                                                  self.runner.device), self.scratch)
+        """Each sequence's last token and its drafts in one forward: logits of every row.
+        Replayed from a graph when every sequence has all its drafts (`last_verify` is then
+        that graph, whose hidden states the draft graph reads)."""
+        rows = self.verify_rows(seqs, drafts)
+        cu = np.cumsum([0, *rows.num_tokens]).tolist()
+        self.last_verify = None
+        if self.graphs is not None and self.graphs.fits(len(seqs), drafts):
+            self.last_verify = captured = self.graphs.replay_verify(rows)
+            return MainOutput(captured.hidden[: cu[-1]], captured.logits[: cu[-1]], cu)
+        runner = self.runner
+        fb = verify_batch(upload(pack_verify(rows, save=True), runner.device), rows.num_tokens,
+                          True, runner.page_table, runner.page_size,
+                          runner.pool_width(rows.num_pools), self.scratch)
         hidden = self.model.hidden_states(fb, self.state)
         return MainOutput(hidden, self.model.logits(hidden), cu)
+
+    def verify_rows(self, seqs: list[Sequence], drafts: list[list[int]]) -> VerifyHostRows:
+        page = self.runner.page_size
+        ids, slots, starts = [], [], []
+        for seq, draft in zip(seqs, drafts, strict=True):
+            start = seq.num_computed_tokens
+            ids.append([seq.token_ids[start], *draft])
+            slots.append(token_slots_of(seq.page_ids, start, 1 + len(draft), page).tolist())
+            starts.append(start)
+        ends = [start + len(i) for start, i in zip(starts, ids, strict=True)]
+        return verify_rows(ids, slots, starts, [s.state_slot for s in seqs],
+                           max(ends) // self.model.config.index_kpool)
+
+    @torch.inference_mode()
+    def draft_verified(self, seqs: list[Sequence], starts: list[int], committed: list[int],
+                       live: list[bool]) -> tuple[torch.Tensor, list[int]]:
+        """The draft graph after a replayed verify of `seqs`: the MTP layer over each live
+        sequence's committed positions `starts[b]..starts[b]+committed[b]-1` (padding rows
+        elsewhere). Returns, per sequence, the layer's output at its last committed row
+        `[B, D]` and the id drafted there."""
+        graphs, page = self.graphs, self.runner.page_size
+        pad = graphs.padding_sequence()
+        ids, token_slots, positions, state_slots = [], [], [], []
+        for seq, start, count, is_live in zip(seqs, starts, committed, live, strict=True):
+            count = count if is_live else 0
+            ids.append(seq.token_ids[start + 1: start + 1 + count].tolist() +
+                       pad.input_ids[count:])
+            token_slots.append(token_slots_of(seq.page_ids, start, count, page).tolist() +
+                               pad.token_slots[count:])
+            positions.append(list(range(start, start + count)) + pad.positions[count:])
+            state_slots.append([seq.state_slot] * count + pad.state_slots[count:])
+        num = graphs.rows_per_seq * len(seqs)
+        rows = VerifyHostRows(*(sum(v, []) for v in (ids, token_slots, positions, state_slots)),
+                              [0] * num, [graphs.rows_per_seq] * len(seqs), 0)
+        captured = graphs.replay_draft(rows, self.last_verify)
+        picks = [b * graphs.rows_per_seq + max(c, 1) - 1 for b, c in enumerate(committed)]
+        drafted = captured.ids[:num].tolist()
+        return captured.out[upload(picks, self.runner.device)], [drafted[r] for r in picks]
 
     def commit(self, seqs: list[Sequence], drafts: list[list[int]],
                num_accepted: list[int]) -> None:

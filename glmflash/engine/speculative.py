@@ -107,6 +107,9 @@ class SpecDecoder:
             entries = step.logprobs.get(delta.seq.seq_id)
             if entries is not None:
                 delta.seq.logprobs.extend(entries[: len(delta.token_ids)])
+        if step.main is None and self.runner.last_verify is not None:
+            self._draft_after_graph(step)
+            return
         rows, drafting = self._mtp_rows(step)
         if not rows.seqs:
             return
@@ -167,6 +170,22 @@ class SpecDecoder:
             first_drafts += 1
             first_accepted += int(a > 0)
         self.policy.observe(first_drafts, first_accepted)
+
+    def _draft_after_graph(self, step: _Step) -> None:
+        """After a replayed verify (every sequence verified all its drafts): the draft graph
+        over the committed positions, then the chained steps."""
+        seqs = step.batch.seqs
+        live = [not seq.is_finished for seq in seqs]
+        out, first = self.runner.draft_verified(seqs, step.starts, step.committed, live)
+        allowed = self.policy.allows(len(self.scheduler.running))
+        drafting = [b for b, seq in enumerate(seqs)
+                    if live[b] and allowed and self._draft_budget(seq) > 0]
+        if not drafting:
+            return
+        drafts = [[first[b]] for b in drafting]
+        self._chain([seqs[b] for b in drafting], out[drafting], drafts)
+        for b, draft in zip(drafting, drafts, strict=True):
+            seqs[b].draft_ids = draft
 
     def _mtp_rows(self, step: _Step) -> tuple[MtpRows, list[Sequence]]:
         """The positions each live sequence committed (drafting sequences first), with their

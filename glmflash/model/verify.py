@@ -1,20 +1,25 @@
 """The verify forward of speculative decoding: each sequence's last token and its drafts in one
 forward, with the fixed-size state committed only up to the accepted position.
 
-Everything but the fixed-size state runs as an extend of `1 + drafts` tokens per sequence (MLA
-latents, indexer selection, MoE). The three per-sequence states that a token advances - the KDA
-recurrent state, the short-conv window and the indexer's pending tail - are advanced one draft
-position at a time by the decode kernels themselves (so each position's state is exactly what a
-decode step would have made), in place in the sequence's state slot, and after every position
-but a sequence's last a copy goes to a scratch row. `commit` then puts back the copy of the
-accepted position, or leaves the slot as it is when every draft was accepted: nothing is
-recomputed. MLA latents and pooled indexer keys of rejected tokens sit past the sequence's
-committed length, where nothing reads them before the next tokens overwrite them.
+Every row is a decode (model/forward_batch.py `DecodeRows`): its own position, indexer selection
+and page-table row, so MLA latents, the selection and the MoE need nothing else; the latents of
+all rows are written before any row attends, and a row selects only among the pools complete at
+its own position. The three per-sequence states that a token advances - the KDA recurrent
+state, the short-conv window and the indexer's pending tail - are advanced one draft position
+at a time by the decode kernels themselves (so each position's state is exactly what a decode
+step would have made), in place in the sequence's state slot, and after every position but a
+sequence's last a copy goes to a scratch row. `commit` then puts back the copy of the accepted
+position, or leaves the slot as it is when every draft was accepted: nothing is recomputed. MLA
+latents and pooled indexer keys of rejected tokens sit past the sequence's committed length,
+where nothing reads them before the next tokens overwrite them. The batch's inputs are views of
+one device buffer (`pack_verify`, `verify_batch`), so a CUDA graph replays any verify of its
+shape (engine/spec_graphs.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -22,6 +27,7 @@ import torch
 from glmflash.config import MLA, ModelConfig
 from glmflash.kernels.indexer import indexer_write_decode
 from glmflash.kernels.kda import causal_conv1d_decode, kda_decode
+from glmflash.model.forward_batch import DECODE_WIDTH, ForwardBatch, decode_batch, pack_decode
 from glmflash.model.state import ModelState
 from glmflash.utils.device import upload
 
@@ -59,10 +65,11 @@ class VerifyScratch:
                            for i, kind in enumerate(config.layer_types)
                            if kind == MLA and i in state.index_tail}
 
-    def save(self, scratch: torch.Tensor, live: torch.Tensor, at: VerifyPosition,
+    def save(self, kind: str, layer: int, live: torch.Tensor, at: VerifyPosition,
              step: int) -> None:
+        """Keep `live`'s state of the sequences `at` saves (kind: recurrent, conv, index_tail)."""
         if at.save_rows.numel():
-            scratch[at.save_rows, step] = live[at.save_slots]
+            getattr(self, kind)[layer][at.save_rows, step] = live[at.save_slots]
 
 
 def scratch_bytes(config: ModelConfig, num_rows: int, num_steps: int, dtype: torch.dtype) -> int:
@@ -82,34 +89,94 @@ class VerifyInputs:
     """What the layers of a verify forward read (`ForwardBatch.verify`)."""
 
     steps: list[VerifyPosition]
-    scratch: VerifyScratch
+    num_tokens: list[int]
+    """Rows of each sequence (back to back in the batch)."""
+    scratch: VerifyScratch | None
+    """Where the state after each position but a sequence's last is kept; None when nothing is
+    kept (the MTP layer's draft forward, whose rows past the committed ones are padding)."""
 
 
-def verify_positions(num_tokens: list[int], prefix_lens: list[int], state_slots: list[int],
-                     device: torch.device) -> list[VerifyPosition]:
-    """Per draft position, the decode rows of the sequences that reach it (host arithmetic,
-    one upload). Sequence b has `num_tokens[b]` tokens from position `prefix_lens[b]`."""
-    starts = np.cumsum([0, *num_tokens])[:-1]
-    slots_of = np.asarray(state_slots, np.int64)
-    parts = []
-    for j in range(max(num_tokens)):
-        seqs = np.asarray([b for b, n in enumerate(num_tokens) if n > j], np.int64)
-        saved = np.asarray([b for b, n in enumerate(num_tokens) if n > j + 1], np.int64)
-        slots, rows = slots_of[seqs], np.arange(seqs.size, dtype=np.int64)
-        zero = np.zeros(seqs.size, np.int64)
-        parts.append([starts[seqs] + j, slots, np.asarray(prefix_lens, np.int64)[seqs] + j,
-                      np.stack([rows, slots, zero], 1), np.stack([rows, rows, rows + 1, slots,
-                                                                  zero], 1),
-                      slots_of[saved], saved])
-    flat = [p.reshape(-1) for part in parts for p in part]
-    pieces = iter(upload(np.concatenate(flat), device).split([p.size for p in flat]))
-    out = []
-    for _ in parts:
-        rows, slots, positions, kda, conv, save_slots, save_rows = (next(pieces)
-                                                                    for _ in range(7))
-        out.append(VerifyPosition(rows, slots, positions, kda.view(-1, 3).to(torch.int32),
-                                  conv.view(-1, 5).to(torch.int32), save_slots, save_rows))
-    return out
+class VerifyHostRows(NamedTuple):
+    """A verify batch on the host: the rows of each sequence back to back (its last accepted
+    token, then its drafts), one entry per row, and the rows per sequence."""
+
+    input_ids: list[int]
+    token_slots: list[int]
+    positions: list[int]
+    state_slots: list[int]
+    fresh: list[int]
+    """1 where a row's state starts at zero (the first row of a padding sequence)."""
+    num_tokens: list[int]
+    """Rows of each sequence."""
+    num_pools: int
+    """The most complete indexer pools of any row."""
+
+
+def verify_rows(ids: list[list[int]], token_slots: list[list[int]], starts: list[int],
+                state_slots: list[int], num_pools: int) -> VerifyHostRows:
+    """The rows of sequences whose token lists `ids[b]` start at position `starts[b]`."""
+    positions = [p for start, seq in zip(starts, ids, strict=True)
+                 for p in range(start, start + len(seq))]
+    slots = [s for slot, seq in zip(state_slots, ids, strict=True) for s in [slot] * len(seq)]
+    return VerifyHostRows([t for seq in ids for t in seq],
+                          [s for seq in token_slots for s in seq], positions, slots,
+                          [0] * len(positions), [len(seq) for seq in ids], num_pools)
+
+
+def group_sizes(num_tokens: list[int], save: bool) -> list[tuple[int, int]]:
+    """Per draft position j: the sequences with a row there, and those whose state after it is
+    kept (they have a row after it; none without `save`)."""
+    return [(sum(n > j for n in num_tokens), sum(n > j + 1 for n in num_tokens) if save else 0)
+            for j in range(max(num_tokens, default=0))]
+
+
+def pack_verify(rows: VerifyHostRows, save: bool) -> np.ndarray:
+    """The verify batch's device words: the rows as `pack_decode` lays out decodes, then per
+    draft position j the int64 words (token rows, state slots, positions, saved slots, their
+    scratch rows) and the int32 KDA and conv rows, as `verify_batch` reads them."""
+    num = len(rows.input_ids)
+    flat = pack_decode(rows.input_ids, rows.token_slots, rows.positions, rows.state_slots,
+                       rows.fresh)
+    starts = np.cumsum([0, *rows.num_tokens])[:-1]
+    lengths = np.asarray(rows.num_tokens, np.int64)
+    slots, positions = (np.asarray(v, np.int64) for v in (rows.state_slots, rows.positions))
+    fresh = np.asarray(rows.fresh, np.int64)
+    parts = [flat]
+    for j, _ in enumerate(group_sizes(rows.num_tokens, save)):
+        seqs = np.flatnonzero(lengths > j)
+        saved = np.flatnonzero(lengths > j + 1) if save else np.zeros(0, np.int64)
+        token_rows = starts[seqs] + j
+        local = np.arange(seqs.size, dtype=np.int64)
+        row_slots, row_fresh = slots[token_rows], fresh[token_rows]
+        meta = np.concatenate([np.stack([local, row_slots, row_fresh], 1).reshape(-1),
+                               np.stack([local, local, local + 1, row_slots, row_fresh],
+                                        1).reshape(-1)]).astype(np.int32)
+        parts += [token_rows, row_slots, positions[token_rows], slots[starts[saved] + j],
+                  saved.astype(np.int64), meta.view(np.int64)]
+    assert parts[0].size == DECODE_WIDTH * num
+    return np.concatenate(parts)
+
+
+def verify_batch(packed: torch.Tensor, num_tokens: list[int], save: bool,
+                 page_table: torch.Tensor, page_size: int, max_pools: int,
+                 scratch: VerifyScratch | None) -> ForwardBatch:
+    """The ForwardBatch of a verify whose inputs are views of `packed` (device, from
+    `pack_verify`): every row is a decode (its own position, selection and page-table row), and
+    the fixed-size state advances one draft position at a time (`VerifyInputs`). Writing new
+    values into `packed` changes the batch in place (a CUDA graph replays it)."""
+    num = sum(num_tokens)
+    batch = decode_batch(packed[: DECODE_WIDTH * num], page_table, page_size, max_pools)
+    offset, steps = DECODE_WIDTH * num, []
+    for n, m in group_sizes(num_tokens, save):
+        sizes = [n, n, n, m, m, 4 * n]
+        rows, slots, positions, save_slots, save_rows, metas = \
+            packed[offset: offset + sum(sizes)].split(sizes)
+        offset += sum(sizes)
+        metas = metas.view(torch.int32)
+        steps.append(VerifyPosition(rows, slots, positions, metas[: 3 * n].view(n, 3),
+                                    metas[3 * n:].view(n, 5), save_slots, save_rows))
+    batch.verify = VerifyInputs(steps, list(num_tokens), scratch)
+    return batch
 
 
 def commit(state: ModelState, scratch: VerifyScratch, state_slots: list[int],
@@ -135,7 +202,7 @@ def verify_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
     for j, at in enumerate(verify.steps):
         rows = at.token_rows
         out[rows] = causal_conv1d_decode(x[rows], weight, conv_state, at.conv_meta)
-        verify.scratch.save(verify.scratch.conv[layer], conv_state, at, j)
+        _keep(verify, 'conv', layer, conv_state, at, j)
     return out
 
 
@@ -148,7 +215,7 @@ def verify_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         rows = at.token_rows
         out[rows] = kda_decode(q[rows], k[rows], v[rows], g[rows], beta[rows], state,
                                at.kda_meta)
-        verify.scratch.save(verify.scratch.recurrent[layer], state, at, j)
+        _keep(verify, 'recurrent', layer, state, at, j)
     return out
 
 
@@ -161,4 +228,10 @@ def verify_indexer_write(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Ten
         rows = at.token_rows
         indexer_write_decode(keys[rows], gates[rows], ape, pool_keys, tail, page_table,
                              at.state_slots, at.positions, page_size=page_size)
-        verify.scratch.save(verify.scratch.index_tail[layer], tail, at, j)
+        _keep(verify, 'index_tail', layer, tail, at, j)
+
+
+def _keep(verify: VerifyInputs, kind: str, layer: int, live: torch.Tensor, at: VerifyPosition,
+          step: int) -> None:
+    if verify.scratch is not None:
+        verify.scratch.save(kind, layer, live, at, step)

@@ -1,7 +1,7 @@
-"""Speculative decoding on CUDA with the trained tiny model: greedy tokens equal MTP off (the
-verify runs eagerly; steps without drafts replay the decode graphs), all-GPU and hybrid (the
-main model's experts on the CPU, the MTP layer's on the GPU); seeded sampling draws the same
-tokens."""
+"""Speculative decoding on CUDA with the trained tiny model: greedy tokens equal MTP off, all-GPU
+and hybrid (the main model's experts on the CPU, inside the verify graphs; the MTP layer's on the
+GPU), with the verify and draft forwards replayed from CUDA graphs (engine/spec_graphs.py) where
+every sequence has all its drafts; seeded sampling draws the same tokens."""
 
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ def _outputs(options: dict, params: list[SamplingParams]) -> tuple[list[list[int
     try:
         prompts = [engine.tokenizer.encode(t) for t in TEXTS]
         results = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+        if engine.spec is not None:
+            graphs = engine.spec.runner.graphs
+            assert graphs is not None and graphs.num_replays > 0
         return [r.token_ids for r in results], engine.stats().speculative
     finally:
         engine.shutdown()

@@ -21,7 +21,13 @@ from glmflash.kernels.kda import causal_conv1d, kda
 from glmflash.model.forward_batch import build_forward_batch, contiguous_page_table, token_slots_of
 from glmflash.model.mtp import GlmMtp, load_mtp, with_mtp_layer
 from glmflash.model.state import ModelState
-from glmflash.model.verify import VerifyInputs, VerifyScratch, commit, verify_positions
+from glmflash.model.verify import (
+    VerifyScratch,
+    commit,
+    pack_verify,
+    verify_batch,
+    verify_rows,
+)
 from glmflash.tiny.embedded import embedded_checkpoint
 from glmflash.tokenizer import Tokenizer
 from tests.conftest import LOGIT_ATOL, load_tiny
@@ -105,9 +111,12 @@ def test_committed_state_equals_one_token_steps_bit_for_bit(model, monkeypatch):
     before = _state_copy(state)
     recorder = Recorder(monkeypatch, state)
     tokens = [PROMPT[-1], 11, 12, 13]
-    fb = _batch(tokens, cached, table, list(range(len(tokens))))
     scratch = VerifyScratch(config, state, 1, NUM_DRAFTS)
-    fb.verify = VerifyInputs(verify_positions([len(tokens)], [cached], [0], "cpu"), scratch)
+    slots = token_slots_of(table[0].tolist(), cached, len(tokens), PAGE).tolist()
+    num_pools = (cached + len(tokens)) // config.index_kpool
+    rows = verify_rows([tokens], [slots], [cached], [0], num_pools)
+    fb = verify_batch(torch.from_numpy(pack_verify(rows, save=True)), rows.num_tokens, True,
+                      table, PAGE, num_pools, scratch)
     model(fb, state)
     after = _state_copy(state)
     for accepted in range(NUM_DRAFTS + 1):

@@ -1,0 +1,208 @@
+"""Speculative decoding's two forwards replayed from CUDA graphs: the verify forward and the MTP
+layer's draft forward, for batches where every sequence verifies the full number of drafts.
+
+A verify of B sequences with k drafts is B * (k + 1) decode rows (model/verify.py
+`verify_batch`): its inputs live in device tensors, so one recorded forward serves every such
+batch once its words are copied in, as the decode graphs do (engine/cuda_graph.py). Graphs are
+captured per (batch size, selection width), next to the decode graphs and into their memory
+pool. Padding sequences take the runner's reserved state slot and page, positions 0..k.
+
+The draft forward runs the MTP layer over the same B * (k + 1) rows: it reads the verify graph's
+hidden states in place, and the ids the host wrote for each row (the token after it). Rows past
+a sequence's committed positions, and every row of a sequence that finished, become padding rows
+(reserved slot and page), so the MTP layer's cache and indexer tail advance exactly over the
+committed positions and nothing needs to be put back. The graph returns the layer's output of
+every row and the drafted id of every row; the host keeps the row of each sequence's last
+committed position.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from glmflash.model.verify import VerifyHostRows, pack_verify, verify_batch
+from glmflash.utils.device import upload
+
+if TYPE_CHECKING:
+    from glmflash.engine.graph_handoff import GraphHandOff
+    from glmflash.engine.spec_runner import SpecRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CapturedVerify:
+    graph: torch.cuda.CUDAGraph
+    packed: torch.Tensor
+    """The inputs, as `pack_verify` lays them out (with state copies kept)."""
+    staging: torch.Tensor
+    """Page-locked host copy of `packed`, rewritten per replay."""
+    hidden: torch.Tensor
+    """`[B * (k + 1), D]` main hidden state of every row; the draft graph reads it."""
+    logits: torch.Tensor
+    """`[B * (k + 1), V]` logits of every row."""
+    draft: CapturedDraft | None = None
+    """The draft graph of the same size and width, which reads `hidden`."""
+
+
+@dataclass
+class CapturedDraft:
+    graph: torch.cuda.CUDAGraph
+    packed: torch.Tensor
+    """The inputs, as `pack_verify` lays them out (nothing kept)."""
+    staging: torch.Tensor
+    out: torch.Tensor
+    """`[B * (k + 1), D]` the MTP layer's pre-norm output of every row."""
+    ids: torch.Tensor
+    """`[B * (k + 1)]` the id each row drafts."""
+
+
+class SpecGraphRunner:
+    """Owns the captured verify and draft graphs of one SpecRunner and their input buffers."""
+
+    def __init__(self, spec: SpecRunner, batch_sizes: list[int], num_steps: int) -> None:
+        self.spec, self.runner = spec, spec.runner
+        self.batch_sizes, self.rows_per_seq = sorted(batch_sizes), num_steps + 1
+        if self.batch_sizes[-1] > spec.scratch.num_rows:
+            raise ValueError(f"verify graphs of {self.batch_sizes[-1]} sequences need as many "
+                             f"scratch rows; the scratch has {spec.scratch.num_rows}")
+        self.verify_graphs: dict[tuple[int, int], CapturedVerify] = {}
+        self.num_replays = 0
+
+    def fits(self, num_seqs: int, drafts: list[list[int]]) -> bool:
+        """A verify of these drafts replays a graph: every sequence has all its drafts."""
+        return bool(self.verify_graphs) and num_seqs <= self.batch_sizes[-1] and \
+            all(len(d) == self.rows_per_seq - 1 for d in drafts)
+
+    def key(self, num_seqs: int, num_pools: int) -> tuple[int, int]:
+        """The (size, width) graph of a batch: the smallest size that holds it, the narrowest
+        selection width that holds its pools."""
+        return (next(b for b in self.batch_sizes if b >= num_seqs),
+                self.runner.pool_width(num_pools))
+
+    def capture(self, pool=None) -> None:
+        device = self.runner.device
+        handoff = self._handoff()
+        most_rows = self.batch_sizes[-1] * self.rows_per_seq
+        if handoff is not None and handoff.max_rows < most_rows:
+            raise RuntimeError(f"the CPU experts' graph hand-off holds {handoff.max_rows} rows; "
+                               f"a verify of {self.batch_sizes[-1]} sequences has {most_rows}")
+        start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
+        self.capture_all(pool)
+        torch.cuda.synchronize(device)
+        used = (free_before - torch.cuda.mem_get_info(device)[0]) / 2**20
+        logger.info("CUDA graphs: verify and draft of %s sequences x %d tokens x selection "
+                    "widths %s, %d graphs captured in %.1f s, %.0f MiB", self.batch_sizes,
+                    self.rows_per_seq, self.runner.pool_widths,
+                    2 * len(self.verify_graphs), time.perf_counter() - start, used)
+
+    def capture_all(self, pool) -> None:
+        """A verify graph and its draft graph per (size, width), largest first, into `pool`."""
+        for width in reversed(self.runner.pool_widths):
+            for size in reversed(self.batch_sizes):
+                verify = self._capture_verify(size, width, pool)
+                pool = verify.graph.pool()
+                self.verify_graphs[(size, width)] = verify
+                verify.draft = self._capture_draft(size, width, verify, pool)
+
+    def replay_verify(self, rows: VerifyHostRows) -> CapturedVerify:
+        """Run the verify of `rows` (n sequences of k + 1 rows): the graph whose first n * (k + 1)
+        rows of `hidden` and `logits` are theirs."""
+        num_seqs = len(rows.num_tokens)
+        captured = self.verify_graphs[self.key(num_seqs, rows.num_pools)]
+        size = captured.hidden.shape[0] // self.rows_per_seq
+        captured.staging.numpy()[:] = pack_verify(self._padded(rows, size), save=True)
+        captured.packed.copy_(captured.staging, non_blocking=True)
+        handoff = self._handoff()
+        if handoff is not None:
+            handoff.set_live_rows(num_seqs * self.rows_per_seq)
+        captured.graph.replay()
+        if handoff is not None:
+            handoff.check()
+        self.num_replays += 1
+        return captured
+
+    def replay_draft(self, rows: VerifyHostRows, verify: CapturedVerify) -> CapturedDraft:
+        """The MTP layer over `rows` (padding rows where nothing is committed), reading the
+        hidden states `verify` left."""
+        size = verify.hidden.shape[0] // self.rows_per_seq
+        captured = verify.draft
+        captured.staging.numpy()[:] = pack_verify(self._padded(rows, size), save=False)
+        captured.packed.copy_(captured.staging, non_blocking=True)
+        captured.graph.replay()
+        return captured
+
+    def padding_sequence(self) -> VerifyHostRows:
+        """One sequence of k + 1 rows that touch only the reserved slot and page."""
+        runner, rows = self.runner, self.rows_per_seq
+        first = runner.dummy_page * runner.page_size
+        return VerifyHostRows([0] * rows, [first + j for j in range(rows)], list(range(rows)),
+                              [runner.dummy_slot] * rows, [1] + [0] * (rows - 1), [rows], 0)
+
+    def _padded(self, rows: VerifyHostRows, size: int) -> VerifyHostRows:
+        pad = self.padding_sequence()
+        missing = size - len(rows.num_tokens)
+        return VerifyHostRows(*(a + b * missing for a, b in zip(rows[:6], pad[:6], strict=True)),
+                              rows.num_pools)
+
+    def _handoff(self) -> GraphHandOff | None:
+        graphs = self.runner.graphs
+        return graphs.handoff if graphs is not None else None
+
+    def _capture_verify(self, size: int, width: int, pool) -> CapturedVerify:
+        runner, spec = self.runner, self.spec
+        packed = upload(pack_verify(self._padded(self._empty(), size), save=True), runner.device)
+        num_tokens = [self.rows_per_seq] * size
+
+        def forward() -> tuple[torch.Tensor, torch.Tensor]:
+            batch = verify_batch(packed, num_tokens, True, runner.page_table, runner.page_size,
+                                 width, spec.scratch)
+            hidden = runner.model.hidden_states(batch, runner.state)
+            return hidden, runner.model.logits(hidden)
+
+        graph, (hidden, logits) = _record(forward, pool, runner.device)
+        return CapturedVerify(graph, packed, _staging(packed), hidden, logits)
+
+    def _capture_draft(self, size: int, width: int, verify: CapturedVerify,
+                       pool) -> CapturedDraft:
+        runner, spec = self.runner, self.spec
+        packed = upload(pack_verify(self._padded(self._empty(), size), save=False),
+                        runner.device)
+        num_tokens = [self.rows_per_seq] * size
+
+        def forward() -> tuple[torch.Tensor, torch.Tensor]:
+            batch = verify_batch(packed, num_tokens, False, runner.page_table, runner.page_size,
+                                 width, None)
+            embeds = runner.model.text.embed_tokens(batch.input_ids)
+            out = spec.mtp.layer.hidden(verify.hidden, embeds, batch, runner.state)
+            return out, spec.mtp.logits(runner.model, out).argmax(dim=-1)
+
+        graph, (out, ids) = _record(forward, pool, runner.device)
+        return CapturedDraft(graph, packed, _staging(packed), out, ids)
+
+    @staticmethod
+    def _empty() -> VerifyHostRows:
+        return VerifyHostRows([], [], [], [], [], [], 0)
+
+
+def _record(forward, pool, device: torch.device):
+    """Warm `forward` up on a side stream (compiles, fits launch shapes), then capture it."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = forward()
+    return graph, outputs
+
+
+def _staging(packed: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(packed, device="cpu").pin_memory()

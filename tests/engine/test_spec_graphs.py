@@ -1,0 +1,81 @@
+"""The verify and draft forwards of engine/spec_graphs.py on the CPU, with each "graph" replayed
+as its recorded forward run again into the same output tensors (what a CUDA graph replay does to
+its static outputs). This checks what the graphs compute, not the capture: the padded verify
+batch, the draft rows (padding past each sequence's committed positions and for finished
+sequences) and the rows drafted from, against the same engine without drafts. The captures
+themselves run on the GPU (tests/engine/test_speculative_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import glmflash.engine.spec_graphs as spec_graphs
+from glmflash import SamplingParams
+from glmflash.engine.spec_graphs import SpecGraphRunner
+from tests.engine.test_speculative import SPEC, TEXTS, _engine, _run_arrivals
+
+
+class RerunForward:
+    """A stand-in for a captured graph: `replay` runs the forward again and copies its outputs
+    into the tensors the first run returned."""
+
+    def __init__(self, forward) -> None:
+        self.forward = forward
+        self.outputs = forward()
+        self.num_replays = 0
+
+    def replay(self) -> None:
+        for static, fresh in zip(self.outputs, self.forward(), strict=True):
+            static.copy_(fresh)
+        self.num_replays += 1
+
+    def pool(self) -> None:
+        return None
+
+
+def _record(forward, pool, device):
+    graph = RerunForward(forward)
+    return graph, graph.outputs
+
+
+@pytest.fixture
+def rerun_graphs(monkeypatch):
+    monkeypatch.setattr(spec_graphs, "_record", _record)
+    monkeypatch.setattr(spec_graphs, "_staging", lambda packed: torch.empty_like(packed))
+
+
+def _with_graphs(engine, sizes: list[int]) -> SpecGraphRunner:
+    spec = engine.spec.runner
+    spec.graphs = SpecGraphRunner(spec, sizes, engine.options.num_speculative_steps)
+    spec.graphs.capture_all(None)
+    return spec.graphs
+
+
+@pytest.mark.parametrize("num_steps", [1, 2])
+def test_graph_forms_give_the_tokens_of_mtp_off(rerun_graphs, num_steps):
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    spec = {**SPEC, "speculative_num_steps": num_steps}
+    outputs, counts = {}, {}
+    for name, extra in (("off", {}), ("eager", spec), ("graphs", spec)):
+        engine = _engine(pages=16, max_running_requests=4, **extra)
+        graphs = _with_graphs(engine, [1, 2, 4]) if name == "graphs" else None
+        prompts = [engine.tokenizer.encode(t) for t in TEXTS[:3]]
+        # Different arrivals and a short request: batches of 1-3 sequences padded to 1, 2 or
+        # 4, and a sequence that finishes beside live ones.
+        results = [c.result() for c in _run_arrivals(engine, prompts, [0, 2, 5], params)]
+        outputs[name] = [r.token_ids for r in results]
+        stats = engine.stats().speculative
+        if stats is not None:
+            counts[name] = (stats.num_draft_tokens, stats.num_accepted_tokens)
+        if graphs is not None:
+            verifies = [v.graph.num_replays for v in graphs.verify_graphs.values()]
+            drafts = [v.draft.graph.num_replays for v in graphs.verify_graphs.values()]
+            assert sum(verifies) == graphs.num_replays > 3
+            # A step whose batch also prefills drafts eagerly after a replayed verify.
+            assert 0 < sum(drafts) <= sum(verifies)
+        assert engine.cache.num_free_pages == engine.cache.plan.num_pages
+    assert outputs["graphs"] == outputs["eager"] == outputs["off"]
+    # The draft graph drafts what the eager MTP forward drafts: the same drafts accepted.
+    assert counts["graphs"] == counts["eager"]
+    assert counts["graphs"][1] > 0.3 * counts["graphs"][0]
