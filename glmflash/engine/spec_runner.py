@@ -106,6 +106,7 @@ class SpecRunner:
         cu = fb.cu_seqlens if fb.cu_seqlens is not None else list(range(len(batch.seqs) + 1))
         return MainOutput(hidden, logits, cu)
 
+    @torch.inference_mode()
     def capture_graphs(self, batch_sizes: list[int]) -> None:
         """Capture the verify and draft forwards (after the runner's decode graphs, into their
         memory pool)."""
