@@ -65,6 +65,15 @@ def rotated_slots(slots: torch.Tensor, owner: torch.Tensor, moved: int) -> list[
                       for _ in range(copies(moved) - 1)]
 
 
+def roofline(queries: int, q: torch.Tensor, slots: torch.Tensor, copy_gbs: float,
+             peak_tflops: float) -> tuple[int, float]:
+    """(bytes moved, roofline ms): max(bytes / copy bandwidth, FLOPs / bf16 peak); bytes are
+    the gathered latent rows, q in and out, and the slot indices."""
+    moved = queries * WIDTH * RANK * 2 + 2 * q.numel() * 2 + slots.numel() * 8
+    flops = 4 * queries * HEADS * WIDTH * RANK
+    return moved, max(moved / copy_gbs / 1e6, flops / peak_tflops / 1e9)
+
+
 def bench_sparse_mla(copy_gbs: float, peak_tflops: float) -> str:
     rows = []
     for queries in DECODE_QUERIES + (PREFILL_QUERIES,):
@@ -78,9 +87,8 @@ def _rows(queries: int, copy_gbs: float, peak_tflops: float) -> list[list]:
     from glmflash.kernels.sparse_mla import sparse_mla_ref
 
     q, latent, slots, owner = mla_inputs(queries)
-    moved = queries * WIDTH * RANK * 2 + 2 * q.numel() * 2 + slots.numel() * 8
+    moved, roofline_ms = roofline(queries, q, slots, copy_gbs, peak_tflops)
     flops = 4 * queries * HEADS * WIDTH * RANK
-    roofline_ms = max(moved / copy_gbs / 1e6, flops / peak_tflops / 1e9)
     slot_sets = rotated_slots(slots, owner, moved)
     want = sparse_mla_ref(q.float(), latent.float(), slots, scale=1 / 16)
     ref_ms = bench_ms(lambda: sparse_mla_ref(q, latent, slots, scale=1 / 16),
@@ -114,6 +122,8 @@ def time_config(q, latent, slot_sets, want, config) -> tuple[float, str, str]:
         return 0.0, type(e).__name__, "-"
     shape, plan, fused = ti.launch_plan(q, slot_sets[0], config, workspace)
     splits = plan.num_splits
-    how = f"{shape.block_slots}-slot steps, " + (
-        "unsplit" if splits == 1 else f"{splits} splits, {'fused' if fused else 'kernel'}")
+    how = f"{shape.block_slots}/{shape.tail}-slot steps, {shape.num_stages} stages, " + (
+        "unsplit" if splits == 1 else
+        f"{splits} splits x {q.shape[0] * -(-HEADS // config.split_heads)} head blocks"
+        f"{' x 2 halves' if config.value_halves else ''}, {'fused' if fused else 'kernel'}")
     return ms, f"{err:.1e}", how

@@ -41,33 +41,10 @@ def _sweep_kda_decode_batch(b: int) -> None:
 
 
 def sweep_sparse_mla() -> None:
-    from glmflash.kernels.sparse_mla import triton_impl as ti
+    """Sparse MLA candidates next to the default and the roofline (bench/sparse_mla_sweep.py)."""
+    from bench.sparse_mla_sweep import sweep
 
-    for b in (1, 8, 32, 4096):
-        _sweep_sparse_mla_batch(b)
-    ti._FITTED.clear()  # fits found for the swept configurations
-
-
-def _sweep_sparse_mla_batch(b: int) -> None:
-    """Every launch shape (slots per step, stages, scores split or not) and, for split launches,
-    the two combines, in bench/sparse_mla.py's setting (its `time_config`)."""
-    from bench.sparse_mla import mla_inputs, rotated_slots, time_config
-    from glmflash.kernels.sparse_mla import sparse_mla_ref
-    from glmflash.kernels.sparse_mla.plan import DEFAULT_CONFIG, SparseMlaLaunch
-
-    q, latent, slots, owner = mla_inputs(b)
-    moved = b * slots.shape[1] * latent.shape[1] * 2
-    slot_sets = rotated_slots(slots, owner, moved)
-    want = sparse_mla_ref(q.float(), latent.float(), slots, scale=1 / 16)
-    for bn, stages, split_scores, max_fused in itertools.product(
-            (32, 64), (2, 3), (True, False), (1, 64) if b <= 32 else (1,)):
-        shape = SparseMlaLaunch(bn, stages, split_scores=split_scores)
-        config = dataclasses.replace(DEFAULT_CONFIG, prefill=(shape,), decode=(shape,),
-                                     max_fused_splits=max_fused)
-        ms, err, how = time_config(q, latent, slot_sets, want, config)
-        print(f"sparse mla b={b} {how} stages={stages} split_scores={split_scores}: "
-              f"{ms * 1e3:.1f} us {moved / max(ms, 1e-9) / 1e6:.0f} GB/s rel err {err}",
-              flush=True)
+    print(sweep(), flush=True)
 
 
 def sweep_fp8(w8a8: bool) -> None:

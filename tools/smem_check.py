@@ -37,6 +37,7 @@ from glmflash.kernels.indexer import topk_triton as indexer_topk  # noqa: E402
 from glmflash.kernels.indexer import triton_impl as indexer  # noqa: E402
 from glmflash.kernels.kda import chunk_triton as chunk  # noqa: E402
 from glmflash.kernels.kda import triton_impl as kda  # noqa: E402
+from glmflash.kernels.sparse_mla import combine_triton as mla_combine  # noqa: E402
 from glmflash.kernels.sparse_mla import triton_impl as mla  # noqa: E402
 
 # Largest dynamic shared memory one block may opt into (bytes).
@@ -99,25 +100,36 @@ def _cubin_resources(cubin: bytes) -> tuple[int, int]:
 
 def sparse_mla_launches() -> list[Launch]:
     """Every launch shape of both regimes (64 heads x 512, bf16), and the combine kernel."""
-    ptrs = {"q": "*bf16", "latent": "*bf16", "slots": "*i64", "o": "*bf16", "part_o": "*fp32",
-            "part_lse": "*fp32", "arrivals": "*i32", "scale_log2": "fp32"}
-    out = []
     config = mla.DEFAULT_CONFIG
-    for regime, shapes in (("prefill", config.prefill), ("decode", config.decode)):
-        for shape in shapes:
-            consts = dict(BH=64, BR=512, BN=shape.block_slots, TAIL_BN=shape.tail,
-                          NUM_STAGES=shape.num_stages, BC=config.combine_columns,
-                          SPLIT_SCORES=shape.split_scores, IS_SPLIT=regime == "decode",
-                          FUSE_COMBINE=regime == "decode", DOT=tl.bfloat16, PREC="tf32")
-            name = (f"sparse_mla {regime} {shape.block_slots}/{shape.tail}/{shape.num_stages}"
-                    f"/{shape.num_warps}w")
-            out.append(Launch(name, mla.sparse_mla_kernel, ptrs, consts, shape.num_warps,
-                              aligned=("H", "R")))
-    combine = {"part_o": "*fp32", "part_lse": "*fp32", "o": "*bf16"}
-    out.append(Launch("sparse_mla_combine", mla.sparse_mla_combine_kernel, combine,
-                      dict(BH=config.combine_heads, BC=config.combine_columns), 4,
-                      aligned=("H", "R")))
+    out = [sparse_mla_launch(regime, shape, config)
+           for regime, shapes in (("prefill", config.prefill), ("decode", config.decode))
+           for shape in shapes]
+    combine = {"part_o": "*bf16" if config.bf16_partials else "*fp32", "part_lse": "*fp32",
+               "o": "*bf16"}
+    bh = config.combine_heads
+    out.append(Launch("sparse_mla_combine", mla_combine.sparse_mla_combine_kernel, combine,
+                      dict(BH=bh, BC=mla_combine.combine_columns(16, bh, 512, config), SP=16),
+                      4, aligned=("H", "R")))
     return out
+
+
+def sparse_mla_launch(regime: str, shape, config, fused_splits: int = 0) -> Launch:
+    """The attention kernel at one launch shape and config ("prefill": unsplit, "decode": split,
+    merged by the last split when `fused_splits`)."""
+    split = regime == "decode"
+    partial = "*bf16" if config.bf16_partials else "*fp32"
+    ptrs = {"q": "*bf16", "latent": "*bf16", "slots": "*i64", "o": "*bf16", "part_o": partial,
+            "part_lse": "*fp32", "arrivals": "*i32", "scale_log2": "fp32"}
+    bh = config.split_heads if split else 64
+    fused = split and fused_splits > 1
+    consts = dict(BH=bh, BR=512, BN=shape.block_slots, TAIL_BN=shape.tail,
+                  NUM_STAGES=shape.num_stages, HALVES=split and config.value_halves,
+                  BC=mla_combine.combine_columns(fused_splits, bh, 512, config) if fused else 1,
+                  SP=fused_splits if fused else 1, SPLIT_SCORES=shape.split_scores,
+                  IS_SPLIT=split, FUSE_COMBINE=fused, DOT=tl.bfloat16, PREC="tf32")
+    name = (f"sparse_mla {regime} {shape.block_slots}/{shape.tail}/{shape.num_stages}"
+            f"/{shape.num_warps}w")
+    return Launch(name, mla.sparse_mla_kernel, ptrs, consts, shape.num_warps, aligned=("H", "R"))
 
 
 def kda_launches(with_prep: bool) -> list[Launch]:

@@ -49,3 +49,30 @@ def test_launch_shapes_are_checked():
         SparseMlaLaunch(48, 2)
     with pytest.raises(ValueError):
         SparseMlaLaunch(32, 2, tail_slots=64)
+
+
+@pytest.mark.parametrize(("queries", "config", "splits"), [
+    # Two value halves: half the splits for the same wave.
+    (8, SparseMlaConfig(value_halves=True), 8),
+    # 32-head blocks: twice the programs per query.
+    (1, SparseMlaConfig(split_heads=32, min_split_steps=1), 32),
+    (8, SparseMlaConfig(split_heads=32), 8),
+    # Capped splits, and one step per split.
+    (1, SparseMlaConfig(max_splits=8), 8),
+    (1, SparseMlaConfig(min_split_steps=1), 32),
+])
+def test_split_programs_fill_one_wave(queries, config, splits):
+    plan = split_plan(queries, HEADS, WIDTH, STEP, SMS, config)
+    assert plan.num_splits == splits
+    blocks = HEADS // config.split_heads * config.value_blocks
+    assert queries * blocks * splits <= SMS
+
+
+def test_workspace_follows_the_config():
+    config = SparseMlaConfig(split_heads=16, value_halves=True, bf16_partials=True)
+    workspace = SparseMlaWorkspace.create(2, HEADS, RANK, WIDTH, torch.device("cpu"), SMS, config)
+    assert workspace.partial_out.dtype == torch.bfloat16
+    assert workspace.arrivals.numel() == 2 * 4 * 2
+    # A workspace made for 64-head blocks has too few counters for this config: no split.
+    assert SparseMlaWorkspace.create(2, HEADS, RANK, WIDTH, torch.device("cpu"), SMS
+                                     ).max_splits(2, HEADS, RANK, config) == 1

@@ -44,6 +44,19 @@ CONFIGS = {
     "tail": SparseMlaConfig(prefill=(SparseMlaLaunch(32, 2, tail_slots=16),),
                             decode=(SparseMlaLaunch(32, 2, tail_slots=16),), waves=16,
                             min_split_steps=1, max_fused_splits=64),
+    # Split over the slots and over the latent columns (two halves), merged by the combine
+    # kernel with a small tile budget (several column steps per program).
+    "halves": SparseMlaConfig(prefill=(STEP,), decode=(STEP,), waves=16, min_split_steps=1,
+                              value_halves=True, combine_elements=256),
+    # Value halves merged by the last split to arrive, per value half.
+    "fused_halves": SparseMlaConfig(prefill=(STEP,), decode=(STEP,), waves=16,
+                                    min_split_steps=1, value_halves=True, max_fused_splits=64),
+    # 16-head blocks in split launches, at most 2 splits.
+    "small_blocks": SparseMlaConfig(prefill=(STEP,), decode=(STEP,), waves=16,
+                                    min_split_steps=1, split_heads=16, max_splits=2),
+    # Partials in bf16 (bf16 tests only: they round every split's output).
+    "bf16_partials": SparseMlaConfig(prefill=(STEP,), decode=(STEP,), waves=16,
+                                     min_split_steps=1, bf16_partials=True),
     # Scores computed by every warpgroup (the layout without the branch).
     "unsplit_scores": SparseMlaConfig(prefill=(SparseMlaLaunch(16, 2, split_scores=False),),
                                       decode=(SparseMlaLaunch(16, 2, split_scores=False),),
@@ -87,7 +100,7 @@ WIDTHS = [1, 15, 16, 17, 47, 49]
 
 
 @pytest.mark.parametrize("width", WIDTHS, ids=lambda w: f"W{w}")
-@pytest.mark.parametrize("regime", ["whole", "split", "fused"])
+@pytest.mark.parametrize("regime", ["whole", "split", "fused", "halves"])
 def test_widths(regime, width, nan_empty):
     _check((6, 4, 32, width), CONFIGS[regime])
 
@@ -99,6 +112,9 @@ CASES = {
     "heads20_many_queries": ((40, 20, 16, 7), "whole"),
     "empty_width": ((3, 4, 32, 0), "split"),
     "unsplit_scores": ((6, 4, 32, 49), "unsplit_scores"),
+    "fused_halves_rank48": ((5, 3, 48, 33), "fused_halves"),
+    "halves_two_head_blocks": ((2, 70, 32, 40), "halves"),
+    "small_blocks_heads40": ((3, 40, 32, 49), "small_blocks"),
 }
 
 
@@ -108,8 +124,9 @@ def test_shapes(case, nan_empty):
     _check(shape, CONFIGS[regime])
 
 
-def test_bf16(nan_empty):
-    _check((6, 4, 64, 40), CONFIGS["fused"], atol=BF16_ATOL, dtype=torch.bfloat16)
+@pytest.mark.parametrize("regime", ["fused", "bf16_partials"])
+def test_bf16(regime, nan_empty):
+    _check((6, 4, 64, 40), CONFIGS[regime], atol=BF16_ATOL, dtype=torch.bfloat16)
 
 
 def test_workspace_is_reused_and_left_zeroed(nan_empty):
@@ -180,12 +197,34 @@ def test_release_shape_gpu(tokens, config):
     assert (got.float() - want).abs().max().item() < BF16_ATOL
 
 
+SPLIT_CONFIGS = {
+    "halves_1step": SparseMlaConfig(value_halves=True, min_split_steps=1),
+    "heads32_bf16_partials": SparseMlaConfig(split_heads=32, bf16_partials=True),
+    "fused_halves_32steps": SparseMlaConfig(decode=(SparseMlaLaunch(32, 4, tail_slots=16),),
+                                            value_halves=True, max_fused_splits=64),
+}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("max_fused", [1, 64], ids=["combine_kernel", "fused"])
-def test_graph_replay_gpu(max_fused):
+@pytest.mark.parametrize("config", SPLIT_CONFIGS.values(), ids=SPLIT_CONFIGS.keys())
+@pytest.mark.parametrize("tokens", [1, 8, 32], ids=lambda t: f"T{t}")
+def test_split_variants_gpu(tokens, config):
+    """The split-launch variants of the sweep (value halves, 32-head blocks, bf16 partials, a
+    fused merge per value half) at the release shapes."""
+    q, latent, slots = _case(tokens, 64, 512, 2051, dtype=torch.bfloat16, cache=20000)
+    want = sparse_mla_ref(q.float(), latent.float(), slots, scale=1 / 16)
+    got = sparse_mla(q, latent, slots, scale=1 / 16, config=config)
+    assert (got.float() - want).abs().max().item() < BF16_ATOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [SparseMlaConfig(max_fused_splits=1),
+                                    SparseMlaConfig(max_fused_splits=64),
+                                    SparseMlaConfig(value_halves=True, max_fused_splits=64)],
+                         ids=["combine_kernel", "fused", "fused_halves"])
+def test_graph_replay_gpu(config):
     """A captured split launch replays on new selections: the workspace's counters are reset
     by the launches themselves, and nothing on the host depends on the data."""
-    config = SparseMlaConfig(max_fused_splits=max_fused)
     q, latent, slots = _case(8, 64, 512, 2051, dtype=torch.bfloat16, cache=20000)
     workspace = SparseMlaWorkspace.create(8, 64, 512, 2051, q.device, num_sms(q.device), config)
     sparse_mla(q, latent, slots, scale=1 / 16, config=config, workspace=workspace)

@@ -58,20 +58,40 @@ class SparseMlaConfig:
     """Programs per SM that splitting the selection aims for."""
     min_split_steps: int = 2
     """Whole `block_slots` steps each split gets at least."""
+    max_splits: int = 64
+    """Splits per query at most (fewer, longer splits: less for the combine to read)."""
+    split_heads: int = HEAD_BLOCK
+    """Heads per program of a split launch (a power of two >= 16; below 64 the products are
+    not warpgroup-wide, but more programs share the work of few queries)."""
+    value_halves: bool = False
+    """Split launches: two programs per (query, head block, split), each accumulating one half
+    of the latent columns (both compute the whole scores): twice the programs, half the
+    accumulator and partial per program."""
+    bf16_partials: bool = False
+    """Workspace partial outputs in bf16 instead of fp32 (half the bytes the combine reads)."""
     max_fused_splits: int = 1
     """Up to this many splits the last split to finish combines them (arrival counter); above,
-    a second kernel does, spread over the GPU. 1: always the second kernel (on the H200 it was
-    faster at 1, 8 and 32 queries: the last split alone reads every partial; README.md)."""
+    a second kernel does, spread over the GPU (README.md)."""
     combine_heads: int = 16
     """Heads per program of the combine kernel."""
-    combine_columns: int = 128
-    """Latent columns per program of the combine kernel (and per step of a fused combine)."""
+    combine_elements: int = 8192
+    """Partial elements (splits x heads x columns) a combine step loads at once: every split
+    of a tile is read in one round trip, the columns per step follow from this budget."""
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
             raise ValueError("prefill and decode need at least one launch shape each")
-        if self.waves <= 0 or self.min_split_steps < 1 or self.max_fused_splits < 1:
-            raise ValueError("waves must be positive, min_split_steps and max_fused_splits >= 1")
+        if self.waves <= 0 or self.min_split_steps < 1 or self.max_fused_splits < 1 \
+                or self.max_splits < 1:
+            raise ValueError("waves must be positive, min_split_steps, max_splits and "
+                             "max_fused_splits >= 1")
+        if self.split_heads < MIN_DOT or self.split_heads & (self.split_heads - 1):
+            raise ValueError(f"split_heads {self.split_heads} must be a power of two >= 16")
+
+    @property
+    def value_blocks(self) -> int:
+        """Programs over the latent columns of a split launch."""
+        return 2 if self.value_halves else 1
 
 
 DEFAULT_CONFIG = SparseMlaConfig()
@@ -91,23 +111,33 @@ class SplitPlan(NamedTuple):
     full_steps: int
 
 
-def head_block(heads: int) -> int:
-    """Heads per program: all 64 of the release (or a power of two >= 16 for fewer)."""
-    return HEAD_BLOCK if heads >= HEAD_BLOCK else max(MIN_DOT, 1 << (heads - 1).bit_length())
+def head_block(heads: int, most: int = HEAD_BLOCK) -> int:
+    """Heads per program: `most` (a power of two >= 16), or the power of two >= 16 that covers
+    fewer heads."""
+    return min(most, max(MIN_DOT, 1 << (heads - 1).bit_length()))
+
+
+def split_counters(num_queries: int, heads: int, config: SparseMlaConfig) -> int:
+    """Programs per split of a split launch: queries x head blocks x value blocks (also the
+    arrival counters a fused combine needs)."""
+    return num_queries * -(-heads // head_block(heads, config.split_heads)) * config.value_blocks
 
 
 def wanted_splits(num_queries: int, heads: int, num_sms: int, config: SparseMlaConfig) -> int:
-    """Splits per query that fill `config.waves` programs per SM (1: no split)."""
+    """Whether the selection is split at all: the splits that would fill `config.waves`
+    programs per SM with whole 64-head blocks (1: enough queries to run unsplit)."""
     programs = num_queries * -(-heads // head_block(heads))
     return max(1, int(num_sms * config.waves) // max(programs, 1))
 
 
 def split_plan(num_queries: int, heads: int, width: int, block_slots: int, num_sms: int,
                config: SparseMlaConfig, max_splits: int | None = None) -> SplitPlan:
-    """The split of a `width`-slot selection for launches of `block_slots` slots per step."""
+    """The split of a `width`-slot selection for launches of `block_slots` slots per step:
+    enough splits to fill `config.waves` programs per SM (with the split launch's head and
+    value blocks), each of at least `min_split_steps` whole steps, at most `max_splits`."""
     full_steps = width // block_slots
-    splits = min(wanted_splits(num_queries, heads, num_sms, config),
-                 full_steps // config.min_split_steps)
+    fill = int(num_sms * config.waves) // max(split_counters(num_queries, heads, config), 1)
+    splits = min(fill, full_steps // config.min_split_steps, config.max_splits)
     if max_splits is not None:
         splits = min(splits, max_splits)
     splits = max(1, splits)
@@ -120,11 +150,12 @@ class SparseMlaWorkspace:
     stream order). Bounded by the programs of one wave, not by the context."""
 
     partial_out: torch.Tensor
-    """`[rows, H, R]` fp32: each split's output, normalised by its own softmax sum."""
+    """`[rows, H, R]` fp32 (or bf16): each split's output, normalised by its own softmax sum."""
     partial_lse: torch.Tensor
     """`[rows, H]` fp32: each split's log2-sum-exp2 of its scaled scores (-inf: no slot)."""
     arrivals: torch.Tensor
-    """`[counters]` int32 zeros: finished splits per (query, head block) of a fused combine.
+    """`[counters]` int32 zeros: finished splits per (query, head block, value block) of a
+    fused combine.
     The last split resets its counter, so every launch leaves them at zero (CUDA-graph safe)."""
 
     @classmethod
@@ -133,15 +164,17 @@ class SparseMlaWorkspace:
         smallest = min(shape.block_slots for shape in config.decode)
         splits = split_plan(num_queries, heads, width, smallest, num_sms, config).num_splits
         rows = num_queries * splits if splits > 1 else 0
-        return cls(torch.empty(rows, heads, rank, dtype=torch.float32, device=device),
+        dtype = torch.bfloat16 if config.bf16_partials else torch.float32
+        return cls(torch.empty(rows, heads, rank, dtype=dtype, device=device),
                    torch.empty(rows, heads, dtype=torch.float32, device=device),
-                   torch.zeros(num_queries * -(-heads // head_block(heads)), dtype=torch.int32,
+                   torch.zeros(split_counters(num_queries, heads, config), dtype=torch.int32,
                                device=device))
 
-    def max_splits(self, num_queries: int, heads: int, rank: int) -> int:
-        """Splits per query this workspace holds for a launch of that shape."""
+    def max_splits(self, num_queries: int, heads: int, rank: int,
+                   config: SparseMlaConfig = DEFAULT_CONFIG) -> int:
+        """Splits per query this workspace holds for a launch of that shape and config."""
         assert self.partial_out.shape[1:] == (heads, rank), (
             f"workspace for {tuple(self.partial_out.shape[1:])}, launch of ({heads}, {rank})")
-        if self.arrivals.numel() < num_queries * -(-heads // head_block(heads)):
+        if self.arrivals.numel() < split_counters(num_queries, heads, config):
             return 1
         return self.partial_out.shape[0] // num_queries

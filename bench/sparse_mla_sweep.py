@@ -1,0 +1,142 @@
+"""Sparse MLA candidates side by side: decode at 1, 8 and 32 queries and a 4096-query prefill,
+each candidate configuration next to the current default and the roofline (one table).
+
+    PYTHONPATH=. python bench/sweeps.py --ops mla          (or: python bench/sparse_mla_sweep.py)
+
+Inputs, roofline and timing are bench/sparse_mla.py's (CUDA-graph replays, decode slot sets
+rotated past L2). Decode candidates run at the decode sizes, prefill candidates at 4096.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import bf16_peak_tflops, copy_bandwidth, table  # noqa: E402
+from bench.sparse_mla import (  # noqa: E402
+    DECODE_QUERIES,
+    PREFILL_QUERIES,
+    mla_inputs,
+    roofline,
+    rotated_slots,
+    time_config,
+)
+
+
+def decode_candidates() -> dict[str, object]:
+    """Split-launch configurations: slot steps and pipeline depth, how many splits, what a
+    program owns (head block, value half), partial precision, where the merge runs."""
+    from glmflash.kernels.sparse_mla.plan import DEFAULT_CONFIG, SparseMlaLaunch
+
+    def decode(*shapes, **changes):
+        return dataclasses.replace(DEFAULT_CONFIG, decode=shapes, **changes)
+
+    tail = SparseMlaLaunch(64, 2, tail_slots=16)
+    deep = SparseMlaLaunch(64, 3, tail_slots=16)
+    return {
+        "default": DEFAULT_CONFIG,
+        "16-slot tail": decode(tail),
+        "3 stages, 16-slot tail": decode(deep),
+        "1-step splits, 16-slot tail": decode(tail, min_split_steps=1),
+        "at most 8 splits, 3 stages, 16-slot tail": decode(deep, max_splits=8),
+        "bf16 partials, 16-slot tail": decode(tail, bf16_partials=True),
+        "value halves, 16-slot tail": decode(tail, value_halves=True),
+        "value halves, 1-step splits, 16-slot tail": decode(tail, value_halves=True,
+                                                            min_split_steps=1),
+        "32-head blocks, 16-slot tail": decode(tail, split_heads=32),
+        "32-slot steps, 4 stages, 16-slot tail": decode(SparseMlaLaunch(32, 4, tail_slots=16)),
+        "fused combine, 3 stages, 16-slot tail": decode(deep, max_fused_splits=64),
+    }
+
+
+def prefill_candidates() -> dict[str, object]:
+    """Unsplit launch shapes: slot steps, pipeline depth, tail width, score layout."""
+    from glmflash.kernels.sparse_mla.plan import DEFAULT_CONFIG, SparseMlaLaunch
+
+    def prefill(shape):
+        return dataclasses.replace(DEFAULT_CONFIG, prefill=(shape,))
+
+    return {
+        "default": DEFAULT_CONFIG,
+        "2 stages": prefill(SparseMlaLaunch(64, 2)),
+        "16-slot tail": prefill(SparseMlaLaunch(64, 3, tail_slots=16)),
+        "32-slot steps, 5 stages, 16-slot tail": prefill(SparseMlaLaunch(32, 5, tail_slots=16)),
+        "scores on both warpgroups": prefill(SparseMlaLaunch(64, 3, split_scores=False)),
+    }
+
+
+def candidates(queries: int) -> dict[str, object]:
+    return decode_candidates() if queries <= DECODE_QUERIES[-1] else prefill_candidates()
+
+
+def _compile(queries: int, name: str) -> str:
+    """Compile one candidate at one size into Triton's cache (a worker process): the launch's
+    specialisation depends on the shapes, not on the cache size, so a small latent does."""
+    from glmflash.kernels.sparse_mla import triton_impl as ti
+
+    q = torch.randn(queries, 64, 512, device="cuda").bfloat16()
+    latent = torch.randn(4096, 512, device="cuda").bfloat16()
+    slots = torch.randint(0, 4096, (queries, 2051), device="cuda")
+    try:
+        ti.sparse_mla(q, latent, slots, scale=1 / 16, config=candidates(queries)[name])
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - the timing loop reports it
+        return f"{queries} {name}: {type(e).__name__}"
+    return ""
+
+
+def precompile(workers: int = 8) -> None:
+    """Every candidate compiled in parallel processes before the (serial) timing."""
+    sizes = DECODE_QUERIES + (PREFILL_QUERIES,)
+    queries = [size for size in sizes for _ in candidates(size)]
+    names = [name for size in sizes for name in candidates(size)]
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context) as pool:
+        for failed in pool.map(_compile, queries, names):
+            if failed:
+                print(f"compile: {failed}", flush=True)
+
+
+def sweep(parallel_compile: bool = True) -> str:
+    from glmflash.kernels.sparse_mla import sparse_mla_ref
+    from glmflash.kernels.sparse_mla import triton_impl as ti
+
+    start = time.time()
+    if parallel_compile:
+        precompile()
+        print(f"compiled in {time.time() - start:.0f} s", flush=True)
+    copy_gbs, peak = copy_bandwidth(), bf16_peak_tflops()
+    print(f"copy {copy_gbs:.0f} GB/s, bf16 peak {peak:.0f} TFLOP/s", flush=True)
+    rows = []
+    for queries in DECODE_QUERIES + (PREFILL_QUERIES,):
+        q, latent, slots, owner = mla_inputs(queries)
+        moved, roof_ms = roofline(queries, q, slots, copy_gbs, peak)
+        slot_sets = rotated_slots(slots, owner, moved)
+        want = sparse_mla_ref(q.float(), latent.float(), slots, scale=1 / 16)
+        default_ms = None
+        for name, config in candidates(queries).items():
+            ms, err, how = time_config(q, latent, slot_sets, want, config)
+            default_ms = default_ms or ms
+            rows.append([queries, name, how, f"{ms * 1e3:.1f}" if ms else "-",
+                         f"{default_ms / ms:.2f}x" if ms else "-",
+                         f"{4 * queries * q.shape[1] * slots.shape[1] * q.shape[2] / ms / 1e9:.0f}"
+                         if ms else "-", f"{roof_ms * 1e3:.1f}",
+                         f"{100 * roof_ms / ms:.0f}%" if ms else "-", err])
+            print(rows[-1], f"({time.time() - start:.0f} s)", flush=True)
+        del q, latent, slots, slot_sets, want
+        torch.cuda.empty_cache()
+    ti._FITTED.clear()  # fits found for the swept configurations
+    return table(["queries", "candidate", "launch", "us (graph)", "vs default", "TFLOP/s",
+                  "roofline us", "% of roofline", "rel err vs fp32 ref"], rows)
+
+
+if __name__ == "__main__":
+    print(sweep())

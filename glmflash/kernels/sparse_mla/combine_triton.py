@@ -1,0 +1,80 @@
+"""Merging the splits of a split sparse MLA launch (triton_impl.py, README.md "Combining splits").
+
+Each split wrote its output normalised by its own softmax sum and its log2-sum-exp2;
+`out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)`, zeros where no split saw a slot. Every
+split of a tile is loaded at once (a `[splits, heads, columns]` tile), so a merge costs one
+round trip to L2 for the sums and one per column step, not one per split.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the package must import without triton; the launchers need it
+    triton = None
+
+from glmflash.kernels.sparse_mla.plan import SparseMlaConfig, SparseMlaWorkspace, head_block
+from glmflash.kernels.triton_utils import jit
+
+
+@jit
+def combine_splits(part_o, part_lse, o, i_t, o_h, m_h, c_begin, c_end, H, R, NUM_SPLITS,
+                   stride_ot, stride_oh, BH: tl.constexpr, BC: tl.constexpr, SP: tl.constexpr):
+    """out[i_t, heads o_h, columns [c_begin, c_end)] from the NUM_SPLITS (<= SP) partials.
+    Loads bypass L1: other programs wrote the partials."""
+    o_s = tl.arange(0, SP)
+    rows = (i_t * NUM_SPLITS + o_s)[:, None] * H + o_h[None, :]  # [SP, BH] rows of the partials
+    m_sh = (o_s < NUM_SPLITS)[:, None] & m_h[None, :]
+    b_lse = tl.load(part_lse + rows, mask=m_sh, other=float("-inf"), cache_modifier=".cg")
+    b_mx = tl.max(b_lse, 0)
+    b_mx = tl.where(b_mx == float("-inf"), 0.0, b_mx)
+    b_w = tl.exp2(b_lse - b_mx[None, :])  # [SP, BH]; 0 for splits without a slot
+    b_den = tl.sum(b_w, 0)
+    b_w = b_w / tl.where(b_den > 0, b_den, 1.0)[None, :]
+    o_c = tl.arange(0, BC)
+    p_o = o + i_t * stride_ot + o_h[:, None] * stride_oh
+    for c0 in range(c_begin, c_end, BC):
+        m_c = c0 + o_c < c_end
+        p_part = part_o + rows[:, :, None] * R + (c0 + o_c)[None, None, :]
+        b_part = tl.load(p_part, mask=m_sh[:, :, None] & m_c[None, None, :], other=0.0,
+                         cache_modifier=".cg").to(tl.float32)
+        b_out = tl.sum(b_w[:, :, None] * b_part, 0)  # [BH, BC]
+        tl.store(p_o + c0 + o_c[None, :], b_out.to(o.dtype.element_ty),
+                 mask=m_h[:, None] & m_c[None, :])
+
+
+@jit(do_not_specialize=("NUM_SPLITS",))
+def sparse_mla_combine_kernel(part_o, part_lse, o, H, R, NUM_SPLITS, stride_ot, stride_oh,
+                              BH: tl.constexpr, BC: tl.constexpr, SP: tl.constexpr):
+    """Merge the splits of (query, BH heads, BC columns) written by `sparse_mla_kernel`."""
+    i_t, i_h, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    o_h = i_h * BH + tl.arange(0, BH)
+    c_begin = i_c * BC
+    combine_splits(part_o, part_lse, o, i_t, o_h, o_h < H, c_begin, tl.minimum(c_begin + BC, R),
+                   H, R, NUM_SPLITS, stride_ot, stride_oh, BH, BC, SP)
+
+
+def splits_block(num_splits: int) -> int:
+    """The splits axis of a combine tile: a power of two >= num_splits."""
+    return triton.next_power_of_2(num_splits)
+
+
+def combine_columns(num_splits: int, heads_block: int, rank: int, config: SparseMlaConfig) -> int:
+    """Columns per combine step: what `config.combine_elements` leaves after splits x heads
+    (a power of two, at least 1, at most the latent width)."""
+    budget = config.combine_elements // (splits_block(num_splits) * heads_block)
+    return max(1, min(triton.next_power_of_2(rank), 1 << max(budget, 1).bit_length() - 1))
+
+
+def combine(workspace: SparseMlaWorkspace, out: torch.Tensor, num_splits: int,
+            config: SparseMlaConfig) -> None:
+    """The combine kernel over (query, `config.combine_heads` heads, columns) programs."""
+    num_queries, heads, rank = out.shape
+    bh = head_block(heads, config.combine_heads)
+    bc = combine_columns(num_splits, bh, rank, config)
+    sparse_mla_combine_kernel[(num_queries, triton.cdiv(heads, bh), triton.cdiv(rank, bc))](
+        workspace.partial_out, workspace.partial_lse, out, heads, rank, num_splits,
+        out.stride(0), out.stride(1), BH=bh, BC=bc, SP=splits_block(num_splits), num_warps=4)
