@@ -157,7 +157,6 @@ def prefill_forms(num_tokens: int, w: list[torch.Tensor], sweep: bool) -> str:
 # GEMM variants the phase sweep times against each other (the default first).
 VARIANTS = {
     "default": W8A8MoeConfig(),
-    "4 stages": W8A8MoeConfig(gate_up_stages=4, down_stages=4),
     "defer": W8A8MoeConfig(defer_promote=True),
     "wide": W8A8MoeConfig(wide=True),
     "wide 4 stages": W8A8MoeConfig(wide=True, gate_up_stages=4, down_stages=4),

@@ -145,8 +145,12 @@ def test_release_shapes_gpu(num_tokens):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [W8A8MoeConfig(), W8A8MoeConfig(block_m=128, group_m=4),
                                     W8A8MoeConfig(block_k=64, gate_up_stages=6,
-                                                  down_stages=6)],
-                         ids=["default", "bm128", "bk64-6stages"])
+                                                  down_stages=6),
+                                    W8A8MoeConfig(defer_promote=True), W8A8MoeConfig(wide=True),
+                                    W8A8MoeConfig(wide=True, defer_promote=True,
+                                                  gate_up_stages=4, down_stages=4)],
+                         ids=["default", "bm128", "bk64-6stages", "defer", "wide",
+                              "wide-defer-4stages"])
 def test_launch_shapes_gpu(config):
     if not _has_fp8_products():
         pytest.skip("no FP8 products before SM89")
