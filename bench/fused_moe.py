@@ -9,6 +9,7 @@ report TFLOP/s against the dense GEMM (goal: >= 0.7x at 8192 tokens). CUDA-graph
 
     python bench/fused_moe.py [--tokens 1 8 32 2048 8192] [--no-loop]
     python bench/fused_moe.py --forms 8192 [--sweep]   # prefill: W8A8 form vs bf16 form
+    python bench/sweeps.py --ops moe                     # sort and GEMM variants at 8192
 
 `--forms`: at each given size (uniform routing) the W8A8 prefill form and the dequantising bf16
 form against the dense GEMM, and the sort alone; `--sweep` also times a few W8A8 launch shapes
@@ -27,16 +28,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import copy_bandwidth, graph_ms, table  # noqa: E402
 from glmflash.kernels.fp8_gemm import quantize_block_fp8  # noqa: E402
-from glmflash.kernels.fp8_gemm.triton_impl import fp8_linear_scaled_mm  # noqa: E402
+from glmflash.kernels.fp8_gemm.triton_impl import (  # noqa: E402
+    fp8_linear_scaled_mm,
+    quantize_activations,
+)
 from glmflash.kernels.fused_moe.triton_impl import (  # noqa: E402
     DEFAULT_DISPATCH,
     PREFILL_CONFIG,
+    SortConfig,
     W8A8MoeConfig,
     fused_moe,
     sort_pairs,
 )
+from glmflash.kernels.fused_moe.triton_w8a8 import w8a8_experts  # noqa: E402
 
 EXPERTS, HIDDEN, INTER, TOP_K, LIMIT = 288, 4096, 2048, 8, 7.0
+SORT_ONE = SortConfig(scan_min_pairs=1 << 62)  # always the one-launch sort
+SORT_SCAN = SortConfig(scan_min_pairs=0)  # always histogram + scatter
 
 
 def expert_weights() -> list[torch.Tensor]:
@@ -144,6 +152,80 @@ def prefill_forms(num_tokens: int, w: list[torch.Tensor], sweep: bool) -> str:
           f"{sort_ms * 1e3:.0f} us", flush=True)
     return table(["tokens", "form, launch shape", "us", "TFLOP/s", "dense _scaled_mm TFLOP/s",
                   "fused / dense (goal 0.7)"], rows)
+
+
+# GEMM variants the phase sweep times against each other (the default first).
+VARIANTS = {
+    "default": W8A8MoeConfig(),
+    "defer": W8A8MoeConfig(defer_promote=True),
+    "wide": W8A8MoeConfig(wide=True),
+    "wide 4 stages": W8A8MoeConfig(wide=True, gate_up_stages=4, down_stages=4),
+    "wide defer": W8A8MoeConfig(wide=True, defer_promote=True),
+}
+
+
+def _parts(x, ids, cfg):
+    """The inputs of the two GEMMs (quantised x, the sorted layout)."""
+    xq, xs = quantize_activations(x, torch.float8_e4m3fn, 128)
+    sorted_pairs, block_expert = sort_pairs(ids, EXPERTS, cfg.block_m, SORT_SCAN)
+    return xq, xs, sorted_pairs, block_expert
+
+
+def variants_rows(num_tokens: int, skewed: bool, w: list[torch.Tensor], dense: dict) -> list:
+    """Sort (one launch vs histogram + scatter), the rest (quantiser + sum), each GEMM variant,
+    and the estimated total against the dense GEMMs of equal FLOPs."""
+    x = torch.randn(num_tokens, HIDDEN, device="cuda").bfloat16()
+    ids, weights = routing(num_tokens, skewed)
+    flops = 2 * num_tokens * TOP_K * 3 * INTER * HIDDEN
+    bm = VARIANTS["default"].block_m
+    sort_old = graph_ms(lambda: sort_pairs(ids, EXPERTS, bm, SORT_ONE), rep=30)
+    sort_new = graph_ms(lambda: sort_pairs(ids, EXPERTS, bm, SORT_SCAN), rep=30)
+    xq, xs, rows, blocks = _parts(x, ids, VARIANTS["default"])
+    full = graph_ms(lambda: fused_moe(x, ids, weights, *w, limit=LIMIT,
+                                      config=VARIANTS["default"], sort=SORT_SCAN), rep=50)
+    label = "skewed" if skewed else "uniform"
+    out = [[num_tokens, label, "sort one launch / scan", f"{sort_old * 1e3:.0f} / "
+            f"{sort_new * 1e3:.0f}", "-", "-", "-"]]
+    gemm_default = None
+    for name, cfg in VARIANTS.items():
+        ms = graph_ms(lambda c=cfg: w8a8_experts(
+            xq, xs, rows, blocks, TOP_K, w[0], w[1], w[2], w[3], w[4], w[5], limit=LIMIT,
+            block=128, out_dtype=x.dtype, config=c), rep=50)
+        gemm_default = gemm_default or ms
+        total = full - gemm_default + ms  # the same sort, quantiser and sum around it
+        out.append([num_tokens, label, f"GEMMs {name}", f"{ms * 1e3:.0f}",
+                    f"{flops / ms / 1e9:.0f}", f"{total * 1e3:.0f}",
+                    f"{dense['per-tensor'] / total:.2f} / {dense['blockwise'] / total:.2f}"])
+        print(out[-1], flush=True)
+    out.append([num_tokens, label, "rest (quantiser, sum; measured total - default GEMMs)",
+                f"{(full - gemm_default) * 1e3:.0f}", "-", f"{full * 1e3:.0f}", "-"])
+    return out
+
+
+def dense_ms(num_tokens: int) -> dict:
+    """Equal-FLOP dense FP8 GEMMs: [T * k, D] x [3 I, D]^T, per-tensor and block-scaled."""
+    x = torch.randn(num_tokens * TOP_K, HIDDEN, device="cuda").bfloat16()
+    wq, ws = quantize_block_fp8(torch.randn(3 * INTER, HIDDEN, device="cuda"))
+    xq, one = x.to(torch.float8_e4m3fn), torch.ones((), device="cuda")
+    per_tensor = graph_ms(lambda: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one,
+                                                   out_dtype=torch.bfloat16), rep=50)
+    blockwise = graph_ms(lambda: fp8_linear_scaled_mm(x, wq, ws, 128), rep=50)
+    return {"per-tensor": per_tensor, "blockwise": blockwise}
+
+
+def variants_table(num_tokens: int = 8192) -> str:
+    """The phase sweep: sort and GEMM variants at `num_tokens`, uniform and skewed routing."""
+    w = expert_weights()
+    dense = dense_ms(num_tokens)
+    flops = 2 * num_tokens * TOP_K * 3 * INTER * HIDDEN
+    print(f"dense equal-FLOP GEMM at {num_tokens} tokens: per-tensor "
+          f"{dense['per-tensor'] * 1e3:.0f} us ({flops / dense['per-tensor'] / 1e9:.0f} "
+          f"TFLOP/s), blockwise "
+          f"{dense['blockwise'] * 1e3:.0f} us ({flops / dense['blockwise'] / 1e9:.0f})",
+          flush=True)
+    rows = variants_rows(num_tokens, False, w, dense) + variants_rows(num_tokens, True, w, dense)
+    return table(["tokens", "routing", "part", "us", "GEMM TFLOP/s", "est. total us",
+                  "dense / total: per-tensor / blockwise (goal 0.7)"], rows)
 
 
 def main() -> None:

@@ -1,6 +1,9 @@
 """Launch-shape sweeps of the decode-sized GPU kernels (prints only; pick defaults from these).
 
-    PYTHONPATH=. python bench/sweeps.py [--ops kda,mla,fp8,fp8row]
+    PYTHONPATH=. python bench/sweeps.py [--ops kda,mla,fp8,fp8row,fp8rules,moe]
+
+`moe`: fused MoE prefill at 8192 tokens, the sort and GEMM variants (bench/fused_moe.py);
+`fp8rules`: FP8 linear at 16 rows, the streaming grid and the per-shape rules over it.
 
 Every time is the median of CUDA-graph replays (bench/kernels.py `graph_ms`).
 """
@@ -102,6 +105,65 @@ def sweep_fp8_one_row() -> None:
                   f"{ms * 1e3:.1f} us {n * k / ms / 1e6:.0f} GB/s", flush=True)
 
 
+# Weight-streaming launch shapes at 16 rows: (block_n, waves, min split blocks, warps, stages).
+STREAM_GRID = [(64, 4.0, 2, 4, 4), (64, 2.0, 2, 4, 6), (64, 4.0, 4, 4, 4), (64, 2.0, 4, 4, 6),
+               (64, 1.0, 2, 4, 6), (64, 8.0, 2, 4, 4), (64, 4.0, 1, 4, 4), (128, 2.0, 2, 8, 4)]
+# Candidate rules over that grid: (min_k, max_k, max_n, shape) entries, first match wins, the
+# default shape otherwise.
+BIG = 1 << 30
+STREAM_RULES = {
+    "default": (),
+    "waves 2, 6 stages everywhere": ((0, BIG, BIG, (64, 2.0, 2, 4, 6)),),
+    "by N: up to 4096 split more, above waves 2": (
+        (0, BIG, 4096, (64, 4.0, 4, 4, 4)), (0, BIG, BIG, (64, 2.0, 2, 4, 6))),
+    "by N: up to 4096 default, above one wave": (
+        (0, BIG, 4096, (64, 4.0, 2, 4, 4)), (0, BIG, BIG, (64, 1.0, 2, 4, 6))),
+    "short K: fewer splits; long K: waves 2": (
+        (0, 2048, BIG, (64, 2.0, 4, 4, 6)), (16384, BIG, BIG, (64, 2.0, 2, 4, 6)),
+        (0, BIG, 4096, (64, 4.0, 4, 4, 4)), (0, BIG, BIG, (64, 2.0, 2, 4, 6))),
+}
+
+
+def sweep_fp8_rules(m: int = 16) -> None:
+    """At `m` rows: every grid shape at the five release shapes against per-tensor
+    `_scaled_mm` (weights rotated past L2), then each rule's pick per shape and its worst
+    ratio (goal: >= 0.8 on all five)."""
+    from bench.kernels import _scaled_mm
+    from glmflash.kernels.fp8_gemm import quantize_block_fp8
+    from glmflash.kernels.fp8_gemm.triton_stream import StreamConfig, fp8_linear_stream
+
+    base, times = {}, {}
+    for k, n in FP8_SHAPES:
+        wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda"))
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        wqs = rotated(wq)
+        base[k, n] = graph_ms([_scaled_mm(x.to(torch.float8_e4m3fn), w) for w in wqs])
+        for shape in STREAM_GRID:
+            cfg = StreamConfig(*shape)
+            times[k, n, shape] = graph_ms(
+                [lambda x=x, w=w, ws=ws, c=cfg: fp8_linear_stream(x, w, ws, 128, c)
+                 for w in wqs])
+            print(f"fp8 stream {k}->{n} M={m} {shape}: {times[k, n, shape] * 1e3:.1f} us "
+                  f"({base[k, n] / times[k, n, shape]:.2f} of per-tensor "
+                  f"{base[k, n] * 1e3:.1f} us)", flush=True)
+        del wqs
+    for name, entries in list(STREAM_RULES.items()) + [("per-shape best", "best")]:
+        cells = []
+        for k, n in FP8_SHAPES:
+            shape = (min(STREAM_GRID, key=lambda s: times[k, n, s]) if entries == "best"
+                     else _rule_pick(entries, n, k))
+            cells.append(f"{k}->{n} {base[k, n] / times[k, n, shape]:.2f}")
+        worst = min(float(c.split()[-1]) for c in cells)
+        print(f"fp8 M={m} rule [{name}]: {', '.join(cells)}; worst {worst:.2f}", flush=True)
+
+
+def _rule_pick(entries, n: int, k: int) -> tuple:
+    for min_k, max_k, max_n, shape in entries:
+        if min_k <= k <= max_k and n <= max_n:
+            return shape
+    return STREAM_GRID[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", default="kda,mla,fp8")
@@ -117,6 +179,13 @@ def main() -> None:
         sweep_fp8(not args.no_w8a8)
     if "fp8row" in ops:
         sweep_fp8_one_row()
+    if "fp8rules" in ops:
+        sweep_fp8_rules()
+    if "moe" in ops:
+        from bench.fused_moe import variants_table
+
+        print("\nFused MoE prefill variants, 288 x 4096 x 2048, top-8, CUDA-graph timed\n\n"
+              + variants_table(), flush=True)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from glmflash.kernels.fp8_gemm import triton_impl as fp8  # noqa: E402
 from glmflash.kernels.fp8_gemm import triton_stream as fp8_stream  # noqa: E402
 from glmflash.kernels.fused_moe import triton_impl as moe  # noqa: E402
+from glmflash.kernels.fused_moe import triton_sort as moe_sort  # noqa: E402
 from glmflash.kernels.fused_moe import triton_w8a8 as moe_w8a8  # noqa: E402
 from glmflash.kernels.hyper import triton_impl as hyper  # noqa: E402
 from glmflash.kernels.indexer import topk_triton as indexer_topk  # noqa: E402
@@ -187,6 +188,14 @@ def fused_moe_launches() -> list[Launch]:
     out = [Launch("fused_moe align", moe.fused_moe_align_kernel,
                   {"ids": "*i64", "sorted_pairs": "*i32", "block_expert": "*i32"},
                   dict(BLOCK_M=16, BLOCK=moe.ALIGN_BLOCK, BINS=512), 4)]
+    sort = moe_sort.SORT_CONFIG
+    sort_ptrs = {"ids": "*i64", "counts": "*i32", "offsets": "*i32", "sorted_pairs": "*i32",
+                 "block_expert": "*i32"}
+    out += [Launch("fused_moe sort count", moe_sort.moe_count_kernel, sort_ptrs,
+                   dict(CHUNK=sort.chunk, BINS=512), sort.num_warps),
+            Launch("fused_moe sort scatter", moe_sort.moe_scatter_kernel, sort_ptrs,
+                   dict(BLOCK_M=64, CHUNK=sort.chunk, SUB=sort.sub, BINS=512,
+                        BB=sort.block_rows), sort.num_warps)]
     for cfg, dtype in ((moe.DECODE_CONFIG, "bf16"), (moe.PREFILL_CONFIG, "bf16"),
                        (moe.FP32_CONFIG, "fp32")):
         dot, prec = (tl.float32, "ieee") if dtype == "fp32" else (tl.bfloat16, "tf32")
@@ -203,7 +212,8 @@ def fused_moe_launches() -> list[Launch]:
                        cfg.num_stages, aligned=("N", "K"))]
     cfg = moe_w8a8.W8A8_CONFIG
     rows = {"sorted_pairs": "*i32", "block_expert": "*i32", "xs": "*fp32", "hs": "*fp32"}
-    consts = dict(BLOCK=128, BM=cfg.block_m, BK=cfg.block_k, GROUP_M=cfg.group_m)
+    consts = dict(BLOCK=128, BM=cfg.block_m, BK=cfg.block_k, GROUP_M=cfg.group_m,
+                  DEFER=cfg.defer_promote)
     gate_up = dict(rows, xq="*fp8e4nv", w_gate="*fp8e4nv", s_gate="*fp32", w_up="*fp8e4nv",
                    s_up="*fp32", hq="*fp8e4nv")
     down = dict(rows, hq="*fp8e4nv", w="*fp8e4nv", s="*fp32", y="*bf16")

@@ -16,6 +16,7 @@ from glmflash.kernels.fp8_gemm import fp8_linear_ref, triton_impl  # noqa: E402
 from glmflash.kernels.fp8_gemm.triton_stream import (  # noqa: E402
     STREAM_CONFIG,
     StreamConfig,
+    StreamRule,
     fp8_linear_stream,
 )
 from tests.kernels.test_fp8_gemm_triton import _case  # noqa: E402
@@ -76,6 +77,26 @@ def test_rows_are_independent(nan_empty):
     alone = fp8_linear_stream(x[3:4].repeat(2, 1), w, s, 128)[0]
     x[5] *= 1e3
     assert torch.equal(fp8_linear_stream(x, w, s, 128)[3], alone)
+
+
+def test_rule_picks_the_first_fitting_entry():
+    short_k, wide = StreamConfig(waves=2.0), StreamConfig(num_stages=6)
+    rule = StreamRule(((0, 2048, 1 << 30, short_k), (0, 1 << 30, 4096, wide)))
+    assert rule.pick(16384, 1536) == short_k  # K fits the first entry
+    assert rule.pick(4096, 16384) == wide
+    assert rule.pick(24576, 4096) == STREAM_CONFIG  # fits none: the default
+    assert StreamRule().pick(1536, 4096) == STREAM_CONFIG
+
+
+@pytest.mark.gpu
+def test_linear_follows_the_rule():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 products before SM89")
+    x, w, s = _case(16, 1536, 4096, torch.bfloat16)
+    shape = StreamConfig(waves=1.0, num_stages=6)
+    config = triton_impl.Fp8LinearConfig(stream_rule=StreamRule(((0, 1 << 30, 1 << 30, shape),)))
+    assert torch.equal(triton_impl.fp8_linear(x, w, s, config=config),
+                       fp8_linear_stream(x, w, s, 128, shape))
 
 
 @pytest.mark.gpu

@@ -76,10 +76,19 @@ def store_split(b_acc, y, o_y, m_y, part, arrivals, tile, i_s, SPLITS,
         arrived = tl.atomic_add(arrivals + tile, 1, sem="acq_rel")
         if arrived == SPLITS - 1:
             tl.debug_barrier()
+            # Four partials are loaded before they are added (in range order): one L2 round trip
+            # per four ranges; a missing range reads 0, and x + 0 == x.
             b_sum = tl.zeros([R, C], dtype=tl.float32)
-            for i in range(SPLITS):
-                b_sum += tl.load(p_part + i * (R * C), mask=m_y, other=0.0,
-                                 cache_modifier=".cg")
+            o_zero = tl.zeros([R, C], dtype=tl.int32)
+            for i in range(0, SPLITS, 4):
+                b_0 = tl.load(p_part + i * (R * C), mask=m_y, other=0.0, cache_modifier=".cg")
+                b_1 = tl.load(p_part + (i + 1) * (R * C), mask=m_y & (o_zero + i + 1 < SPLITS),
+                              other=0.0, cache_modifier=".cg")
+                b_2 = tl.load(p_part + (i + 2) * (R * C), mask=m_y & (o_zero + i + 2 < SPLITS),
+                              other=0.0, cache_modifier=".cg")
+                b_3 = tl.load(p_part + (i + 3) * (R * C), mask=m_y & (o_zero + i + 3 < SPLITS),
+                              other=0.0, cache_modifier=".cg")
+                b_sum = (((b_sum + b_0) + b_1) + b_2) + b_3
             tl.store(y + o_y, b_sum.to(y.dtype.element_ty), mask=m_y)
             tl.atomic_xchg(arrivals + tile, 0, sem="relaxed")
 

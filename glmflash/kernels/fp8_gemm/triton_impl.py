@@ -34,6 +34,7 @@ from glmflash.kernels.fp8_gemm.triton_common import (
 from glmflash.kernels.fp8_gemm.triton_stream import (
     STREAM_CONFIG,
     StreamConfig,
+    StreamRule,
     fp8_linear_stream,
 )
 from glmflash.kernels.triton_utils import interpreting, jit
@@ -49,6 +50,8 @@ class Fp8LinearConfig:
     """Rows from which the tiled FP8 GEMM runs (below: the weight-streaming W8A8 form)."""
     stream: StreamConfig = STREAM_CONFIG
     """Launch shape of the weight-streaming W8A8 form."""
+    stream_rule: StreamRule | None = None
+    """Per-weight-shape launch shapes of the streaming form (None: `stream` everywhere)."""
     wdq_block_n: int = 64
     """Weight-only: output columns per program."""
     wdq_fma_rows: int = 1
@@ -300,7 +303,9 @@ def _linear_2d(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, 
             or not has_fp8_products(x2.device):
         return fp8_linear_weight_only(x2, weight, scale_inv, block, config)
     if m < config.gemm_min_rows:
-        return fp8_linear_stream(x2, weight, scale_inv, block, config.stream)
+        n, k = weight.shape
+        stream = config.stream if config.stream_rule is None else config.stream_rule.pick(n, k)
+        return fp8_linear_stream(x2, weight, scale_inv, block, stream)
     if scaled_mm_fits(x2, weight, block):
         return fp8_linear_scaled_mm(x2, weight, scale_inv, block)
     return fp8_linear_w8a8(x2, weight, scale_inv, block, config)

@@ -46,6 +46,22 @@ class StreamConfig:
 STREAM_CONFIG = StreamConfig()
 
 
+@dataclass(frozen=True)
+class StreamRule:
+    """Launch shapes by weight shape: the first entry whose limits the weight fits (K at most
+    `max_k`, N at most `max_n`, K at least `min_k`) gives its config; `default` otherwise."""
+
+    entries: tuple[tuple[int, int, int, StreamConfig], ...] = ()
+    """(min_k, max_k, max_n, config)."""
+    default: StreamConfig = STREAM_CONFIG
+
+    def pick(self, n: int, k: int) -> StreamConfig:
+        for min_k, max_k, max_n, config in self.entries:
+            if min_k <= k <= max_k and n <= max_n:
+                return config
+        return self.default
+
+
 @jit
 def fp8_stream_gemm_kernel(x, w, ws, y, part, arrivals, M, N, K, stride_xm, stride_wn,
                            stride_wsn, stride_ym, K_PER_SPLIT, SPLITS, BLOCK: tl.constexpr,
@@ -101,4 +117,5 @@ def fp8_linear_stream(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.T
     return out
 
 
-__all__ = ["STREAM_CONFIG", "StreamConfig", "fp8_linear_stream", "fp8_stream_gemm_kernel"]
+__all__ = ["STREAM_CONFIG", "StreamConfig", "StreamRule", "fp8_linear_stream",
+           "fp8_stream_gemm_kernel"]

@@ -26,6 +26,7 @@ except ImportError:  # the package must import without triton; the launchers nee
 
 from glmflash.kernels.fp8_gemm.triton_common import has_fp8_products
 from glmflash.kernels.fp8_gemm.triton_impl import quantize_activations
+from glmflash.kernels.fused_moe.triton_sort import SORT_CONFIG, SortConfig, sort_pairs_scan
 from glmflash.kernels.fused_moe.triton_w8a8 import W8A8_CONFIG, W8A8MoeConfig, w8a8_experts
 from glmflash.kernels.triton_utils import dot_operand_type, interpreting, jit, product_precision
 
@@ -65,6 +66,9 @@ class MoeDispatchConfig:
     """Prefill with FP8 weights runs W8A8 on FP8 tensor cores (SM89 and later, 16-bit x);
     False: the dequantising bf16 form everywhere."""
     w8a8: W8A8MoeConfig = W8A8_CONFIG
+    sort: SortConfig = SORT_CONFIG
+    """The sort: one launch for few pairs, histogram + scatter (triton_sort.py) from
+    `sort.scan_min_pairs`."""
 
 
 DEFAULT_DISPATCH = MoeDispatchConfig()
@@ -264,14 +268,18 @@ def _weight_args(w: torch.Tensor, s: torch.Tensor | None) -> tuple:
     return (s, w.stride(0), w.stride(1), s.stride(0), s.stride(1))
 
 
-def sort_pairs(ids: torch.Tensor, num_experts: int, block_m: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_pairs(ids: torch.Tensor, num_experts: int, block_m: int,
+               config: SortConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The sorted block layout of contiguous `ids` `[T, k]`: (pair of each row, int32
-    `[blocks * block_m]`; expert of each block, int32 `[blocks]`, -1 for an unused block)."""
+    `[blocks * block_m]`; expert of each block, int32 `[blocks]`, -1 for an unused block).
+    `config`: which sort (default: DEFAULT_DISPATCH.sort, read at call time)."""
+    config = config or DEFAULT_DISPATCH.sort
     num_pairs = ids.numel()
     # NOTE: each expert hit pads at most block_m - 1 rows and at most min(E, pairs) experts are
     # hit: a bound from the shapes alone, so the host never reads the counts.
     max_blocks = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
+    if num_pairs >= config.scan_min_pairs:
+        return sort_pairs_scan(ids, num_experts, block_m, max_blocks, config)
     sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
     fused_moe_align_kernel[(num_experts,)](
@@ -314,10 +322,11 @@ def _dequant_experts(x: torch.Tensor, sorted_pairs: torch.Tensor, block_expert: 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
               s_gate: torch.Tensor | None, w_up: torch.Tensor, s_up: torch.Tensor | None,
               w_down: torch.Tensor, s_down: torch.Tensor | None, *, limit: float,
-              block: int = 128, config: FusedMoeConfig | W8A8MoeConfig | None = None
-              ) -> torch.Tensor:
+              block: int = 128, config: FusedMoeConfig | W8A8MoeConfig | None = None,
+              sort: SortConfig | None = None) -> torch.Tensor:
     """Triton `fused_moe_ref`; see ref.py for shapes. `config`: the form and launch shape
-    (default: `default_config`); a `W8A8MoeConfig` takes the FP8-activation form."""
+    (default: `default_config`); a `W8A8MoeConfig` takes the FP8-activation form. `sort`: the
+    sort's choice (default: DEFAULT_DISPATCH.sort)."""
     _check(x, ids, weights, w_gate, s_gate, w_up, s_up, w_down, s_down, block)
     num_tokens, hidden = x.shape
     num_experts = w_gate.shape[0]
@@ -328,7 +337,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
     x = x if x.stride(1) == 1 else x.contiguous()
     ids, weights = ids.contiguous(), weights.contiguous()
     cfg = config or default_config(ids.numel(), num_experts, x, s_gate is not None, block)
-    sorted_pairs, block_expert = sort_pairs(ids, num_experts, cfg.block_m)
+    sorted_pairs, block_expert = sort_pairs(ids, num_experts, cfg.block_m, sort)
     if isinstance(cfg, W8A8MoeConfig):
         assert s_gate is not None, "the W8A8 form needs FP8 weights"
         xq, xs = quantize_activations(x, w_gate.dtype, block)
@@ -345,4 +354,5 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
 
 
 __all__ = ["DECODE_CONFIG", "DEFAULT_DISPATCH", "FP32_CONFIG", "PREFILL_CONFIG", "FusedMoeConfig",
-           "MoeDispatchConfig", "W8A8MoeConfig", "default_config", "fused_moe", "sort_pairs"]
+           "MoeDispatchConfig", "SortConfig", "W8A8MoeConfig", "default_config", "fused_moe",
+           "sort_pairs"]
