@@ -17,14 +17,13 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
+from glmflash.kernels.kda.chunk_intra import _g_row, kda_intra_kernel
 from glmflash.kernels.kda.chunk_triton import (
     CHUNK,
     RCP_LN2,
-    SAFE_SPAN,
     PrefillBuffers,
     _load_rows,
     _store_rows,
-    _upper_inverse_blocks,
     launch_state,
 )
 from glmflash.kernels.triton_utils import dot_operand_type, jit, product_precision
@@ -38,9 +37,12 @@ class StagedConfig:
     """Launch shapes of the staged prefill (bench/kda_prefill.py sweeps them)."""
 
     gate_warps: int = 4
-    intra_warps: int = 2
+    intra_warps: int = 4
     intra_key_block: int = 32
     """Channels per step of the intra-chunk products."""
+    solve_precision: str = "ieee"
+    """`input_precision` of the inverse's 16x16 products for 16-bit models (fp32 models always
+    take "ieee"); "tf32" is fla's choice and spills less."""
     inverse_bf16: bool = True
     """Store (I + diag(beta) Akk)^-1 in bf16 and take w, u as bf16 products (fla's choice) for
     16-bit models; else fp32 and TF32 products."""
@@ -88,219 +90,6 @@ def kda_gate_kernel(q, k, g, g2, rq, rk, meta, scale, stride_q, stride_k, stride
     p = o_t.to(tl.int64) * H + i_h
     tl.store(rq + p, scale / tl.sqrt(b_nq + 1e-6), mask=o_t < t_end)
     tl.store(rk + p, 1.0 / tl.sqrt(b_nk + 1e-6), mask=o_t < t_end)
-
-
-@jit
-def _g_row(g2, r, t_end, c0, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
-    """Row r of the cumulative decay (channels c0..c0 + BK), r clamped to the last row."""
-    o_k = c0 + tl.arange(0, BK)
-    r = tl.minimum(r, t_end - 1).to(tl.int64)
-    return tl.load(g2 + r * (H * K) + o_k, mask=o_k < K, other=0.0)
-
-
-@jit
-def _row_vec(x, r0, t_end, stride):
-    """x[r0:r0 + 16] of a per-(token, head) vector already offset to the head, 0 past t_end."""
-    o_t = r0 + tl.arange(0, 16)
-    return tl.load(x + o_t.to(tl.int64) * stride, mask=o_t < t_end, other=0.0).to(tl.float32)
-
-
-@jit
-def _diag_block(b_aq, b_ut, b_q, b_k, b_g, b_first, b_last, m_r, PREC: tl.constexpr):
-    """Adds one channel block's share of the diagonal block of a sub-chunk: Aqk (rows x keys)
-    and Akk^T (keys x rows). Each channel is anchored at its middle decay across the
-    sub-chunk, so both factors stay within 2^(span / 2); channels steeper than SAFE_SPAN are
-    left out (`_steep_diag`)."""
-    b_mid = 0.5 * (b_first + b_last)
-    m = m_r[:, None] & (b_first - b_last <= SAFE_SPAN)[None, :]
-    b_up = tl.where(m, tl.exp2(b_g - b_mid[None, :]), 0.0)
-    b_kd = b_k * tl.where(m, tl.exp2(b_mid[None, :] - b_g), 0.0)
-    b_aq = tl.dot(b_q * b_up, tl.trans(b_kd), b_aq, input_precision=PREC)
-    b_ut = tl.dot(b_kd, tl.trans(b_k * b_up), b_ut, input_precision=PREC)
-    return b_aq, b_ut
-
-
-@jit
-def _off_block(b_aq, b_ut, b_qa, b_ka, b_gn, b_k, b_g, m_r, PREC: tl.constexpr):
-    """Adds one channel block's share of the block (rows of sub-chunk i, keys of j < i):
-    b_qa, b_ka are i's q and k times exp2(G - gn), gn the decay at i's first row; the keys
-    take exp2(gn - G). Both factors are <= 1 for any gate."""
-    b_kb = b_k * tl.where(m_r[:, None], tl.exp2(b_gn[None, :] - b_g), 0.0)
-    b_aq = tl.dot(b_qa, tl.trans(b_kb), b_aq, input_precision=PREC)
-    b_ut = tl.dot(b_kb, tl.trans(b_ka), b_ut, input_precision=PREC)
-    return b_aq, b_ut
-
-
-@jit
-def _steep_diag(q, k, g2, r0, t_end, stride_q, stride_k, H: tl.constexpr, K: tl.constexpr,
-                BK: tl.constexpr):
-    """The steep channels' (span > SAFE_SPAN) share of a sub-chunk's diagonal block, Aqk and
-    Akk^T, with exact decays exp2(G_t - G_s), one key at a time (rows reloaded from memory)."""
-    o_i = tl.arange(0, 16)
-    m_r = r0 + o_i < t_end
-    b_xq = tl.zeros([16, 16], dtype=tl.float32)
-    b_xk = tl.zeros([16, 16], dtype=tl.float32)
-    for i_k in range(tl.cdiv(K, BK)):
-        c0 = i_k * BK
-        o_k = c0 + tl.arange(0, BK)
-        b_q = _load_rows(q, r0, t_end, stride_q, c0, K, BK, 16)
-        b_k = _load_rows(k, r0, t_end, stride_k, c0, K, BK, 16)
-        b_g = _load_rows(g2, r0, t_end, H * K, c0, K, BK, 16)
-        b_steep = (_g_row(g2, r0, t_end, c0, H, K, BK) - _g_row(g2, r0 + 15, t_end, c0, H, K, BK)
-                   ) > SAFE_SPAN
-        for c in range(16):
-            m_c = (o_k < K) & (o_k * 0 + r0 + c < t_end)
-            b_kc = tl.load(k + (r0 + c).to(tl.int64) * stride_k + o_k, mask=m_c, other=0.0)
-            b_gc = tl.load(g2 + (r0 + c).to(tl.int64) * (H * K) + o_k, mask=m_c, other=0.0)
-            m = (m_r & (o_i >= c))[:, None] & b_steep[None, :]
-            b_d = tl.exp2(tl.where(m, b_g - b_gc[None, :], float("-inf")))
-            b_d = b_d * b_kc.to(tl.float32)[None, :]
-            b_xq = tl.where(o_i[None, :] == c, b_xq + tl.sum(b_q * b_d, 1)[:, None], b_xq)
-            b_xk = tl.where(o_i[:, None] == c, b_xk + tl.sum(b_k * b_d, 1)[None, :], b_xk)
-    return b_xq, b_xk
-
-
-@jit
-def _store_block(ptr, b_x, r0, col0, t_end, stride, TRANS: tl.constexpr):
-    """Stores a 16x16 block at rows r0.., columns col0.. (its transpose with TRANS), rows past
-    t_end left alone."""
-    o_a = tl.arange(0, 16)
-    if TRANS:
-        rows, cols = r0 + o_a[None, :], col0 + o_a[:, None]
-    else:
-        rows, cols = r0 + o_a[:, None], col0 + o_a[None, :]
-    tl.store(ptr + rows.to(tl.int64) * stride + cols, b_x.to(ptr.dtype.element_ty),
-             mask=rows < t_end)
-
-
-@jit
-def _store_aqk_block(aqk, b_a, b_rq, b_rk, r0, col0, t_end, H: tl.constexpr,
-                     DIAG: tl.constexpr):
-    b_a = b_a * b_rq[:, None] * b_rk[None, :]
-    if DIAG:
-        o_i = tl.arange(0, 16)
-        b_a = tl.where(o_i[:, None] >= o_i[None, :], b_a, 0.0)
-    _store_block(aqk, b_a, r0, col0, t_end, H * 64, False)
-
-
-@jit
-def _upper_block(b_ut, b_rk_keys, b_row, DIAG: tl.constexpr):
-    """U_ji = (diag(beta) Akk)^T_ji from Akk^T (unnormalised); strictly upper on the diagonal."""
-    b_u = b_ut * b_rk_keys[:, None] * b_row[None, :]
-    if DIAG:
-        o_i = tl.arange(0, 16)
-        b_u = tl.where(o_i[:, None] < o_i[None, :], b_u, 0.0)
-    return b_u
-
-
-@jit
-def kda_intra_kernel(q, k, g2, rq, rk, beta, aqk, tinv, meta, stride_q, stride_k, stride_b,
-                     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-                     SOLVE: tl.constexpr):
-    """One (chunk, head): Aqk (scaled, normalised, causal) and T = (I + diag(beta) Akk)^-1 from
-    16x16 blocks: the four diagonal ones anchored at each sub-chunk's middle decay, the six
-    below anchored at the row sub-chunk's first row; the inverse from the 16x16 blocks of
-    U = (diag(beta) Akk)^T (chunk_triton._upper_inverse_blocks), stored transposed as T."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0 = tl.load(meta + i_c * 3)
-    t_end = tl.load(meta + i_c * 3 + 1)
-    q += i_h * K
-    k += i_h * K
-    g2 += i_h * K
-    r1, r2, r3 = t0 + 16, t0 + 32, t0 + 48
-    o_i = tl.arange(0, 16)
-    m0, m1, m2, m3 = t0 + o_i < t_end, r1 + o_i < t_end, r2 + o_i < t_end, r3 + o_i < t_end
-    z = tl.zeros([16, 16], dtype=tl.float32)
-    a00, a11, a22, a33, u00, u11, u22, u33 = z, z, z, z, z, z, z, z
-    a10, a20, a21, a30, a31, a32 = z, z, z, z, z, z
-    u01, u02, u12, u03, u13, u23 = z, z, z, z, z, z
-    b_span = 0.0
-    for i_k in range(tl.cdiv(K, BK)):
-        c0 = i_k * BK
-        b_q0 = _load_rows(q, t0, t_end, stride_q, c0, K, BK, 16)
-        b_k0 = _load_rows(k, t0, t_end, stride_k, c0, K, BK, 16)
-        b_g0 = _load_rows(g2, t0, t_end, H * K, c0, K, BK, 16)
-        b_q1 = _load_rows(q, r1, t_end, stride_q, c0, K, BK, 16)
-        b_k1 = _load_rows(k, r1, t_end, stride_k, c0, K, BK, 16)
-        b_g1 = _load_rows(g2, r1, t_end, H * K, c0, K, BK, 16)
-        b_q2 = _load_rows(q, r2, t_end, stride_q, c0, K, BK, 16)
-        b_k2 = _load_rows(k, r2, t_end, stride_k, c0, K, BK, 16)
-        b_g2 = _load_rows(g2, r2, t_end, H * K, c0, K, BK, 16)
-        b_q3 = _load_rows(q, r3, t_end, stride_q, c0, K, BK, 16)
-        b_k3 = _load_rows(k, r3, t_end, stride_k, c0, K, BK, 16)
-        b_g3 = _load_rows(g2, r3, t_end, H * K, c0, K, BK, 16)
-        # each sub-chunk's first and last decay (rows clamped to the chunk's last)
-        b_f0, b_l0 = _g_row(g2, t0, t_end, c0, H, K, BK), _g_row(g2, t0 + 15, t_end, c0, H, K, BK)
-        b_f1, b_l1 = _g_row(g2, r1, t_end, c0, H, K, BK), _g_row(g2, r1 + 15, t_end, c0, H, K, BK)
-        b_f2, b_l2 = _g_row(g2, r2, t_end, c0, H, K, BK), _g_row(g2, r2 + 15, t_end, c0, H, K, BK)
-        b_f3, b_l3 = _g_row(g2, r3, t_end, c0, H, K, BK), _g_row(g2, r3 + 15, t_end, c0, H, K, BK)
-        b_s = tl.maximum(tl.maximum(b_f0 - b_l0, b_f1 - b_l1), tl.maximum(b_f2 - b_l2, b_f3 - b_l3))
-        b_span = tl.maximum(b_span, tl.max(b_s, 0))
-        a00, u00 = _diag_block(a00, u00, b_q0, b_k0, b_g0, b_f0, b_l0, m0, PREC)
-        a11, u11 = _diag_block(a11, u11, b_q1, b_k1, b_g1, b_f1, b_l1, m1, PREC)
-        a22, u22 = _diag_block(a22, u22, b_q2, b_k2, b_g2, b_f2, b_l2, m2, PREC)
-        a33, u33 = _diag_block(a33, u33, b_q3, b_k3, b_g3, b_f3, b_l3, m3, PREC)
-        # rows of sub-chunk i times exp2(G - G_first(i)), then each earlier sub-chunk's keys
-        b_x = tl.where(m1[:, None], tl.exp2(b_g1 - b_f1[None, :]), 0.0)
-        a10, u01 = _off_block(a10, u01, b_q1 * b_x, b_k1 * b_x, b_f1, b_k0, b_g0, m0, PREC)
-        b_x = tl.where(m2[:, None], tl.exp2(b_g2 - b_f2[None, :]), 0.0)
-        b_qa, b_ka = b_q2 * b_x, b_k2 * b_x
-        a20, u02 = _off_block(a20, u02, b_qa, b_ka, b_f2, b_k0, b_g0, m0, PREC)
-        a21, u12 = _off_block(a21, u12, b_qa, b_ka, b_f2, b_k1, b_g1, m1, PREC)
-        b_x = tl.where(m3[:, None], tl.exp2(b_g3 - b_f3[None, :]), 0.0)
-        b_qa, b_ka = b_q3 * b_x, b_k3 * b_x
-        a30, u03 = _off_block(a30, u03, b_qa, b_ka, b_f3, b_k0, b_g0, m0, PREC)
-        a31, u13 = _off_block(a31, u13, b_qa, b_ka, b_f3, b_k1, b_g1, m1, PREC)
-        a32, u23 = _off_block(a32, u23, b_qa, b_ka, b_f3, b_k2, b_g2, m2, PREC)
-    if b_span > SAFE_SPAN:
-        b_xq, b_xk = _steep_diag(q, k, g2, t0, t_end, stride_q, stride_k, H, K, BK)
-        a00, u00 = a00 + b_xq, u00 + b_xk
-        b_xq, b_xk = _steep_diag(q, k, g2, r1, t_end, stride_q, stride_k, H, K, BK)
-        a11, u11 = a11 + b_xq, u11 + b_xk
-        b_xq, b_xk = _steep_diag(q, k, g2, r2, t_end, stride_q, stride_k, H, K, BK)
-        a22, u22 = a22 + b_xq, u22 + b_xk
-        b_xq, b_xk = _steep_diag(q, k, g2, r3, t_end, stride_q, stride_k, H, K, BK)
-        a33, u33 = a33 + b_xq, u33 + b_xk
-    rq += i_h
-    rk += i_h
-    b_rq0, b_rk0 = _row_vec(rq, t0, t_end, H), _row_vec(rk, t0, t_end, H)
-    b_rq1, b_rk1 = _row_vec(rq, r1, t_end, H), _row_vec(rk, r1, t_end, H)
-    b_rq2, b_rk2 = _row_vec(rq, r2, t_end, H), _row_vec(rk, r2, t_end, H)
-    b_rq3, b_rk3 = _row_vec(rq, r3, t_end, H), _row_vec(rk, r3, t_end, H)
-    aqk += i_h * 64
-    _store_aqk_block(aqk, a00, b_rq0, b_rk0, t0, 0, t_end, H, True)
-    _store_aqk_block(aqk, a10, b_rq1, b_rk0, r1, 0, t_end, H, False)
-    _store_aqk_block(aqk, a11, b_rq1, b_rk1, r1, 16, t_end, H, True)
-    _store_aqk_block(aqk, a20, b_rq2, b_rk0, r2, 0, t_end, H, False)
-    _store_aqk_block(aqk, a21, b_rq2, b_rk1, r2, 16, t_end, H, False)
-    _store_aqk_block(aqk, a22, b_rq2, b_rk2, r2, 32, t_end, H, True)
-    _store_aqk_block(aqk, a30, b_rq3, b_rk0, r3, 0, t_end, H, False)
-    _store_aqk_block(aqk, a31, b_rq3, b_rk1, r3, 16, t_end, H, False)
-    _store_aqk_block(aqk, a32, b_rq3, b_rk2, r3, 32, t_end, H, False)
-    _store_aqk_block(aqk, a33, b_rq3, b_rk3, r3, 48, t_end, H, True)
-    beta += i_h
-    b_row0 = _row_vec(beta, t0, t_end, stride_b) * b_rk0
-    b_row1 = _row_vec(beta, r1, t_end, stride_b) * b_rk1
-    b_row2 = _row_vec(beta, r2, t_end, stride_b) * b_rk2
-    b_row3 = _row_vec(beta, r3, t_end, stride_b) * b_rk3
-    v00, v01, v02, v03, v11, v12, v13, v22, v23, v33 = _upper_inverse_blocks(
-        _upper_block(u00, b_rk0, b_row0, True), _upper_block(u01, b_rk0, b_row1, False),
-        _upper_block(u02, b_rk0, b_row2, False), _upper_block(u03, b_rk0, b_row3, False),
-        _upper_block(u11, b_rk1, b_row1, True), _upper_block(u12, b_rk1, b_row2, False),
-        _upper_block(u13, b_rk1, b_row3, False), _upper_block(u22, b_rk2, b_row2, True),
-        _upper_block(u23, b_rk2, b_row3, False), _upper_block(u33, b_rk3, b_row3, True), SOLVE)
-    # T = V^T: block T_ij = (V_ji)^T at rows of sub-chunk i, columns of j
-    tinv += i_h * 64
-    _store_block(tinv, v00, t0, 0, t_end, H * 64, True)
-    _store_block(tinv, v01, r1, 0, t_end, H * 64, True)
-    _store_block(tinv, v11, r1, 16, t_end, H * 64, True)
-    _store_block(tinv, v02, r2, 0, t_end, H * 64, True)
-    _store_block(tinv, v12, r2, 16, t_end, H * 64, True)
-    _store_block(tinv, v22, r2, 32, t_end, H * 64, True)
-    _store_block(tinv, v03, r3, 0, t_end, H * 64, True)
-    _store_block(tinv, v13, r3, 16, t_end, H * 64, True)
-    _store_block(tinv, v23, r3, 32, t_end, H * 64, True)
-    _store_block(tinv, v33, r3, 48, t_end, H * 64, True)
 
 
 @jit
@@ -443,8 +232,8 @@ def staged_buffers(q: torch.Tensor, v: torch.Tensor, num_chunks: int,
     walk = PrefillBuffers(per_token(dk), per_token(dv), qg, per_token(dk), per_token(CHUNK),
                           torch.empty(num_chunks, heads, dk, dtype=torch.float32, device=dev))
     norms = torch.empty(2, num_tokens, heads, dtype=torch.float32, device=dev)
-    return StagedBuffers(per_token(dk, torch.float32), norms[0], norms[1], per_token(CHUNK, tinv_dt),
-                         walk)
+    return StagedBuffers(per_token(dk, torch.float32), norms[0], norms[1],
+                         per_token(CHUNK, tinv_dt), walk)
 
 
 def _chunk_meta(plan: KdaPlan) -> torch.Tensor:
@@ -466,7 +255,9 @@ def launch_intra(q, k, beta, buf: StagedBuffers, plan: KdaPlan, config: StagedCo
     kda_intra_kernel[(plan.num_chunks, heads)](
         q, k, buf.g2, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv, _chunk_meta(plan),
         q.stride(0), k.stride(0), beta.stride(0), H=heads, K=dk, BK=bk,
-        PREC=product_precision(q.dtype), SOLVE="ieee", num_warps=config.intra_warps)
+        PREC=product_precision(q.dtype),
+        SOLVE="ieee" if q.dtype == torch.float32 else config.solve_precision,
+        num_warps=config.intra_warps)
 
 
 def launch_wy(q, k, v, beta, buf: StagedBuffers, plan: KdaPlan, config: StagedConfig) -> None:
