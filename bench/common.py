@@ -21,6 +21,25 @@ def bench_ms(fn, warmup: int = 10, rep: int = 50) -> float:
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def event_ms(fn, reps: int = 5) -> float:
+    """Median ms of `fn` over `reps` event-timed calls after one warm-up call: for calls of
+    several ms that cannot be captured in a CUDA graph (host reads) and that do_bench's
+    time-based repetition would run only once."""
+    import statistics
+
+    fn()
+    times = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 L2_DEFEAT_BYTES = 512 << 20  # several times the H200's L2, so replays read HBM
 
 

@@ -1,5 +1,5 @@
 """KDA chunked prefill on the GPU: accuracy against the fp32 reference, time against fla's
-chunk_kda (default and safe-gate paths), and a sweep of prep-kernel launch configs.
+chunk_kda (default and safe-gate paths). bench/kda_sweep.py compares launch configurations.
 
 Called by bench/kernels.py (`--ops kda`); the tables it returns go to bench/RESULTS.md there.
 """
@@ -12,13 +12,6 @@ from bench.common import bench_ms, rel, table
 from bench.kernels import D, _fla, _kda_inputs
 from glmflash.kernels.kda import chunk_triton
 from glmflash.kernels.kda import triton_impl as ti
-
-# Prep-kernel configs the sweep tries besides the default (README.md, "Launch shapes").
-SWEEP_CONFIGS = (
-    ti.KdaConfig(prep_max_registers=168),  # three programs per SM instead of two
-    ti.KdaConfig(prep_warps=8),  # one program per SM
-    ti.KdaConfig(prep_warps=8, prep_key_block=32, prep_value_block=32),  # half the steps
-)
 
 
 def _prep_setup(n: int):
@@ -73,31 +66,6 @@ def _prefill_row(n: int, chunk_kda) -> list:
     safe_ms = bench_ms(lambda: safe(state.clone())) - clone_ms
     return row + [f"{default_ms:.3f} / {safe_ms:.3f}", f"{safe_ms / ms:.2f}",
                   f"{rel(out, o_fla[0]):.1e} / {rel(s_mine, s_fla):.1e}"]
-
-
-def sweep_kda(sizes: list[int]) -> None:
-    """Prep time of each config in SWEEP_CONFIGS against the default, and how far its buffers
-    are from the default's (a config that compiles wrongly shows there). Printed only."""
-    for n in sizes:
-        inputs, _, plan, buf = _prep_setup(n)
-        base_ms = _prep_ms(inputs, buf, plan, ti.DEFAULT_CONFIG)
-        prep = {f: v for f, v in vars(ti.DEFAULT_CONFIG).items() if f.startswith("prep_")}
-        print(f"sweep n={n} default {prep}: prep {base_ms:.3f} ms", flush=True)
-        other = chunk_triton.prefill_buffers(inputs[0], inputs[2], plan.num_chunks)
-        for config in SWEEP_CONFIGS:
-            chunk_triton.launch_prep(*inputs, other, plan, config)
-            diff = max(rel(a.float(), b.float()) for a, b in zip(other, buf, strict=True))
-            ms = _prep_ms(inputs, other, plan, config)
-            print(f"sweep n={n} {_changed(config)}: prep {ms:.3f} ms "
-                  f"({base_ms / ms:.2f}x the default's speed), buffers {diff:.1e} from the "
-                  f"default's", flush=True)
-        torch.cuda.empty_cache()
-
-
-def _changed(config: ti.KdaConfig) -> str:
-    fields = ti.KdaConfig.__dataclass_fields__
-    return ", ".join(f"{f}={getattr(config, f)}" for f in fields
-                     if getattr(config, f) != getattr(ti.DEFAULT_CONFIG, f))
 
 
 def check_kda_accuracy(sizes: list[int]) -> str:

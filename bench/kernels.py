@@ -280,7 +280,8 @@ def main() -> None:
              f"(bench/kernels.py; copy {copy_gbs:.0f} GB/s)",
              bench_indexer(INDEXER_SHAPES, copy_gbs))
     if "kda" in ops:
-        from bench.kda_prefill import bench_kda_prefill, check_kda_accuracy, sweep_kda
+        from bench.kda_prefill import bench_kda_prefill, check_kda_accuracy
+        from bench.kda_sweep import sweep_kda
 
         sizes = [4096, 32768] if args.quick else [4096, 32768, 131072]
         if args.kda_tokens:
@@ -288,7 +289,7 @@ def main() -> None:
         emit("KDA prefill: accuracy vs the fp32 reference (bench/kernels.py)",
              check_kda_accuracy([n for n in sizes if n <= 32768]))
         if args.sweep:
-            sweep_kda([min(sizes, key=lambda n: abs(n - 32768))])
+            sweep_kda([n for n in sizes if n >= 32768] or sizes)
         emit("KDA prefill, 64 heads x 128, bf16, one sequence (bench/kernels.py)",
              bench_kda_prefill(sizes))
     if "kda_decode" in ops:

@@ -1,11 +1,12 @@
 """Launch-shape sweeps of the decode-sized GPU kernels (prints only; pick defaults from these).
 
-    PYTHONPATH=. python bench/sweeps.py [--ops kda,mla,fp8,fp8row,fp8rules,moe]
+    PYTHONPATH=. python bench/sweeps.py [--ops kda,kda_prefill,mla,fp8,fp8row,fp8rules,moe]
 
 `moe`: fused MoE prefill at 8192 tokens, the sort and GEMM variants (bench/fused_moe.py);
 `fp8rules`: FP8 linear at 16 rows, the streaming grid and the per-shape rules over it.
 
-Every time is the median of CUDA-graph replays (bench/kernels.py `graph_ms`).
+Every time is the median of CUDA-graph replays (bench/kernels.py `graph_ms`); kda_prefill
+(bench/kda_sweep.py) times whole prefills by events, next to fla's.
 """
 
 from __future__ import annotations
@@ -168,11 +169,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", default="kda,mla,fp8")
     parser.add_argument("--no-w8a8", action="store_true", help="skip the M=2048 tiles")
+    parser.add_argument("--kda-tokens", default="32768,131072",
+                        help="kda_prefill lengths, comma-separated")
+    parser.add_argument("--kda-candidates", default=None,
+                        help="kda_prefill candidates (bench/kda_sweep.py CANDIDATES), "
+                        "comma-separated; default all")
     args = parser.parse_args()
     ops = args.ops.split(",")
     assert D == 128
     if "kda" in ops:
         sweep_kda_decode()
+    if "kda_prefill" in ops:
+        from bench.kda_sweep import sweep_kda
+
+        names = args.kda_candidates.split(",") if args.kda_candidates else None
+        sweep_kda([int(n) for n in args.kda_tokens.split(",")], names)
     if "mla" in ops:
         sweep_sparse_mla()
     if "fp8" in ops:

@@ -36,6 +36,8 @@ from glmflash.kernels.fused_moe import triton_w8a8 as moe_w8a8  # noqa: E402
 from glmflash.kernels.hyper import triton_impl as hyper  # noqa: E402
 from glmflash.kernels.indexer import topk_triton as indexer_topk  # noqa: E402
 from glmflash.kernels.indexer import triton_impl as indexer  # noqa: E402
+from glmflash.kernels.kda import chunk_intra as intra  # noqa: E402
+from glmflash.kernels.kda import chunk_stages as stages  # noqa: E402
 from glmflash.kernels.kda import chunk_triton as chunk  # noqa: E402
 from glmflash.kernels.kda import triton_impl as kda  # noqa: E402
 from glmflash.kernels.sparse_mla import combine_triton as mla_combine  # noqa: E402
@@ -151,11 +153,37 @@ def kda_launches(with_prep: bool) -> list[Launch]:
                           dict(H=64, K=128, V=128, BK=config.prep_key_block,
                                BV=config.prep_value_block, PREC="tf32",
                                SOLVE=config.prep_solve_precision), config.prep_warps))
+        out += kda_staged_launches()
     conv = {"x": "*bf16", "weight": "*fp32", "conv_state": "*bf16", "out": "*bf16",
             "meta": "*i32"}
     out.append(Launch("causal conv1d", kda.causal_conv1d_kernel, conv,
                       dict(HIST=3, HP=4, BT=config.conv_tokens, BC=128, WRITE_STATE=True), 4,
                       aligned=("C",)))
+    return out
+
+
+def kda_staged_launches() -> list[Launch]:
+    """The staged prefill's kernels (chunk_stages.py) at the shapes bench/kda_sweep.py tries."""
+    ptrs = dict.fromkeys(("q", "k", "v", "w", "u", "qg", "kd", "aqk", "beta", "o", "vn", "h"),
+                         "*bf16")
+    ptrs.update(g="*fp32", g2="*fp32", rq="*fp32", rk="*fp32", gl="*fp32", state="*fp32",
+                meta="*i32", tinv="*bf16")
+    shape = dict(H=64, K=128)
+    out = [Launch("kda staged gate", stages.kda_gate_kernel, ptrs, dict(shape, BK=128), 4)]
+    for warps, bk in ((1, 32), (2, 32), (4, 32), (4, 64)):
+        out.append(Launch(f"kda staged intra {warps}w BK{bk}", intra.kda_intra_kernel, ptrs,
+                          dict(shape, BK=bk, PREC="tf32", SOLVE="ieee"), warps))
+    for name, dot in (("bf16", tl.bfloat16), ("fp32", tl.float32)):
+        wy = dict(ptrs, tinv="*bf16" if name == "bf16" else "*fp32")
+        out.append(Launch(f"kda staged w/u T {name}", stages.kda_wy_kernel, wy,
+                          dict(shape, V=128, BK=64, BV=64, DOT=dot, PREC="tf32",
+                               STORE_QG=True), 4))
+    for bv, warps in ((64, 4), (32, 2)):
+        out.append(Launch(f"kda staged walk BV{bv} {warps}w", stages.kda_walk_h_kernel, ptrs,
+                          dict(shape, V=128, BK=128, BV=bv, PREC="tf32", DOT=tl.bfloat16),
+                          warps))
+    out.append(Launch("kda staged output", stages.kda_output_kernel, ptrs,
+                      dict(shape, V=128, BK=64, BV=64, PREC="tf32", DOT=tl.bfloat16), 4))
     return out
 
 

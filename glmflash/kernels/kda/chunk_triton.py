@@ -188,12 +188,27 @@ def _unit_upper_inverse(b_u, SOLVE: tl.constexpr):
 @jit
 def _upper_inverse(b_u0, b_u1, b_u2, b_u3, SOLVE: tl.constexpr):
     """V = (I + U)^-1 `[64, 64]` for strictly upper-triangular U given as four row strips
-    `[16, 64]`: the diagonal blocks' inverses, then block back substitution along the rows,
-    V_ji = -(sum_{j <= m < i} V_jm U_mi) V_ii."""
+    `[16, 64]` (`_upper_inverse_blocks`, stacked)."""
     b_u00, b_u01, b_u02, b_u03 = _unstack_cols(b_u0)
     _, b_u11, b_u12, b_u13 = _unstack_cols(b_u1)
     _, _, b_u22, b_u23 = _unstack_cols(b_u2)
     _, _, _, b_u33 = _unstack_cols(b_u3)
+    b_v00, b_v01, b_v02, b_v03, b_v11, b_v12, b_v13, b_v22, b_v23, b_v33 = \
+        _upper_inverse_blocks(b_u00, b_u01, b_u02, b_u03, b_u11, b_u12, b_u13, b_u22, b_u23,
+                              b_u33, SOLVE)
+    b_z = tl.zeros([16, 16], dtype=tl.float32)
+    return _stack_rows(_stack_cols(b_v00, b_v01, b_v02, b_v03),
+                       _stack_cols(b_z, b_v11, b_v12, b_v13),
+                       _stack_cols(b_z, b_z, b_v22, b_v23),
+                       _stack_cols(b_z, b_z, b_z, b_v33))
+
+
+@jit
+def _upper_inverse_blocks(b_u00, b_u01, b_u02, b_u03, b_u11, b_u12, b_u13, b_u22, b_u23, b_u33,
+                          SOLVE: tl.constexpr):
+    """The 16x16 blocks V_ji (j <= i) of V = (I + U)^-1 for strictly upper-triangular U given
+    by its blocks U_ji: the diagonal blocks' inverses, then block back substitution along the
+    rows, V_ji = -(sum_{j <= m < i} V_jm U_mi) V_ii."""
     b_v00 = _unit_upper_inverse(b_u00, SOLVE)
     b_v11 = _unit_upper_inverse(b_u11, SOLVE)
     b_v22 = _unit_upper_inverse(b_u22, SOLVE)
@@ -214,11 +229,7 @@ def _upper_inverse(b_u0, b_u1, b_u2, b_u3, SOLVE: tl.constexpr):
     b_x = tl.dot(b_v01, b_u13, b_x, input_precision=SOLVE)
     b_x = tl.dot(b_v02, b_u23, b_x, input_precision=SOLVE)
     b_v03 = -tl.dot(b_x, b_v33, input_precision=SOLVE)
-    b_z = tl.zeros([16, 16], dtype=tl.float32)
-    return _stack_rows(_stack_cols(b_v00, b_v01, b_v02, b_v03),
-                       _stack_cols(b_z, b_v11, b_v12, b_v13),
-                       _stack_cols(b_z, b_z, b_v22, b_v23),
-                       _stack_cols(b_z, b_z, b_z, b_v33))
+    return b_v00, b_v01, b_v02, b_v03, b_v11, b_v12, b_v13, b_v22, b_v23, b_v33
 
 
 @jit

@@ -13,7 +13,8 @@ from typing import NamedTuple
 
 import torch
 
-from glmflash.kernels.kda import chunk_triton
+from glmflash.kernels.kda import chunk_stages, chunk_triton
+from glmflash.kernels.kda.chunk_stages import StagedConfig
 from glmflash.kernels.kda.chunk_triton import CHUNK
 from glmflash.utils.device import upload
 
@@ -45,6 +46,9 @@ class KdaConfig:
     prep_solve_precision: str = "ieee"
     """`input_precision` of the 16x16 products of the prep kernel's inverse for 16-bit models
     (fp32 models always take "ieee")."""
+    staged: StagedConfig | None = None
+    """The prefill in fla's stages (chunk_stages.py) with these shapes; None: the fused prep
+    kernel (chunk_triton.py, the prep_* fields)."""
     state_value_block: int = 64
     """Value columns per program of the state walk."""
     state_warps: int = 4
@@ -144,7 +148,8 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     if plan.num_decode:
         _launch_decode(q, k, v, g, beta, state, out, plan.meta, plan.num_decode, config)
     if plan.num_prefill:
-        chunk_triton.prefill(q, k, v, g, beta, state, out, plan, config)
+        form = chunk_triton if config.staged is None else chunk_stages
+        form.prefill(q, k, v, g, beta, state, out, plan, config)
     return out
 
 

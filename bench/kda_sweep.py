@@ -1,0 +1,163 @@
+"""KDA chunked prefill candidates side by side on the GPU: per-stage and total times at each
+length against fla's chunk_kda (safe-gate path), and each candidate's error against the fp32
+reference (lengths up to `REF_MAX_TOKENS`) or against fla (longer ones). Prints only.
+
+    PYTHONPATH=. python bench/sweeps.py --ops kda_prefill [--kda-tokens 32768,131072]
+
+The candidates' kernels are compiled first in one subprocess each, in parallel (Triton's disk
+cache hands them to this process). Stage times are CUDA-graph replay medians of each kernel
+alone on buffers the previous stages filled; totals are event-timed whole `kda` calls, as
+fla's (whose launcher reads the host).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from bench.common import event_ms, graph_ms, rel
+from bench.kernels import _fla, _kda_inputs
+from glmflash.kernels.kda import chunk_stages as cs
+from glmflash.kernels.kda import chunk_triton
+from glmflash.kernels.kda import triton_impl as ti
+
+REF_MAX_TOKENS = 32768
+_STAGED = cs.StagedConfig()
+CANDIDATES = {
+    "fused": ti.DEFAULT_CONFIG,
+    "fused prep w8 k32": ti.KdaConfig(prep_warps=8, prep_key_block=32, prep_value_block=32),
+    "staged": ti.KdaConfig(staged=_STAGED),
+    "staged intra w2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, intra_warps=2)),
+    "staged intra k64": ti.KdaConfig(staged=dataclasses.replace(_STAGED, intra_key_block=64)),
+    "staged solve tf32": ti.KdaConfig(staged=dataclasses.replace(
+        _STAGED, solve_precision="tf32")),
+    "staged T fp32": ti.KdaConfig(staged=dataclasses.replace(_STAGED, inverse_bf16=False)),
+    "staged walk v32": ti.KdaConfig(staged=_STAGED, state_value_block=32),
+    "split": ti.KdaConfig(staged=dataclasses.replace(_STAGED, split_output=True)),
+    "split walk v32 w2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, split_output=True),
+                                      state_value_block=32, state_warps=2),
+}
+
+
+def _stages(inputs, state, plan, config: ti.KdaConfig) -> dict:
+    """Each stage of `config`'s prefill as a call on buffers of its own, in order."""
+    q, k, v, g, beta = inputs
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
+    if config.staged is None:
+        buf = chunk_triton.prefill_buffers(q, v, plan.num_chunks)
+        return {"prep": lambda: chunk_triton.launch_prep(*inputs, buf, plan, config),
+                "walk+out": lambda: chunk_triton.launch_state(state, out, buf, plan, config)}
+    s = config.staged
+    sb = cs.staged_buffers(q, v, plan.num_chunks, s)
+    fns = {"gate": lambda: cs.launch_gate(q, k, g, sb, plan, s),
+           "intra": lambda: cs.launch_intra(q, k, beta, sb, plan, s),
+           "w/u": lambda: cs.launch_wy(q, k, v, beta, sb, plan, s)}
+    if not s.split_output:
+        fns["walk+out"] = lambda: chunk_triton.launch_state(state, out, sb.walk, plan, config)
+        return fns
+    h, vn = cs.split_buffers(q, v, plan.num_chunks)
+    fns["walk"] = lambda: cs.launch_walk_h(state, sb, h, vn, plan, config)
+    fns["out"] = lambda: cs.launch_output(q, out, sb, h, vn, plan, s)
+    return fns
+
+
+def _stage_times(inputs, state, plan, config: ti.KdaConfig) -> dict[str, float]:
+    fns = _stages(inputs, state.clone(), plan, config)
+    for fn in fns.values():
+        fn()
+    return {name: graph_ms(fn, rep=10) for name, fn in fns.items()}
+
+
+def _errors(inputs, state, n: int, config: ti.KdaConfig, want) -> str:
+    """rel err of (o, state) against `want` (the fp32 reference's, or fla's)."""
+    s_got = state.clone()
+    got = ti.kda(*inputs, s_got, [0, n], [0], [False], config=config)
+    return f"{rel(got.float(), want[0].float()):.1e} / {rel(s_got, want[1]):.1e}"
+
+
+def _reference(inputs, state, n: int, chunk_kda):
+    """(label, (o, state)) to measure errors against: the fp32 reference up to REF_MAX_TOKENS,
+    else fla's safe-gate output (None without fla)."""
+    if n <= REF_MAX_TOKENS:
+        from glmflash.kernels.kda import kda_ref
+
+        s_ref = state.clone()
+        return "fp32 ref", (kda_ref(*inputs, s_ref, [0, n], [0], [False]), s_ref)
+    if chunk_kda is None:
+        return "none", None
+    from bench.kda_prefill import _fla_runner
+
+    o_fla, s_fla = _fla_runner(chunk_kda, inputs, n, True)(state.clone())
+    return "fla safe gate", (o_fla[0], s_fla)
+
+
+def warm(name: str) -> None:
+    """Compiles candidate `name`'s kernels (a short prefill at the release head shape)."""
+    q, k, v, g, beta, state = _kda_inputs(300)
+    ti.kda(q, k, v, g, beta, state, [0, 300], [0], [False], config=CANDIDATES[name])
+    torch.cuda.synchronize()
+
+
+def _compile_in_parallel(names: list[str]) -> list[subprocess.Popen]:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return [subprocess.Popen([sys.executable, "-c",
+                              f"from bench.kda_sweep import warm; warm({name!r})"], env=env)
+            for name in names]
+
+
+def sweep_kda(sizes: list[int], names: list[str] | None = None) -> None:
+    """Per length: fla's time and error, then every candidate's stage times, total, speed
+    relative to fla (goal >= 1) and error."""
+    names = names or list(CANDIDATES)
+    start = time.time()
+    procs = _compile_in_parallel(names)
+    chunk_kda, _ = _fla()
+    if chunk_kda is not None:  # fla autotunes on its first call, meanwhile
+        from bench.kda_prefill import _fla_runner
+
+        inputs = _kda_inputs(4096)
+        _fla_runner(chunk_kda, inputs[:5], 4096, True)(inputs[5].clone())
+        del inputs
+    failed = [n for n, p in zip(names, procs, strict=True) if p.wait() != 0]
+    print(f"kda compiled in {time.time() - start:.0f} s; failed: {failed or 'none'}", flush=True)
+    names = [n for n in names if n not in failed]
+    for n in sizes:
+        _sweep_size(n, chunk_kda, names)
+
+
+def _sweep_size(n: int, chunk_kda, names: list[str]) -> None:
+    from bench.kda_prefill import _fla_runner
+
+    q, k, v, g, beta, state = _kda_inputs(n)
+    inputs = (q, k, v, g, beta)
+    plan = ti._plan((0, n), (0,), (False,), q.device)
+    label, want = _reference(inputs, state, n, chunk_kda)
+    fla_ms = None
+    if chunk_kda is not None:
+        run = _fla_runner(chunk_kda, inputs, n, True)
+        s0 = state.clone()
+        fla_ms = event_ms(lambda: run(s0))
+        fla_err = "-" if label != "fp32 ref" else (
+            f"{rel(run(state.clone())[0][0].float(), want[0].float()):.1e}")
+        print(f"kda n={n} fla chunk_kda safe gate: {fla_ms:.3f} ms, err o vs {label} {fla_err}",
+              flush=True)
+    for name in names:
+        config = CANDIDATES[name]
+        stages = _stage_times(inputs, state, plan, config)
+        s0 = state.clone()
+        total = event_ms(lambda c=config, s=s0: ti.kda(*inputs, s, [0, n], [0], [False],
+                                                       config=c))
+        speed = f"{fla_ms / total:.2f}" if fla_ms else "n/a"
+        err = _errors(inputs, state, n, config, want) if want is not None else "n/a"
+        parts = " ".join(f"{s} {ms:.3f}" for s, ms in stages.items())
+        print(f"kda n={n} {name}: total {total:.3f} ms (fla/ours {speed}) | {parts} | "
+              f"err o / state vs {label} {err}", flush=True)
+        torch.cuda.empty_cache()
+    del q, k, v, g, beta, state, want
+    torch.cuda.empty_cache()

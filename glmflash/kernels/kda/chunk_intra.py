@@ -1,0 +1,269 @@
+"""The intra-chunk stage of the staged KDA prefill (chunk_stages.py; README.md, "The staged
+form"): per (64-token chunk, head), Aqk and T = (I + diag(beta) Akk)^-1 from 16x16 blocks, one
+row of sub-chunks at a time, so that only that row's products and the inverse's earlier rows
+are held in registers.
+"""
+
+from __future__ import annotations
+
+try:
+    import triton.language as tl
+except ImportError:  # the package must import without triton; the launchers need it
+    tl = None
+
+from glmflash.kernels.kda.chunk_triton import SAFE_SPAN, _load_rows, _unit_upper_inverse
+from glmflash.kernels.triton_utils import jit
+
+
+@jit
+def _g_row(g2, r, t_end, c0, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """Row r of the cumulative decay (channels c0..c0 + BK), r clamped to the last row."""
+    o_k = c0 + tl.arange(0, BK)
+    r = tl.minimum(r, t_end - 1).to(tl.int64)
+    return tl.load(g2 + r * (H * K) + o_k, mask=o_k < K, other=0.0)
+
+
+@jit
+def _row_vec(x, r0, t_end, stride):
+    """x[r0:r0 + 16] of a per-(token, head) vector already offset to the head, 0 past t_end."""
+    o_t = r0 + tl.arange(0, 16)
+    return tl.load(x + o_t.to(tl.int64) * stride, mask=o_t < t_end, other=0.0).to(tl.float32)
+
+
+@jit
+def _rows(q, k, g2, r0, t_end, stride_q, stride_k, c0, H: tl.constexpr, K: tl.constexpr,
+          BK: tl.constexpr):
+    """q, k and the cumulative decay G `[16, BK]` of the rows r0.., and G's first and last row
+    (the decay across the sub-chunk is first - last)."""
+    b_q = _load_rows(q, r0, t_end, stride_q, c0, K, BK, 16)
+    b_k = _load_rows(k, r0, t_end, stride_k, c0, K, BK, 16)
+    b_g = _load_rows(g2, r0, t_end, H * K, c0, K, BK, 16)
+    return (b_q, b_k, b_g, _g_row(g2, r0, t_end, c0, H, K, BK),
+            _g_row(g2, r0 + 15, t_end, c0, H, K, BK))
+
+
+@jit
+def _diag_products(b_aq, b_akk, b_q, b_k, b_g, b_first, b_last, m_r, PREC: tl.constexpr):
+    """Adds one channel block's share of a sub-chunk's diagonal blocks of Aqk and Akk. Each
+    channel is anchored at its middle decay across the sub-chunk, so both factors stay within
+    2^(span / 2); channels steeper than SAFE_SPAN are left to `_steep_diag`."""
+    b_mid = 0.5 * (b_first + b_last)
+    m = m_r[:, None] & (b_first - b_last <= SAFE_SPAN)[None, :]
+    b_up = tl.where(m, tl.exp2(b_g - b_mid[None, :]), 0.0)
+    b_kt = tl.trans(b_k * tl.where(m, tl.exp2(b_mid[None, :] - b_g), 0.0))
+    b_aq = tl.dot(b_q * b_up, b_kt, b_aq, input_precision=PREC)
+    b_akk = tl.dot(b_k * b_up, b_kt, b_akk, input_precision=PREC)
+    return b_aq, b_akk
+
+
+@jit
+def _off_products(b_aq, b_akk, b_qa, b_ka, b_gn, k, g2, r0, t_end, stride_k, c0,
+                  H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """Adds one channel block's share of the blocks (rows of sub-chunk i, keys r0.. of an
+    earlier one) of Aqk and Akk: b_qa, b_ka are i's rows times exp2(G - gn), gn the decay at
+    i's first row; the keys take exp2(gn - G). Both factors are <= 1 for any gate."""
+    b_k = _load_rows(k, r0, t_end, stride_k, c0, K, BK, 16)
+    b_g = _load_rows(g2, r0, t_end, H * K, c0, K, BK, 16)
+    m_r = r0 + tl.arange(0, 16) < t_end
+    b_kt = tl.trans(b_k * tl.where(m_r[:, None], tl.exp2(b_gn[None, :] - b_g), 0.0))
+    b_aq = tl.dot(b_qa, b_kt, b_aq, input_precision=PREC)
+    b_akk = tl.dot(b_ka, b_kt, b_akk, input_precision=PREC)
+    return b_aq, b_akk
+
+
+@jit
+def _row_factors(b_q, b_k, b_g, b_first, r0, t_end):
+    """A sub-chunk's q and k times exp2(G - G_first) (<= 1), zero past t_end."""
+    m_r = r0 + tl.arange(0, 16) < t_end
+    b_x = tl.where(m_r[:, None], tl.exp2(b_g - b_first[None, :]), 0.0)
+    return b_q * b_x, b_k * b_x
+
+
+@jit
+def _steep_diag(b_aq, b_akk, b_span, q, k, g2, r0, t_end, stride_q, stride_k,
+                H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """Adds the steep channels' (span > SAFE_SPAN) share of a sub-chunk's diagonal blocks with
+    exact decays exp2(G_t - G_s), one key at a time, when b_span says there are any."""
+    if b_span > SAFE_SPAN:
+        o_i = tl.arange(0, 16)
+        m_r = r0 + o_i < t_end
+        for i_k in range(tl.cdiv(K, BK)):
+            c0 = i_k * BK
+            o_k = c0 + tl.arange(0, BK)
+            b_q, b_k, b_g, b_first, b_last = _rows(q, k, g2, r0, t_end, stride_q, stride_k, c0,
+                                                   H, K, BK)
+            b_steep = b_first - b_last > SAFE_SPAN
+            for c in range(16):
+                m_c = (o_k < K) & (o_k * 0 + r0 + c < t_end)
+                b_kc = tl.load(k + (r0 + c).to(tl.int64) * stride_k + o_k, mask=m_c, other=0.0)
+                b_gc = tl.load(g2 + (r0 + c).to(tl.int64) * (H * K) + o_k, mask=m_c, other=0.0)
+                m = (m_r & (o_i >= c))[:, None] & b_steep[None, :]
+                b_d = tl.exp2(tl.where(m, b_g - b_gc[None, :], float("-inf")))
+                b_d = b_d * b_kc.to(tl.float32)[None, :]
+                m_col = o_i[None, :] == c
+                b_aq = tl.where(m_col, b_aq + tl.sum(b_q * b_d, 1)[:, None], b_aq)
+                b_akk = tl.where(m_col, b_akk + tl.sum(b_k * b_d, 1)[:, None], b_akk)
+    return b_aq, b_akk
+
+
+@jit
+def _store_block(ptr, b_x, r0, col0, t_end, stride):
+    """Stores a 16x16 block at rows r0.., columns col0.., rows past t_end left alone."""
+    o_a = tl.arange(0, 16)
+    rows = r0 + o_a[:, None]
+    tl.store(ptr + rows.to(tl.int64) * stride + col0 + o_a[None, :],
+             b_x.to(ptr.dtype.element_ty), mask=rows < t_end)
+
+
+@jit
+def _store_aqk(aqk, b_a, b_rq, b_rk, r0, col0, t_end, H: tl.constexpr, DIAG: tl.constexpr):
+    """A block of Aqk, normalised (and scaled: b_rq holds the scale), causal on the diagonal."""
+    b_a = b_a * b_rq[:, None] * b_rk[None, :]
+    if DIAG:
+        o_i = tl.arange(0, 16)
+        b_a = tl.where(o_i[:, None] >= o_i[None, :], b_a, 0.0)
+    _store_block(aqk, b_a, r0, col0, t_end, H * 64)
+
+
+@jit
+def _l_block(b_akk, b_row, b_rk, DIAG: tl.constexpr):
+    """A block of L = diag(beta) Akk (normalised keys; b_row = beta / |k| of the rows),
+    strictly lower on the diagonal."""
+    b_l = b_akk * b_row[:, None] * b_rk[None, :]
+    if DIAG:
+        o_i = tl.arange(0, 16)
+        b_l = tl.where(o_i[:, None] > o_i[None, :], b_l, 0.0)
+    return b_l
+
+
+@jit
+def _diag_inverse(b_akk, b_row, b_rk, SOLVE: tl.constexpr):
+    """(I + L_ii)^-1 of a diagonal block, through the upper-triangular recursive inverse."""
+    b_u = tl.trans(_l_block(b_akk, b_row, b_rk, True))
+    return tl.trans(_unit_upper_inverse(b_u, SOLVE))
+
+
+@jit
+def kda_intra_kernel(q, k, g2, rq, rk, beta, aqk, tinv, meta, stride_q, stride_k, stride_b,
+                     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                     SOLVE: tl.constexpr):
+    """One (chunk, head): Aqk (scaled, normalised, causal) and T = (I + L)^-1, L = diag(beta)
+    Akk strictly lower, by rows of 16x16 blocks: row i's products (diagonal block anchored at
+    the middle decay, the blocks left of it at i's first row), then T's row i by block forward
+    substitution, T_ij = -T_ii sum_{j <= m < i} L_im T_mj."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0 = tl.load(meta + i_c * 3)
+    t_end = tl.load(meta + i_c * 3 + 1)
+    q += i_h * K
+    k += i_h * K
+    g2 += i_h * K
+    aqk += i_h * 64
+    tinv += i_h * 64
+    rq += i_h
+    rk += i_h
+    beta += i_h
+    r1, r2, r3 = t0 + 16, t0 + 32, t0 + 48
+    b_rk0, b_rk1 = _row_vec(rk, t0, t_end, H), _row_vec(rk, r1, t_end, H)
+    b_rk2, b_rk3 = _row_vec(rk, r2, t_end, H), _row_vec(rk, r3, t_end, H)
+    z = tl.zeros([16, 16], dtype=tl.float32)
+    m0 = t0 + tl.arange(0, 16) < t_end
+
+    # row 0
+    a00, k00, b_span = z, z, 0.0
+    for i_k in range(tl.cdiv(K, BK)):
+        c0 = i_k * BK
+        b_q, b_k, b_g, b_f, b_l = _rows(q, k, g2, t0, t_end, stride_q, stride_k, c0, H, K, BK)
+        a00, k00 = _diag_products(a00, k00, b_q, b_k, b_g, b_f, b_l, m0, PREC)
+        b_span = tl.maximum(b_span, tl.max(b_f - b_l, 0))
+    a00, k00 = _steep_diag(a00, k00, b_span, q, k, g2, t0, t_end, stride_q, stride_k, H, K, BK)
+    b_rq = _row_vec(rq, t0, t_end, H)
+    _store_aqk(aqk, a00, b_rq, b_rk0, t0, 0, t_end, H, True)
+    b_row = _row_vec(beta, t0, t_end, stride_b) * b_rk0
+    t00 = _diag_inverse(k00, b_row, b_rk0, SOLVE)
+    _store_block(tinv, t00, t0, 0, t_end, H * 64)
+
+    # row 1
+    m1 = r1 + tl.arange(0, 16) < t_end
+    a11, k11, a10, k10, b_span = z, z, z, z, 0.0
+    for i_k in range(tl.cdiv(K, BK)):
+        c0 = i_k * BK
+        b_q, b_k, b_g, b_f, b_l = _rows(q, k, g2, r1, t_end, stride_q, stride_k, c0, H, K, BK)
+        a11, k11 = _diag_products(a11, k11, b_q, b_k, b_g, b_f, b_l, m1, PREC)
+        b_span = tl.maximum(b_span, tl.max(b_f - b_l, 0))
+        b_qa, b_ka = _row_factors(b_q, b_k, b_g, b_f, r1, t_end)
+        a10, k10 = _off_products(a10, k10, b_qa, b_ka, b_f, k, g2, t0, t_end, stride_k, c0, H,
+                                 K, BK, PREC)
+    a11, k11 = _steep_diag(a11, k11, b_span, q, k, g2, r1, t_end, stride_q, stride_k, H, K, BK)
+    b_rq = _row_vec(rq, r1, t_end, H)
+    _store_aqk(aqk, a10, b_rq, b_rk0, r1, 0, t_end, H, False)
+    _store_aqk(aqk, a11, b_rq, b_rk1, r1, 16, t_end, H, True)
+    b_row = _row_vec(beta, r1, t_end, stride_b) * b_rk1
+    t11 = _diag_inverse(k11, b_row, b_rk1, SOLVE)
+    l10 = _l_block(k10, b_row, b_rk0, False)
+    t10 = -tl.dot(t11, tl.dot(l10, t00, input_precision=SOLVE), input_precision=SOLVE)
+    _store_block(tinv, t10, r1, 0, t_end, H * 64)
+    _store_block(tinv, t11, r1, 16, t_end, H * 64)
+
+    # row 2
+    m2 = r2 + tl.arange(0, 16) < t_end
+    a22, k22, a20, k20, a21, k21, b_span = z, z, z, z, z, z, 0.0
+    for i_k in range(tl.cdiv(K, BK)):
+        c0 = i_k * BK
+        b_q, b_k, b_g, b_f, b_l = _rows(q, k, g2, r2, t_end, stride_q, stride_k, c0, H, K, BK)
+        a22, k22 = _diag_products(a22, k22, b_q, b_k, b_g, b_f, b_l, m2, PREC)
+        b_span = tl.maximum(b_span, tl.max(b_f - b_l, 0))
+        b_qa, b_ka = _row_factors(b_q, b_k, b_g, b_f, r2, t_end)
+        a20, k20 = _off_products(a20, k20, b_qa, b_ka, b_f, k, g2, t0, t_end, stride_k, c0, H,
+                                 K, BK, PREC)
+        a21, k21 = _off_products(a21, k21, b_qa, b_ka, b_f, k, g2, r1, t_end, stride_k, c0, H,
+                                 K, BK, PREC)
+    a22, k22 = _steep_diag(a22, k22, b_span, q, k, g2, r2, t_end, stride_q, stride_k, H, K, BK)
+    b_rq = _row_vec(rq, r2, t_end, H)
+    _store_aqk(aqk, a20, b_rq, b_rk0, r2, 0, t_end, H, False)
+    _store_aqk(aqk, a21, b_rq, b_rk1, r2, 16, t_end, H, False)
+    _store_aqk(aqk, a22, b_rq, b_rk2, r2, 32, t_end, H, True)
+    b_row = _row_vec(beta, r2, t_end, stride_b) * b_rk2
+    t22 = _diag_inverse(k22, b_row, b_rk2, SOLVE)
+    l20 = _l_block(k20, b_row, b_rk0, False)
+    l21 = _l_block(k21, b_row, b_rk1, False)
+    b_x = tl.dot(l21, t10, tl.dot(l20, t00, input_precision=SOLVE), input_precision=SOLVE)
+    t20 = -tl.dot(t22, b_x, input_precision=SOLVE)
+    t21 = -tl.dot(t22, tl.dot(l21, t11, input_precision=SOLVE), input_precision=SOLVE)
+    _store_block(tinv, t20, r2, 0, t_end, H * 64)
+    _store_block(tinv, t21, r2, 16, t_end, H * 64)
+    _store_block(tinv, t22, r2, 32, t_end, H * 64)
+
+    # row 3
+    m3 = r3 + tl.arange(0, 16) < t_end
+    a33, k33, a30, k30, a31, k31, a32, k32, b_span = z, z, z, z, z, z, z, z, 0.0
+    for i_k in range(tl.cdiv(K, BK)):
+        c0 = i_k * BK
+        b_q, b_k, b_g, b_f, b_l = _rows(q, k, g2, r3, t_end, stride_q, stride_k, c0, H, K, BK)
+        a33, k33 = _diag_products(a33, k33, b_q, b_k, b_g, b_f, b_l, m3, PREC)
+        b_span = tl.maximum(b_span, tl.max(b_f - b_l, 0))
+        b_qa, b_ka = _row_factors(b_q, b_k, b_g, b_f, r3, t_end)
+        a30, k30 = _off_products(a30, k30, b_qa, b_ka, b_f, k, g2, t0, t_end, stride_k, c0, H,
+                                 K, BK, PREC)
+        a31, k31 = _off_products(a31, k31, b_qa, b_ka, b_f, k, g2, r1, t_end, stride_k, c0, H,
+                                 K, BK, PREC)
+        a32, k32 = _off_products(a32, k32, b_qa, b_ka, b_f, k, g2, r2, t_end, stride_k, c0, H,
+                                 K, BK, PREC)
+    a33, k33 = _steep_diag(a33, k33, b_span, q, k, g2, r3, t_end, stride_q, stride_k, H, K, BK)
+    b_rq = _row_vec(rq, r3, t_end, H)
+    _store_aqk(aqk, a30, b_rq, b_rk0, r3, 0, t_end, H, False)
+    _store_aqk(aqk, a31, b_rq, b_rk1, r3, 16, t_end, H, False)
+    _store_aqk(aqk, a32, b_rq, b_rk2, r3, 32, t_end, H, False)
+    _store_aqk(aqk, a33, b_rq, b_rk3, r3, 48, t_end, H, True)
+    b_row = _row_vec(beta, r3, t_end, stride_b) * b_rk3
+    t33 = _diag_inverse(k33, b_row, b_rk3, SOLVE)
+    l30 = _l_block(k30, b_row, b_rk0, False)
+    l31 = _l_block(k31, b_row, b_rk1, False)
+    l32 = _l_block(k32, b_row, b_rk2, False)
+    b_x = tl.dot(l31, t10, tl.dot(l30, t00, input_precision=SOLVE), input_precision=SOLVE)
+    b_x = tl.dot(l32, t20, b_x, input_precision=SOLVE)
+    _store_block(tinv, -tl.dot(t33, b_x, input_precision=SOLVE), r3, 0, t_end, H * 64)
+    b_x = tl.dot(l32, t21, tl.dot(l31, t11, input_precision=SOLVE), input_precision=SOLVE)
+    _store_block(tinv, -tl.dot(t33, b_x, input_precision=SOLVE), r3, 16, t_end, H * 64)
+    b_x = tl.dot(l32, t22, input_precision=SOLVE)
+    _store_block(tinv, -tl.dot(t33, b_x, input_precision=SOLVE), r3, 32, t_end, H * 64)
+    _store_block(tinv, t33, r3, 48, t_end, H * 64)

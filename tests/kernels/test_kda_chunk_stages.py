@@ -1,0 +1,129 @@
+"""The staged KDA prefill (chunk_stages.py, chunk_intra.py) against kda/ref.py, with the
+output fused into the state walk and split off.
+
+Without CUDA the kernels run under TRITON_INTERPRET=1 on one or two small heads; with CUDA the
+`gpu` tests add the release shape (64 heads x 128, bf16) and fla's chunk_kda where installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from glmflash.kernels.kda.chunk_stages import StagedConfig  # noqa: E402
+from glmflash.kernels.kda.triton_impl import KdaConfig  # noqa: E402
+from tests.kernels.kda_cases import kda_inputs, rel_err, run_kda  # noqa: E402
+from tests.kernels.test_kda_chunk_triton import (  # noqa: E402
+    BF16_REL,
+    PREFILL_CASES,
+    _assert_fp32_close,
+)
+
+# 16 channels a step, so that dim 16 runs one step and dim 24 two (the second masked).
+SMALL = StagedConfig(intra_key_block=16, wy_block=16, out_value_block=16)
+FORMS = {"walk_output": KdaConfig(staged=SMALL),
+         "split_output": KdaConfig(staged=dataclasses.replace(SMALL, split_output=True))}
+
+
+@pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
+@pytest.mark.parametrize("lens", [PREFILL_CASES[c] for c in ("len17", "three_chunks_varlen",
+                                                             "mixed_empty", "all_empty")],
+                         ids=["len17", "three_chunks_varlen", "mixed_empty", "all_empty"])
+def test_staged_fp32_matches_ref(lens, form, nan_empty):
+    _assert_fp32_close(*run_kda(lens, heads=1, dim=16, dtype=torch.float32, config=form))
+
+
+@pytest.mark.parametrize("lens", [[1, 15, 16, 63, 64, 65]], ids=["odd_lengths"])
+def test_staged_odd_lengths(lens, nan_empty):
+    _assert_fp32_close(*run_kda(lens, heads=1, dim=16, dtype=torch.float32,
+                                config=FORMS["split_output"]))
+
+
+def test_staged_several_channel_blocks(nan_empty):
+    # 24 channels in blocks of 16: two steps over the channels, the second one masked
+    _assert_fp32_close(*run_kda([70, 1, 33], heads=2, dim=24, dtype=torch.float32,
+                                config=FORMS["walk_output"]))
+
+
+@pytest.mark.parametrize("decay", [0.02, 2.0, 4.0],
+                         ids=["weak", "some_channels_steep", "all_steep"])
+def test_staged_decays(decay, nan_empty):
+    # weak: far keys still interact, so every block of the inverse counts; steep: channels
+    # whose decay across a sub-chunk exceeds SAFE_SPAN take the exact diagonal form
+    _assert_fp32_close(*run_kda([40, 1, 70], heads=1, dim=16, dtype=torch.float32,
+                                decay=decay, config=FORMS["walk_output"]))
+
+
+def test_staged_bf16_inputs(nan_empty):
+    got, want, s_got, s_ref = run_kda([70, 1, 9], heads=1, dim=32, dtype=torch.bfloat16,
+                                      config=FORMS["split_output"])
+    assert got.dtype == torch.bfloat16
+    assert rel_err(got, want) < BF16_REL
+    assert rel_err(s_got, s_ref) < BF16_REL
+
+
+# Release launch shapes (bench/kda_sweep.py's candidates).
+GPU_FORMS = {"staged": KdaConfig(staged=StagedConfig()),
+             "staged_solve_tf32": KdaConfig(staged=StagedConfig(solve_precision="tf32")),
+             "staged_t_fp32": KdaConfig(staged=StagedConfig(inverse_bf16=False)),
+             "split": KdaConfig(staged=StagedConfig(split_output=True)),
+             "split_v32": KdaConfig(staged=StagedConfig(split_output=True),
+                                    state_value_block=32, state_warps=2)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", GPU_FORMS.values(), ids=GPU_FORMS.keys())
+@pytest.mark.parametrize("lens", [[4096], [1, 15, 16, 17, 63, 64, 65, 0, 129, 1000]],
+                         ids=["prefill4k", "odd_lengths"])
+def test_staged_release_shape_gpu(lens, form, nan_empty):
+    got, want, s_got, s_ref = run_kda(lens, heads=64, dim=128, dtype=torch.bfloat16,
+                                      config=form)
+    assert rel_err(got, want) < BF16_REL
+    assert rel_err(s_got, s_ref) < BF16_REL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", [GPU_FORMS["staged"], GPU_FORMS["split"]],
+                         ids=["staged", "split"])
+def test_staged_release_shape_fp32_gpu(form):
+    got, want, s_got, s_ref = run_kda([300, 1, 77], heads=64, dim=128, dtype=torch.float32,
+                                      config=form)
+    assert rel_err(got, want) < 1e-5
+    assert rel_err(s_got, s_ref) < 1e-5
+
+
+@pytest.mark.gpu
+def test_staged_steep_decay_gpu():
+    got, want, s_got, s_ref = run_kda([200, 1, 70], heads=64, dim=128, dtype=torch.bfloat16,
+                                      decay=2.0, config=GPU_FORMS["staged"])
+    assert rel_err(got, want) < BF16_REL
+    assert rel_err(s_got, s_ref) < BF16_REL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", [GPU_FORMS["staged"], GPU_FORMS["split"]],
+                         ids=["staged", "split"])
+def test_staged_matches_fla_gpu(form):
+    """Against fla's chunk_kda on its safe-gate path (our gate's lower bound is -5)."""
+    fla_kda = pytest.importorskip("fla.ops.kda")
+    from glmflash.kernels.kda.triton_impl import kda
+
+    lens = [1000, 3000, 64, 129]
+    q, k, v, g, beta, state = kda_inputs(lens, 64, 128, torch.bfloat16)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    s_got = state.clone()
+    got = kda(q, k, v, g, beta, s_got, cu, [0, 1, 2, 3], [False] * 4, config=form)
+    o_fla, s_fla = fla_kda.chunk_kda(
+        q[None], k[None], v[None], g[None], beta[None], scale=128 ** -0.5,
+        initial_state=state[:4].clone(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+        cu_seqlens=torch.tensor(cu, device=q.device), safe_gate=True, lower_bound=-5.0)
+    assert rel_err(got, o_fla[0]) < BF16_REL
+    assert rel_err(s_got[:4], s_fla) < BF16_REL
