@@ -31,7 +31,6 @@ import torch
 
 from bench.common import add_fake_context_requests
 from glmflash import Engine, SamplingParams
-from glmflash.engine.speculative import SpecDecoder
 from glmflash.model.glm import GlmForCausalLM
 from glmflash.model.moe import Router
 
@@ -100,7 +99,7 @@ def _keep_first(kept: torch.Tensor, own: torch.Tensor, k: int) -> torch.Tensor:
 def forced_acceptance(rate: float, seed: int = 0):
     rng = random.Random(seed)
 
-    def count(draft: list[int], targets: list[int]) -> int:
+    def count(draft: list[int]) -> int:
         accepted = 0
         while accepted < len(draft) and rng.random() < rate:
             accepted += 1
@@ -187,11 +186,11 @@ def run_mode(engine: Engine, mode: str, args: argparse.Namespace, deadline: floa
                 off = measure(engine, batch, args.context, args.steps, args.warmup)
                 spec.policy.max_batch_size = batch
                 for rate in args.accept:
-                    spec.count_accepted = forced_acceptance(rate)
+                    spec.accept_override = forced_acceptance(rate)
                     on = measure(engine, batch, args.context, args.steps, args.warmup)
                     lines.append(format_row(mode, reuse, batch, rate, off, on, num_layers))
                     print(lines[-1], flush=True)
-                spec.count_accepted = SpecDecoder.count_accepted
+                spec.accept_override = None
         finally:
             routing.close()
     return lines

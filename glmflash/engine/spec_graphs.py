@@ -14,6 +14,13 @@ a sequence's committed positions, and every row of a sequence that finished, bec
 committed positions and nothing needs to be put back. The graph returns the layer's output of
 every row and the drafted id of every row; the host keeps the row of each sequence's last
 committed position.
+
+When every sequence is greedy (and asks no logprobs), a third, small graph runs between the two
+and the host waits only once per step (`replay_greedy`): it takes each row's argmax, counts the
+leading drafts equal to it, commits the fixed-size state on the device (`commit_on_device`) and
+writes the draft graph's inputs (the argmax ids, and padding rows past each sequence's accepted
+ones) in place. Sampled steps sample on the host between the two graphs (`replay_verify`,
+`replay_draft`).
 """
 
 from __future__ import annotations
@@ -21,11 +28,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from glmflash.model.verify import VerifyHostRows, pack_verify, verify_batch
+from glmflash.model.verify import VerifyHostRows, commit_on_device, pack_verify, verify_batch
 from glmflash.utils.device import upload
 
 if TYPE_CHECKING:
@@ -48,6 +55,8 @@ class CapturedVerify:
     """`[B * (k + 1), V]` logits of every row."""
     draft: CapturedDraft | None = None
     """The draft graph of the same size and width, which reads `hidden`."""
+    accept: CapturedAccept | None = None
+    """The greedy acceptance between the two (`replay_greedy`)."""
 
 
 @dataclass
@@ -62,6 +71,30 @@ class CapturedDraft:
     """`[B * (k + 1)]` the id each row drafts."""
 
 
+@dataclass
+class CapturedAccept:
+    graph: torch.cuda.CUDAGraph
+    result: torch.Tensor
+    """`[B, k + 2]` int64: each row's argmax (k + 1), then the drafts accepted."""
+
+
+class GreedyStep(NamedTuple):
+    """What the host reads back after a greedy step's graphs, per sequence."""
+
+    targets: list[list[int]]
+    """The argmax of each of its rows: its run is the first `accepted + 1`."""
+    accepted: list[int]
+    drafted: list[int]
+    """The id the MTP layer drafts at its last accepted row."""
+    draft: CapturedDraft
+    rows_per_seq: int
+
+    def draft_outputs(self, seqs: list[int]) -> torch.Tensor:
+        """The MTP layer's output at the last accepted row of sequences `seqs` `[n, D]`."""
+        rows = [b * self.rows_per_seq + self.accepted[b] for b in seqs]
+        return self.draft.out[upload(rows, self.draft.out.device)]
+
+
 class SpecGraphRunner:
     """Owns the captured verify and draft graphs of one SpecRunner and their input buffers."""
 
@@ -73,6 +106,12 @@ class SpecGraphRunner:
                              f"scratch rows; the scratch has {spec.scratch.num_rows}")
         self.verify_graphs: dict[tuple[int, int], CapturedVerify] = {}
         self.num_replays = 0
+        device = self.runner.device
+        self.forced = torch.full((self.batch_sizes[-1],), -1, dtype=torch.int64, device=device)
+        """Drafts each sequence accepts regardless of the argmax (-1: the argmax decides): the
+        benchmark's forced acceptance (bench/e2e_mtp.py)."""
+        self._forced_host = _staging(self.forced)
+        self._result_host: torch.Tensor | None = None
 
     def fits(self, num_seqs: int, drafts: list[list[int]]) -> bool:
         """A verify of these drafts replays a graph: every sequence has all its drafts."""
@@ -109,6 +148,7 @@ class SpecGraphRunner:
                 pool = verify.graph.pool()
                 self.verify_graphs[(size, width)] = verify
                 verify.draft = self._capture_draft(size, width, verify, pool)
+                verify.accept = self._capture_accept(size, width, verify, pool)
 
     def replay_verify(self, rows: VerifyHostRows) -> CapturedVerify:
         """Run the verify of `rows` (n sequences of k + 1 rows): the graph whose first n * (k + 1)
@@ -136,6 +176,42 @@ class SpecGraphRunner:
         captured.packed.copy_(captured.staging, non_blocking=True)
         captured.graph.replay()
         return captured
+
+    def replay_greedy(self, rows: VerifyHostRows, forced: list[int] | None,
+                      blocking: bool) -> GreedyStep:
+        """The verify, acceptance and draft graphs of greedy sequences back to back, then one
+        wait for what the host needs. `forced`: accepted drafts per sequence (benchmarks);
+        `blocking`: wait asleep (hybrid hosts keep their cores for the CPU experts)."""
+        num_seqs, rows_per_seq = len(rows.num_tokens), self.rows_per_seq
+        self._forced_host.fill_(-1)
+        if forced is not None:
+            self._forced_host[:num_seqs] = torch.tensor(forced)
+        self.forced.copy_(self._forced_host, non_blocking=True)
+        verify = self.replay_verify(rows)
+        verify.accept.graph.replay()
+        verify.draft.graph.replay()
+        result = verify.accept.result[:num_seqs]
+        packed = torch.cat([result.view(-1), verify.draft.ids[: num_seqs * rows_per_seq]])
+        host = self._read_back(packed, blocking).tolist()
+        width = rows_per_seq + 1
+        targets = [host[b * width: b * width + rows_per_seq] for b in range(num_seqs)]
+        accepted = [host[b * width + rows_per_seq] for b in range(num_seqs)]
+        ids = host[num_seqs * width:]
+        drafted = [ids[b * rows_per_seq + a] for b, a in enumerate(accepted)]
+        return GreedyStep(targets, accepted, drafted, verify.draft, rows_per_seq)
+
+    def _read_back(self, values: torch.Tensor, blocking: bool) -> torch.Tensor:
+        if values.device.type != "cuda":
+            return values
+        if self._result_host is None or self._result_host.numel() < values.numel():
+            self._result_host = torch.empty(values.numel() * 2, dtype=values.dtype,
+                                            pin_memory=True)
+        host = self._result_host[: values.numel()]
+        host.copy_(values, non_blocking=True)
+        done = torch.cuda.Event(blocking=blocking)
+        done.record()
+        done.synchronize()
+        return host
 
     def padding_sequence(self) -> VerifyHostRows:
         """One sequence of k + 1 rows that touch only the reserved slot and page."""
@@ -184,6 +260,47 @@ class SpecGraphRunner:
 
         graph, (out, ids) = _record(forward, pool, runner.device)
         return CapturedDraft(graph, packed, _staging(packed), out, ids)
+
+    def _capture_accept(self, size: int, width: int, verify: CapturedVerify,
+                        pool) -> CapturedAccept:
+        """Greedy acceptance over the verify graph's outputs, the commit, and the draft graph's
+        inputs written in place."""
+        runner, spec, rows_per_seq = self.runner, self.spec, self.rows_per_seq
+        num_drafts, num_tokens = rows_per_seq - 1, [rows_per_seq] * size
+        page = runner.page_size
+
+        def forward() -> tuple[torch.Tensor]:
+            batch = verify_batch(verify.packed, num_tokens, True, runner.page_table, page,
+                                 width, spec.scratch)
+            draft = verify_batch(verify.draft.packed, num_tokens, False, runner.page_table,
+                                 page, width, None)
+            targets = verify.logits.argmax(dim=-1).view(size, rows_per_seq)
+            drafts = batch.input_ids.view(size, rows_per_seq)[:, 1:]
+            matches = (targets[:, :num_drafts] == drafts).long().cumprod(dim=1)
+            forced = self.forced[:size]
+            accepted = torch.where(forced >= 0, forced.clamp(max=num_drafts), matches.sum(1))
+            slots = batch.decode.state_slots.view(size, rows_per_seq)
+            commit_on_device(runner.state, spec.scratch, slots[:, 0], accepted, num_drafts)
+            # The MTP layer's rows: each accepted position with the token after it (the
+            # argmax there); padding rows (reserved slot and page, positions 0..k) elsewhere.
+            j = torch.arange(rows_per_seq, device=targets.device)
+            valid = j[None, :] <= accepted[:, None]
+            pad_slot = torch.full_like(j, runner.dummy_slot)
+            fields = ((draft.token_slots, batch.token_slots, runner.dummy_page * page + j),
+                      (draft.decode.positions, batch.decode.positions, j),
+                      (draft.decode.state_slots, batch.decode.state_slots, pad_slot))
+            draft.input_ids.copy_(targets.view(-1))
+            for dest, real, pad in fields:
+                dest.copy_(torch.where(valid, real.view(size, rows_per_seq), pad).view(-1))
+            positions = draft.decode.positions.view(size, rows_per_seq)
+            state_slots = draft.decode.state_slots.view(size, rows_per_seq)
+            for step, at in enumerate(draft.verify.steps):
+                at.positions.copy_(positions[:, step])
+                at.state_slots.copy_(state_slots[:, step])
+            return (torch.cat([targets, accepted[:, None]], dim=1),)
+
+        graph, (result,) = _record(forward, pool, runner.device)
+        return CapturedAccept(graph, result)
 
     @staticmethod
     def _empty() -> VerifyHostRows:

@@ -34,7 +34,7 @@ from glmflash.model.verify import (
 from glmflash.utils.device import upload
 
 if TYPE_CHECKING:
-    from glmflash.engine.spec_graphs import CapturedVerify, SpecGraphRunner
+    from glmflash.engine.spec_graphs import CapturedVerify, GreedyStep, SpecGraphRunner
 
 logger = logging.getLogger(__name__)
 MTP_DUMMY_SEED = 1
@@ -133,6 +133,14 @@ class SpecRunner:
                           runner.pool_width(rows.num_pools), self.scratch)
         hidden = self.model.hidden_states(fb, self.state)
         return MainOutput(hidden, self.model.logits(hidden), cu)
+
+    @torch.inference_mode()
+    def verify_greedy(self, seqs: list[Sequence], drafts: list[list[int]],
+                      forced: list[int] | None, blocking: bool) -> GreedyStep:
+        """A step of greedy sequences with all their drafts, wholly in graphs: verify, accept,
+        commit and draft (engine/spec_graphs.py `replay_greedy`)."""
+        self.last_verify = None
+        return self.graphs.replay_greedy(self.verify_rows(seqs, drafts), forced, blocking)
 
     def verify_rows(self, seqs: list[Sequence], drafts: list[list[int]]) -> VerifyHostRows:
         page = self.runner.page_size

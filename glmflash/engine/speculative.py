@@ -16,6 +16,7 @@ the positions each sequence committed: its last row drafts the next token, and c
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -30,6 +31,7 @@ from glmflash.utils.device import upload
 
 if TYPE_CHECKING:
     from glmflash.engine.cache import CacheManager
+    from glmflash.engine.spec_graphs import GreedyStep
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,8 @@ class _Step(NamedTuple):
     verify_rows: dict[int, int]
     logprobs: dict[int, list]
     """seq id -> logprob entries of its run (cut to the tokens the update kept)."""
+    greedy: GreedyStep | None = None
+    """Set when the step ran wholly in graphs (its drafts are already made)."""
 
 
 class SpecDecoder:
@@ -59,6 +63,9 @@ class SpecDecoder:
         self.num_steps, self.policy, self.max_seq_len = num_steps, policy, max_seq_len
         self.counters = SpecCounters.empty(num_steps)
         self._step: _Step | None = None
+        self.accept_override: Callable[[list[int]], int] | None = None
+        """Benchmarks (bench/e2e_mtp.py): the drafts a sequence accepts, given its drafts, in
+        place of comparing them with the sampled tokens."""
 
     def wants(self, batch: ScheduledBatch) -> bool:
         """This step takes the speculative path: it verifies drafts, or drafting is on."""
@@ -78,6 +85,9 @@ class SpecDecoder:
         starts = [seq.num_computed_tokens for seq in batch.seqs]
         for seq in batch.seqs:
             seq.draft_ids = []
+        if not main_idx and self._all_greedy(batch.seqs) and \
+                self.runner.graphs is not None and self.runner.graphs.fits(len(drafts), drafts):
+            return self._verify_greedy(batch, drafts, starts)
         main = self.runner.forward_main(_part(batch, main_idx)) if main_idx else None
         verify = self.runner.forward_verify([batch.seqs[i] for i in verify_idx],
                                             [drafts[i] for i in verify_idx]) \
@@ -97,6 +107,23 @@ class SpecDecoder:
                            verify, {i: k for k, i in enumerate(verify_idx)}, logprobs)
         return runs
 
+    def _verify_greedy(self, batch: ScheduledBatch, drafts: list[list[int]],
+                       starts: list[int]) -> list[list[int]]:
+        """Every sequence greedy with all its drafts: one pass through the graphs, one wait."""
+        forced = [self.accept_override(d) for d in drafts] \
+            if self.accept_override is not None else None
+        step = self.runner.verify_greedy(batch.seqs, drafts, forced,
+                                         self.sampler.sleep_while_waiting)
+        self.sampler.errors = {}
+        self._count(batch.seqs, drafts, step.accepted)
+        committed = [1 + a for a in step.accepted]
+        self._step = _Step(batch, starts, committed, None, {}, None, {}, {}, step)
+        return [targets[: a + 1] for targets, a in zip(step.targets, step.accepted, strict=True)]
+
+    @staticmethod
+    def _all_greedy(seqs: list[Sequence]) -> bool:
+        return all(s.params.is_greedy and s.params.logprobs is None for s in seqs)
+
     def after_update(self, deltas: list[TokenDelta]) -> None:
         """Logprobs of the tokens kept; then the MTP layer over the committed positions, and
         the drafts of the next step."""
@@ -107,6 +134,9 @@ class SpecDecoder:
             entries = step.logprobs.get(delta.seq.seq_id)
             if entries is not None:
                 delta.seq.logprobs.extend(entries[: len(delta.token_ids)])
+        if step.greedy is not None:
+            self._draft_after_greedy(step)
+            return
         if step.main is None and self.runner.last_verify is not None:
             self._draft_after_graph(step)
             return
@@ -142,7 +172,8 @@ class SpecDecoder:
         for k, seq in enumerate(sampled):
             first, draft = rows.first_row[k], rows.drafts_of[k]
             targets = token_ids[first: first + len(draft) + 1]
-            accepted = self.count_accepted(draft, targets)
+            accepted = self.accept_override(draft) if self.accept_override is not None \
+                else self.count_accepted(draft, targets)
             runs.append(targets[: accepted + 1])
             if seq.params.logprobs is not None:
                 logprobs[seq.seq_id] = entries[first: first + accepted + 1]
@@ -151,7 +182,7 @@ class SpecDecoder:
     @staticmethod
     def count_accepted(draft: list[int], targets: list[int]) -> int:
         """Leading drafts equal to the tokens sampled at their positions (`targets` has one
-        more: the token after the last draft). bench/e2e_mtp.py replaces it to force a rate."""
+        more: the token after the last draft)."""
         accepted = 0
         while accepted < len(draft) and targets[accepted] == draft[accepted]:
             accepted += 1
@@ -170,6 +201,20 @@ class SpecDecoder:
             first_drafts += 1
             first_accepted += int(a > 0)
         self.policy.observe(first_drafts, first_accepted)
+
+    def _draft_after_greedy(self, step: _Step) -> None:
+        """The drafts the greedy step's draft graph made, then the chained steps."""
+        seqs, greedy = step.batch.seqs, step.greedy
+        allowed = self.policy.allows(len(self.scheduler.running))
+        drafting = [b for b, seq in enumerate(seqs)
+                    if not seq.is_finished and allowed and self._draft_budget(seq) > 0]
+        if not drafting:
+            return
+        drafts = [[greedy.drafted[b]] for b in drafting]
+        if self.num_steps > 1:
+            self._chain([seqs[b] for b in drafting], greedy.draft_outputs(drafting), drafts)
+        for b, draft in zip(drafting, drafts, strict=True):
+            seqs[b].draft_ids = draft
 
     def _draft_after_graph(self, step: _Step) -> None:
         """After a replayed verify (every sequence verified all its drafts): the draft graph

@@ -195,6 +195,22 @@ def commit(state: ModelState, scratch: VerifyScratch, state_slots: list[int],
             live[layer][slots] = copies[rows, steps]
 
 
+def commit_on_device(state: ModelState, scratch: VerifyScratch, state_slots: torch.Tensor,
+                     num_accepted: torch.Tensor, num_drafts: int) -> None:
+    """`commit` with the accepted counts on the device (a captured step): sequence b (scratch
+    row b, slot `state_slots[b]`, `num_drafts` drafts) takes its scratch copy of position
+    `num_accepted[b]`, unless every draft was accepted (its slot already holds that state)."""
+    rows = torch.arange(state_slots.shape[0], device=state_slots.device)
+    keep = num_accepted < num_drafts
+    steps = num_accepted.clamp(max=num_drafts - 1)
+    for live, saved in ((state.recurrent, scratch.recurrent), (state.conv, scratch.conv),
+                        (state.index_tail, scratch.index_tail)):
+        for layer, copies in saved.items():
+            kept = copies[rows, steps]
+            chosen = keep.view(-1, *[1] * (kept.dim() - 1))
+            live[layer][state_slots] = torch.where(chosen, kept, live[layer][state_slots])
+
+
 def verify_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                 verify: VerifyInputs, layer: int) -> torch.Tensor:
     """`causal_conv1d_decode` position by position over x `[T, C]`."""

@@ -52,9 +52,16 @@ def _with_graphs(engine, sizes: list[int]) -> SpecGraphRunner:
     return spec.graphs
 
 
-@pytest.mark.parametrize("num_steps", [1, 2])
-def test_graph_forms_give_the_tokens_of_mtp_off(rerun_graphs, num_steps):
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+SAMPLING = {"greedy": SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+            "seeded": SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)}
+
+
+@pytest.mark.parametrize(("num_steps", "sampling"), [(1, "greedy"), (2, "greedy"),
+                                                     (1, "seeded")])
+def test_graph_forms_give_the_tokens_of_mtp_off(rerun_graphs, num_steps, sampling):
+    """Greedy steps take the acceptance graph (`replay_greedy`), sampled ones the host's
+    sampler between the verify and draft graphs."""
+    params = SAMPLING[sampling]
     spec = {**SPEC, "speculative_num_steps": num_steps}
     outputs, counts = {}, {}
     for name, extra in (("off", {}), ("eager", spec), ("graphs", spec)):
@@ -69,11 +76,14 @@ def test_graph_forms_give_the_tokens_of_mtp_off(rerun_graphs, num_steps):
         if stats is not None:
             counts[name] = (stats.num_draft_tokens, stats.num_accepted_tokens)
         if graphs is not None:
-            verifies = [v.graph.num_replays for v in graphs.verify_graphs.values()]
-            drafts = [v.draft.graph.num_replays for v in graphs.verify_graphs.values()]
-            assert sum(verifies) == graphs.num_replays > 3
+            captured = graphs.verify_graphs.values()
+            verifies = sum(v.graph.num_replays for v in captured)
+            drafts = sum(v.draft.graph.num_replays for v in captured)
+            accepts = sum(v.accept.graph.num_replays for v in captured)
+            assert verifies == graphs.num_replays > 3
             # A step whose batch also prefills drafts eagerly after a replayed verify.
-            assert 0 < sum(drafts) <= sum(verifies)
+            assert 0 < drafts <= verifies
+            assert accepts == (drafts if sampling == "greedy" else 0)
         assert engine.cache.num_free_pages == engine.cache.plan.num_pages
     assert outputs["graphs"] == outputs["eager"] == outputs["off"]
     # The draft graph drafts what the eager MTP forward drafts: the same drafts accepted.
