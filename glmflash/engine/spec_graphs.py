@@ -276,9 +276,11 @@ class SpecGraphRunner:
                                  page, width, None)
             targets = verify.logits.argmax(dim=-1).view(size, rows_per_seq)
             drafts = batch.input_ids.view(size, rows_per_seq)[:, 1:]
-            matches = (targets[:, :num_drafts] == drafts).long().cumprod(dim=1)
+            # Leading drafts equal to the argmax: positions before the first mismatch.
+            mismatches = (targets[:, :num_drafts] != drafts).long().cumsum(dim=1)
+            leading = (mismatches == 0).long().sum(dim=1)
             forced = self.forced[:size]
-            accepted = torch.where(forced >= 0, forced.clamp(max=num_drafts), matches.sum(1))
+            accepted = torch.where(forced >= 0, forced.clamp(max=num_drafts), leading)
             slots = batch.decode.state_slots.view(size, rows_per_seq)
             commit_on_device(runner.state, spec.scratch, slots[:, 0], accepted, num_drafts)
             # The MTP layer's rows: each accepted position with the token after it (the
