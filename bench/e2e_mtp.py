@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from bench.common import add_fake_context_requests
+from bench.e2e_probes import cpu_read_gbs, hbm_copy_gbs, moe_layers, step_bytes
 from glmflash import Engine, SamplingParams
 from glmflash.model.glm import GlmForCausalLM
 from glmflash.model.moe import Router
@@ -108,7 +109,8 @@ def forced_acceptance(rate: float, seed: int = 0):
 
 
 def measure(engine: Engine, batch: int, context: int, steps: int, warmup: int) -> dict:
-    """Output tokens per second over `steps` steps after `warmup`, and the MTP layer's share."""
+    """Output tokens per second over `steps` steps after `warmup`, the MTP layer's share, and
+    the GPU time of a replayed verify (greedy steps in graphs: CUDA events around them)."""
     params = SamplingParams(max_tokens=10**6, temperature=0, ignore_eos=True)
     seqs = add_fake_context_requests(engine, batch, context, params)
     for _ in range(warmup):
@@ -116,6 +118,9 @@ def measure(engine: Engine, batch: int, context: int, steps: int, warmup: int) -
     before = sum(s.num_output_tokens for s in seqs)
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     clock = MtpClock(engine)
+    graphs = engine.spec.runner.graphs if engine.spec is not None else None
+    if graphs is not None:
+        graphs.replay_events = []
     sync()
     start = time.perf_counter()
     for _ in range(steps):
@@ -127,8 +132,37 @@ def measure(engine: Engine, batch: int, context: int, steps: int, warmup: int) -
         engine.abort(engine._choices[seq.seq_id].request_id)
     engine.step()
     clock.close()
+    events = graphs.replay_events if graphs is not None else None
+    if graphs is not None:
+        graphs.replay_events = None
+    verify_ms = _mean_ms(events, 0, 1)
+    graph_mtp_ms = _mean_ms(events, 1, 2) * len(events) / steps if events else 0.0
     return dict(tok_s=tokens / seconds, step_ms=1e3 * seconds / steps,
-                mtp_ms=1e3 * clock.seconds / steps, tokens_per_step=tokens / steps / batch)
+                mtp_ms=1e3 * clock.seconds / steps + graph_mtp_ms,
+                tokens_per_step=tokens / steps / batch, verify_ms=verify_ms,
+                graph_steps=len(events or []))
+
+
+def _mean_ms(events, first: int, last: int) -> float | None:
+    if not events:
+        return None
+    return sum(e[first].elapsed_time(e[last]) for e in events) / len(events)
+
+
+def verify_roofline_ms(engine: Engine, batch: int, context: int, reuse: float,
+                       bandwidth: dict) -> float:
+    """The bytes a verify of `batch` sequences must move at the copy bandwidths: the weights
+    once, each row's cache reads, and the union of the rows' experts (each sequence's rows keep
+    `reuse` of the previous row's experts; sequences route independently, uniformly)."""
+    config, model = engine.config, engine.runner.model
+    rows = engine.options.num_speculative_steps + 1
+    k, experts = config.num_experts_per_tok, config.n_routed_experts
+    per_seq = k + (rows - 1) * (k - round(reuse * k))
+    distinct = experts * (1 - (1 - per_seq / experts) ** batch)
+    on_cpu = engine.options.kt_num_gpu_experts is not None
+    hits = [(0.0, distinct) if on_cpu else (distinct, 0.0)] * len(moe_layers(model))
+    moved = step_bytes(model, batch * rows, context, hits)
+    return 1e3 * (moved.device / bandwidth["hbm"] + moved.cpu / bandwidth["cpu"]) / 1e9
 
 
 class MtpClock:
@@ -188,6 +222,8 @@ def run_mode(engine: Engine, mode: str, args: argparse.Namespace, deadline: floa
                 for rate in args.accept:
                     spec.accept_override = forced_acceptance(rate)
                     on = measure(engine, batch, args.context, args.steps, args.warmup)
+                    on["roof_ms"] = verify_roofline_ms(engine, batch, args.context, reuse,
+                                                       args.bandwidth)
                     lines.append(format_row(mode, reuse, batch, rate, off, on, num_layers))
                     print(lines[-1], flush=True)
                 spec.accept_override = None
@@ -208,11 +244,19 @@ def format_row(mode, reuse, batch, rate, off, on, num_layers) -> str:
     return (f"| {mode} | {reuse} | {batch} | {rate} | {off['tok_s']:.1f} | {on['tok_s']:.1f} | "
             f"{on['tok_s'] / off['tok_s']:.2f} | {on['tokens_per_step']:.2f} | "
             f"{off['step_ms']:.2f} / {on['step_ms']:.2f} | {on['mtp_ms']:.2f} | "
-            f"{off_45:.1f} / {on_45:.1f} ({on_45 / off_45:.2f}x) |")
+            f"{_verify_cell(on)} | {off_45:.1f} / {on_45:.1f} ({on_45 / off_45:.2f}x) |")
+
+
+def _verify_cell(on: dict) -> str:
+    if on["verify_ms"] is None:
+        return "-"
+    return (f"{on['verify_ms']:.2f} / {on['roof_ms']:.2f} ({on['verify_ms'] / on['roof_ms']:.2f}x,"
+            f" {on['graph_steps']} replays)")
 
 
 HEADER = ("| mode | expert reuse | batch | forced acceptance | off tok/s | MTP tok/s | speedup | "
-          "tokens/seq/step | step ms off / on | MTP layer ms/step | 45-layer tok/s off / on |")
+          "tokens/seq/step | step ms off / on | MTP layer ms/step | "
+          "verify replay ms / roofline ms | 45-layer tok/s off / on |")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -246,6 +290,13 @@ def main(args: argparse.Namespace, folder) -> None:
     """Called by bench/e2e.py with its parsed arguments and the bench model's folder."""
     deadline = time.perf_counter() + args.time_limit
     args.context = args.contexts[0]
+    is_cuda = any(m != "cpu" for m in args.modes)
+    args.bandwidth = {"hbm": hbm_copy_gbs() if is_cuda else float("inf"),
+                      "cpu": cpu_read_gbs(args.probe_mb << 20)}
+    if is_cuda:
+        torch.cuda.empty_cache()
+    print(f"HBM copy {args.bandwidth['hbm']:.0f} GB/s, CPU read {args.bandwidth['cpu']:.1f} GB/s",
+          flush=True)
     print(HEADER + "\n" + "|---" * (HEADER.count(" | ") + 1) + "|", flush=True)
     lines = []
     for mode in args.modes:

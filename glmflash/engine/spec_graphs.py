@@ -112,6 +112,9 @@ class SpecGraphRunner:
         benchmark's forced acceptance (bench/e2e_mtp.py)."""
         self._forced_host = _staging(self.forced)
         self._result_host: torch.Tensor | None = None
+        self.replay_events: list[tuple[torch.cuda.Event, ...]] | None = None
+        """Benchmarks: a list to collect CUDA events (start, verify done, draft done) around
+        each greedy step's graphs."""
 
     def fits(self, num_seqs: int, drafts: list[list[int]]) -> bool:
         """A verify of these drafts replays a graph: every sequence has all its drafts."""
@@ -187,9 +190,13 @@ class SpecGraphRunner:
         if forced is not None:
             self._forced_host[:num_seqs] = torch.tensor(forced)
         self.forced.copy_(self._forced_host, non_blocking=True)
+        events = self._timing_events()
+        _record_event(events, 0)
         verify = self.replay_verify(rows)
+        _record_event(events, 1)
         verify.accept.graph.replay()
         verify.draft.graph.replay()
+        _record_event(events, 2)
         result = verify.accept.result[:num_seqs]
         packed = torch.cat([result.view(-1), verify.draft.ids[: num_seqs * rows_per_seq]])
         host = self._read_back(packed, blocking).tolist()
@@ -199,6 +206,13 @@ class SpecGraphRunner:
         ids = host[num_seqs * width:]
         drafted = [ids[b * rows_per_seq + a] for b, a in enumerate(accepted)]
         return GreedyStep(targets, accepted, drafted, verify.draft, rows_per_seq)
+
+    def _timing_events(self) -> tuple[torch.cuda.Event, ...] | None:
+        if self.replay_events is None:
+            return None
+        events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
+        self.replay_events.append(events)
+        return events
 
     def _read_back(self, values: torch.Tensor, blocking: bool) -> torch.Tensor:
         if values.device.type != "cuda":
@@ -321,6 +335,11 @@ def _record(forward, pool, device: torch.device):
     with torch.cuda.graph(graph, pool=pool):
         outputs = forward()
     return graph, outputs
+
+
+def _record_event(events: tuple[torch.cuda.Event, ...] | None, index: int) -> None:
+    if events is not None:
+        events[index].record()
 
 
 def _staging(packed: torch.Tensor) -> torch.Tensor:
