@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from glmflash.model.verify import VerifyHostRows, commit_on_device, pack_verify, verify_batch
+from glmflash.engine import spec_capture
+from glmflash.engine.spec_capture import CapturedAccept, CapturedDraft, CapturedVerify
+from glmflash.model.verify import VerifyHostRows, pack_verify
 from glmflash.utils.device import upload
 
 if TYPE_CHECKING:
@@ -40,42 +41,6 @@ if TYPE_CHECKING:
     from glmflash.engine.spec_runner import SpecRunner
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class CapturedVerify:
-    graph: torch.cuda.CUDAGraph
-    packed: torch.Tensor
-    """The inputs, as `pack_verify` lays them out (with state copies kept)."""
-    staging: torch.Tensor
-    """Page-locked host copy of `packed`, rewritten per replay."""
-    hidden: torch.Tensor
-    """`[B * (k + 1), D]` main hidden state of every row; the draft graph reads it."""
-    logits: torch.Tensor
-    """`[B * (k + 1), V]` logits of every row."""
-    draft: CapturedDraft | None = None
-    """The draft graph of the same size and width, which reads `hidden`."""
-    accept: CapturedAccept | None = None
-    """The greedy acceptance between the two (`replay_greedy`)."""
-
-
-@dataclass
-class CapturedDraft:
-    graph: torch.cuda.CUDAGraph
-    packed: torch.Tensor
-    """The inputs, as `pack_verify` lays them out (nothing kept)."""
-    staging: torch.Tensor
-    out: torch.Tensor
-    """`[B * (k + 1), D]` the MTP layer's pre-norm output of every row."""
-    ids: torch.Tensor
-    """`[B * (k + 1)]` the id each row drafts."""
-
-
-@dataclass
-class CapturedAccept:
-    graph: torch.cuda.CUDAGraph
-    result: torch.Tensor
-    """`[B, k + 2]` int64: each row's argmax (k + 1), then the drafts accepted."""
 
 
 class GreedyStep(NamedTuple):
@@ -110,7 +75,7 @@ class SpecGraphRunner:
         self.forced = torch.full((self.batch_sizes[-1],), -1, dtype=torch.int64, device=device)
         """Drafts each sequence accepts regardless of the argmax (-1: the argmax decides): the
         benchmark's forced acceptance (bench/e2e_mtp.py)."""
-        self._forced_host = _staging(self.forced)
+        self._forced_host = spec_capture.staging(self.forced)
         self._result_host: torch.Tensor | None = None
         self.replay_events: list[tuple[torch.cuda.Event, ...]] | None = None
         """Benchmarks: a list to collect CUDA events (start, verify done, draft done) around
@@ -245,102 +210,26 @@ class SpecGraphRunner:
         return graphs.handoff if graphs is not None else None
 
     def _capture_verify(self, size: int, width: int, pool) -> CapturedVerify:
-        runner, spec = self.runner, self.spec
-        packed = upload(pack_verify(self._padded(self._empty(), size), save=True), runner.device)
-        num_tokens = [self.rows_per_seq] * size
-
-        def forward() -> tuple[torch.Tensor, torch.Tensor]:
-            batch = verify_batch(packed, num_tokens, True, runner.page_table, runner.page_size,
-                                 width, spec.scratch)
-            hidden = runner.model.hidden_states(batch, runner.state)
-            return hidden, runner.model.logits(hidden)
-
-        graph, (hidden, logits) = _record(forward, pool, runner.device)
-        return CapturedVerify(graph, packed, _staging(packed), hidden, logits)
+        packed = pack_verify(self._padded(self._empty(), size), save=True)
+        return spec_capture.capture_verify(self.spec, packed, size, width, self.rows_per_seq,
+                                           pool)
 
     def _capture_draft(self, size: int, width: int, verify: CapturedVerify,
                        pool) -> CapturedDraft:
-        runner, spec = self.runner, self.spec
-        packed = upload(pack_verify(self._padded(self._empty(), size), save=False),
-                        runner.device)
-        num_tokens = [self.rows_per_seq] * size
-
-        def forward() -> tuple[torch.Tensor, torch.Tensor]:
-            batch = verify_batch(packed, num_tokens, False, runner.page_table, runner.page_size,
-                                 width, None)
-            embeds = runner.model.text.embed_tokens(batch.input_ids)
-            out = spec.mtp.layer.hidden(verify.hidden, embeds, batch, runner.state)
-            return out, spec.mtp.logits(runner.model, out).argmax(dim=-1)
-
-        graph, (out, ids) = _record(forward, pool, runner.device)
-        return CapturedDraft(graph, packed, _staging(packed), out, ids)
+        packed = pack_verify(self._padded(self._empty(), size), save=False)
+        return spec_capture.capture_draft(self.spec, packed, verify, size, width,
+                                          self.rows_per_seq, pool)
 
     def _capture_accept(self, size: int, width: int, verify: CapturedVerify,
                         pool) -> CapturedAccept:
-        """Greedy acceptance over the verify graph's outputs, the commit, and the draft graph's
-        inputs written in place."""
-        runner, spec, rows_per_seq = self.runner, self.spec, self.rows_per_seq
-        num_drafts, num_tokens = rows_per_seq - 1, [rows_per_seq] * size
-        page = runner.page_size
-
-        def forward() -> tuple[torch.Tensor]:
-            batch = verify_batch(verify.packed, num_tokens, True, runner.page_table, page,
-                                 width, spec.scratch)
-            draft = verify_batch(verify.draft.packed, num_tokens, False, runner.page_table,
-                                 page, width, None)
-            targets = verify.logits.argmax(dim=-1).view(size, rows_per_seq)
-            drafts = batch.input_ids.view(size, rows_per_seq)[:, 1:]
-            # Leading drafts equal to the argmax: positions before the first mismatch.
-            mismatches = (targets[:, :num_drafts] != drafts).long().cumsum(dim=1)
-            leading = (mismatches == 0).long().sum(dim=1)
-            forced = self.forced[:size]
-            accepted = torch.where(forced >= 0, forced.clamp(max=num_drafts), leading)
-            slots = batch.decode.state_slots.view(size, rows_per_seq)
-            commit_on_device(runner.state, spec.scratch, slots[:, 0], accepted, num_drafts)
-            # The MTP layer's rows: each accepted position with the token after it (the
-            # argmax there); padding rows (reserved slot and page, positions 0..k) elsewhere.
-            j = torch.arange(rows_per_seq, device=targets.device)
-            valid = j[None, :] <= accepted[:, None]
-            pad_slot = torch.full_like(j, runner.dummy_slot)
-            fields = ((draft.token_slots, batch.token_slots, runner.dummy_page * page + j),
-                      (draft.decode.positions, batch.decode.positions, j),
-                      (draft.decode.state_slots, batch.decode.state_slots, pad_slot))
-            draft.input_ids.copy_(targets.view(-1))
-            for dest, real, pad in fields:
-                dest.copy_(torch.where(valid, real.view(size, rows_per_seq), pad).view(-1))
-            positions = draft.decode.positions.view(size, rows_per_seq)
-            state_slots = draft.decode.state_slots.view(size, rows_per_seq)
-            for step, at in enumerate(draft.verify.steps):
-                at.positions.copy_(positions[:, step])
-                at.state_slots.copy_(state_slots[:, step])
-            return (torch.cat([targets, accepted[:, None]], dim=1),)
-
-        graph, (result,) = _record(forward, pool, runner.device)
-        return CapturedAccept(graph, result)
+        return spec_capture.capture_accept(self.spec, verify, width, self.rows_per_seq,
+                                           self.forced[:size], pool)
 
     @staticmethod
     def _empty() -> VerifyHostRows:
         return VerifyHostRows([], [], [], [], [], [], 0)
 
 
-def _record(forward, pool, device: torch.device):
-    """Warm `forward` up on a side stream (compiles, fits launch shapes), then capture it."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            forward()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        outputs = forward()
-    return graph, outputs
-
-
 def _record_event(events: tuple[torch.cuda.Event, ...] | None, index: int) -> None:
     if events is not None:
         events[index].record()
-
-
-def _staging(packed: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(packed, device="cpu").pin_memory()

@@ -26,8 +26,8 @@ from glmflash.engine.sampling_tensors import uses_penalties
 from glmflash.engine.scheduler import ScheduledBatch, Scheduler, TokenDelta
 from glmflash.engine.sequence import Sequence
 from glmflash.engine.spec_policy import DraftPolicy, SpecCounters
-from glmflash.engine.spec_runner import MainOutput, MtpRows, SpecRunner, gather_rows
-from glmflash.utils.device import upload
+from glmflash.engine.spec_rows import SampleRows, batch_part, gather_pieces, is_verify
+from glmflash.engine.spec_runner import MainOutput, MtpRows, SpecRunner
 
 if TYPE_CHECKING:
     from glmflash.engine.cache import CacheManager
@@ -78,7 +78,7 @@ class SpecDecoder:
         Rows whose logits processor raised are in `sampler.errors`, by sampled index."""
         self.runner.runner.apply_cache_changes(batch.page_updates, batch.cache_ops)
         drafts = batch.draft_ids or [[] for _ in batch.seqs]
-        is_verify = [_is_verify(seq, n, sample, d) for seq, n, sample, d in
+        is_verify = [is_verify(seq, n, sample, d) for seq, n, sample, d in
                      zip(batch.seqs, batch.num_tokens, batch.needs_sample, drafts, strict=True)]
         main_idx = [i for i, v in enumerate(is_verify) if not v]
         verify_idx = [i for i, v in enumerate(is_verify) if v]
@@ -88,11 +88,11 @@ class SpecDecoder:
         if not main_idx and self._all_greedy(batch.seqs) and \
                 self.runner.graphs is not None and self.runner.graphs.fits(len(drafts), drafts):
             return self._verify_greedy(batch, drafts, starts)
-        main = self.runner.forward_main(_part(batch, main_idx)) if main_idx else None
+        main = self.runner.forward_main(batch_part(batch, main_idx)) if main_idx else None
         verify = self.runner.forward_verify([batch.seqs[i] for i in verify_idx],
                                             [drafts[i] for i in verify_idx]) \
             if verify_idx else None
-        rows = _SampleRows.of(batch, drafts, main_idx, verify_idx, main, verify)
+        rows = SampleRows.of(batch, drafts, main_idx, verify_idx, main, verify)
         runs, logprobs = self._accept(rows, sampled, drafts)
         accepted = [len(runs[rows.sampled_of[i]]) - 1 for i in verify_idx]
         if verify_idx:
@@ -161,7 +161,7 @@ class SpecDecoder:
     def stats(self) -> SpecCounters:
         return self.counters.with_drafting(self.policy.is_drafting)
 
-    def _accept(self, rows: _SampleRows, sampled: list[Sequence],
+    def _accept(self, rows: SampleRows, sampled: list[Sequence],
                 drafts: list[list[int]]) -> tuple[list[list[int]], dict[int, list]]:
         """Sample every row; each sequence's run: its drafts while they equal the sampled
         tokens, then the first sampled token that differs (or the one after the last draft)."""
@@ -252,7 +252,7 @@ class SpecDecoder:
             out, k = (step.verify, step.verify_rows[i]) if i in step.verify_rows \
                 else (step.main, step.main_rows[i])
             pieces.append((out, out.cu_seqlens[k], step.committed[i]))
-        hidden = _gather(pieces)
+        hidden = gather_pieces(pieces)
         seqs = [step.batch.seqs[i] for i in order]
         return MtpRows(seqs, [step.starts[i] for i in order], [step.committed[i] for i in order],
                        hidden), seqs[: len(drafting)]
@@ -297,70 +297,3 @@ class SpecDecoder:
             self.cache.append(seq, budget - 1)
             return budget
         return 1
-
-
-def _is_verify(seq: Sequence, num_tokens: int, needs_sample: bool, drafts: list[int]) -> bool:
-    """A decode (the last token an output token), with or without drafts."""
-    return needs_sample and num_tokens == 1 + len(drafts) and \
-        seq.num_computed_tokens >= seq.num_prompt_tokens
-
-
-def _part(batch: ScheduledBatch, idx: list[int]) -> ScheduledBatch:
-    return ScheduledBatch([batch.seqs[i] for i in idx], [batch.num_tokens[i] for i in idx],
-                          [batch.needs_sample[i] for i in idx])
-
-
-def _gather(pieces: list[tuple[MainOutput, int, int]]) -> torch.Tensor:
-    """Rows (first, count) of each piece's hidden states, back to back."""
-    parts, run = [], None
-    for out, first, count in pieces:
-        if run is not None and run[0] is out:
-            run[1].append(first)
-            run[2].append(count)
-        else:
-            run = (out, [first], [count])
-            parts.append(run)
-    return torch.cat([gather_rows(out.hidden, firsts, counts) for out, firsts, counts in parts])
-
-
-class _SampleRows(NamedTuple):
-    """The rows a step samples, sampled sequences in batch order, each with all its rows."""
-
-    logits: torch.Tensor
-    seqs: list[Sequence]
-    offsets: list[int]
-    first_row: list[int]
-    drafts_of: list[list[int]]
-    sampled_of: dict[int, int]
-    """Batch index -> index among the sampled sequences."""
-    sampled_of_row: list[int]
-
-    @classmethod
-    def of(cls, batch: ScheduledBatch, drafts: list[list[int]], main_idx: list[int],
-           verify_idx: list[int], main: MainOutput | None,
-           verify: MainOutput | None) -> _SampleRows:
-        main_row = {i: k for k, i in enumerate(i for i in main_idx if batch.needs_sample[i])}
-        verify_pos = {i: k for k, i in enumerate(verify_idx)}
-        offset = main.logits.shape[0] if main is not None else 0
-        index, seqs, offsets, first_row, drafts_of, of_row = ([] for _ in range(6))
-        sampled_of = {}
-        for i, seq in enumerate(batch.seqs):
-            if not batch.needs_sample[i]:
-                continue
-            sampled_of[i] = len(first_row)
-            first_row.append(len(index))
-            if i in verify_pos:
-                first = offset + verify.cu_seqlens[verify_pos[i]]
-                rows = list(range(first, first + 1 + len(drafts[i])))
-                drafts_of.append(drafts[i])
-            else:
-                rows = [main_row[i]]
-                drafts_of.append([])
-            index += rows
-            seqs += [seq] * len(rows)
-            offsets += list(range(len(rows)))
-            of_row += [sampled_of[i]] * len(rows)
-        logits = torch.cat([o.logits for o in (main, verify) if o is not None])
-        if index != list(range(logits.shape[0])):
-            logits = logits.index_select(0, upload(index, logits.device))
-        return cls(logits, seqs, offsets, first_row, drafts_of, sampled_of, of_row)

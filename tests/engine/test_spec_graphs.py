@@ -1,16 +1,16 @@
 """The verify and draft forwards of engine/spec_graphs.py on the CPU, with each "graph" replayed
-as its recorded forward run again into the same output tensors (what a CUDA graph replay does to
-its static outputs). This checks what the graphs compute, not the capture: the padded verify
-batch, the draft rows (padding past each sequence's committed positions and for finished
-sequences) and the rows drafted from, against the same engine without drafts. The captures
-themselves run on the GPU (tests/engine/test_speculative_gpu.py)."""
+as its recorded forward (engine/spec_capture.py) run again into the same output tensors (what a
+CUDA graph replay does to its static outputs). This checks what the graphs compute, not the
+capture: the padded verify batch, the draft rows (padding past each sequence's committed
+positions and for finished sequences) and the rows drafted from, against the same engine
+without drafts. The captures themselves run on the GPU (tests/engine/test_speculative_gpu.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import glmflash.engine.spec_graphs as spec_graphs
+import glmflash.engine.spec_capture as spec_capture
 from glmflash import SamplingParams
 from glmflash.engine.spec_graphs import SpecGraphRunner
 from tests.engine.test_speculative import SPEC, TEXTS, _engine, _run_arrivals
@@ -41,8 +41,8 @@ def _record(forward, pool, device):
 
 @pytest.fixture
 def rerun_graphs(monkeypatch):
-    monkeypatch.setattr(spec_graphs, "_record", _record)
-    monkeypatch.setattr(spec_graphs, "_staging", lambda packed: torch.empty_like(packed))
+    monkeypatch.setattr(spec_capture, "record", _record)
+    monkeypatch.setattr(spec_capture, "staging", lambda packed: torch.empty_like(packed))
 
 
 def _with_graphs(engine, sizes: list[int]) -> SpecGraphRunner:

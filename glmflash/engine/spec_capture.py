@@ -1,0 +1,152 @@
+"""The three forwards speculative decoding records as CUDA graphs (engine/spec_graphs.py owns
+them): the verify forward, the MTP layer's draft forward over the verify's rows, and the greedy
+acceptance between them. Each reads its inputs from a device buffer laid out by
+`pack_verify`, so a replay serves any batch of its shape once new words are copied in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from glmflash.model.verify import commit_on_device, verify_batch
+from glmflash.utils.device import upload
+
+if TYPE_CHECKING:
+    from glmflash.engine.spec_runner import SpecRunner
+
+
+@dataclass
+class CapturedVerify:
+    graph: torch.cuda.CUDAGraph
+    packed: torch.Tensor
+    """The inputs, as `pack_verify` lays them out (with state copies kept)."""
+    staging: torch.Tensor
+    """Page-locked host copy of `packed`, rewritten per replay."""
+    hidden: torch.Tensor
+    """`[B * (k + 1), D]` main hidden state of every row; the draft graph reads it."""
+    logits: torch.Tensor
+    """`[B * (k + 1), V]` logits of every row."""
+    draft: CapturedDraft | None = None
+    """The draft graph of the same size and width, which reads `hidden`."""
+    accept: CapturedAccept | None = None
+    """The greedy acceptance between the two (`replay_greedy`)."""
+
+
+@dataclass
+class CapturedDraft:
+    graph: torch.cuda.CUDAGraph
+    packed: torch.Tensor
+    """The inputs, as `pack_verify` lays them out (nothing kept)."""
+    staging: torch.Tensor
+    out: torch.Tensor
+    """`[B * (k + 1), D]` the MTP layer's pre-norm output of every row."""
+    ids: torch.Tensor
+    """`[B * (k + 1)]` the id each row drafts."""
+
+
+@dataclass
+class CapturedAccept:
+    graph: torch.cuda.CUDAGraph
+    result: torch.Tensor
+    """`[B, k + 2]` int64: each row's argmax (k + 1), then the drafts accepted."""
+
+
+def capture_verify(spec: SpecRunner, packed_host: np.ndarray, size: int, width: int,
+                   rows_per_seq: int, pool) -> CapturedVerify:
+    """The verify forward of `size` sequences of `rows_per_seq` rows (state copies kept)."""
+    runner = spec.runner
+    packed = upload(packed_host, runner.device)
+    num_tokens = [rows_per_seq] * size
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+        batch = verify_batch(packed, num_tokens, True, runner.page_table, runner.page_size,
+                             width, spec.scratch)
+        hidden = runner.model.hidden_states(batch, runner.state)
+        return hidden, runner.model.logits(hidden)
+
+    graph, (hidden, logits) = record(forward, pool, runner.device)
+    return CapturedVerify(graph, packed, staging(packed), hidden, logits)
+
+
+def capture_draft(spec: SpecRunner, packed_host: np.ndarray, verify: CapturedVerify,
+                  size: int, width: int, rows_per_seq: int, pool) -> CapturedDraft:
+    """The MTP layer over the verify's rows, reading its hidden states in place."""
+    runner = spec.runner
+    packed = upload(packed_host, runner.device)
+    num_tokens = [rows_per_seq] * size
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+        batch = verify_batch(packed, num_tokens, False, runner.page_table, runner.page_size,
+                             width, None)
+        embeds = runner.model.text.embed_tokens(batch.input_ids)
+        out = spec.mtp.layer.hidden(verify.hidden, embeds, batch, runner.state)
+        return out, spec.mtp.logits(runner.model, out).argmax(dim=-1)
+
+    graph, (out, ids) = record(forward, pool, runner.device)
+    return CapturedDraft(graph, packed, staging(packed), out, ids)
+
+
+def capture_accept(spec: SpecRunner, verify: CapturedVerify, width: int, rows_per_seq: int,
+                   forced: torch.Tensor, pool) -> CapturedAccept:
+    """Greedy acceptance over the verify graph's outputs, the commit, and the draft graph's
+    inputs written in place. `forced` `[B]`: drafts accepted regardless (-1: the argmax
+    decides)."""
+    runner, size = spec.runner, forced.shape[0]
+    num_drafts, num_tokens = rows_per_seq - 1, [rows_per_seq] * size
+    page = runner.page_size
+
+    def forward() -> tuple[torch.Tensor]:
+        batch = verify_batch(verify.packed, num_tokens, True, runner.page_table, page, width,
+                             spec.scratch)
+        draft = verify_batch(verify.draft.packed, num_tokens, False, runner.page_table, page,
+                             width, None)
+        targets = verify.logits.argmax(dim=-1).view(size, rows_per_seq)
+        drafts = batch.input_ids.view(size, rows_per_seq)[:, 1:]
+        # Leading drafts equal to the argmax: positions before the first mismatch.
+        mismatches = (targets[:, :num_drafts] != drafts).long().cumsum(dim=1)
+        leading = (mismatches == 0).long().sum(dim=1)
+        accepted = torch.where(forced >= 0, forced.clamp(max=num_drafts), leading)
+        slots = batch.decode.state_slots.view(size, rows_per_seq)
+        commit_on_device(runner.state, spec.scratch, slots[:, 0], accepted, num_drafts)
+        # The MTP layer's rows: each accepted position with the token after it (the argmax
+        # there); padding rows (reserved slot and page, positions 0..k) elsewhere.
+        j = torch.arange(rows_per_seq, device=targets.device)
+        valid = j[None, :] <= accepted[:, None]
+        pad_slot = torch.full_like(j, runner.dummy_slot)
+        fields = ((draft.token_slots, batch.token_slots, runner.dummy_page * page + j),
+                  (draft.decode.positions, batch.decode.positions, j),
+                  (draft.decode.state_slots, batch.decode.state_slots, pad_slot))
+        draft.input_ids.copy_(targets.view(-1))
+        for dest, real, pad in fields:
+            dest.copy_(torch.where(valid, real.view(size, rows_per_seq), pad).view(-1))
+        positions = draft.decode.positions.view(size, rows_per_seq)
+        state_slots = draft.decode.state_slots.view(size, rows_per_seq)
+        for step, at in enumerate(draft.verify.steps):
+            at.positions.copy_(positions[:, step])
+            at.state_slots.copy_(state_slots[:, step])
+        return (torch.cat([targets, accepted[:, None]], dim=1),)
+
+    graph, (result,) = record(forward, pool, runner.device)
+    return CapturedAccept(graph, result)
+
+
+def record(forward, pool, device: torch.device):
+    """Warm `forward` up on a side stream (compiles, fits launch shapes), then capture it."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = forward()
+    return graph, outputs
+
+
+def staging(packed: torch.Tensor) -> torch.Tensor:
+    """A page-locked host copy of `packed`'s shape, for the words of each replay."""
+    return torch.empty_like(packed, device="cpu").pin_memory()
