@@ -78,10 +78,10 @@ class SpecDecoder:
         Rows whose logits processor raised are in `sampler.errors`, by sampled index."""
         self.runner.runner.apply_cache_changes(batch.page_updates, batch.cache_ops)
         drafts = batch.draft_ids or [[] for _ in batch.seqs]
-        is_verify = [is_verify(seq, n, sample, d) for seq, n, sample, d in
+        verifies = [is_verify(seq, n, sample, d) for seq, n, sample, d in
                      zip(batch.seqs, batch.num_tokens, batch.needs_sample, drafts, strict=True)]
-        main_idx = [i for i, v in enumerate(is_verify) if not v]
-        verify_idx = [i for i, v in enumerate(is_verify) if v]
+        main_idx = [i for i, v in enumerate(verifies) if not v]
+        verify_idx = [i for i, v in enumerate(verifies) if v]
         starts = [seq.num_computed_tokens for seq in batch.seqs]
         for seq in batch.seqs:
             seq.draft_ids = []
