@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python bench/sweeps.py [--ops kda,kda_prefill,mla,fp8,fp8row,fp8rules,moe]
 
-`moe`: fused MoE prefill at 8192 tokens, the sort and GEMM variants (bench/fused_moe.py);
+`moe`: fused MoE prefill at 8192 tokens by parts: both sorts, the GEMMs (bench/fused_moe.py);
 `fp8rules`: FP8 linear at 16 rows, the streaming grid and the per-shape rules over it.
 
 Every time is the median of CUDA-graph replays (bench/kernels.py `graph_ms`); kda_prefill
@@ -193,10 +193,10 @@ def main() -> None:
     if "fp8rules" in ops:
         sweep_fp8_rules()
     if "moe" in ops:
-        from bench.fused_moe import variants_table
+        from bench.fused_moe import parts_table
 
-        print("\nFused MoE prefill variants, 288 x 4096 x 2048, top-8, CUDA-graph timed\n\n"
-              + variants_table(), flush=True)
+        print("\nFused MoE prefill by parts, 288 x 4096 x 2048, top-8, CUDA-graph timed\n\n"
+              + parts_table(), flush=True)
 
 
 if __name__ == "__main__":
