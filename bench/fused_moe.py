@@ -9,7 +9,7 @@ report TFLOP/s against the dense GEMM (goal: >= 0.7x at 8192 tokens). CUDA-graph
 
     python bench/fused_moe.py [--tokens 1 8 32 2048 8192] [--no-loop]
     python bench/fused_moe.py --forms 8192 [--sweep]   # prefill: W8A8 form vs bf16 form
-    python bench/sweeps.py --ops moe                     # sort and GEMM variants at 8192
+    python bench/sweeps.py --ops moe                     # prefill parts at 8192
 
 `--forms`: at each given size (uniform routing) the W8A8 prefill form and the dequantising bf16
 form against the dense GEMM, and the sort alone; `--sweep` also times a few W8A8 launch shapes
@@ -154,16 +154,6 @@ def prefill_forms(num_tokens: int, w: list[torch.Tensor], sweep: bool) -> str:
                   "fused / dense (goal 0.7)"], rows)
 
 
-# GEMM variants the phase sweep times against each other (the default first).
-VARIANTS = {
-    "default": W8A8MoeConfig(),
-    "defer": W8A8MoeConfig(defer_promote=True),
-    "wide": W8A8MoeConfig(wide=True),
-    "wide 4 stages": W8A8MoeConfig(wide=True, gate_up_stages=4, down_stages=4),
-    "wide defer": W8A8MoeConfig(wide=True, defer_promote=True),
-}
-
-
 def _parts(x, ids, cfg):
     """The inputs of the two GEMMs (quantised x, the sorted layout)."""
     xq, xs = quantize_activations(x, torch.float8_e4m3fn, 128)
@@ -171,34 +161,33 @@ def _parts(x, ids, cfg):
     return xq, xs, sorted_pairs, block_expert
 
 
-def variants_rows(num_tokens: int, skewed: bool, w: list[torch.Tensor], dense: dict) -> list:
-    """Sort (one launch vs histogram + scatter), the rest (quantiser + sum), each GEMM variant,
-    and the estimated total against the dense GEMMs of equal FLOPs."""
+def parts_rows(num_tokens: int, skewed: bool, w: list[torch.Tensor], dense: dict) -> list:
+    """The sort (one launch vs histogram + scatter), the two W8A8 GEMMs, the rest (measured
+    total minus the GEMMs), and the total against the dense GEMMs of equal FLOPs."""
     x = torch.randn(num_tokens, HIDDEN, device="cuda").bfloat16()
     ids, weights = routing(num_tokens, skewed)
     flops = 2 * num_tokens * TOP_K * 3 * INTER * HIDDEN
-    bm = VARIANTS["default"].block_m
-    sort_old = graph_ms(lambda: sort_pairs(ids, EXPERTS, bm, SORT_ONE), rep=30)
-    sort_new = graph_ms(lambda: sort_pairs(ids, EXPERTS, bm, SORT_SCAN), rep=30)
-    xq, xs, rows, blocks = _parts(x, ids, VARIANTS["default"])
-    full = graph_ms(lambda: fused_moe(x, ids, weights, *w, limit=LIMIT,
-                                      config=VARIANTS["default"], sort=SORT_SCAN), rep=50)
+    cfg = DEFAULT_DISPATCH.w8a8
+    sort_old = graph_ms(lambda: sort_pairs(ids, EXPERTS, cfg.block_m, SORT_ONE), rep=30)
+    sort_new = graph_ms(lambda: sort_pairs(ids, EXPERTS, cfg.block_m, SORT_SCAN), rep=30)
+    xq, xs, rows, blocks = _parts(x, ids, cfg)
+    full = graph_ms(lambda: fused_moe(x, ids, weights, *w, limit=LIMIT, config=cfg,
+                                      sort=SORT_SCAN), rep=50)
+    gemms = graph_ms(lambda: w8a8_experts(
+        xq, xs, rows, blocks, TOP_K, w[0], w[1], w[2], w[3], w[4], w[5], limit=LIMIT,
+        block=128, out_dtype=x.dtype, config=cfg), rep=50)
     label = "skewed" if skewed else "uniform"
     out = [[num_tokens, label, "sort one launch / scan", f"{sort_old * 1e3:.0f} / "
-            f"{sort_new * 1e3:.0f}", "-", "-", "-"]]
-    gemm_default = None
-    for name, cfg in VARIANTS.items():
-        ms = graph_ms(lambda c=cfg: w8a8_experts(
-            xq, xs, rows, blocks, TOP_K, w[0], w[1], w[2], w[3], w[4], w[5], limit=LIMIT,
-            block=128, out_dtype=x.dtype, config=c), rep=50)
-        gemm_default = gemm_default or ms
-        total = full - gemm_default + ms  # the same sort, quantiser and sum around it
-        out.append([num_tokens, label, f"GEMMs {name}", f"{ms * 1e3:.0f}",
-                    f"{flops / ms / 1e9:.0f}", f"{total * 1e3:.0f}",
-                    f"{dense['per-tensor'] / total:.2f} / {dense['blockwise'] / total:.2f}"])
-        print(out[-1], flush=True)
-    out.append([num_tokens, label, "rest (quantiser, sum; measured total - default GEMMs)",
-                f"{(full - gemm_default) * 1e3:.0f}", "-", f"{full * 1e3:.0f}", "-"])
+            f"{sort_new * 1e3:.0f}", "-", "-", "-"],
+           [num_tokens, label, "GEMMs", f"{gemms * 1e3:.0f}", f"{flops / gemms / 1e9:.0f}", "-",
+            "-"],
+           [num_tokens, label, "rest (sort, quantiser, sum: total - GEMMs)",
+            f"{(full - gemms) * 1e3:.0f}", "-", "-", "-"],
+           [num_tokens, label, "total", f"{full * 1e3:.0f}", f"{flops / full / 1e9:.0f}",
+            f"{full * 1e3:.0f}",
+            f"{dense['per-tensor'] / full:.2f} / {dense['blockwise'] / full:.2f}"]]
+    for r in out:
+        print(r, flush=True)
     return out
 
 
@@ -213,8 +202,8 @@ def dense_ms(num_tokens: int) -> dict:
     return {"per-tensor": per_tensor, "blockwise": blockwise}
 
 
-def variants_table(num_tokens: int = 8192) -> str:
-    """The phase sweep: sort and GEMM variants at `num_tokens`, uniform and skewed routing."""
+def parts_table(num_tokens: int = 8192) -> str:
+    """Prefill at `num_tokens` by parts (uniform and skewed routing) against the dense GEMMs."""
     w = expert_weights()
     dense = dense_ms(num_tokens)
     flops = 2 * num_tokens * TOP_K * 3 * INTER * HIDDEN
@@ -223,8 +212,8 @@ def variants_table(num_tokens: int = 8192) -> str:
           f"TFLOP/s), blockwise "
           f"{dense['blockwise'] * 1e3:.0f} us ({flops / dense['blockwise'] / 1e9:.0f})",
           flush=True)
-    rows = variants_rows(num_tokens, False, w, dense) + variants_rows(num_tokens, True, w, dense)
-    return table(["tokens", "routing", "part", "us", "GEMM TFLOP/s", "est. total us",
+    rows = parts_rows(num_tokens, False, w, dense) + parts_rows(num_tokens, True, w, dense)
+    return table(["tokens", "routing", "part", "us", "TFLOP/s", "total us",
                   "dense / total: per-tensor / blockwise (goal 0.7)"], rows)
 
 

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python bench/sweeps.py [--ops kda,kda_prefill,mla,fp8,fp8row,fp8rules,moe]
 
-`moe`: fused MoE prefill at 8192 tokens, the sort and GEMM variants (bench/fused_moe.py);
+`moe`: fused MoE prefill at 8192 tokens by parts: both sorts, the GEMMs (bench/fused_moe.py);
 `fp8rules`: FP8 linear at 16 rows, the streaming grid and the per-shape rules over it.
 
 Every time is the median of CUDA-graph replays (bench/kernels.py `graph_ms`); kda_prefill
@@ -148,7 +148,8 @@ def sweep_fp8_rules(m: int = 16) -> None:
                   f"({base[k, n] / times[k, n, shape]:.2f} of per-tensor "
                   f"{base[k, n] * 1e3:.1f} us)", flush=True)
         del wqs
-    for name, entries in list(STREAM_RULES.items()) + [("per-shape best", "best")]:
+    for name, entries in list(STREAM_RULES.items()) + [("H200 rule (the default)", _h200_rule()),
+                                                       ("per-shape best", "best")]:
         cells = []
         for k, n in FP8_SHAPES:
             shape = (min(STREAM_GRID, key=lambda s: times[k, n, s]) if entries == "best"
@@ -156,6 +157,14 @@ def sweep_fp8_rules(m: int = 16) -> None:
             cells.append(f"{k}->{n} {base[k, n] / times[k, n, shape]:.2f}")
         worst = min(float(c.split()[-1]) for c in cells)
         print(f"fp8 M={m} rule [{name}]: {', '.join(cells)}; worst {worst:.2f}", flush=True)
+
+
+def _h200_rule() -> tuple:
+    """fp8_linear's default rule as sweep entries (its default as a last, catch-all entry)."""
+    from glmflash.kernels.fp8_gemm.triton_stream import H200_STREAM_RULE as rule
+
+    return tuple((a, b, c, dataclasses.astuple(cfg)) for a, b, c, cfg in rule.entries) + (
+        (0, BIG, BIG, dataclasses.astuple(rule.default)),)
 
 
 def _rule_pick(entries, n: int, k: int) -> tuple:
@@ -193,10 +202,10 @@ def main() -> None:
     if "fp8rules" in ops:
         sweep_fp8_rules()
     if "moe" in ops:
-        from bench.fused_moe import variants_table
+        from bench.fused_moe import parts_table
 
-        print("\nFused MoE prefill variants, 288 x 4096 x 2048, top-8, CUDA-graph timed\n\n"
-              + variants_table(), flush=True)
+        print("\nFused MoE prefill by parts, 288 x 4096 x 2048, top-8, CUDA-graph timed\n\n"
+              + parts_table(), flush=True)
 
 
 if __name__ == "__main__":

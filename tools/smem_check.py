@@ -240,8 +240,7 @@ def fused_moe_launches() -> list[Launch]:
                        cfg.num_stages, aligned=("N", "K"))]
     cfg = moe_w8a8.W8A8_CONFIG
     rows = {"sorted_pairs": "*i32", "block_expert": "*i32", "xs": "*fp32", "hs": "*fp32"}
-    consts = dict(BLOCK=128, BM=cfg.block_m, BK=cfg.block_k, GROUP_M=cfg.group_m,
-                  DEFER=cfg.defer_promote)
+    consts = dict(BLOCK=128, BM=cfg.block_m, BK=cfg.block_k, GROUP_M=cfg.group_m)
     gate_up = dict(rows, xq="*fp8e4nv", w_gate="*fp8e4nv", s_gate="*fp32", w_up="*fp8e4nv",
                    s_up="*fp32", hq="*fp8e4nv")
     down = dict(rows, hq="*fp8e4nv", w="*fp8e4nv", s="*fp32", y="*bf16")

@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 
 from glmflash.kernels.fp8_gemm import fp8_linear_ref, triton_impl  # noqa: E402
 from glmflash.kernels.fp8_gemm.triton_stream import (  # noqa: E402
+    H200_STREAM_RULE,
     STREAM_CONFIG,
     StreamConfig,
     StreamRule,
@@ -88,6 +89,28 @@ def test_rule_picks_the_first_fitting_entry():
     assert StreamRule().pick(1536, 4096) == STREAM_CONFIG
 
 
+# The sweep's fastest launch shape at 16 rows per release shape (K, N) on the H200:
+# (block_n, waves, min split blocks, warps, stages).
+H200_FASTEST = {(4096, 1536): (64, 4.0, 4, 4, 4), (1536, 16384): (64, 1.0, 2, 4, 6),
+                (16384, 4096): (64, 2.0, 2, 4, 6), (4096, 4096): (128, 2.0, 2, 8, 4),
+                (4096, 24576): (64, 1.0, 2, 4, 6)}
+
+
+@pytest.mark.parametrize("k,n", H200_FASTEST.keys(), ids=[f"{k}->{n}" for k, n in H200_FASTEST])
+def test_h200_rule_picks_the_fastest_shape(k, n):
+    assert H200_STREAM_RULE.pick(n, k) == StreamConfig(*H200_FASTEST[k, n])
+
+
+def test_rule_keeps_to_its_gpu(monkeypatch):
+    """Other GPUs take the fallback (the rule's shapes need the H200's shared memory)."""
+    cpu = torch.device("cpu")
+    for capability, fastest in (((9, 0), True), ((8, 9), False), ((12, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d, c=capability: c)
+        got = H200_STREAM_RULE.pick_for(4096, 4096, cpu)
+        assert got == (StreamConfig(*H200_FASTEST[4096, 4096]) if fastest else STREAM_CONFIG)
+    assert StreamRule().pick_for(4096, 4096, cpu) == STREAM_CONFIG  # no GPU named: everywhere
+
+
 @pytest.mark.gpu
 def test_linear_follows_the_rule():
     if torch.cuda.get_device_capability() < (8, 9):
@@ -107,5 +130,6 @@ def test_release_shapes_gpu(m, n, k):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 products before SM89")
     x, w, s = _case(m, n, k, torch.bfloat16)
-    got = check(x, w, s)
+    config = triton_impl.DEFAULT_CONFIG
+    got = check(x, w, s, config=config.stream_rule.pick_for(n, k, x.device, config.stream))
     assert torch.equal(triton_impl.fp8_linear(x, w, s), got), "2..63 rows take this form"

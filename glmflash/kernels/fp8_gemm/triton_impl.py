@@ -32,6 +32,7 @@ from glmflash.kernels.fp8_gemm.triton_common import (
     store_split,
 )
 from glmflash.kernels.fp8_gemm.triton_stream import (
+    H200_STREAM_RULE,
     STREAM_CONFIG,
     StreamConfig,
     StreamRule,
@@ -49,9 +50,10 @@ class Fp8LinearConfig:
     gemm_min_rows: int = 64
     """Rows from which the tiled FP8 GEMM runs (below: the weight-streaming W8A8 form)."""
     stream: StreamConfig = STREAM_CONFIG
-    """Launch shape of the weight-streaming W8A8 form."""
-    stream_rule: StreamRule | None = None
-    """Per-weight-shape launch shapes of the streaming form (None: `stream` everywhere)."""
+    """Launch shape of the weight-streaming W8A8 form where `stream_rule` does not apply."""
+    stream_rule: StreamRule | None = H200_STREAM_RULE
+    """Per-weight-shape launch shapes of the streaming form, on the rule's GPU (None: `stream`
+    everywhere)."""
     wdq_block_n: int = 64
     """Weight-only: output columns per program."""
     wdq_fma_rows: int = 1
@@ -304,7 +306,8 @@ def _linear_2d(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, 
         return fp8_linear_weight_only(x2, weight, scale_inv, block, config)
     if m < config.gemm_min_rows:
         n, k = weight.shape
-        stream = config.stream if config.stream_rule is None else config.stream_rule.pick(n, k)
+        rule = config.stream_rule
+        stream = config.stream if rule is None else rule.pick_for(n, k, x2.device, config.stream)
         return fp8_linear_stream(x2, weight, scale_inv, block, stream)
     if scaled_mm_fits(x2, weight, block):
         return fp8_linear_scaled_mm(x2, weight, scale_inv, block)

@@ -54,12 +54,36 @@ class StreamRule:
     entries: tuple[tuple[int, int, int, StreamConfig], ...] = ()
     """(min_k, max_k, max_n, config)."""
     default: StreamConfig = STREAM_CONFIG
+    capability: tuple[int, int] | None = None
+    """The GPU the rule was measured on; elsewhere `pick_for` returns the fallback shape.
+    None: every GPU."""
 
     def pick(self, n: int, k: int) -> StreamConfig:
         for min_k, max_k, max_n, config in self.entries:
             if min_k <= k <= max_k and n <= max_n:
                 return config
         return self.default
+
+    def pick_for(self, n: int, k: int, device: torch.device,
+                 fallback: StreamConfig = STREAM_CONFIG) -> StreamConfig:
+        """`pick` on the rule's GPU, `fallback` on others."""
+        if self.capability is not None and \
+                torch.cuda.get_device_capability(device) != self.capability:
+            return fallback
+        return self.pick(n, k)
+
+
+_ANY = 1 << 30
+# The H200's rule (bench/sweeps.py --ops fp8rules at 16 rows; README.md has the figures): small
+# N splits K more, 4096x4096 takes 128-row tiles, long K with N 4096 two waves and 6 stages,
+# wide N one wave and 6 stages. SM90 only: the 6-stage and 128-row shapes need more than the
+# 99 KB of shared memory of sm_89 / sm_120 at 33-63 rows.
+H200_STREAM_RULE = StreamRule(
+    entries=((0, _ANY, 2048, StreamConfig(waves=4.0, min_split_blocks=4)),
+             (0, 4096, 4096, StreamConfig(block_n=128, waves=2.0, num_warps=8)),
+             (0, _ANY, 4096, StreamConfig(waves=2.0, num_stages=6))),
+    default=StreamConfig(waves=1.0, num_stages=6),
+    capability=(9, 0))
 
 
 @jit
@@ -117,5 +141,5 @@ def fp8_linear_stream(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.T
     return out
 
 
-__all__ = ["STREAM_CONFIG", "StreamConfig", "StreamRule", "fp8_linear_stream",
-           "fp8_stream_gemm_kernel"]
+__all__ = ["H200_STREAM_RULE", "STREAM_CONFIG", "StreamConfig", "StreamRule",
+           "fp8_linear_stream", "fp8_stream_gemm_kernel"]

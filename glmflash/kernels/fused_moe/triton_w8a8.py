@@ -25,11 +25,6 @@ except ImportError:  # the package must import without triton; the launchers nee
     triton = None
 
 from glmflash.kernels.fp8_gemm.triton_common import quantize_rows
-from glmflash.kernels.fused_moe.triton_w8a8_wide import (
-    _tile_of,
-    fused_moe_w8a8_down_wide_kernel,
-    fused_moe_w8a8_gate_up_wide_kernel,
-)
 from glmflash.kernels.triton_utils import jit
 
 
@@ -48,28 +43,28 @@ class W8A8MoeConfig:
     gate_up_stages: int = 3
     down_warps: int = 8
     down_stages: int = 3
-    defer_promote: bool = False
-    """Promote each K block's fp32 partial (times its scales) into the accumulator one
-    iteration late, after the next block's product is issued, so the FMAs need not wait for
-    the product in flight (one more partial held in registers)."""
-    wide: bool = False
-    """One [BLOCK_M, 256] product per K block (triton_w8a8_wide.py: gate and up rows
-    interleaved in one weight tile; down's two column blocks together) instead of two
-    [BLOCK_M, 128] products."""
 
 
 W8A8_CONFIG = W8A8MoeConfig()
 
 
 @jit
+def _tile_of(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """(row block, column tile) of program `pid`, GROUP_M row blocks per column sweep."""
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % width) % size_m, (pid % width) // size_m
+
+
+@jit
 def _scaled_dot_pair(p_a, p_as, m_r, p_b0, p_b1, p_bs0, p_bs1, m_n0, m_n1, n1, N, K,
                      BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, DEFER: tl.constexpr):
+                     BK: tl.constexpr):
     """sum over K of (A_kb B0_kb^T) * a_s[:, kb] * b0_s[kb] and likewise for B1: A `[BM, K]`
     e4m3 rows (p_a: row pointers at column 0, p_as: their scales), B0/B1 `[BN, K]` e4m3
     weight tiles each inside one scale block row (p_bs*: that row of scales; B1's first
-    column is n1, and B1 is all zero from N). DEFER: each block's partial is added one
-    iteration late (the same sums in the same order)."""
+    column is n1, and B1 is all zero from N)."""
     o_k = tl.arange(0, BK)
     # NOTE: the weight scales are loaded as [BM] vectors (every lane the same address): a
     # scalar scale load in a pipelined loop is a known miscompile (spec/kernels.md §4).
@@ -77,11 +72,6 @@ def _scaled_dot_pair(p_a, p_as, m_r, p_b0, p_b1, p_bs0, p_bs1, m_n0, m_n1, n1, N
     m_s1 = o_zero + n1 < N
     b_acc0 = tl.zeros([BM, BN], dtype=tl.float32)
     b_acc1 = tl.zeros([BM, BN], dtype=tl.float32)
-    # the previous block's partials and scales (DEFER); zero before the first block
-    b_p0 = tl.zeros([BM, BN], dtype=tl.float32)
-    b_p1 = tl.zeros([BM, BN], dtype=tl.float32)
-    b_s0 = tl.zeros([BM], dtype=tl.float32)
-    b_s1 = tl.zeros([BM], dtype=tl.float32)
     for k0 in range(0, K, BK):
         m_k = k0 + o_k < K
         kb = k0 // BLOCK
@@ -93,17 +83,8 @@ def _scaled_dot_pair(p_a, p_as, m_r, p_b0, p_b1, p_bs0, p_bs1, m_n0, m_n1, n1, N
         b_bs1 = tl.load(p_bs1 + kb + o_zero, mask=m_s1, other=0.0)  # [BM]
         b_d0 = tl.dot(b_a, tl.trans(b_b0))  # [BM, BN]
         b_d1 = tl.dot(b_a, tl.trans(b_b1))
-        if DEFER:
-            b_acc0 += b_p0 * b_s0[:, None]
-            b_acc1 += b_p1 * b_s1[:, None]
-            b_p0, b_p1 = b_d0, b_d1
-            b_s0, b_s1 = b_as * b_bs0, b_as * b_bs1
-        else:
-            b_acc0 += b_d0 * (b_as * b_bs0)[:, None]
-            b_acc1 += b_d1 * (b_as * b_bs1)[:, None]
-    if DEFER:
-        b_acc0 += b_p0 * b_s0[:, None]
-        b_acc1 += b_p1 * b_s1[:, None]
+        b_acc0 += b_d0 * (b_as * b_bs0)[:, None]
+        b_acc1 += b_d1 * (b_as * b_bs1)[:, None]
     return b_acc0, b_acc1
 
 
@@ -113,7 +94,7 @@ def fused_moe_w8a8_gate_up_kernel(xq, xs, sorted_pairs, block_expert, w_gate, s_
                                   stride_xsm, stride_we, stride_wn, stride_se, stride_sn,
                                   stride_hm, stride_hsm, TOP_K: tl.constexpr,
                                   BLOCK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                                  GROUP_M: tl.constexpr, DEFER: tl.constexpr):
+                                  GROUP_M: tl.constexpr):
     """h = silu(min(x Wg^T, L)) * clip(x Wu^T, -L, L) for one row block and BLOCK columns,
     stored in e4m3 with one scale per row (over these columns); a block without an expert
     returns before reading any weight."""
@@ -133,7 +114,7 @@ def fused_moe_w8a8_gate_up_kernel(xq, xs, sorted_pairs, block_expert, w_gate, s_
     s_off = e.to(tl.int64) * stride_se + i_n * stride_sn
     b_gate, b_up = _scaled_dot_pair(p_a, xs + o_t * stride_xsm, m_r, w_gate + w_off,
                                     w_up + w_off, s_gate + s_off, s_up + s_off, m_n, m_n,
-                                    i_n * BLOCK, N, K, BLOCK, BM, BLOCK, BK, DEFER)
+                                    i_n * BLOCK, N, K, BLOCK, BM, BLOCK, BK)
     b_gate = tl.minimum(b_gate, limit)
     b_up = tl.minimum(tl.maximum(b_up, -limit), limit)
     # Columns past N have zero weights, so h is 0 there and leaves the row's amax alone.
@@ -147,8 +128,7 @@ def fused_moe_w8a8_gate_up_kernel(xq, xs, sorted_pairs, block_expert, w_gate, s_
 def fused_moe_w8a8_down_kernel(hq, hs, sorted_pairs, block_expert, w, s, y, num_pairs,
                                num_blocks, N, K, stride_hm, stride_hsm, stride_we, stride_wn,
                                stride_se, stride_sn, stride_ym, BLOCK: tl.constexpr,
-                               BM: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                               DEFER: tl.constexpr):
+                               BM: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     """y[pair, cols] = h[row] W_down^T for one row block and 2 * BLOCK columns, each row into
     its pair's row of y; a block without an expert returns before reading any weight."""
     i_b, i_n = _tile_of(tl.program_id(0), num_blocks, tl.cdiv(N, 2 * BLOCK), GROUP_M)
@@ -169,20 +149,10 @@ def fused_moe_w8a8_down_kernel(hq, hs, sorted_pairs, block_expert, w, s, y, num_
                                   w_e + o_n0[:, None].to(tl.int64) * stride_wn,
                                   w_e + o_n1[:, None].to(tl.int64) * stride_wn, s_e,
                                   s_e + stride_sn, m_n0, m_n1, (2 * i_n + 1) * BLOCK, N, K,
-                                  BLOCK, BM, BLOCK, BK, DEFER)
+                                  BLOCK, BM, BLOCK, BK)
     p_y = y + tl.where(m_r, b_pair, 0)[:, None].to(tl.int64) * stride_ym
     tl.store(p_y + o_n0[None, :], b_y0.to(y.dtype.element_ty), mask=m_r[:, None] & m_n0[None, :])
     tl.store(p_y + o_n1[None, :], b_y1.to(y.dtype.element_ty), mask=m_r[:, None] & m_n1[None, :])
-
-
-def _up_deltas(w_gate: torch.Tensor, s_gate: torch.Tensor, w_up: torch.Tensor,
-               s_up: torch.Tensor) -> tuple[int, int]:
-    """Where the up weights and scales lie from the gate ones, in elements (the wide kernel
-    addresses both from one base)."""
-    w_bytes = w_up.data_ptr() - w_gate.data_ptr()
-    s_bytes = s_up.data_ptr() - s_gate.data_ptr()
-    assert w_bytes % w_gate.element_size() == 0 and s_bytes % s_gate.element_size() == 0
-    return w_bytes // w_gate.element_size(), s_bytes // s_gate.element_size()
 
 
 def w8a8_experts(xq: torch.Tensor, xs: torch.Tensor, sorted_pairs: torch.Tensor,
@@ -202,21 +172,14 @@ def w8a8_experts(xq: torch.Tensor, xs: torch.Tensor, sorted_pairs: torch.Tensor,
     hq = torch.empty(num_blocks * bm, inter, dtype=w_down.dtype, device=xq.device)
     hs = torch.empty(num_blocks * bm, triton.cdiv(inter, block), dtype=torch.float32,
                      device=xq.device)
-    shape = dict(BLOCK=block, BM=bm, BK=bk, GROUP_M=config.group_m, DEFER=config.defer_promote)
-    if config.wide:
-        gate_up, down = fused_moe_w8a8_gate_up_wide_kernel, fused_moe_w8a8_down_wide_kernel
-        up_args = _up_deltas(w_gate, s_gate, w_up, s_up)
-    else:
-        gate_up, down = fused_moe_w8a8_gate_up_kernel, fused_moe_w8a8_down_kernel
-        up_args = ()
-    gate_up[(num_blocks * triton.cdiv(inter, block),)](
-        xq, xs, sorted_pairs, block_expert, w_gate, s_gate, w_up, s_up, hq, hs, *up_args,
-        num_pairs,
+    shape = dict(BLOCK=block, BM=bm, BK=bk, GROUP_M=config.group_m)
+    fused_moe_w8a8_gate_up_kernel[(num_blocks * triton.cdiv(inter, block),)](
+        xq, xs, sorted_pairs, block_expert, w_gate, s_gate, w_up, s_up, hq, hs, num_pairs,
         num_blocks, inter, hidden, float(limit), xq.stride(0), xs.stride(0), w_gate.stride(0),
         w_gate.stride(1), s_gate.stride(0), s_gate.stride(1), hq.stride(0), hs.stride(0),
         TOP_K=top_k, num_warps=config.gate_up_warps, num_stages=config.gate_up_stages, **shape)
     y = torch.empty(num_pairs, hidden, dtype=out_dtype, device=xq.device)
-    down[(num_blocks * triton.cdiv(hidden, 2 * block),)](
+    fused_moe_w8a8_down_kernel[(num_blocks * triton.cdiv(hidden, 2 * block),)](
         hq, hs, sorted_pairs, block_expert, w_down, s_down, y, num_pairs, num_blocks, hidden,
         inter, hq.stride(0), hs.stride(0), w_down.stride(0), w_down.stride(1),
         s_down.stride(0), s_down.stride(1), y.stride(0), num_warps=config.down_warps,
