@@ -22,26 +22,22 @@ PREFILL_QUERIES = 4096
 
 
 def sweep_configs(queries: int) -> dict[str, object]:
-    """The default launch configuration and three variations that the row can decide."""
+    """The default launch configuration and the variations that the row can decide."""
     from glmflash.kernels.sparse_mla.plan import DEFAULT_CONFIG, SparseMlaLaunch, split_plan
     from glmflash.kernels.triton_utils import num_sms
 
     def shapes(*launches):
         return dataclasses.replace(DEFAULT_CONFIG, prefill=launches, decode=launches)
 
-    configs = {"default": DEFAULT_CONFIG,
-               "scores on both warpgroups": shapes(SparseMlaLaunch(64, 2, split_scores=False))}
+    configs = {"default": DEFAULT_CONFIG}
     sms = num_sms(torch.device("cuda"))
     splits = split_plan(queries, HEADS, WIDTH, 64, sms, DEFAULT_CONFIG).num_splits
     if splits == 1:
-        configs["32-slot steps"] = shapes(SparseMlaLaunch(32, 2))
-        configs["2 stages"] = shapes(SparseMlaLaunch(64, 2))
+        configs["32-slot steps"] = shapes(SparseMlaLaunch(32, 2, tail_slots=16))
+        configs["2 stages"] = shapes(SparseMlaLaunch(64, 2, tail_slots=16))
         return configs
-    configs["16-slot tail steps"] = shapes(SparseMlaLaunch(64, 2, tail_slots=16))
-    if splits > DEFAULT_CONFIG.max_fused_splits:
-        configs["fused combine"] = dataclasses.replace(DEFAULT_CONFIG, max_fused_splits=splits)
-    else:
-        configs["combine kernel"] = dataclasses.replace(DEFAULT_CONFIG, max_fused_splits=1)
+    configs["64-slot tail steps"] = shapes(SparseMlaLaunch(64, 2))
+    configs["fp32 partials"] = dataclasses.replace(DEFAULT_CONFIG, partial_dtype=torch.float32)
     return configs
 
 
@@ -112,7 +108,7 @@ def time_config(q, latent, slot_sets, want, config) -> tuple[float, str, str]:
     from glmflash.kernels.triton_utils import num_sms
 
     workspace = SparseMlaWorkspace.create(q.shape[0], HEADS, RANK, WIDTH, q.device,
-                                          num_sms(q.device), config)
+                                          num_sms(q.device), config, q.dtype)
     try:
         err = rel(ti.sparse_mla(q, latent, slot_sets[0], scale=1 / 16, config=config,
                                 workspace=workspace).float(), want)
@@ -120,10 +116,10 @@ def time_config(q, latent, slot_sets, want, config) -> tuple[float, str, str]:
                                                  workspace=workspace) for s in slot_sets])
     except Exception as e:  # noqa: BLE001 - a configuration that does not run is a result too
         return 0.0, type(e).__name__, "-"
-    shape, plan, fused = ti.launch_plan(q, slot_sets[0], config, workspace)
+    shape, plan = ti.launch_plan(q, slot_sets[0], config, workspace)
     splits = plan.num_splits
+    partials = str(workspace.partial_out.dtype).removeprefix("torch.")
     how = f"{shape.block_slots}/{shape.tail}-slot steps, {shape.num_stages} stages, " + (
         "unsplit" if splits == 1 else
-        f"{splits} splits x {q.shape[0] * -(-HEADS // config.split_heads)} head blocks"
-        f"{' x 2 halves' if config.value_halves else ''}, {'fused' if fused else 'kernel'}")
+        f"{splits} splits x {q.shape[0] * -(-HEADS // 64)} head blocks, {partials} partials")
     return ms, f"{err:.1e}", how

@@ -1,7 +1,9 @@
 """Sparse MLA candidates side by side: decode at 1, 8 and 32 queries and a 4096-query prefill,
-each candidate configuration next to the current default and the roofline (one table).
+each candidate configuration next to the current default, the default before the 1828f52 sweep,
+and the roofline (one table).
 
     PYTHONPATH=. python bench/sweeps.py --ops mla          (or: python bench/sparse_mla_sweep.py)
+    PYTHONPATH=. python bench/sparse_mla_sweep.py --candidates "default,old default"
 
 Inputs, roofline and timing are bench/sparse_mla.py's (CUDA-graph replays, decode slot sets
 rotated past L2). Decode candidates run at the decode sizes, prefill candidates at 4096.
@@ -9,6 +11,7 @@ rotated past L2). Decode candidates run at the decode sizes, prefill candidates 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import multiprocessing
 import sys
@@ -31,34 +34,40 @@ from bench.sparse_mla import (  # noqa: E402
 )
 
 
+def old_default():
+    """The default before the 1828f52 sweep: whole 64-slot steps over the tail, at least two
+    steps per split, fp32 partials, prefill without a narrower tail."""
+    from glmflash.kernels.sparse_mla.plan import SparseMlaConfig, SparseMlaLaunch
+
+    return SparseMlaConfig(prefill=(SparseMlaLaunch(64, 3), SparseMlaLaunch(64, 2),
+                                    SparseMlaLaunch(32, 2), SparseMlaLaunch(16, 2)),
+                           decode=(SparseMlaLaunch(64, 2), SparseMlaLaunch(32, 2),
+                                   SparseMlaLaunch(16, 2)),
+                           min_split_steps=2, partial_dtype=torch.float32)
+
+
 def decode_candidates() -> dict[str, object]:
-    """Split-launch configurations: slot steps and pipeline depth, how many splits, what a
-    program owns (head block, value half), partial precision, where the merge runs."""
+    """Split-launch configurations around the default: partial precision, split length, slot
+    steps and pipeline depth, fewer programs."""
     from glmflash.kernels.sparse_mla.plan import DEFAULT_CONFIG, SparseMlaLaunch
 
     def decode(*shapes, **changes):
-        return dataclasses.replace(DEFAULT_CONFIG, decode=shapes, **changes)
+        return dataclasses.replace(DEFAULT_CONFIG, decode=shapes or DEFAULT_CONFIG.decode,
+                                   **changes)
 
-    tail = SparseMlaLaunch(64, 2, tail_slots=16)
-    deep = SparseMlaLaunch(64, 3, tail_slots=16)
     return {
         "default": DEFAULT_CONFIG,
-        "16-slot tail": decode(tail),
-        "3 stages, 16-slot tail": decode(deep),
-        "1-step splits, 16-slot tail": decode(tail, min_split_steps=1),
-        "at most 8 splits, 3 stages, 16-slot tail": decode(deep, max_splits=8),
-        "bf16 partials, 16-slot tail": decode(tail, bf16_partials=True),
-        "value halves, 16-slot tail": decode(tail, value_halves=True),
-        "value halves, 1-step splits, 16-slot tail": decode(tail, value_halves=True,
-                                                            min_split_steps=1),
-        "32-head blocks, 16-slot tail": decode(tail, split_heads=32),
-        "32-slot steps, 4 stages, 16-slot tail": decode(SparseMlaLaunch(32, 4, tail_slots=16)),
-        "fused combine, 3 stages, 16-slot tail": decode(deep, max_fused_splits=64),
+        "old default": old_default(),
+        "fp32 partials": decode(partial_dtype=torch.float32),
+        "2-step splits": decode(min_split_steps=2),
+        "half a wave": decode(waves=0.5),
+        "3 stages": decode(SparseMlaLaunch(64, 3, tail_slots=16)),
+        "32-slot steps, 4 stages": decode(SparseMlaLaunch(32, 4, tail_slots=16)),
     }
 
 
 def prefill_candidates() -> dict[str, object]:
-    """Unsplit launch shapes: slot steps, pipeline depth, tail width, score layout."""
+    """Unsplit launch shapes: slot steps, pipeline depth, tail width."""
     from glmflash.kernels.sparse_mla.plan import DEFAULT_CONFIG, SparseMlaLaunch
 
     def prefill(shape):
@@ -66,15 +75,16 @@ def prefill_candidates() -> dict[str, object]:
 
     return {
         "default": DEFAULT_CONFIG,
-        "2 stages": prefill(SparseMlaLaunch(64, 2)),
-        "16-slot tail": prefill(SparseMlaLaunch(64, 3, tail_slots=16)),
-        "32-slot steps, 5 stages, 16-slot tail": prefill(SparseMlaLaunch(32, 5, tail_slots=16)),
-        "scores on both warpgroups": prefill(SparseMlaLaunch(64, 3, split_scores=False)),
+        "old default": old_default(),
+        "2 stages": prefill(SparseMlaLaunch(64, 2, tail_slots=16)),
+        "32-slot steps, 5 stages": prefill(SparseMlaLaunch(32, 5, tail_slots=16)),
     }
 
 
-def candidates(queries: int) -> dict[str, object]:
-    return decode_candidates() if queries <= DECODE_QUERIES[-1] else prefill_candidates()
+def candidates(queries: int, names: tuple[str, ...] | None = None) -> dict[str, object]:
+    """The candidates at this size, only `names` if given."""
+    found = decode_candidates() if queries <= DECODE_QUERIES[-1] else prefill_candidates()
+    return {name: config for name, config in found.items() if names is None or name in names}
 
 
 def _compile(queries: int, name: str) -> str:
@@ -93,11 +103,11 @@ def _compile(queries: int, name: str) -> str:
     return ""
 
 
-def precompile(workers: int = 8) -> None:
-    """Every candidate compiled in parallel processes before the (serial) timing."""
+def precompile(wanted: tuple[str, ...] | None, workers: int = 8) -> None:
+    """Every candidate (of `wanted`) compiled in parallel processes before the timing."""
     sizes = DECODE_QUERIES + (PREFILL_QUERIES,)
-    queries = [size for size in sizes for _ in candidates(size)]
-    names = [name for size in sizes for name in candidates(size)]
+    queries = [size for size in sizes for _ in candidates(size, wanted)]
+    names = [name for size in sizes for name in candidates(size, wanted)]
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=context) as pool:
         for failed in pool.map(_compile, queries, names):
@@ -105,13 +115,15 @@ def precompile(workers: int = 8) -> None:
                 print(f"compile: {failed}", flush=True)
 
 
-def sweep(parallel_compile: bool = True) -> str:
+def sweep(parallel_compile: bool = True, names: tuple[str, ...] | None = None) -> str:
+    """The table of `names` (None: every candidate); the first row of a size is the ratio's
+    base (the default, when run)."""
     from glmflash.kernels.sparse_mla import sparse_mla_ref
     from glmflash.kernels.sparse_mla import triton_impl as ti
 
     start = time.time()
     if parallel_compile:
-        precompile()
+        precompile(names)
         print(f"compiled in {time.time() - start:.0f} s", flush=True)
     copy_gbs, peak = copy_bandwidth(), bf16_peak_tflops()
     print(f"copy {copy_gbs:.0f} GB/s, bf16 peak {peak:.0f} TFLOP/s", flush=True)
@@ -122,7 +134,7 @@ def sweep(parallel_compile: bool = True) -> str:
         slot_sets = rotated_slots(slots, owner, moved)
         want = sparse_mla_ref(q.float(), latent.float(), slots, scale=1 / 16)
         default_ms = None
-        for name, config in candidates(queries).items():
+        for name, config in candidates(queries, names).items():
             ms, err, how = time_config(q, latent, slot_sets, want, config)
             default_ms = default_ms or ms
             rows.append([queries, name, how, f"{ms * 1e3:.1f}" if ms else "-",
@@ -139,4 +151,8 @@ def sweep(parallel_compile: bool = True) -> str:
 
 
 if __name__ == "__main__":
-    print(sweep())
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--candidates", default=None,
+                        help="candidate names, comma-separated (default: all)")
+    args = parser.parse_args()
+    print(sweep(names=tuple(args.candidates.split(",")) if args.candidates else None))

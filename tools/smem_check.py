@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -104,32 +105,30 @@ def _cubin_resources(cubin: bytes) -> tuple[int, int]:
 def sparse_mla_launches() -> list[Launch]:
     """Every launch shape of both regimes (64 heads x 512, bf16), and the combine kernel."""
     config = mla.DEFAULT_CONFIG
-    out = [sparse_mla_launch(regime, shape, config)
+    out = [sparse_mla_launch(regime, shape)
            for regime, shapes in (("prefill", config.prefill), ("decode", config.decode))
            for shape in shapes]
-    combine = {"part_o": "*bf16" if config.bf16_partials else "*fp32", "part_lse": "*fp32",
-               "o": "*bf16"}
+    combine = {"part_o": _partial_type(), "part_lse": "*fp32", "o": "*bf16"}
     bh = config.combine_heads
     out.append(Launch("sparse_mla_combine", mla_combine.sparse_mla_combine_kernel, combine,
-                      dict(BH=bh, BC=mla_combine.combine_columns(16, bh, 512, config), SP=16),
+                      dict(BH=bh, BC=mla_combine.combine_columns(32, bh, 512, config), SP=32),
                       4, aligned=("H", "R")))
     return out
 
 
-def sparse_mla_launch(regime: str, shape, config, fused_splits: int = 0) -> Launch:
-    """The attention kernel at one launch shape and config ("prefill": unsplit, "decode": split,
-    merged by the last split when `fused_splits`)."""
+def _partial_type() -> str:
+    """The pointer type of the split partials of a bf16 launch under the default config."""
+    return "*bf16" if mla.DEFAULT_CONFIG.partials(torch.bfloat16) == torch.bfloat16 else "*fp32"
+
+
+def sparse_mla_launch(regime: str, shape) -> Launch:
+    """The attention kernel at one launch shape ("prefill": unsplit, "decode": split)."""
     split = regime == "decode"
-    partial = "*bf16" if config.bf16_partials else "*fp32"
-    ptrs = {"q": "*bf16", "latent": "*bf16", "slots": "*i64", "o": "*bf16", "part_o": partial,
-            "part_lse": "*fp32", "arrivals": "*i32", "scale_log2": "fp32"}
-    bh = config.split_heads if split else 64
-    fused = split and fused_splits > 1
-    consts = dict(BH=bh, BR=512, BN=shape.block_slots, TAIL_BN=shape.tail,
-                  NUM_STAGES=shape.num_stages, HALVES=split and config.value_halves,
-                  BC=mla_combine.combine_columns(fused_splits, bh, 512, config) if fused else 1,
-                  SP=fused_splits if fused else 1, SPLIT_SCORES=shape.split_scores,
-                  IS_SPLIT=split, FUSE_COMBINE=fused, DOT=tl.bfloat16, PREC="tf32")
+    ptrs = {"q": "*bf16", "latent": "*bf16", "slots": "*i64", "o": "*bf16",
+            "part_o": _partial_type(),
+            "part_lse": "*fp32", "scale_log2": "fp32"}
+    consts = dict(BH=64, BR=512, BN=shape.block_slots, TAIL_BN=shape.tail,
+                  NUM_STAGES=shape.num_stages, IS_SPLIT=split, DOT=tl.bfloat16, PREC="tf32")
     name = (f"sparse_mla {regime} {shape.block_slots}/{shape.tail}/{shape.num_stages}"
             f"/{shape.num_warps}w")
     return Launch(name, mla.sparse_mla_kernel, ptrs, consts, shape.num_warps, aligned=("H", "R"))

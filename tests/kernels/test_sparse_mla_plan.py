@@ -17,7 +17,7 @@ from glmflash.kernels.sparse_mla.plan import (
 HEADS, RANK, WIDTH, STEP, SMS = 64, 512, 2051, 64, 132
 
 
-@pytest.mark.parametrize(("queries", "splits"), [(1, 16), (8, 16), (32, 4), (64, 2), (66, 2),
+@pytest.mark.parametrize(("queries", "splits"), [(1, 32), (8, 16), (32, 4), (64, 2), (66, 2),
                                                  (67, 1), (4096, 1)])
 def test_splits_fill_one_wave(queries, splits):
     plan = split_plan(queries, HEADS, WIDTH, STEP, SMS, DEFAULT_CONFIG)
@@ -52,27 +52,24 @@ def test_launch_shapes_are_checked():
 
 
 @pytest.mark.parametrize(("queries", "config", "splits"), [
-    # Two value halves: half the splits for the same wave.
-    (8, SparseMlaConfig(value_halves=True), 8),
-    # 32-head blocks: twice the programs per query.
-    (1, SparseMlaConfig(split_heads=32, min_split_steps=1), 32),
-    (8, SparseMlaConfig(split_heads=32), 8),
-    # Capped splits, and one step per split.
-    (1, SparseMlaConfig(max_splits=8), 8),
-    (1, SparseMlaConfig(min_split_steps=1), 32),
+    # Two whole steps per split at least: one query gets half the splits.
+    (1, SparseMlaConfig(min_split_steps=2), 16),
+    (8, SparseMlaConfig(min_split_steps=2), 16),
+    # Half a wave.
+    (8, SparseMlaConfig(waves=0.5), 8),
 ])
 def test_split_programs_fill_one_wave(queries, config, splits):
     plan = split_plan(queries, HEADS, WIDTH, STEP, SMS, config)
     assert plan.num_splits == splits
-    blocks = HEADS // config.split_heads * config.value_blocks
-    assert queries * blocks * splits <= SMS
+    assert queries * splits <= SMS * config.waves
 
 
 def test_workspace_follows_the_config():
-    config = SparseMlaConfig(split_heads=16, value_halves=True, bf16_partials=True)
-    workspace = SparseMlaWorkspace.create(2, HEADS, RANK, WIDTH, torch.device("cpu"), SMS, config)
-    assert workspace.partial_out.dtype == torch.bfloat16
-    assert workspace.arrivals.numel() == 2 * 4 * 2
-    # A workspace made for 64-head blocks has too few counters for this config: no split.
-    assert SparseMlaWorkspace.create(2, HEADS, RANK, WIDTH, torch.device("cpu"), SMS
-                                     ).max_splits(2, HEADS, RANK, config) == 1
+    cpu = torch.device("cpu")
+    bf16 = SparseMlaWorkspace.create(2, HEADS, RANK, WIDTH, cpu, SMS)
+    assert bf16.partial_out.dtype == torch.bfloat16 and bf16.partial_lse.dtype == torch.float32
+    fp32 = SparseMlaWorkspace.create(2, HEADS, RANK, WIDTH, cpu, SMS, out_dtype=torch.float32)
+    assert fp32.partial_out.dtype == torch.float32
+    kept = SparseMlaWorkspace.create(2, HEADS, RANK, WIDTH, cpu, SMS,
+                                     SparseMlaConfig(partial_dtype=torch.float32))
+    assert kept.partial_out.dtype == torch.float32

@@ -34,33 +34,17 @@ STEP = SparseMlaLaunch(16, 2)
 CONFIGS = {
     # One program per query and head block: the whole selection.
     "whole": SparseMlaConfig(prefill=(STEP,), decode=(STEP,), waves=0.25),
-    # Split over the slots, merged by the combine kernel.
-    "split": SparseMlaConfig(prefill=(STEP,), decode=(STEP,), waves=16, min_split_steps=1,
-                             max_fused_splits=1),
-    # Split, merged by the last split to arrive.
-    "fused": SparseMlaConfig(prefill=(STEP,), decode=(STEP,), waves=16, min_split_steps=1,
-                             max_fused_splits=64),
+    # Split over the slots (one step per split at least), merged by the combine kernel.
+    "split": SparseMlaConfig(prefill=(STEP,), decode=(STEP,), waves=16),
+    # Split, merged with a small tile budget (several column blocks per head block).
+    "small_tiles": SparseMlaConfig(prefill=(STEP,), decode=(STEP,), waves=16,
+                                   combine_elements=256),
     # 32-slot steps with 16-slot steps over the tail.
     "tail": SparseMlaConfig(prefill=(SparseMlaLaunch(32, 2, tail_slots=16),),
-                            decode=(SparseMlaLaunch(32, 2, tail_slots=16),), waves=16,
-                            min_split_steps=1, max_fused_splits=64),
-    # Split over the slots and over the latent columns (two halves), merged by the combine
-    # kernel with a small tile budget (several column steps per program).
-    "halves": SparseMlaConfig(prefill=(STEP,), decode=(STEP,), waves=16, min_split_steps=1,
-                              value_halves=True, combine_elements=256),
-    # Value halves merged by the last split to arrive, per value half.
-    "fused_halves": SparseMlaConfig(prefill=(STEP,), decode=(STEP,), waves=16,
-                                    min_split_steps=1, value_halves=True, max_fused_splits=64),
-    # 16-head blocks in split launches, at most 2 splits.
-    "small_blocks": SparseMlaConfig(prefill=(STEP,), decode=(STEP,), waves=16,
-                                    min_split_steps=1, split_heads=16, max_splits=2),
-    # Partials in bf16 (bf16 tests only: they round every split's output).
-    "bf16_partials": SparseMlaConfig(prefill=(STEP,), decode=(STEP,), waves=16,
-                                     min_split_steps=1, bf16_partials=True),
-    # Scores computed by every warpgroup (the layout without the branch).
-    "unsplit_scores": SparseMlaConfig(prefill=(SparseMlaLaunch(16, 2, split_scores=False),),
-                                      decode=(SparseMlaLaunch(16, 2, split_scores=False),),
-                                      waves=16, min_split_steps=1),
+                            decode=(SparseMlaLaunch(32, 2, tail_slots=16),), waves=16),
+    # fp32 partials whatever the output's dtype.
+    "fp32_partials": SparseMlaConfig(prefill=(STEP,), decode=(STEP,), waves=16,
+                                     partial_dtype=torch.float32),
 }
 
 
@@ -100,21 +84,18 @@ WIDTHS = [1, 15, 16, 17, 47, 49]
 
 
 @pytest.mark.parametrize("width", WIDTHS, ids=lambda w: f"W{w}")
-@pytest.mark.parametrize("regime", ["whole", "split", "fused", "halves"])
+@pytest.mark.parametrize("regime", ["whole", "split", "small_tiles", "tail"])
 def test_widths(regime, width, nan_empty):
     _check((6, 4, 32, width), CONFIGS[regime])
 
 
 CASES = {
     "one_query_tail": ((1, 4, 64, 70), "tail"),
-    "rank48_heads3": ((5, 3, 48, 33), "fused"),
+    "rank48_heads3": ((5, 3, 48, 33), "small_tiles"),
     "two_head_blocks": ((2, 70, 16, 40), "split"),
     "heads20_many_queries": ((40, 20, 16, 7), "whole"),
     "empty_width": ((3, 4, 32, 0), "split"),
-    "unsplit_scores": ((6, 4, 32, 49), "unsplit_scores"),
-    "fused_halves_rank48": ((5, 3, 48, 33), "fused_halves"),
-    "halves_two_head_blocks": ((2, 70, 32, 40), "halves"),
-    "small_blocks_heads40": ((3, 40, 32, 49), "small_blocks"),
+    "two_head_blocks_rank32": ((2, 70, 32, 40), "small_tiles"),
 }
 
 
@@ -124,25 +105,25 @@ def test_shapes(case, nan_empty):
     _check(shape, CONFIGS[regime])
 
 
-@pytest.mark.parametrize("regime", ["fused", "bf16_partials"])
+@pytest.mark.parametrize("regime", ["small_tiles", "fp32_partials"])
 def test_bf16(regime, nan_empty):
+    """bf16 launches: partials in bf16 (the default) and in fp32."""
     _check((6, 4, 64, 40), CONFIGS[regime], atol=BF16_ATOL, dtype=torch.bfloat16)
 
 
-def test_workspace_is_reused_and_left_zeroed(nan_empty):
-    """Two fused launches share one workspace: the arrival counters are back at zero after
-    each (what lets a CUDA graph replay them); a workspace too small for the wanted splits
-    gives fewer splits, not a wrong answer."""
-    config = CONFIGS["fused"]
+def test_workspace_is_reused_and_bounds_the_splits(nan_empty):
+    """Two launches share one workspace; a workspace too small for the wanted splits gives
+    fewer splits, not a wrong answer."""
+    config = CONFIGS["small_tiles"]
     q, latent, slots = _case(6, 4, 32, 49)
-    workspace = SparseMlaWorkspace.create(6, 4, 32, 49, q.device, num_sms(q.device), config)
+    workspace = SparseMlaWorkspace.create(6, 4, 32, 49, q.device, num_sms(q.device), config,
+                                          q.dtype)
     assert workspace.partial_out.shape[0] > 6  # the launches below do split
+    assert workspace.partial_out.dtype == torch.float32  # the output's dtype
     first = _check((6, 4, 32, 49), config, workspace=workspace)[3]
-    assert not workspace.arrivals.any()
     again = sparse_mla(q, latent, slots, scale=0.1, config=config, workspace=workspace)
-    assert torch.equal(first, again) and not workspace.arrivals.any()
-    small = SparseMlaWorkspace(workspace.partial_out[:12], workspace.partial_lse[:12],
-                               workspace.arrivals)
+    assert torch.equal(first, again)
+    small = SparseMlaWorkspace(workspace.partial_out[:12], workspace.partial_lse[:12])
     _check((6, 4, 32, 49), config, workspace=small)
 
 
@@ -175,13 +156,11 @@ def test_launch_shapes_fall_back_when_shared_memory_is_short(monkeypatch, nan_em
 
 RELEASE_CONFIGS = {
     "default": SparseMlaConfig(),
-    # The sweep's variations: 16-wide tail products, scores on both warpgroups, 32-slot steps.
-    "tail16": SparseMlaConfig(prefill=(SparseMlaLaunch(64, 2, tail_slots=16),),
-                              decode=(SparseMlaLaunch(64, 2, tail_slots=16),)),
-    "unsplit_scores": SparseMlaConfig(prefill=(SparseMlaLaunch(64, 2, split_scores=False),),
-                                      decode=(SparseMlaLaunch(64, 2, split_scores=False),)),
-    "steps32": SparseMlaConfig(prefill=(SparseMlaLaunch(32, 2),),
-                               decode=(SparseMlaLaunch(32, 2),)),
+    # The fallback shapes of smaller shared memories, and fp32 partials.
+    "steps32": SparseMlaConfig(prefill=(SparseMlaLaunch(32, 2, tail_slots=16),),
+                               decode=(SparseMlaLaunch(32, 2, tail_slots=16),)),
+    "steps16": SparseMlaConfig(prefill=(SparseMlaLaunch(16, 2),), decode=(SparseMlaLaunch(16, 2),)),
+    "fp32_partials": SparseMlaConfig(partial_dtype=torch.float32),
 }
 
 
@@ -189,28 +168,8 @@ RELEASE_CONFIGS = {
 @pytest.mark.parametrize("config", RELEASE_CONFIGS.values(), ids=RELEASE_CONFIGS.keys())
 @pytest.mark.parametrize("tokens", [1, 8, 32, 300, 4096], ids=lambda t: f"T{t}")
 def test_release_shape_gpu(tokens, config):
-    """64 heads x 512, 2051 slots, bf16: unsplit from a wave of queries on, split (fused or
-    combine kernel) below."""
-    q, latent, slots = _case(tokens, 64, 512, 2051, dtype=torch.bfloat16, cache=20000)
-    want = sparse_mla_ref(q.float(), latent.float(), slots, scale=1 / 16)
-    got = sparse_mla(q, latent, slots, scale=1 / 16, config=config)
-    assert (got.float() - want).abs().max().item() < BF16_ATOL
-
-
-SPLIT_CONFIGS = {
-    "halves_1step": SparseMlaConfig(value_halves=True, min_split_steps=1),
-    "heads32_bf16_partials": SparseMlaConfig(split_heads=32, bf16_partials=True),
-    "fused_halves_32steps": SparseMlaConfig(decode=(SparseMlaLaunch(32, 4, tail_slots=16),),
-                                            value_halves=True, max_fused_splits=64),
-}
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("config", SPLIT_CONFIGS.values(), ids=SPLIT_CONFIGS.keys())
-@pytest.mark.parametrize("tokens", [1, 8, 32], ids=lambda t: f"T{t}")
-def test_split_variants_gpu(tokens, config):
-    """The split-launch variants of the sweep (value halves, 32-head blocks, bf16 partials, a
-    fused merge per value half) at the release shapes."""
+    """64 heads x 512, 2051 slots, bf16: unsplit from a wave of queries on, split below (every
+    default launch has 16-wide products over the 3-slot tail)."""
     q, latent, slots = _case(tokens, 64, 512, 2051, dtype=torch.bfloat16, cache=20000)
     want = sparse_mla_ref(q.float(), latent.float(), slots, scale=1 / 16)
     got = sparse_mla(q, latent, slots, scale=1 / 16, config=config)
@@ -218,15 +177,13 @@ def test_split_variants_gpu(tokens, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [SparseMlaConfig(max_fused_splits=1),
-                                    SparseMlaConfig(max_fused_splits=64),
-                                    SparseMlaConfig(value_halves=True, max_fused_splits=64)],
-                         ids=["combine_kernel", "fused", "fused_halves"])
-def test_graph_replay_gpu(config):
-    """A captured split launch replays on new selections: the workspace's counters are reset
-    by the launches themselves, and nothing on the host depends on the data."""
+def test_graph_replay_gpu():
+    """A captured split launch replays on new selections: nothing on the host depends on the
+    data."""
+    config = SparseMlaConfig()
     q, latent, slots = _case(8, 64, 512, 2051, dtype=torch.bfloat16, cache=20000)
-    workspace = SparseMlaWorkspace.create(8, 64, 512, 2051, q.device, num_sms(q.device), config)
+    workspace = SparseMlaWorkspace.create(8, 64, 512, 2051, q.device, num_sms(q.device), config,
+                                          q.dtype)
     sparse_mla(q, latent, slots, scale=1 / 16, config=config, workspace=workspace)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -236,4 +193,3 @@ def test_graph_replay_gpu(config):
         graph.replay()
         want = sparse_mla_ref(q.float(), latent.float(), slots, scale=1 / 16)
         assert (out.float() - want).abs().max().item() < BF16_ATOL
-    assert not workspace.arrivals.any()

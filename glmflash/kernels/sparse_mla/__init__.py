@@ -37,7 +37,8 @@ def sparse_mla_workspace(q_lat: torch.Tensor, slots: torch.Tensor) -> SparseMlaW
     smallest = min(shape.block_slots for shape in DEFAULT_CONFIG.decode)
     if split_plan(num_queries, heads, width, smallest, sms, DEFAULT_CONFIG).num_splits == 1:
         return None
-    return SparseMlaWorkspace.create(num_queries, heads, rank, width, q_lat.device, sms)
+    return SparseMlaWorkspace.create(num_queries, heads, rank, width, q_lat.device, sms,
+                                     out_dtype=q_lat.dtype)
 
 
 __all__ = ["SparseMlaWorkspace", "sparse_mla", "sparse_mla_ref", "sparse_mla_workspace"]

@@ -20,11 +20,14 @@ from glmflash.kernels.sparse_mla.plan import SparseMlaConfig, SparseMlaWorkspace
 from glmflash.kernels.triton_utils import jit
 
 
-@jit
-def combine_splits(part_o, part_lse, o, i_t, o_h, m_h, c_begin, c_end, H, R, NUM_SPLITS,
-                   stride_ot, stride_oh, BH: tl.constexpr, BC: tl.constexpr, SP: tl.constexpr):
-    """out[i_t, heads o_h, columns [c_begin, c_end)] from the NUM_SPLITS (<= SP) partials.
-    Loads bypass L1: other programs wrote the partials."""
+@jit(do_not_specialize=("NUM_SPLITS",))
+def sparse_mla_combine_kernel(part_o, part_lse, o, H, R, NUM_SPLITS, stride_ot, stride_oh,
+                              BH: tl.constexpr, BC: tl.constexpr, SP: tl.constexpr):
+    """out[query, BH heads, BC columns] from the NUM_SPLITS (<= SP) partials that
+    `sparse_mla_kernel` wrote (each read once: the loads bypass L1)."""
+    i_t, i_h, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    o_h = i_h * BH + tl.arange(0, BH)
+    m_h = o_h < H
     o_s = tl.arange(0, SP)
     rows = (i_t * NUM_SPLITS + o_s)[:, None] * H + o_h[None, :]  # [SP, BH] rows of the partials
     m_sh = (o_s < NUM_SPLITS)[:, None] & m_h[None, :]
@@ -34,27 +37,14 @@ def combine_splits(part_o, part_lse, o, i_t, o_h, m_h, c_begin, c_end, H, R, NUM
     b_w = tl.exp2(b_lse - b_mx[None, :])  # [SP, BH]; 0 for splits without a slot
     b_den = tl.sum(b_w, 0)
     b_w = b_w / tl.where(b_den > 0, b_den, 1.0)[None, :]
-    o_c = tl.arange(0, BC)
-    p_o = o + i_t * stride_ot + o_h[:, None] * stride_oh
-    for c0 in range(c_begin, c_end, BC):
-        m_c = c0 + o_c < c_end
-        p_part = part_o + rows[:, :, None] * R + (c0 + o_c)[None, None, :]
-        b_part = tl.load(p_part, mask=m_sh[:, :, None] & m_c[None, None, :], other=0.0,
-                         cache_modifier=".cg").to(tl.float32)
-        b_out = tl.sum(b_w[:, :, None] * b_part, 0)  # [BH, BC]
-        tl.store(p_o + c0 + o_c[None, :], b_out.to(o.dtype.element_ty),
-                 mask=m_h[:, None] & m_c[None, :])
-
-
-@jit(do_not_specialize=("NUM_SPLITS",))
-def sparse_mla_combine_kernel(part_o, part_lse, o, H, R, NUM_SPLITS, stride_ot, stride_oh,
-                              BH: tl.constexpr, BC: tl.constexpr, SP: tl.constexpr):
-    """Merge the splits of (query, BH heads, BC columns) written by `sparse_mla_kernel`."""
-    i_t, i_h, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
-    o_h = i_h * BH + tl.arange(0, BH)
-    c_begin = i_c * BC
-    combine_splits(part_o, part_lse, o, i_t, o_h, o_h < H, c_begin, tl.minimum(c_begin + BC, R),
-                   H, R, NUM_SPLITS, stride_ot, stride_oh, BH, BC, SP)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < R
+    p_part = part_o + rows[:, :, None] * R + o_c[None, None, :]
+    b_part = tl.load(p_part, mask=m_sh[:, :, None] & m_c[None, None, :], other=0.0,
+                     cache_modifier=".cg").to(tl.float32)  # [SP, BH, BC]
+    b_out = tl.sum(b_w[:, :, None] * b_part, 0)
+    tl.store(o + i_t * stride_ot + o_h[:, None] * stride_oh + o_c[None, :],
+             b_out.to(o.dtype.element_ty), mask=m_h[:, None] & m_c[None, :])
 
 
 def splits_block(num_splits: int) -> int:

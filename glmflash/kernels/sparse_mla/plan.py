@@ -1,7 +1,7 @@
 """Launch shapes, the split of the selected slots, and the workspace of the Triton sparse MLA.
 
 Pure Python and torch (no Triton), so the model can size a workspace before any launch. README.md
-says how the split is chosen and why the combine is where it is.
+says how the split is chosen, why the defaults are what they are, and where the merge runs.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ class SparseMlaLaunch:
     num_warps: int = 8
     tail_slots: int | None = None
     """Slots per step past the last whole `block_slots` step (None: `block_slots`)."""
-    split_scores: bool = True
-    """Split the score product by columns between the warpgroups (README.md, "Scores")."""
 
     def __post_init__(self) -> None:
         tail = self.tail
@@ -45,33 +43,31 @@ class SparseMlaLaunch:
 
 @dataclass(frozen=True)
 class SparseMlaConfig:
-    """How the sparse MLA launcher shapes its launches. Shapes are tried in order; the first that
-    compiles for the device (shared memory) is kept per device and problem shape."""
+    """How the sparse MLA launcher shapes its launches (README.md, "Defaults").
 
-    prefill: tuple[SparseMlaLaunch, ...] = (SparseMlaLaunch(64, 3), SparseMlaLaunch(64, 2),
-                                            SparseMlaLaunch(32, 2), SparseMlaLaunch(16, 2))
+    The rule: a launch is split over the selected slots when fewer programs than `waves` per SM
+    would run unsplit (decode), into as many splits as fill that wave, each of at least
+    `min_split_steps` whole steps; the splits' partial outputs are kept in `partial_dtype` and
+    merged by the combine kernel. Shapes are tried in order; the first that compiles for the
+    device (shared memory) is kept per device and problem shape."""
+
+    prefill: tuple[SparseMlaLaunch, ...] = (
+        SparseMlaLaunch(64, 3, tail_slots=16), SparseMlaLaunch(64, 2, tail_slots=16),
+        SparseMlaLaunch(32, 2, tail_slots=16), SparseMlaLaunch(16, 2))
     """Shapes when every program attends a query's whole selection (enough queries)."""
-    decode: tuple[SparseMlaLaunch, ...] = (SparseMlaLaunch(64, 2), SparseMlaLaunch(32, 2),
-                                           SparseMlaLaunch(16, 2))
+    decode: tuple[SparseMlaLaunch, ...] = (
+        SparseMlaLaunch(64, 2, tail_slots=16), SparseMlaLaunch(32, 2, tail_slots=16),
+        SparseMlaLaunch(16, 2))
     """Shapes when the selection is split over several programs per query."""
     waves: float = 1.0
     """Programs per SM that splitting the selection aims for."""
-    min_split_steps: int = 2
-    """Whole `block_slots` steps each split gets at least."""
-    max_splits: int = 64
-    """Splits per query at most (fewer, longer splits: less for the combine to read)."""
-    split_heads: int = HEAD_BLOCK
-    """Heads per program of a split launch (a power of two >= 16; below 64 the products are
-    not warpgroup-wide, but more programs share the work of few queries)."""
-    value_halves: bool = False
-    """Split launches: two programs per (query, head block, split), each accumulating one half
-    of the latent columns (both compute the whole scores): twice the programs, half the
-    accumulator and partial per program."""
-    bf16_partials: bool = False
-    """Workspace partial outputs in bf16 instead of fp32 (half the bytes the combine reads)."""
-    max_fused_splits: int = 1
-    """Up to this many splits the last split to finish combines them (arrival counter); above,
-    a second kernel does, spread over the GPU (README.md)."""
+    min_split_steps: int = 1
+    """Whole `block_slots` steps each split gets at least (bounds the splits of short
+    selections and of one query)."""
+    partial_dtype: torch.dtype | None = None
+    """dtype of the splits' partial outputs in the workspace (None: the output's dtype, so a
+    bf16 launch rounds each split's output to bf16 once more and the combine reads half the
+    bytes; the log-sum-exps stay fp32)."""
     combine_heads: int = 16
     """Heads per program of the combine kernel."""
     combine_elements: int = 8192
@@ -81,17 +77,12 @@ class SparseMlaConfig:
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
             raise ValueError("prefill and decode need at least one launch shape each")
-        if self.waves <= 0 or self.min_split_steps < 1 or self.max_fused_splits < 1 \
-                or self.max_splits < 1:
-            raise ValueError("waves must be positive, min_split_steps, max_splits and "
-                             "max_fused_splits >= 1")
-        if self.split_heads < MIN_DOT or self.split_heads & (self.split_heads - 1):
-            raise ValueError(f"split_heads {self.split_heads} must be a power of two >= 16")
+        if self.waves <= 0 or self.min_split_steps < 1:
+            raise ValueError("waves must be positive and min_split_steps >= 1")
 
-    @property
-    def value_blocks(self) -> int:
-        """Programs over the latent columns of a split launch."""
-        return 2 if self.value_halves else 1
+    def partials(self, out_dtype: torch.dtype) -> torch.dtype:
+        """dtype of the workspace's partial outputs for launches that return `out_dtype`."""
+        return self.partial_dtype or out_dtype
 
 
 DEFAULT_CONFIG = SparseMlaConfig()
@@ -117,27 +108,25 @@ def head_block(heads: int, most: int = HEAD_BLOCK) -> int:
     return min(most, max(MIN_DOT, 1 << (heads - 1).bit_length()))
 
 
-def split_counters(num_queries: int, heads: int, config: SparseMlaConfig) -> int:
-    """Programs per split of a split launch: queries x head blocks x value blocks (also the
-    arrival counters a fused combine needs)."""
-    return num_queries * -(-heads // head_block(heads, config.split_heads)) * config.value_blocks
+def head_blocks(num_queries: int, heads: int) -> int:
+    """Programs per split: queries x blocks of 64 heads."""
+    return num_queries * -(-heads // head_block(heads))
 
 
 def wanted_splits(num_queries: int, heads: int, num_sms: int, config: SparseMlaConfig) -> int:
     """Whether the selection is split at all: the splits that would fill `config.waves`
-    programs per SM with whole 64-head blocks (1: enough queries to run unsplit)."""
-    programs = num_queries * -(-heads // head_block(heads))
-    return max(1, int(num_sms * config.waves) // max(programs, 1))
+    programs per SM (1: enough queries to run unsplit)."""
+    return max(1, int(num_sms * config.waves) // max(head_blocks(num_queries, heads), 1))
 
 
 def split_plan(num_queries: int, heads: int, width: int, block_slots: int, num_sms: int,
                config: SparseMlaConfig, max_splits: int | None = None) -> SplitPlan:
     """The split of a `width`-slot selection for launches of `block_slots` slots per step:
-    enough splits to fill `config.waves` programs per SM (with the split launch's head and
-    value blocks), each of at least `min_split_steps` whole steps, at most `max_splits`."""
+    enough splits to fill `config.waves` programs per SM, each of at least `min_split_steps`
+    whole steps, at most `max_splits` (what a workspace holds)."""
     full_steps = width // block_slots
-    fill = int(num_sms * config.waves) // max(split_counters(num_queries, heads, config), 1)
-    splits = min(fill, full_steps // config.min_split_steps, config.max_splits)
+    splits = min(wanted_splits(num_queries, heads, num_sms, config),
+                 full_steps // config.min_split_steps)
     if max_splits is not None:
         splits = min(splits, max_splits)
     splits = max(1, splits)
@@ -150,31 +139,24 @@ class SparseMlaWorkspace:
     stream order). Bounded by the programs of one wave, not by the context."""
 
     partial_out: torch.Tensor
-    """`[rows, H, R]` fp32 (or bf16): each split's output, normalised by its own softmax sum."""
+    """`[rows, H, R]` in `config.partials(out dtype)`: each split's output, normalised by its
+    own softmax sum."""
     partial_lse: torch.Tensor
     """`[rows, H]` fp32: each split's log2-sum-exp2 of its scaled scores (-inf: no slot)."""
-    arrivals: torch.Tensor
-    """`[counters]` int32 zeros: finished splits per (query, head block, value block) of a
-    fused combine.
-    The last split resets its counter, so every launch leaves them at zero (CUDA-graph safe)."""
 
     @classmethod
     def create(cls, num_queries: int, heads: int, rank: int, width: int, device: torch.device,
-               num_sms: int, config: SparseMlaConfig = DEFAULT_CONFIG) -> SparseMlaWorkspace:
+               num_sms: int, config: SparseMlaConfig = DEFAULT_CONFIG,
+               out_dtype: torch.dtype = torch.bfloat16) -> SparseMlaWorkspace:
         smallest = min(shape.block_slots for shape in config.decode)
         splits = split_plan(num_queries, heads, width, smallest, num_sms, config).num_splits
         rows = num_queries * splits if splits > 1 else 0
-        dtype = torch.bfloat16 if config.bf16_partials else torch.float32
-        return cls(torch.empty(rows, heads, rank, dtype=dtype, device=device),
-                   torch.empty(rows, heads, dtype=torch.float32, device=device),
-                   torch.zeros(split_counters(num_queries, heads, config), dtype=torch.int32,
-                               device=device))
+        return cls(torch.empty(rows, heads, rank, dtype=config.partials(out_dtype),
+                               device=device),
+                   torch.empty(rows, heads, dtype=torch.float32, device=device))
 
-    def max_splits(self, num_queries: int, heads: int, rank: int,
-                   config: SparseMlaConfig = DEFAULT_CONFIG) -> int:
-        """Splits per query this workspace holds for a launch of that shape and config."""
+    def max_splits(self, num_queries: int, heads: int, rank: int) -> int:
+        """Splits per query this workspace holds for a launch of that shape."""
         assert self.partial_out.shape[1:] == (heads, rank), (
             f"workspace for {tuple(self.partial_out.shape[1:])}, launch of ({heads}, {rank})")
-        if self.arrivals.numel() < split_counters(num_queries, heads, config):
-            return 1
         return self.partial_out.shape[0] // num_queries

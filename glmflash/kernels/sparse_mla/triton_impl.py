@@ -3,11 +3,10 @@
 One program owns a query, a block of heads (the M of both products: 64 heads x one query) and a
 range of the query's selected slots. It gathers those latent rows step by step, scores them
 against every head of the block (an MQA over the one latent head) and keeps an fp32 online
-softmax. With enough queries a program owns a whole selection (prefill); with
-few (decode) the selection is split so that a wave of programs fills the GPU (optionally also
-the latent columns, in two halves), each split writes its normalised output and log-sum-exp to
-the caller's workspace, and they are merged either by the last split to finish (arrival
-counter) or by the combine kernel (combine_triton.py, README.md).
+softmax. With enough queries a program owns a whole selection (prefill); with few (decode) the
+selection is split so that a wave of programs fills the GPU, each split writes its normalised
+output and log-sum-exp to the caller's workspace, and the combine kernel merges them
+(combine_triton.py, README.md).
 """
 
 from __future__ import annotations
@@ -22,15 +21,9 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
-from glmflash.kernels.sparse_mla.combine_triton import (
-    combine,
-    combine_columns,
-    combine_splits,
-    splits_block,
-)
+from glmflash.kernels.sparse_mla.combine_triton import combine
 from glmflash.kernels.sparse_mla.plan import (
     DEFAULT_CONFIG,
-    HEAD_BLOCK,
     SparseMlaConfig,
     SparseMlaLaunch,
     SparseMlaWorkspace,
@@ -49,25 +42,17 @@ _FITTED: dict[tuple, SparseMlaLaunch] = {}
 
 
 @jit
-def _attend_step(b_q, b_qo, latent, p_slot, w0, w_end, b_m, b_l, b_acc, o_v, m_v, o_o, m_o,
-                 stride_l, scale_log2, BN: tl.constexpr, HALVES: tl.constexpr,
-                 DOT: tl.constexpr, PREC: tl.constexpr, SPLIT_SCORES: tl.constexpr):
-    """One step of the online softmax over slots p_slot[w0 : w0 + BN] (those < w_end).
-
-    Columns o_v of the gathered rows are the ones this program accumulates; with HALVES the
-    other half o_o is gathered as a second tile that only reaches the scores."""
+def _attend_step(b_q, latent, p_slot, w0, w_end, b_m, b_l, b_acc, o_r, m_r, stride_l, scale_log2,
+                 BN: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """One step of the online softmax over slots p_slot[w0 : w0 + BN] (those < w_end)."""
     o_n = w0 + tl.arange(0, BN)
     idx = tl.load(p_slot + o_n, mask=o_n < w_end, other=-1)
     valid = idx >= 0
-    p_row = latent + idx.to(tl.int64)[:, None] * stride_l
     # NOTE: padded slots (-1) are masked, so they cost no memory traffic.
-    b_kv = tl.load(p_row + o_v[None, :], mask=valid[:, None] & m_v[None, :], other=0.0,
-                   cache_modifier=".cg").to(DOT)  # [BN, BV]
+    b_kv = tl.load(latent + idx.to(tl.int64)[:, None] * stride_l + o_r[None, :],
+                   mask=valid[:, None] & m_r[None, :], other=0.0,
+                   cache_modifier=".cg").to(DOT)  # [BN, BR]
     b_s = tl.dot(b_q, tl.trans(b_kv), input_precision=PREC)  # [BH, BN]
-    if HALVES:
-        b_ko = tl.load(p_row + o_o[None, :], mask=valid[:, None] & m_o[None, :], other=0.0,
-                       cache_modifier=".cg").to(DOT)
-        b_s = tl.dot(b_qo, tl.trans(b_ko), b_s, input_precision=PREC)
     b_s = tl.where(valid[None, :], b_s * scale_log2, float("-inf"))
     b_mn = tl.maximum(b_m, tl.max(b_s, 1))
     # NOTE: rows that have seen no valid slot keep m = -inf; shift by 0 there (no NaN).
@@ -75,59 +60,43 @@ def _attend_step(b_q, b_qo, latent, p_slot, w0, w_end, b_m, b_l, b_acc, o_v, m_v
     b_p = tl.exp2(b_s - b_ms[:, None])
     b_alpha = tl.exp2(b_m - b_ms)
     b_l = b_l * b_alpha + tl.sum(b_p, 1)
-    if SPLIT_SCORES:
-        # NOTE: Triton lays a product whose result reaches another product (the scores reach
-        # the value product) with every warp along M; with 64 rows and 8 warps both warpgroups
-        # would compute all the scores. Results of a branch with a side effect are not
-        # followed, so the scores are split by columns between the warpgroups instead. The
-        # branch is always taken (w0 >= 0); the store in the other one never runs.
-        if w0 >= 0:
-            b_pd = b_p.to(DOT)
-            b_acc = b_acc * b_alpha[:, None]
-        else:
-            tl.store(p_slot + o_n, idx, mask=o_n < w0)
-            b_pd = tl.zeros_like(b_p).to(DOT)
-    else:
+    # NOTE: Triton lays a product whose result reaches another product (the scores reach the
+    # value product) with every warp along M; with 64 rows and 8 warps both warpgroups would
+    # compute all the scores. Results of a branch with a side effect are not followed, so the
+    # scores are split by columns between the warpgroups instead. The branch is always taken
+    # (w0 >= 0); the store in the other one never runs.
+    if w0 >= 0:
         b_pd = b_p.to(DOT)
         b_acc = b_acc * b_alpha[:, None]
-    b_acc = tl.dot(b_pd, b_kv, b_acc, input_precision=PREC)  # [BH, BV]
+    else:
+        tl.store(p_slot + o_n, idx, mask=o_n < w0)
+        b_pd = tl.zeros_like(b_p).to(DOT)
+    b_acc = tl.dot(b_pd, b_kv, b_acc, input_precision=PREC)  # [BH, BR]
     return b_mn, b_l, b_acc
 
 
 @jit(do_not_specialize=("W", "NUM_SPLITS", "STEPS_PER", "EXTRA_STEPS", "FULL_W"))
-def sparse_mla_kernel(q, latent, slots, o, part_o, part_lse, arrivals, scale_log2, H, W, R,
-                      stride_qt, stride_qh, stride_l, stride_s, stride_ot, stride_oh,
-                      NUM_SPLITS, STEPS_PER, EXTRA_STEPS, FULL_W, BH: tl.constexpr,
-                      BR: tl.constexpr, BN: tl.constexpr, TAIL_BN: tl.constexpr,
-                      NUM_STAGES: tl.constexpr, HALVES: tl.constexpr, BC: tl.constexpr,
-                      SP: tl.constexpr, SPLIT_SCORES: tl.constexpr, IS_SPLIT: tl.constexpr,
-                      FUSE_COMBINE: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+def sparse_mla_kernel(q, latent, slots, o, part_o, part_lse, scale_log2, H, W, R, stride_qt,
+                      stride_qh, stride_l, stride_s, stride_ot, stride_oh, NUM_SPLITS, STEPS_PER,
+                      EXTRA_STEPS, FULL_W, BH: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
+                      TAIL_BN: tl.constexpr, NUM_STAGES: tl.constexpr, IS_SPLIT: tl.constexpr,
+                      DOT: tl.constexpr, PREC: tl.constexpr):
     """Online-softmax attention of q[t, head block] over latent[slots[t, split's range]].
 
-    Axis 1 of the grid is (head block, value block): with HALVES two programs share a head
-    block, each accumulating one half of the BR latent columns. Split s attends whole BN steps
-    (STEPS_PER of them, one more for s < EXTRA_STEPS); the last split also attends the tail
-    [FULL_W, W), in TAIL_BN steps. Unsplit: out directly; split: the normalised partial
-    output and log2-sum-exp2 per (query, split, head), merged here by the last split to
-    arrive (FUSE_COMBINE) or by the combine kernel (combine_triton.py).
+    Split s attends whole BN steps (STEPS_PER of them, one more for s < EXTRA_STEPS); the last
+    split also attends the tail [FULL_W, W), in TAIL_BN steps. Unsplit: out directly; split:
+    the normalised partial output and log2-sum-exp2 per (query, split, head), merged by the
+    combine kernel (combine_triton.py).
     """
-    i_t, i_hv, i_s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
-    VB: tl.constexpr = 2 if HALVES else 1
-    BV: tl.constexpr = BR // VB
-    i_hb, i_vb = i_hv // VB, i_hv % VB
+    i_t, i_hb, i_s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     o_h = i_hb * BH + tl.arange(0, BH)
-    o_v = i_vb * BV + tl.arange(0, BV)  # the columns accumulated here
-    o_o = (1 - i_vb) * BV + tl.arange(0, BV)  # with HALVES: the other half (scores only)
-    m_h, m_v, m_o = o_h < H, o_v < R, o_o < R
-    p_qh = q + i_t * stride_qt + o_h[:, None] * stride_qh
-    b_q = tl.load(p_qh + o_v[None, :], mask=m_h[:, None] & m_v[None, :], other=0.0).to(DOT)
-    if HALVES:
-        b_qo = tl.load(p_qh + o_o[None, :], mask=m_h[:, None] & m_o[None, :], other=0.0).to(DOT)
-    else:
-        b_qo = b_q
+    o_r = tl.arange(0, BR)
+    m_h, m_r = o_h < H, o_r < R
+    b_q = tl.load(q + i_t * stride_qt + o_h[:, None] * stride_qh + o_r[None, :],
+                  mask=m_h[:, None] & m_r[None, :], other=0.0).to(DOT)
     b_m = tl.full([BH], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BH], dtype=tl.float32)
-    b_acc = tl.zeros([BH, BV], dtype=tl.float32)
+    b_acc = tl.zeros([BH, BR], dtype=tl.float32)
     p_slot = slots + i_t * stride_s
     w_begin = (i_s * STEPS_PER + tl.minimum(i_s, EXTRA_STEPS)) * BN
     w_end = w_begin + (STEPS_PER + (i_s < EXTRA_STEPS).to(tl.int32)) * BN
@@ -136,39 +105,24 @@ def sparse_mla_kernel(q, latent, slots, o, part_o, part_lse, arrivals, scale_log
         # The last split's loop runs on into the tail, its final step masked.
         w_end = tl.where(is_last, W, w_end)
     for w0 in tl.range(w_begin, w_end, BN, num_stages=NUM_STAGES):
-        b_m, b_l, b_acc = _attend_step(b_q, b_qo, latent, p_slot, w0, w_end, b_m, b_l, b_acc,
-                                       o_v, m_v, o_o, m_o, stride_l, scale_log2, BN, HALVES,
-                                       DOT, PREC, SPLIT_SCORES)
+        b_m, b_l, b_acc = _attend_step(b_q, latent, p_slot, w0, w_end, b_m, b_l, b_acc, o_r,
+                                       m_r, stride_l, scale_log2, BN, DOT, PREC)
     if TAIL_BN < BN:
         # Narrower steps over the tail: the last split's only (an empty range for the others).
         for w0 in tl.range(tl.where(is_last, FULL_W, W), W, TAIL_BN, num_stages=NUM_STAGES):
-            b_m, b_l, b_acc = _attend_step(b_q, b_qo, latent, p_slot, w0, W, b_m, b_l, b_acc,
-                                           o_v, m_v, o_o, m_o, stride_l, scale_log2, TAIL_BN,
-                                           HALVES, DOT, PREC, SPLIT_SCORES)
+            b_m, b_l, b_acc = _attend_step(b_q, latent, p_slot, w0, W, b_m, b_l, b_acc, o_r,
+                                           m_r, stride_l, scale_log2, TAIL_BN, DOT, PREC)
     b_out = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
-    m_out = m_h[:, None] & m_v[None, :]
+    m_out = m_h[:, None] & m_r[None, :]
     if not IS_SPLIT:
-        p_o = o + i_t * stride_ot + o_h[:, None] * stride_oh + o_v[None, :]
+        p_o = o + i_t * stride_ot + o_h[:, None] * stride_oh + o_r[None, :]
         tl.store(p_o, b_out.to(o.dtype.element_ty), mask=m_out)
     else:
         row = (i_t * NUM_SPLITS + i_s) * H + o_h  # [BH]
-        tl.store(part_o + row[:, None] * R + o_v[None, :], b_out.to(part_o.dtype.element_ty),
+        tl.store(part_o + row[:, None] * R + o_r[None, :], b_out.to(part_o.dtype.element_ty),
                  mask=m_out)
         b_lse = tl.where(b_l > 0, b_m + tl.log2(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
-        # NOTE: both value blocks write the sums (equal up to fp32 summation order), so the one
-        # a fused combine acquires has written them itself.
         tl.store(part_lse + row, b_lse, mask=m_h)
-        if FUSE_COMBINE:
-            p_arrived = arrivals + i_t * tl.num_programs(1) + i_hv
-            # Every warp's partial is written before the release; the last arrival acquires all.
-            tl.debug_barrier()
-            arrived = tl.atomic_add(p_arrived, 1, sem="acq_rel")
-            if arrived == NUM_SPLITS - 1:
-                tl.debug_barrier()
-                combine_splits(part_o, part_lse, o, i_t, o_h, m_h, i_vb * BV,
-                               tl.minimum(i_vb * BV + BV, R), H, R, NUM_SPLITS, stride_ot,
-                               stride_oh, BH, BC, SP)
-                tl.atomic_xchg(p_arrived, 0, sem="relaxed")
 
 
 def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *, scale: float,
@@ -202,14 +156,12 @@ def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *
 
 
 def launch_plan(q_lat: torch.Tensor, slots: torch.Tensor, config: SparseMlaConfig = DEFAULT_CONFIG,
-                workspace: SparseMlaWorkspace | None = None
-                ) -> tuple[SparseMlaLaunch, SplitPlan, bool]:
+                workspace: SparseMlaWorkspace | None = None) -> tuple[SparseMlaLaunch, SplitPlan]:
     """What `sparse_mla` launches for these shapes: the launch shape (the one that fitted, once
-    known), the split, and whether the last split combines (else the combine kernel)."""
+    known) and the split."""
     split, shapes, key = _regime(q_lat, config)
     shape = _FITTED.get(key, shapes[0])
-    plan = _split(q_lat, slots, shape, config, workspace, split)
-    return shape, plan, 1 < plan.num_splits <= config.max_fused_splits
+    return shape, _split(q_lat, slots, shape, config, workspace, split)
 
 
 def _regime(q_lat: torch.Tensor, config: SparseMlaConfig
@@ -229,7 +181,7 @@ def _split(q_lat, slots, shape: SparseMlaLaunch, config: SparseMlaConfig,
     if not split:
         full_steps = width // shape.block_slots
         return SplitPlan(1, full_steps, 0, full_steps)
-    max_splits = workspace.max_splits(num_queries, heads, rank, config) if workspace else None
+    max_splits = workspace.max_splits(num_queries, heads, rank) if workspace else None
     return split_plan(num_queries, heads, width, shape.block_slots, num_sms(q_lat.device),
                       config, max_splits)
 
@@ -241,35 +193,28 @@ def _launch(q_lat, latent, slots, out, scale: float, shape: SparseMlaLaunch,
     plan = _split(q_lat, slots, shape, config, workspace, split)
     if plan.num_splits > 1 and workspace is None:
         workspace = SparseMlaWorkspace.create(num_queries, heads, rank, slots.shape[1],
-                                              q_lat.device, num_sms(q_lat.device), config)
-    fused = 1 < plan.num_splits <= config.max_fused_splits
-    _attend(q_lat, latent, slots, out, scale, shape, config, plan,
-            workspace if plan.num_splits > 1 else None, fused)
-    if plan.num_splits > 1 and not fused:
+                                              q_lat.device, num_sms(q_lat.device), config,
+                                              out.dtype)
+    _attend(q_lat, latent, slots, out, scale, shape, plan,
+            workspace if plan.num_splits > 1 else None)
+    if plan.num_splits > 1:
         combine(workspace, out, plan.num_splits, config)
 
 
-def _attend(q_lat, latent, slots, out, scale: float, shape: SparseMlaLaunch,
-            config: SparseMlaConfig, plan: SplitPlan, workspace: SparseMlaWorkspace | None,
-            fused: bool) -> None:
+def _attend(q_lat, latent, slots, out, scale: float, shape: SparseMlaLaunch, plan: SplitPlan,
+            workspace: SparseMlaWorkspace | None) -> None:
     num_queries, heads, rank = q_lat.shape
-    is_split = workspace is not None
-    bh = head_block(heads, config.split_heads if is_split else HEAD_BLOCK)
-    br = max(16, triton.next_power_of_2(rank))
-    halves = is_split and config.value_halves and br >= 2 * 16
+    bh = head_block(heads)
     # Without a split the partials are never touched: `out` stands in for them.
-    parts = (workspace.partial_out, workspace.partial_lse, workspace.arrivals) \
-        if is_split else (out, out, out)
-    grid = (num_queries, triton.cdiv(heads, bh) * (2 if halves else 1), plan.num_splits)
+    parts = (workspace.partial_out, workspace.partial_lse) if workspace is not None else (out, out)
+    grid = (num_queries, triton.cdiv(heads, bh), plan.num_splits)
     sparse_mla_kernel[grid](
         q_lat, latent, slots, out, *parts, scale * LOG2E, heads, slots.shape[1], rank,
         q_lat.stride(0), q_lat.stride(1), latent.stride(0), slots.stride(0), out.stride(0),
         out.stride(1), plan.num_splits, plan.steps_per_split, plan.extra_steps,
-        plan.full_steps * shape.block_slots, BH=bh, BR=br, BN=shape.block_slots,
-        TAIL_BN=shape.tail, NUM_STAGES=shape.num_stages, HALVES=halves,
-        BC=combine_columns(plan.num_splits, bh, rank, config) if fused else 1,
-        SP=splits_block(plan.num_splits) if fused else 1, SPLIT_SCORES=shape.split_scores,
-        IS_SPLIT=is_split, FUSE_COMBINE=fused, DOT=dot_operand_type(q_lat.dtype),
+        plan.full_steps * shape.block_slots, BH=bh, BR=max(16, triton.next_power_of_2(rank)),
+        BN=shape.block_slots, TAIL_BN=shape.tail, NUM_STAGES=shape.num_stages,
+        IS_SPLIT=workspace is not None, DOT=dot_operand_type(q_lat.dtype),
         PREC=product_precision(q_lat.dtype), num_warps=shape.num_warps)
 
 
