@@ -3,11 +3,15 @@ length against fla's chunk_kda (safe-gate path), and each candidate's error agai
 reference (lengths up to `REF_MAX_TOKENS`) or against fla (longer ones). Prints only.
 
     PYTHONPATH=. python bench/sweeps.py --ops kda_prefill [--kda-tokens 32768,131072]
+        [--kda-candidates all|NAME,...]   (default: SWEEP_DEFAULT)
+    PYTHONPATH=. python -m bench.kda_sweep --warm   (compiles what the GPU tests and the
+        default sweep launch, in parallel, into Triton's disk cache)
 
 The candidates' kernels are compiled first in one subprocess each, in parallel (Triton's disk
-cache hands them to this process). Stage times are CUDA-graph replay medians of each kernel
-alone on buffers the previous stages filled; totals are event-timed whole `kda` calls, as
-fla's (whose launcher reads the host).
+cache hands them to this process). The intra kernel is the slow compile (tools/smem_check.py
+times it), so each candidate with its own intra shape adds one. Stage times are CUDA-graph
+replay medians of each kernel alone on buffers the previous stages filled; totals are
+event-timed whole `kda` calls, as fla's (whose launcher reads the host).
 """
 
 from __future__ import annotations
@@ -42,6 +46,14 @@ CANDIDATES = {
     "split walk v32 w2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, split_output=True),
                                       state_value_block=32, state_warps=2),
 }
+
+# The output fused into the walk and split off (one intra kernel, ieee inverse products), and
+# the intra kernel with TF32 inverse products (fewer spills): two intra compiles in all.
+SWEEP_DEFAULT = ("staged", "staged solve tf32", "split")
+# (candidate, dtype) of every prefill the GPU tests in tests/kernels/test_kda_chunk_*.py run.
+TEST_FORMS = tuple((name, "bfloat16") for name in (
+    "fused", "staged", "staged solve tf32", "staged T fp32", "split", "split walk v32 w2")) + (
+    ("fused", "float32"), ("staged", "float32"), ("split", "float32"))
 
 
 def _stages(inputs, state, plan, config: ti.KdaConfig) -> dict:
@@ -96,27 +108,46 @@ def _reference(inputs, state, n: int, chunk_kda):
     return "fla safe gate", (o_fla[0], s_fla)
 
 
-def warm(name: str) -> None:
-    """Compiles candidate `name`'s kernels (a short prefill at the release head shape)."""
-    q, k, v, g, beta, state = _kda_inputs(300)
-    ti.kda(q, k, v, g, beta, state, [0, 300], [0], [False], config=CANDIDATES[name])
+def warm(name: str, dtype: str = "bfloat16") -> None:
+    """Compiles candidate `name`'s kernels for `dtype` inputs at the release head shape: a
+    prefill of partial chunks and a one-token sequence (the decode kernel)."""
+    q, k, v, g, beta, state = _kda_inputs(301, 2)
+    if dtype != "bfloat16":
+        q, k, v, beta = (t.to(getattr(torch, dtype)) for t in (q, k, v, beta))
+    ti.kda(q, k, v, g, beta, state, [0, 300, 301], [0, 1], [False, True],
+           config=CANDIDATES[name])
     torch.cuda.synchronize()
 
 
-def _compile_in_parallel(names: list[str]) -> list[subprocess.Popen]:
+def _compile_in_parallel(forms: list[tuple[str, str]]) -> list[subprocess.Popen]:
+    """One subprocess per (candidate, dtype) running `warm`."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return [subprocess.Popen([sys.executable, "-c",
-                              f"from bench.kda_sweep import warm; warm({name!r})"], env=env)
-            for name in names]
+                              f"from bench.kda_sweep import warm; warm({n!r}, {d!r})"], env=env)
+            for n, d in forms]
+
+
+def warm_all(forms=TEST_FORMS) -> None:
+    """Compiles `forms` (and the default sweep) in parallel; Triton's disk cache keeps them for
+    the processes that follow (the GPU tests, the sweep)."""
+    forms = list(dict.fromkeys(list(forms) + [(n, "bfloat16") for n in SWEEP_DEFAULT]))
+    start = time.time()
+    procs = _compile_in_parallel(forms)
+    failed = [f for f, p in zip(forms, procs, strict=True) if p.wait() != 0]
+    print(f"kda warm: {len(forms)} forms compiled in {time.time() - start:.0f} s; "
+          f"failed: {failed or 'none'}", flush=True)
+    if failed:
+        sys.exit(1)
 
 
 def sweep_kda(sizes: list[int], names: list[str] | None = None) -> None:
     """Per length: fla's time and error, then every candidate's stage times, total, speed
-    relative to fla (goal >= 1) and error."""
-    names = names or list(CANDIDATES)
+    relative to fla (goal >= 1) and error. `names`: SWEEP_DEFAULT when None, ["all"] for
+    every candidate."""
+    names = list(CANDIDATES) if names == ["all"] else list(names or SWEEP_DEFAULT)
     start = time.time()
-    procs = _compile_in_parallel(names)
+    procs = _compile_in_parallel([(n, "bfloat16") for n in names])
     chunk_kda, _ = _fla()
     if chunk_kda is not None:  # fla autotunes on its first call, meanwhile
         from bench.kda_prefill import _fla_runner
@@ -161,3 +192,8 @@ def _sweep_size(n: int, chunk_kda, names: list[str]) -> None:
         torch.cuda.empty_cache()
     del q, k, v, g, beta, state, want
     torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    assert sys.argv[1:] == ["--warm"], "usage: python -m bench.kda_sweep --warm"
+    warm_all()

@@ -182,7 +182,7 @@ def main() -> None:
                         help="kda_prefill lengths, comma-separated")
     parser.add_argument("--kda-candidates", default=None,
                         help="kda_prefill candidates (bench/kda_sweep.py CANDIDATES), "
-                        "comma-separated; default all")
+                        "comma-separated, or all; default kda_sweep.SWEEP_DEFAULT")
     args = parser.parse_args()
     ops = args.ops.split(",")
     assert D == 128

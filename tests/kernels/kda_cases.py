@@ -40,13 +40,17 @@ def kda_inputs(lens: list[int], heads: int, dim: int, dtype: torch.dtype, decay:
 def run_kda(lens: list[int], heads: int, dim: int, dtype: torch.dtype, decay: float = 1.0,
             **kwargs) -> tuple[torch.Tensor, ...]:
     """(out, out_ref, state, state_ref) of the Triton `kda` and `kda_ref` on one batch whose
-    sequences use scrambled slots, every third one fresh. `kwargs` go to the Triton call."""
+    sequences use scrambled distinct slots, every third one fresh. `kwargs` go to the Triton
+    call."""
     from glmflash.kernels.kda import kda_ref
     from glmflash.kernels.kda.triton_impl import kda
 
     q, k, v, g, beta, state = kda_inputs(lens, heads, dim, dtype, decay)
     cu = cu_seqlens(lens)
-    slots = [(3 * b + 1) % (len(lens) + 2) for b in range(len(lens))]
+    # Distinct slots, as the engine gives (a batch never holds one slot twice): the kernels run
+    # sequences concurrently, the reference one after another.
+    order = torch.randperm(len(lens) + 2, generator=torch.Generator().manual_seed(7))
+    slots = order[:len(lens)].tolist()
     fresh = [b % 3 == 1 for b in range(len(lens))]
     s_ref, s_got = state.clone(), state.clone()
     want = kda_ref(q, k, v, g, beta, s_ref, cu, slots, fresh)

@@ -39,10 +39,31 @@ def test_staged_fp32_matches_ref(lens, form, nan_empty):
     _assert_fp32_close(*run_kda(lens, heads=1, dim=16, dtype=torch.float32, config=form))
 
 
-@pytest.mark.parametrize("lens", [[1, 15, 16, 63, 64, 65]], ids=["odd_lengths"])
-def test_staged_odd_lengths(lens, nan_empty):
-    _assert_fp32_close(*run_kda(lens, heads=1, dim=16, dtype=torch.float32,
-                                config=FORMS["split_output"]))
+# The GPU release test's batch: ten sequences, an empty one between two long ones.
+RELEASE_ODD = [1, 15, 16, 17, 63, 64, 65, 0, 129, 1000]
+
+
+@pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
+def test_staged_odd_lengths(form, nan_empty):
+    _assert_fp32_close(*run_kda([1, 15, 16, 63, 64, 65], heads=1, dim=16, dtype=torch.float32,
+                                config=form))
+
+
+def test_staged_release_odd_lengths(nan_empty):
+    _assert_fp32_close(*run_kda(RELEASE_ODD, heads=1, dim=16, dtype=torch.float32,
+                                config=FORMS["walk_output"]))
+
+
+def test_shared_slot_is_refused():
+    # The kernels run a batch's sequences concurrently; two sharing a slot would race on it
+    # (the reference chains them, and the interpreter's in-order programs happen to as well).
+    from glmflash.kernels.kda.triton_impl import kda
+
+    q, k, v, g, beta, state = kda_inputs([3, 0, 1, 5], 1, 16, torch.float32)
+    with pytest.raises(AssertionError, match="slot appears twice"):
+        kda(q, k, v, g, beta, state, [0, 3, 3, 4, 9], [2, 2, 0, 2], [True, False, False, True])
+    # an empty sequence may name a slot a real one holds
+    kda(q, k, v, g, beta, state, [0, 3, 3, 4, 9], [2, 2, 0, 1], [True, False, False, True])
 
 
 def test_staged_several_channel_blocks(nan_empty):
@@ -68,7 +89,8 @@ def test_staged_bf16_inputs(nan_empty):
     assert rel_err(s_got, s_ref) < BF16_REL
 
 
-# Release launch shapes (bench/kda_sweep.py's candidates).
+# Release launch shapes: bench/kda_sweep.py's candidates of the same names (its TEST_FORMS,
+# which `python -m bench.kda_sweep --warm` compiles ahead of these tests).
 GPU_FORMS = {"staged": KdaConfig(staged=StagedConfig()),
              "staged_solve_tf32": KdaConfig(staged=StagedConfig(solve_precision="tf32")),
              "staged_t_fp32": KdaConfig(staged=StagedConfig(inverse_bf16=False)),
@@ -79,8 +101,7 @@ GPU_FORMS = {"staged": KdaConfig(staged=StagedConfig()),
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", GPU_FORMS.values(), ids=GPU_FORMS.keys())
-@pytest.mark.parametrize("lens", [[4096], [1, 15, 16, 17, 63, 64, 65, 0, 129, 1000]],
-                         ids=["prefill4k", "odd_lengths"])
+@pytest.mark.parametrize("lens", [[4096], RELEASE_ODD], ids=["prefill4k", "odd_lengths"])
 def test_staged_release_shape_gpu(lens, form, nan_empty):
     got, want, s_got, s_ref = run_kda(lens, heads=64, dim=128, dtype=torch.bfloat16,
                                       config=form)

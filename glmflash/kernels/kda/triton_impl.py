@@ -73,7 +73,10 @@ class KdaPlan(NamedTuple):
 def _plan(cu_seqlens: tuple[int, ...], state_slots: tuple[int, ...], is_fresh: tuple[bool, ...],
           device: torch.device) -> KdaPlan:
     """Pack [decode: tok, slot, fresh]* [prefill: start, end, slot, fresh, chunk0]* [chunk: start,
-    end, seq]* into one int32 tensor."""
+    end, seq]* into one int32 tensor. Sequences with tokens must own distinct slots: the
+    kernels run them concurrently, where the reference would chain two that share one."""
+    used = [s for b, s in enumerate(state_slots) if cu_seqlens[b + 1] > cu_seqlens[b]]
+    assert len(set(used)) == len(used), f"a state slot appears twice in one batch: {used}"
     decode, prefill, chunks = [], [], []
     for b, slot in enumerate(state_slots):
         start, end = cu_seqlens[b], cu_seqlens[b + 1]
