@@ -71,11 +71,11 @@ def capture_verify(spec: SpecRunner, packed_host: np.ndarray, size: int, width: 
     return CapturedVerify(graph, packed, staging(packed), hidden, logits)
 
 
-def capture_draft(spec: SpecRunner, packed_host: np.ndarray, verify: CapturedVerify,
+def capture_draft(spec: SpecRunner, packed: torch.Tensor, verify: CapturedVerify,
                   size: int, width: int, rows_per_seq: int, pool) -> CapturedDraft:
-    """The MTP layer over the verify's rows, reading its hidden states in place."""
+    """The MTP layer over the verify's rows, reading its hidden states in place; `packed` (on
+    the device, as `pack_verify` lays out rows without state copies) holds its inputs."""
     runner = spec.runner
-    packed = upload(packed_host, runner.device)
     num_tokens = [rows_per_seq] * size
 
     def forward() -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,11 +89,12 @@ def capture_draft(spec: SpecRunner, packed_host: np.ndarray, verify: CapturedVer
     return CapturedDraft(graph, packed, staging(packed), out, ids)
 
 
-def capture_accept(spec: SpecRunner, verify: CapturedVerify, width: int, rows_per_seq: int,
-                   forced: torch.Tensor, pool) -> CapturedAccept:
+def capture_accept(spec: SpecRunner, verify: CapturedVerify, draft_inputs: torch.Tensor,
+                   width: int, rows_per_seq: int, forced: torch.Tensor,
+                   pool) -> CapturedAccept:
     """Greedy acceptance over the verify graph's outputs, the commit, and the draft graph's
-    inputs written in place. `forced` `[B]`: drafts accepted regardless (-1: the argmax
-    decides)."""
+    inputs (`draft_inputs`, its `packed`) written in place. `forced` `[B]`: drafts accepted
+    regardless (-1: the argmax decides)."""
     runner, size = spec.runner, forced.shape[0]
     num_drafts, num_tokens = rows_per_seq - 1, [rows_per_seq] * size
     page = runner.page_size
@@ -101,8 +102,8 @@ def capture_accept(spec: SpecRunner, verify: CapturedVerify, width: int, rows_pe
     def forward() -> tuple[torch.Tensor]:
         batch = verify_batch(verify.packed, num_tokens, True, runner.page_table, page, width,
                              spec.scratch)
-        draft = verify_batch(verify.draft.packed, num_tokens, False, runner.page_table, page,
-                             width, None)
+        draft = verify_batch(draft_inputs, num_tokens, False, runner.page_table, page, width,
+                             None)
         targets = verify.logits.argmax(dim=-1).view(size, rows_per_seq)
         drafts = batch.input_ids.view(size, rows_per_seq)[:, 1:]
         # Leading drafts equal to the argmax: positions before the first mismatch.

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from glmflash.engine import spec_capture
-from glmflash.engine.spec_capture import CapturedAccept, CapturedDraft, CapturedVerify
+from glmflash.engine.spec_capture import CapturedDraft, CapturedVerify
 from glmflash.model.verify import VerifyHostRows, pack_verify
 from glmflash.utils.device import upload
 
@@ -109,14 +109,22 @@ class SpecGraphRunner:
                     2 * len(self.verify_graphs), time.perf_counter() - start, used)
 
     def capture_all(self, pool) -> None:
-        """A verify graph and its draft graph per (size, width), largest first, into `pool`."""
+        """The verify, acceptance and draft graphs per (size, width), largest first, into
+        `pool`, each three in the order they replay: a graph may take as working memory what
+        was free when it was captured, which includes the outputs of graphs captured after it,
+        so replaying it after them would overwrite those outputs."""
         for width in reversed(self.runner.pool_widths):
             for size in reversed(self.batch_sizes):
                 verify = self._capture_verify(size, width, pool)
                 pool = verify.graph.pool()
                 self.verify_graphs[(size, width)] = verify
-                verify.draft = self._capture_draft(size, width, verify, pool)
-                verify.accept = self._capture_accept(size, width, verify, pool)
+                draft_inputs = upload(pack_verify(self._padded(self._empty(), size), save=False),
+                                      self.runner.device)
+                verify.accept = spec_capture.capture_accept(
+                    self.spec, verify, draft_inputs, width, self.rows_per_seq,
+                    self.forced[:size], pool)
+                verify.draft = spec_capture.capture_draft(
+                    self.spec, draft_inputs, verify, size, width, self.rows_per_seq, pool)
 
     def replay_verify(self, rows: VerifyHostRows) -> CapturedVerify:
         """Run the verify of `rows` (n sequences of k + 1 rows): the graph whose first n * (k + 1)
@@ -213,17 +221,6 @@ class SpecGraphRunner:
         packed = pack_verify(self._padded(self._empty(), size), save=True)
         return spec_capture.capture_verify(self.spec, packed, size, width, self.rows_per_seq,
                                            pool)
-
-    def _capture_draft(self, size: int, width: int, verify: CapturedVerify,
-                       pool) -> CapturedDraft:
-        packed = pack_verify(self._padded(self._empty(), size), save=False)
-        return spec_capture.capture_draft(self.spec, packed, verify, size, width,
-                                          self.rows_per_seq, pool)
-
-    def _capture_accept(self, size: int, width: int, verify: CapturedVerify,
-                        pool) -> CapturedAccept:
-        return spec_capture.capture_accept(self.spec, verify, width, self.rows_per_seq,
-                                           self.forced[:size], pool)
 
     @staticmethod
     def _empty() -> VerifyHostRows:
