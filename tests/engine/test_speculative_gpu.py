@@ -5,6 +5,8 @@ every sequence has all its drafts; seeded sampling draws the same tokens."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from glmflash import Engine, SamplingParams
@@ -36,7 +38,7 @@ GREEDY = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(T
 
 
 @pytest.fixture(scope="module")
-def greedy_off() -> dict[str, list[list[int]]]:
+def greedy_off() -> Callable[[str], list[list[int]]]:
     """MTP off, per placement, computed once for the module (each engine start compiles and
     captures)."""
     cache: dict[str, list[list[int]]] = {}
