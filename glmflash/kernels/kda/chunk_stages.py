@@ -24,6 +24,7 @@ from glmflash.kernels.kda.chunk_triton import (
     PrefillBuffers,
     _load_rows,
     _store_rows,
+    _walk_start,
     launch_state,
 )
 from glmflash.kernels.triton_utils import dot_operand_type, jit, product_precision
@@ -145,20 +146,12 @@ def kda_walk_h_kernel(w, u, kd, gl, state, h, vn, meta, H: tl.constexpr, K: tl.c
     `kda_output_kernel`."""
     BT: tl.constexpr = 64
     i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start = tl.load(meta + i_n * 5)
-    end = tl.load(meta + i_n * 5 + 1)
-    slot = tl.load(meta + i_n * 5 + 2).to(tl.int64)
-    fresh = tl.load(meta + i_n * 5 + 3)
-    chunk0 = tl.load(meta + i_n * 5 + 4)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, BT)
     m_k, m_v = o_k < K, o_v < V
     m_s = m_k[:, None] & m_v[None, :]
-    p_s = state + ((slot * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
-    # NOTE: scalar masks are broadcast by hand (the interpreter rejects scalar & tensor).
-    m_old = m_s & ((o_k[:, None] * 0 + fresh) == 0)
-    b_s = tl.load(p_s, mask=m_old, other=0.0)  # [BK, BV] fp32
+    start, end, chunk0, p_s, b_s = _walk_start(state, meta, i_n, i_h, o_k, o_v, m_s, H, K, V)
     num_chunks = tl.cdiv(end - start, BT)
     for i_c in tl.range(num_chunks, num_stages=2):
         rows = start + i_c * BT + o_t

@@ -349,6 +349,24 @@ def kda_chunk_prep_kernel(q, k, v, g, beta, w, u, qg, kd, aqk, gl, meta, scale,
 
 
 @jit
+def _walk_start(state, meta, i_n, i_h, o_k, o_v, m_s, H: tl.constexpr, K: tl.constexpr,
+                V: tl.constexpr):
+    """Where the state walk of prefill sequence i_n starts: its token range and first chunk
+    (`meta` rows of start, end, slot, fresh, chunk0), and head i_h's state block in its slot,
+    as pointers and as values (zeros for a fresh sequence)."""
+    start = tl.load(meta + i_n * 5)
+    end = tl.load(meta + i_n * 5 + 1)
+    slot = tl.load(meta + i_n * 5 + 2).to(tl.int64)
+    fresh = tl.load(meta + i_n * 5 + 3)
+    chunk0 = tl.load(meta + i_n * 5 + 4)
+    p_s = state + ((slot * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
+    # NOTE: scalar masks are broadcast by hand (the interpreter rejects scalar & tensor).
+    m_old = m_s & ((o_k[:, None] * 0 + fresh) == 0)
+    b_s = tl.load(p_s, mask=m_old, other=0.0)  # [BK, BV] fp32
+    return start, end, chunk0, p_s, b_s
+
+
+@jit
 def kda_chunk_state_kernel(w, u, qg, kd, aqk, gl, state, o, meta, stride_o,
                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                            BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
@@ -357,20 +375,12 @@ def kda_chunk_state_kernel(w, u, qg, kd, aqk, gl, state, o, meta, stride_o,
     o = qg S + Aqk v', then S <- exp(G_last) S + kd^T v'. Initial and final S in the slot."""
     BT: tl.constexpr = 64
     i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start = tl.load(meta + i_n * 5)
-    end = tl.load(meta + i_n * 5 + 1)
-    slot = tl.load(meta + i_n * 5 + 2).to(tl.int64)
-    fresh = tl.load(meta + i_n * 5 + 3)
-    chunk0 = tl.load(meta + i_n * 5 + 4)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, BT)
     m_k, m_v = o_k < K, o_v < V
     m_s = m_k[:, None] & m_v[None, :]
-    p_s = state + ((slot * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
-    # NOTE: scalar masks are broadcast by hand (the interpreter rejects scalar & tensor).
-    m_old = m_s & ((o_k[:, None] * 0 + fresh) == 0)
-    b_s = tl.load(p_s, mask=m_old, other=0.0)  # [BK, BV] fp32
+    start, end, chunk0, p_s, b_s = _walk_start(state, meta, i_n, i_h, o_k, o_v, m_s, H, K, V)
     num_chunks = tl.cdiv(end - start, BT)
     for i_c in tl.range(num_chunks, num_stages=2):
         rows = start + i_c * BT + o_t
