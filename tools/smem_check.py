@@ -151,7 +151,7 @@ def kda_launches(with_prep: bool) -> list[Launch]:
         out.append(Launch("kda prep", chunk.kda_chunk_prep_kernel, prep,
                           dict(H=64, K=128, V=128, BK=config.prep_key_block,
                                BV=config.prep_value_block, PREC="tf32",
-                               SOLVE=config.prep_solve_precision), config.prep_warps))
+                               SOLVE="ieee"), config.prep_warps))
         out += kda_staged_launches()
     conv = {"x": "*bf16", "weight": "*fp32", "conv_state": "*bf16", "out": "*bf16",
             "meta": "*i32"}

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class StagedConfig:
-    """Launch shapes of the staged prefill (bench/kda_prefill.py sweeps them)."""
+    """Launch shapes of the staged prefill (bench/kda_sweep.py passes its candidates)."""
 
     gate_warps: int = 4
     intra_warps: int = 4

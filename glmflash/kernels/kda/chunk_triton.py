@@ -440,12 +440,10 @@ def launch_prep(q, k, v, g, beta, buf: PrefillBuffers, plan: KdaPlan, config: Kd
     bv = min(config.prep_value_block, triton.next_power_of_2(dv))
     assert bk >= 16 and bv >= 16, "head dims below 16 do not fit tl.dot"
     chunk_meta = plan.meta[plan.num_decode * 3 + plan.num_prefill * 5:]
-    solve = "ieee" if q.dtype == torch.float32 else config.prep_solve_precision
     kda_chunk_prep_kernel[(plan.num_chunks, heads)](
         q, k, v, g, beta, *buf, chunk_meta, dk ** -0.5, q.stride(0), k.stride(0), v.stride(0),
         g.stride(0), beta.stride(0), H=heads, K=dk, V=dv, BK=bk, BV=bv,
-        PREC=product_precision(q.dtype), SOLVE=solve, num_warps=config.prep_warps,
-        maxnreg=config.prep_max_registers)
+        PREC=product_precision(q.dtype), SOLVE="ieee", num_warps=config.prep_warps)
 
 
 def launch_state(state, out, buf: PrefillBuffers, plan: KdaPlan, config: KdaConfig) -> None:

@@ -41,11 +41,6 @@ class KdaConfig:
     """Channels per step of the prep kernel (its passes over q, k and g)."""
     prep_value_block: int = 16
     """Value columns per step of the prep kernel's u."""
-    prep_max_registers: int | None = None
-    """Register cap per thread of the prep kernel (None: the compiler's choice)."""
-    prep_solve_precision: str = "ieee"
-    """`input_precision` of the 16x16 products of the prep kernel's inverse for 16-bit models
-    (fp32 models always take "ieee")."""
     staged: StagedConfig | None = None
     """The prefill in fla's stages (chunk_stages.py) with these shapes; None: the fused prep
     kernel (chunk_triton.py, the prep_* fields)."""
