@@ -24,7 +24,6 @@ except ImportError:  # the package must import without triton; the launchers nee
     triton = None
 
 from glmflash.kernels.fp8_gemm.triton_common import (
-    ARRIVALS,
     has_fp8_products,
     plan_splits,
     quantize_rows,
@@ -71,8 +70,6 @@ class Fp8LinearConfig:
 
 
 DEFAULT_CONFIG = Fp8LinearConfig()
-# The split-K counters (kept under the old name for the tests that inspect them).
-_ARRIVALS = ARRIVALS
 
 
 @jit
