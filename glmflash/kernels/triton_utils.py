@@ -1,6 +1,7 @@
 """What the Triton launchers share: the jit wrapper, module constants kernels read, interpreter
-detection, the operand type and precision of products, the device's SM count, and per-device
-arrival counters for launches whose last program finishes the work."""
+detection, the operand type and precision of products, the device's SM count, per-device
+arrival counters for launches whose last program finishes the work, and the grouped tile order
+of the GEMM kernels."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 try:
     import triton
+    import triton.language as tl
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
@@ -84,3 +86,13 @@ class ArrivalCounters:
 
     def __getitem__(self, device: torch.device) -> torch.Tensor:
         return self.by_device[device]
+
+
+@jit
+def grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """(row block, column tile) of program `pid` in grouped order: GROUP_M row blocks sweep
+    each column tile together, so they share its weights while they are in L2."""
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % width) % size_m, (pid % width) // size_m

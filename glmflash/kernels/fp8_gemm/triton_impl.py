@@ -37,7 +37,7 @@ from glmflash.kernels.fp8_gemm.triton_stream import (
     StreamRule,
     fp8_linear_stream,
 )
-from glmflash.kernels.triton_utils import interpreting, jit
+from glmflash.kernels.triton_utils import grouped_tile, interpreting, jit
 
 
 @dataclass(frozen=True)
@@ -157,12 +157,7 @@ def fp8_gemm_kernel(xq, xs, w, ws, y, M, N, K, stride_qm, stride_sm, stride_wn, 
     accumulation."""
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    # Grouped order: GROUP_M row blocks share each weight tile while it is in L2.
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    i_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    i_n = (pid % (GROUP_M * num_n)) // size_m
+    i_m, i_n = grouped_tile(pid, num_m, num_n, GROUP_M)
     o_m = i_m * BM + tl.arange(0, BM)
     o_n = i_n * BN + tl.arange(0, BN)
     o_k = tl.arange(0, BLOCK)

@@ -25,7 +25,7 @@ except ImportError:  # the package must import without triton; the launchers nee
     triton = None
 
 from glmflash.kernels.fp8_gemm.triton_common import quantize_rows
-from glmflash.kernels.triton_utils import jit
+from glmflash.kernels.triton_utils import grouped_tile, jit
 
 
 @dataclass(frozen=True)
@@ -46,15 +46,6 @@ class W8A8MoeConfig:
 
 
 W8A8_CONFIG = W8A8MoeConfig()
-
-
-@jit
-def _tile_of(pid, num_m, num_n, GROUP_M: tl.constexpr):
-    """(row block, column tile) of program `pid`, GROUP_M row blocks per column sweep."""
-    width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    return first_m + (pid % width) % size_m, (pid % width) // size_m
 
 
 @jit
@@ -98,7 +89,7 @@ def fused_moe_w8a8_gate_up_kernel(xq, xs, sorted_pairs, block_expert, w_gate, s_
     """h = silu(min(x Wg^T, L)) * clip(x Wu^T, -L, L) for one row block and BLOCK columns,
     stored in e4m3 with one scale per row (over these columns); a block without an expert
     returns before reading any weight."""
-    i_b, i_n = _tile_of(tl.program_id(0), num_blocks, tl.cdiv(N, BLOCK), GROUP_M)
+    i_b, i_n = grouped_tile(tl.program_id(0), num_blocks, tl.cdiv(N, BLOCK), GROUP_M)
     e = tl.load(block_expert + i_b)
     if e < 0:
         return
@@ -131,7 +122,7 @@ def fused_moe_w8a8_down_kernel(hq, hs, sorted_pairs, block_expert, w, s, y, num_
                                BM: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     """y[pair, cols] = h[row] W_down^T for one row block and 2 * BLOCK columns, each row into
     its pair's row of y; a block without an expert returns before reading any weight."""
-    i_b, i_n = _tile_of(tl.program_id(0), num_blocks, tl.cdiv(N, 2 * BLOCK), GROUP_M)
+    i_b, i_n = grouped_tile(tl.program_id(0), num_blocks, tl.cdiv(N, 2 * BLOCK), GROUP_M)
     e = tl.load(block_expert + i_b)
     if e < 0:
         return
