@@ -78,8 +78,12 @@ def spec_graph_sizes(options: EngineConfig, device: torch.device) -> list[int]:
     the decode sizes up to the largest batch that drafts."""
     if not options.num_speculative_steps:
         return []
+    rows = 1 + options.num_speculative_steps
+    threshold = options.kt_gpu_prefill_token_threshold
+    # A verify of as many rows as the layerwise threshold would take the layerwise expert path.
     return [b for b in decode_graph_sizes(options, device)
-            if b <= options.speculative_max_batch_size]
+            if b <= options.speculative_max_batch_size
+            and (threshold is None or b * rows < threshold)]
 
 
 def max_graph_rows(options: EngineConfig, device: torch.device) -> int:

@@ -5,6 +5,7 @@ acceptance between them. Each reads its inputs from a device buffer laid out by
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -54,8 +55,14 @@ class CapturedAccept:
     """`[B, k + 2]` int64: each row's argmax (k + 1), then the drafts accepted."""
 
 
+ARGMAX_DECIDES = -1
+"""A sequence's forced acceptance when there is none: the argmax decides."""
+DRAFTS_ROW, FORCED_ROW = 0, 1
+"""Rows of the acceptance graph's per-step inputs."""
+
+
 def capture_verify(spec: SpecRunner, packed_host: np.ndarray, size: int, width: int,
-                   rows_per_seq: int, pool) -> CapturedVerify:
+                   rows_per_seq: int, pool: tuple[int, int] | None) -> CapturedVerify:
     """The verify forward of `size` sequences of `rows_per_seq` rows (state copies kept)."""
     runner = spec.runner
     packed = upload(packed_host, runner.device)
@@ -72,7 +79,8 @@ def capture_verify(spec: SpecRunner, packed_host: np.ndarray, size: int, width: 
 
 
 def capture_draft(spec: SpecRunner, packed: torch.Tensor, verify: CapturedVerify,
-                  size: int, width: int, rows_per_seq: int, pool) -> CapturedDraft:
+                  size: int, width: int, rows_per_seq: int,
+                  pool: tuple[int, int] | None) -> CapturedDraft:
     """The MTP layer over the verify's rows, reading its hidden states in place; `packed` (on
     the device, as `pack_verify` lays out rows without state copies) holds its inputs."""
     runner = spec.runner
@@ -90,14 +98,15 @@ def capture_draft(spec: SpecRunner, packed: torch.Tensor, verify: CapturedVerify
 
 
 def capture_accept(spec: SpecRunner, verify: CapturedVerify, draft_inputs: torch.Tensor,
-                   width: int, rows_per_seq: int, forced: torch.Tensor,
-                   pool) -> CapturedAccept:
+                   width: int, rows_per_seq: int, step_inputs: torch.Tensor,
+                   pool: tuple[int, int] | None) -> CapturedAccept:
     """Greedy acceptance over the verify graph's outputs, the commit, and the draft graph's
-    inputs (`draft_inputs`, its `packed`) written in place. `forced` `[B]`: drafts accepted
-    regardless (-1: the argmax decides)."""
-    runner, size = spec.runner, forced.shape[0]
-    num_drafts, num_tokens = rows_per_seq - 1, [rows_per_seq] * size
-    page = runner.page_size
+    inputs (`draft_inputs`, its `packed`) written in place. `step_inputs` `[2, B]`: the drafts
+    each sequence has (its rows past them are padding), and the drafts it accepts regardless of
+    the argmax (`ARGMAX_DECIDES`: none; benchmarks force a rate)."""
+    runner, size = spec.runner, step_inputs.shape[1]
+    num_drafts, forced = step_inputs[DRAFTS_ROW], step_inputs[FORCED_ROW]
+    num_tokens, page = [rows_per_seq] * size, runner.page_size
 
     def forward() -> tuple[torch.Tensor]:
         batch = verify_batch(verify.packed, num_tokens, True, runner.page_table, page, width,
@@ -107,9 +116,11 @@ def capture_accept(spec: SpecRunner, verify: CapturedVerify, draft_inputs: torch
         targets = verify.logits.argmax(dim=-1).view(size, rows_per_seq)
         drafts = batch.input_ids.view(size, rows_per_seq)[:, 1:]
         # Leading drafts equal to the argmax: positions before the first mismatch.
-        mismatches = (targets[:, :num_drafts] != drafts).long().cumsum(dim=1)
+        mismatches = (targets[:, :-1] != drafts).long().cumsum(dim=1)
         leading = (mismatches == 0).long().sum(dim=1)
-        accepted = torch.where(forced >= 0, forced.clamp(max=num_drafts), leading)
+        chosen = torch.where(forced != ARGMAX_DECIDES, forced, leading)
+        # Never past a sequence's own drafts (its later rows are padding).
+        accepted = torch.minimum(chosen, num_drafts)
         slots = batch.decode.state_slots.view(size, rows_per_seq)
         commit_on_device(runner.state, spec.scratch, slots[:, 0], accepted, num_drafts)
         # The MTP layer's rows: each accepted position with the token after it (the argmax
@@ -117,7 +128,7 @@ def capture_accept(spec: SpecRunner, verify: CapturedVerify, draft_inputs: torch
         j = torch.arange(rows_per_seq, device=targets.device)
         valid = j[None, :] <= accepted[:, None]
         pad_slot = torch.full_like(j, runner.dummy_slot)
-        fields = ((draft.token_slots, batch.token_slots, runner.dummy_page * page + j),
+        fields = ((draft.token_slots, batch.token_slots, runner.dummy_page * page + j % page),
                   (draft.decode.positions, batch.decode.positions, j),
                   (draft.decode.state_slots, batch.decode.state_slots, pad_slot))
         draft.input_ids.copy_(targets.view(-1))
@@ -134,7 +145,8 @@ def capture_accept(spec: SpecRunner, verify: CapturedVerify, draft_inputs: torch
     return CapturedAccept(graph, result)
 
 
-def record(forward, pool, device: torch.device):
+def record(forward: Callable[[], tuple[torch.Tensor, ...]], pool: tuple[int, int] | None,
+           device: torch.device) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
     """Warm `forward` up on a side stream (compiles, fits launch shapes), then capture it."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))

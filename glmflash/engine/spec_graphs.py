@@ -1,11 +1,14 @@
-"""Speculative decoding's two forwards replayed from CUDA graphs: the verify forward and the MTP
-layer's draft forward, for batches where every sequence verifies the full number of drafts.
+"""Speculative decoding's forwards replayed from CUDA graphs: the verify forward and the MTP
+layer's draft forward (and, for greedy steps, the acceptance between them).
 
-A verify of B sequences with k drafts is B * (k + 1) decode rows (model/verify.py
+A verify of B sequences with up to k drafts is B * (k + 1) decode rows (model/verify.py
 `verify_batch`): its inputs live in device tensors, so one recorded forward serves every such
 batch once its words are copied in, as the decode graphs do (engine/cuda_graph.py). Graphs are
 captured per (batch size, selection width), next to the decode graphs and into their memory
-pool. Padding sequences take the runner's reserved state slot and page, positions 0..k.
+pool. Padding takes the runner's reserved state slot and page: whole padding sequences at
+positions 0..k, and the rows after a sequence's own drafts when it has fewer than k (a request
+with penalties never drafts, a request near its end drafts less), so one such sequence does not
+send the batch to the eager verify; its accepted count never passes its drafts.
 
 The draft forward runs the MTP layer over the same B * (k + 1) rows: it reads the verify graph's
 hidden states in place, and the ids the host wrote for each row (the token after it). Rows past
@@ -72,19 +75,22 @@ class SpecGraphRunner:
         self.verify_graphs: dict[tuple[int, int], CapturedVerify] = {}
         self.num_replays = 0
         device = self.runner.device
-        self.forced = torch.full((self.batch_sizes[-1],), -1, dtype=torch.int64, device=device)
-        """Drafts each sequence accepts regardless of the argmax (-1: the argmax decides): the
-        benchmark's forced acceptance (bench/e2e_mtp.py)."""
-        self._forced_host = spec_capture.staging(self.forced)
+        self.step_inputs_gpu = torch.zeros(2, self.batch_sizes[-1], dtype=torch.int64,
+                                           device=device)
+        """What the acceptance graph reads per step (`spec_capture.DRAFTS_ROW`, `FORCED_ROW`):
+        each sequence's drafts, and the drafts it accepts regardless of the argmax (the
+        benchmark's forced acceptance, bench/e2e_mtp.py; else `ARGMAX_DECIDES`)."""
+        self.step_inputs_cpu = spec_capture.staging(self.step_inputs_gpu)
         self._result_host: torch.Tensor | None = None
         self.replay_events: list[tuple[torch.cuda.Event, ...]] | None = None
         """Benchmarks: a list to collect CUDA events (start, verify done, draft done) around
         each greedy step's graphs."""
 
     def fits(self, num_seqs: int, drafts: list[list[int]]) -> bool:
-        """A verify of these drafts replays a graph: every sequence has all its drafts."""
+        """A verify of these drafts replays a graph (a sequence with fewer drafts than the
+        graphs' takes padding rows after them)."""
         return bool(self.verify_graphs) and num_seqs <= self.batch_sizes[-1] and \
-            all(len(d) == self.rows_per_seq - 1 for d in drafts)
+            all(len(d) < self.rows_per_seq for d in drafts)
 
     def key(self, num_seqs: int, num_pools: int) -> tuple[int, int]:
         """The (size, width) graph of a batch: the smallest size that holds it, the narrowest
@@ -92,7 +98,7 @@ class SpecGraphRunner:
         return (next(b for b in self.batch_sizes if b >= num_seqs),
                 self.runner.pool_width(num_pools))
 
-    def capture(self, pool=None) -> None:
+    def capture(self, pool: tuple[int, int] | None = None) -> None:
         device = self.runner.device
         handoff = self._handoff()
         most_rows = self.batch_sizes[-1] * self.rows_per_seq
@@ -103,12 +109,12 @@ class SpecGraphRunner:
         self.capture_all(pool)
         torch.cuda.synchronize(device)
         used = (free_before - torch.cuda.mem_get_info(device)[0]) / 2**20
-        logger.info("CUDA graphs: verify and draft of %s sequences x %d tokens x selection "
-                    "widths %s, %d graphs captured in %.1f s, %.0f MiB", self.batch_sizes,
+        logger.info("CUDA graphs: verify, acceptance and draft of %s sequences x %d tokens x "
+                    "selection widths %s, %d graphs captured in %.1f s, %.0f MiB", self.batch_sizes,
                     self.rows_per_seq, self.runner.pool_widths,
-                    2 * len(self.verify_graphs), time.perf_counter() - start, used)
+                    3 * len(self.verify_graphs), time.perf_counter() - start, used)
 
-    def capture_all(self, pool) -> None:
+    def capture_all(self, pool: tuple[int, int] | None) -> None:
         """The verify, acceptance and draft graphs per (size, width), largest first, into
         `pool`, each three in the order they replay: a graph may take as working memory what
         was free when it was captured, which includes the outputs of graphs captured after it,
@@ -122,18 +128,21 @@ class SpecGraphRunner:
                                       self.runner.device)
                 verify.accept = spec_capture.capture_accept(
                     self.spec, verify, draft_inputs, width, self.rows_per_seq,
-                    self.forced[:size], pool)
+                    self.step_inputs_gpu[:, :size], pool)
                 verify.draft = spec_capture.capture_draft(
                     self.spec, draft_inputs, verify, size, width, self.rows_per_seq, pool)
 
-    def replay_verify(self, rows: VerifyHostRows) -> CapturedVerify:
-        """Run the verify of `rows` (n sequences of k + 1 rows): the graph whose first n * (k + 1)
-        rows of `hidden` and `logits` are theirs."""
+    def replay_verify(self, rows: VerifyHostRows,
+                      events: tuple[torch.cuda.Event, ...] | None = None) -> CapturedVerify:
+        """Run the verify of `rows` (n sequences of up to k + 1 rows): the graph in whose
+        `hidden` and `logits` sequence b has rows b * (k + 1) onwards. `events[0]` is recorded
+        once the inputs are staged (benchmarks)."""
         num_seqs = len(rows.num_tokens)
         captured = self.verify_graphs[self.key(num_seqs, rows.num_pools)]
         size = captured.hidden.shape[0] // self.rows_per_seq
         captured.staging.numpy()[:] = pack_verify(self._padded(rows, size), save=True)
         captured.packed.copy_(captured.staging, non_blocking=True)
+        _record_event(events, 0)
         handoff = self._handoff()
         if handoff is not None:
             handoff.set_live_rows(num_seqs * self.rows_per_seq)
@@ -159,13 +168,15 @@ class SpecGraphRunner:
         wait for what the host needs. `forced`: accepted drafts per sequence (benchmarks);
         `blocking`: wait asleep (hybrid hosts keep their cores for the CPU experts)."""
         num_seqs, rows_per_seq = len(rows.num_tokens), self.rows_per_seq
-        self._forced_host.fill_(-1)
+        inputs = self.step_inputs_cpu
+        inputs.zero_()
+        inputs[spec_capture.DRAFTS_ROW, :num_seqs] = torch.tensor(rows.num_tokens) - 1
+        inputs[spec_capture.FORCED_ROW] = spec_capture.ARGMAX_DECIDES
         if forced is not None:
-            self._forced_host[:num_seqs] = torch.tensor(forced)
-        self.forced.copy_(self._forced_host, non_blocking=True)
+            inputs[spec_capture.FORCED_ROW, :num_seqs] = torch.tensor(forced)
+        self.step_inputs_gpu.copy_(inputs, non_blocking=True)
         events = self._timing_events()
-        _record_event(events, 0)
-        verify = self.replay_verify(rows)
+        verify = self.replay_verify(rows, events)
         _record_event(events, 1)
         verify.accept.graph.replay()
         verify.draft.graph.replay()
@@ -201,17 +212,30 @@ class SpecGraphRunner:
         return host
 
     def padding_sequence(self) -> VerifyHostRows:
-        """One sequence of k + 1 rows that touch only the reserved slot and page."""
+        """One sequence of k + 1 rows that touch only the reserved slot and page (position j
+        of the reserved slot lies in the reserved page, as every page of its page-table row)."""
         runner, rows = self.runner, self.rows_per_seq
-        first = runner.dummy_page * runner.page_size
-        return VerifyHostRows([0] * rows, [first + j for j in range(rows)], list(range(rows)),
-                              [runner.dummy_slot] * rows, [1] + [0] * (rows - 1), [rows], 0)
+        first, page = runner.dummy_page * runner.page_size, runner.page_size
+        return VerifyHostRows([0] * rows, [first + j % page for j in range(rows)],
+                              list(range(rows)), [runner.dummy_slot] * rows,
+                              [1] + [0] * (rows - 1), [rows], 0)
 
     def _padded(self, rows: VerifyHostRows, size: int) -> VerifyHostRows:
-        pad = self.padding_sequence()
+        """`rows` in a graph's shape: each sequence's rows then padding rows up to k + 1, then
+        padding sequences up to `size`. A sequence's first padding row starts the reserved
+        slot's state afresh."""
+        pad, full = self.padding_sequence(), self.rows_per_seq
+        fields: list[list[int]] = [[] for _ in range(5)]
+        first = 0
+        for count in rows.num_tokens:
+            for out, values, padding in zip(fields, rows[:5], pad[:5], strict=True):
+                out += values[first: first + count] + padding[count:]
+            if count < full:
+                fields[4][len(fields[4]) - full + count] = 1
+            first += count
         missing = size - len(rows.num_tokens)
-        return VerifyHostRows(*(a + b * missing for a, b in zip(rows[:6], pad[:6], strict=True)),
-                              rows.num_pools)
+        fields = [out + padding * missing for out, padding in zip(fields, pad[:5], strict=True)]
+        return VerifyHostRows(*fields, [full] * size, rows.num_pools)
 
     def _handoff(self) -> GraphHandOff | None:
         graphs = self.runner.graphs

@@ -119,14 +119,21 @@ class SpecRunner:
     @torch.inference_mode()
     def forward_verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> MainOutput:
         """Each sequence's last token and its drafts in one forward: logits of every row.
-        Replayed from a graph when every sequence has all its drafts (`last_verify` is then
-        that graph, whose hidden states the draft graph reads)."""
+        Replayed from a graph when one holds the batch (`last_verify` is then that graph,
+        whose hidden states the draft graph reads)."""
         rows = self.verify_rows(seqs, drafts)
         cu = np.cumsum([0, *rows.num_tokens]).tolist()
         self.last_verify = None
         if self.graphs is not None and self.graphs.fits(len(seqs), drafts):
             self.last_verify = captured = self.graphs.replay_verify(rows)
-            return MainOutput(captured.hidden[: cu[-1]], captured.logits[: cu[-1]], cu)
+            full = self.graphs.rows_per_seq
+            if all(n == full for n in rows.num_tokens):
+                return MainOutput(captured.hidden[: cu[-1]], captured.logits[: cu[-1]], cu)
+            # Rows past a sequence's drafts are padding in the graph's layout.
+            index = upload([b * full + j for b, n in enumerate(rows.num_tokens)
+                            for j in range(n)], self.runner.device)
+            return MainOutput(captured.hidden.index_select(0, index),
+                              captured.logits.index_select(0, index), cu)
         runner = self.runner
         fb = verify_batch(upload(pack_verify(rows, save=True), runner.device), rows.num_tokens,
                           True, runner.page_table, runner.page_size,

@@ -196,13 +196,13 @@ def commit(state: ModelState, scratch: VerifyScratch, state_slots: list[int],
 
 
 def commit_on_device(state: ModelState, scratch: VerifyScratch, state_slots: torch.Tensor,
-                     num_accepted: torch.Tensor, num_drafts: int) -> None:
-    """`commit` with the accepted counts on the device (a captured step): sequence b (scratch
-    row b, slot `state_slots[b]`, `num_drafts` drafts) takes its scratch copy of position
+                     num_accepted: torch.Tensor, num_drafts: torch.Tensor) -> None:
+    """`commit` with the counts on the device (a captured step): sequence b (scratch row b,
+    slot `state_slots[b]`, `num_drafts[b]` drafts) takes its scratch copy of position
     `num_accepted[b]`, unless every draft was accepted (its slot already holds that state)."""
     rows = torch.arange(state_slots.shape[0], device=state_slots.device)
     keep = num_accepted < num_drafts
-    steps = num_accepted.clamp(max=num_drafts - 1)
+    steps = torch.minimum(num_accepted, num_drafts - 1).clamp(min=0)
     for live, saved in ((state.recurrent, scratch.recurrent), (state.conv, scratch.conv),
                         (state.index_tail, scratch.index_tail)):
         for layer, copies in saved.items():

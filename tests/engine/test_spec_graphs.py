@@ -12,6 +12,7 @@ import torch
 
 import glmflash.engine.spec_capture as spec_capture
 from glmflash import SamplingParams
+from glmflash.engine.outputs import ResultCollector
 from glmflash.engine.spec_graphs import SpecGraphRunner
 from tests.engine.test_speculative import SPEC, TEXTS, _engine, _run_arrivals
 
@@ -89,3 +90,43 @@ def test_graph_forms_give_the_tokens_of_mtp_off(rerun_graphs, num_steps, samplin
     # The draft graph drafts what the eager MTP forward drafts: the same drafts accepted.
     assert counts["graphs"] == counts["eager"]
     assert counts["graphs"][1] > 0.3 * counts["graphs"][0]
+
+
+def _run_each(engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    collectors = []
+    for prompt, choice in zip(prompts, params, strict=True):
+        collector = ResultCollector("", prompt, 1)
+        collector.request_id = engine.add_request(prompt, choice, collector.add)
+        collectors.append(collector)
+    steps = 0
+    while not all(c.is_done for c in collectors):
+        engine.step()
+        steps += 1
+        assert steps < 400
+    return [c.result().token_ids for c in collectors]
+
+
+def test_sequences_with_fewer_drafts_take_padding_rows(rerun_graphs):
+    """A request with a penalty never drafts and short requests draft less near their end: the
+    batch still replays the graphs (those sequences' rows past their drafts are padding) and
+    gives the tokens of MTP off and of the eager verify."""
+    params = [SamplingParams(max_tokens=14, temperature=0, ignore_eos=True,
+                             presence_penalty=0.5),
+              SamplingParams(max_tokens=14, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)]
+    spec = {**SPEC, "speculative_num_steps": 2}
+    outputs, counts = {}, {}
+    for name, extra in (("off", {}), ("eager", spec), ("graphs", spec)):
+        engine = _engine(pages=16, max_running_requests=4, **extra)
+        graphs = _with_graphs(engine, [1, 2, 4]) if name == "graphs" else None
+        prompts = [engine.tokenizer.encode(t) for t in TEXTS[:3]]
+        outputs[name] = _run_each(engine, prompts, params)
+        if engine.spec is not None:
+            stats = engine.stats().speculative
+            counts[name] = (stats.num_draft_tokens, stats.num_accepted_tokens)
+        if graphs is not None:
+            # Every step after the prefills verifies beside the request that never drafts.
+            assert graphs.num_replays >= 8
+        assert engine.cache.num_free_pages == engine.cache.plan.num_pages
+    assert outputs["graphs"] == outputs["eager"] == outputs["off"]
+    assert counts["graphs"] == counts["eager"]

@@ -24,6 +24,7 @@ from glmflash.model.state import ModelState
 from glmflash.model.verify import (
     VerifyScratch,
     commit,
+    commit_on_device,
     pack_verify,
     verify_batch,
     verify_rows,
@@ -161,3 +162,25 @@ def test_mtp_logits_incremental_equal_one_forward(model):
     incremental = torch.cat(parts)
     assert np.isfinite(whole.numpy()).all()
     assert (incremental - whole).abs().max() < LOGIT_ATOL
+
+
+def test_commit_on_device_takes_the_accepted_copy_unless_all_drafts_were():
+    """Per sequence: fewer accepted than its drafts -> the scratch copy of that position; all
+    accepted, or no drafts at all -> the slot as it is."""
+    config = load_tiny(TRAINED).config
+    state = ModelState(config, num_token_slots=64, num_state_slots=4, dtype=torch.float32,
+                       device="cpu")
+    scratch = VerifyScratch(config, state, 4, 2)
+    for live, saved in ((state.recurrent, scratch.recurrent), (state.conv, scratch.conv),
+                        (state.index_tail, scratch.index_tail)):
+        for layer, t in live.items():
+            t.copy_(torch.arange(t.shape[0], dtype=t.dtype).view(-1, *[1] * (t.dim() - 1)))
+            saved[layer].copy_(100 + torch.arange(8, dtype=t.dtype).view(
+                4, 2, *[1] * (t.dim() - 1)))
+    slots = torch.tensor([3, 2, 1, 0])
+    accepted, drafts = torch.tensor([0, 1, 2, 0]), torch.tensor([2, 2, 2, 0])
+    commit_on_device(state, scratch, slots, accepted, drafts)
+    # slot 3 <- row 0 step 0 (100); slot 2 <- row 1 step 1 (103); slots 1, 0 unchanged.
+    for live in (state.recurrent, state.conv, state.index_tail):
+        for t in live.values():
+            assert [float(t[i].flatten()[0]) for i in range(4)] == [0.0, 1.0, 103.0, 100.0]
