@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true",
                      help="wrap each prompt as a user message through the chat template")
     gen.add_argument("--max-tokens", type=positive_int, default=32, help="most tokens per prompt")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="keep generating past end-of-sequence tokens (up to --max-tokens)")
     gen.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy")
     gen.add_argument("--top-p", type=probability, default=1.0, help="nucleus mass, in (0, 1]")
     gen.add_argument("--top-k", type=non_negative_int, default=0, help="0: no top-k cut")
@@ -89,7 +91,8 @@ def _generate(args: argparse.Namespace) -> int:
     from glmflash.server.args import engine_options
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            ignore_eos=args.ignore_eos)
     check_device(args.device)
     check_model_path(args.model_path)
     from glmflash.engine.engine import Engine

@@ -121,8 +121,8 @@ def test_rank1_fails_at_load(model_dir, monkeypatch):
 
 
 def test_ctrl_c_stops_every_rank(model_dir):
-    # Random weights: the trained model may end both prompts (EOS) before the signal comes.
-    cmd = _generate_cmd(model_dir, "--tp-size", "2", "--load-format", "dummy")
+    # Past EOS up to the context: generation is still running when the signal comes.
+    cmd = _generate_cmd(model_dir, "--tp-size", "2", "--ignore-eos")
     cmd[cmd.index("--max-tokens") + 1] = "100000"
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env(GLMFLASH_LOG_LEVEL="INFO"), start_new_session=True)
