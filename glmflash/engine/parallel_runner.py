@@ -131,6 +131,12 @@ class ParallelRunner(ModelRunner):
         except Exception as exc:
             self.failure = RankFailed(self._explain(exc))
             raise self.failure from exc
+        except BaseException:
+            # Interrupted mid-step (Ctrl-C): the other ranks may wait in this step's
+            # collectives, which cannot complete now; they are stopped without waiting.
+            self.failure = RankFailed("rank 0 was interrupted in a step")
+            self._abort_collectives()
+            raise
 
     def close(self) -> None:
         """Tell the other ranks to stop and wait for them (terminated past a timeout)."""
@@ -162,8 +168,12 @@ class ParallelRunner(ModelRunner):
 
     def _rank_died(self, rank: int, code: int | None) -> None:
         logger.error("rank %d exited unexpectedly (code %s)", rank, code)
-        # NCCL would wait for the dead rank until its timeout, and so would the shared-memory
-        # all-reduce; gloo has already failed.
+        self._abort_collectives()
+
+    def _abort_collectives(self) -> None:
+        """Make ranks waiting in a collective give up: NCCL would wait for a rank that will
+        not come until its timeout, and so would the shared-memory all-reduce; gloo fails on
+        its own."""
         if self.group.host_reduce is not None:
             self.group.host_reduce.abort()
         if self.group.backend == "nccl":
