@@ -120,12 +120,19 @@ def test_rank1_fails_at_load(model_dir, monkeypatch):
     assert not multiprocessing.active_children()
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_every_rank(model_dir):
     # Past EOS up to the context: generation is still running when the signal comes.
     cmd = _generate_cmd(model_dir, "--tp-size", "2", "--ignore-eos")
     cmd[cmd.index("--max-tokens") + 1] = "100000"
+    # A terminal's Ctrl-C: SIGINT handled as by default, also when this test runs where it is
+    # ignored (a shell's background job ignores SIGINT, and its children inherit that).
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(GLMFLASH_LOG_LEVEL="INFO"), start_new_session=True)
+                            env=_env(GLMFLASH_LOG_LEVEL="INFO"), start_new_session=True,
+                            preexec_fn=_default_sigint)
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
         for line in proc.stderr:
