@@ -169,19 +169,15 @@ class SpecRunner:
         elsewhere). Returns, per sequence, the layer's output at its last committed row
         `[B, D]` and the id drafted there."""
         graphs, page = self.graphs, self.runner.page_size
-        pad = graphs.padding_sequence()
-        ids, token_slots, positions, state_slots = [], [], [], []
-        for seq, start, count, is_live in zip(seqs, starts, committed, live, strict=True):
-            count = count if is_live else 0
-            ids.append(seq.token_ids[start + 1: start + 1 + count].tolist() +
-                       pad.input_ids[count:])
-            token_slots.append(token_slots_of(seq.page_ids, start, count, page).tolist() +
-                               pad.token_slots[count:])
-            positions.append(list(range(start, start + count)) + pad.positions[count:])
-            state_slots.append([seq.state_slot] * count + pad.state_slots[count:])
+        counts = [count if is_live else 0 for count, is_live in zip(committed, live, strict=True)]
+        # The graph runner pads each sequence's rows to k + 1 (and the batch to its size).
+        rows = verify_rows(
+            [seq.token_ids[start + 1: start + 1 + n].tolist()
+             for seq, start, n in zip(seqs, starts, counts, strict=True)],
+            [token_slots_of(seq.page_ids, start, n, page).tolist()
+             for seq, start, n in zip(seqs, starts, counts, strict=True)],
+            starts, [seq.state_slot for seq in seqs], 0)
         num = graphs.rows_per_seq * len(seqs)
-        rows = VerifyHostRows(*(sum(v, []) for v in (ids, token_slots, positions, state_slots)),
-                              [0] * num, [graphs.rows_per_seq] * len(seqs), 0)
         captured = graphs.replay_draft(rows, self.last_verify)
         picks = [b * graphs.rows_per_seq + max(c, 1) - 1 for b, c in enumerate(committed)]
         drafted = captured.ids[:num].tolist()
