@@ -20,18 +20,22 @@ from glmflash.config import ModelConfig
 from glmflash.tiny.checkpoint import write_trained_checkpoint
 from glmflash.tiny.configs import tiny_config
 from glmflash.tiny.manifest import write_manifest
-from tools.tiny_batches import BatchStream, make_batch, sample_maker
+from tools.tiny_batches import BatchStream, make_batch, plan_shape, sample_maker
 from tools.tiny_data import RECIPE
+from tools.tiny_graph_step import GraphStep
 from tools.tiny_quant import PARAMETRIZED, fake_fp8, quantization_gap
 from tools.tiny_train_ops import training_ops
 from tools.tiny_trainer import (
     INDEXER_LOSS_WEIGHT,
     MTP_LOSS_WEIGHT,
+    StepTensors,
     balance_routers,
     build_models,
     forward_losses,
     lr_at,
     moe_layers,
+    step_losses,
+    step_tensors,
 )
 
 logger = logging.getLogger("glmflash.train_tiny")
@@ -55,6 +59,9 @@ class RunOptions:
     threads: int = 1
     qat_fraction: float = 0.0
     """The last part of the steps that trains through FP8-rounded weights (tiny_quant.py)."""
+    graph: bool = False
+    """Batches of one planned shape, each step replayed as a CUDA graph (tiny_graph_step.py;
+    on a CPU: the same fixed buffers, eagerly)."""
     gap_tokens: int = 8192
     """Tokens of the batch on which the cost of FP8 rounding is measured at the end."""
 
@@ -74,16 +81,24 @@ class Training:
         self.model, self.mtp = model.to(self.device), mtp.to(self.device)
         self.params = [p for m in (self.model, self.mtp) for p in m.parameters()
                        if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=options.peak_lr, betas=(0.9, 0.95),
-                                           weight_decay=0.01,
-                                           fused=self.device.type == "cuda" or None)
+        on_gpu = self.device.type == "cuda"
+        # A captured optimizer step reads its learning rate from a device tensor.
+        lr = torch.tensor(options.peak_lr, device=self.device) if options.graph and on_gpu \
+            else options.peak_lr
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=(0.9, 0.95),
+                                           weight_decay=0.01, fused=on_gpu or None,
+                                           capturable=options.graph and on_gpu)
         self.qat = contextlib.ExitStack()
         self.stack = contextlib.ExitStack()
         self.stack.enter_context(training_ops(self.model, self.mtp, compile=options.compile))
         self.moes = moe_layers(self.model, self.mtp)
         self.counts = [moe.experts.backend.counts for moe in self.moes]
-        self.source = BatchStream(self.config_dict, options.seed, options.tokens_per_step,
+        self.shape = plan_shape(sample_maker(self.config_dict), options.seed,
+                                options.tokens_per_step) if options.graph else None
+        self.source = BatchStream(self.config_dict, options.seed,
+                                  self.shape or options.tokens_per_step,
                                   num_workers=options.workers)
+        self.graph_step: GraphStep | None = None
         self.log: list[tuple] = []
         self.pending: list[tuple[int, torch.Tensor, int]] = []
         self.start = time.time()
@@ -96,25 +111,41 @@ class Training:
             logger.info("step %d: training through FP8-rounded weights", self.num_steps)
             self.qat.enter_context(fake_fp8(self.config, self.model, self.mtp))
             self.is_qat = True
+            if self.graph_step is not None:
+                self.graph_step.recapture()
+        lr = lr_at(self.num_steps, self.total_steps, self.options.peak_lr,
+                   self.options.warmup_steps)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.num_steps, self.total_steps, self.options.peak_lr,
-                                self.options.warmup_steps)
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
         batch = next(self.source)
-        with self._autocast():
-            loss, mtp_loss, index_loss, num_trained = forward_losses(self.model, self.mtp,
-                                                                     batch)
-        self.optimizer.zero_grad(set_to_none=True)
-        (loss + MTP_LOSS_WEIGHT * mtp_loss + INDEXER_LOSS_WEIGHT * index_loss).backward()
-        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-        self.optimizer.step()
-        balance_routers(self.moes, self.counts)
-        losses = torch.stack([loss, mtp_loss, index_loss]).detach()
+        if self.options.graph:
+            if self.graph_step is None:
+                self.graph_step = GraphStep(self._train_on, batch, self.device, self.config)
+            losses = self.graph_step(batch)
+            num_trained = self.graph_step.inputs.num_trained
+        else:
+            inputs = step_tensors(batch, self.device, self.config)
+            losses, num_trained = self._train_on(inputs), inputs.num_trained
         self.pending.append((self.num_steps, losses, num_trained))
         self.num_steps += 1
         if self.num_steps % SYNC_EVERY == 0:
             self.flush()
         self.step_times.append(time.time() - self.start)
         return losses
+
+    def _train_on(self, inputs: StepTensors) -> torch.Tensor:
+        """Forward, backward and update on one batch on the device; its losses."""
+        with self._autocast():
+            loss, mtp_loss, index_loss = step_losses(self.model, self.mtp, inputs)
+        self.optimizer.zero_grad(set_to_none=True)
+        (loss + MTP_LOSS_WEIGHT * mtp_loss + INDEXER_LOSS_WEIGHT * index_loss).backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.optimizer.step()
+        balance_routers(self.moes, self.counts)
+        return torch.stack([loss, mtp_loss, index_loss]).detach()
 
     def _autocast(self):
         if self.options.amp == "fp32":
@@ -155,11 +186,19 @@ class Training:
                     tokens_per_step=self.options.tokens_per_step, peak_lr=self.options.peak_lr,
                     warmup_steps=self.options.warmup_steps, device=device, amp=self.options.amp,
                     threads=self.options.threads, qat_fraction=self.options.qat_fraction,
+                    graph=self.options.graph, **self._shape_summary(),
                     data_recipe=RECIPE,
                     trained_tokens=sum(r[4] for r in self.log), final_loss=mean(1),
                     final_mtp_loss=mean(2), final_indexer_loss=mean(3),
                     train_seconds=round(time.time() - self.start), probe=self.probe,
                     torch=torch.__version__)
+
+    def _shape_summary(self) -> dict:
+        if self.shape is None:
+            return {}
+        return dict(sequences_per_step=len(self.shape.lengths),
+                    padded_tokens_per_step=self.shape.num_tokens,
+                    pictures_per_step=self.shape.pictures)
 
     def quantization_gap(self) -> dict:
         """Losses of a batch of other data with the weights as trained and rounded to FP8."""

@@ -179,15 +179,26 @@ class DenseExperts:
         self.experts = experts
         self.counts = torch.zeros(experts.gate_proj.weight.shape[0], device=
                                   experts.gate_proj.weight.device)
+        self.counted: torch.Tensor | None = None
+        """`[T]` 1 for the tokens whose choices count (0: padding); None: all count."""
 
     def start(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        self.counts.index_add_(0, ids.flatten(), torch.ones_like(ids.flatten(),
-                                                                 dtype=self.counts.dtype))
+        ones = torch.ones_like(ids, dtype=self.counts.dtype)
+        if self.counted is not None:
+            ones = ones * self.counted[:, None]
+        self.counts.index_add_(0, ids.flatten(), ones.flatten())
         gate, up, down = (p.weight for p in self.experts.projections())
         return _OPS["dense_experts"](x, ids, weights, gate, up, down, self.experts.limit)
 
     def finish(self, pending: torch.Tensor) -> torch.Tensor:
         return pending
+
+
+def count_only(module: nn.Module, counted: torch.Tensor | None) -> None:
+    """Count the routing choices of `module`'s experts on the tokens marked in `counted`."""
+    for m in module.modules():
+        if isinstance(m, Experts) and isinstance(m.backend, DenseExperts):
+            m.backend.counted = counted
 
 
 def dense_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

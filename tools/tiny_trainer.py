@@ -30,6 +30,7 @@ from glmflash.tiny.checkpoint import random_like
 from glmflash.utils.device import upload
 from tools.tiny_batches import HostBatch
 from tools.tiny_indexer_loss import MlaInputs, indexer_loss
+from tools.tiny_train_ops import count_only
 
 PAGE_SIZE = 16
 MTP_LOSS_WEIGHT = 0.3
@@ -93,51 +94,110 @@ class LossRows:
         return cls(rows, rows + 2 < cu[1:][seq])
 
 
-def forward_losses(model: GlmForCausalLM, mtp: GlmMtp, host: HostBatch
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """(main loss, MTP loss, indexer loss, assistant tokens) of one packed batch, on the
-    models' device."""
-    device = model.lm_head.weight.device
+@dataclasses.dataclass
+class StepTensors:
+    """The device side of one training batch: the main and MTP forwards' batches (their input
+    ids inside), the loss weights, the rows each loss reads, and the pictures."""
+
+    batch: ForwardBatch
+    mtp_batch: ForwardBatch
+    weight: torch.Tensor
+    rows: torch.Tensor
+    next_rows: torch.Tensor
+    mtp_rows: torch.Tensor
+    mtp_target_rows: torch.Tensor
+    pixel_values: torch.Tensor | None
+    grid_thw: torch.Tensor | None
+    picture_rows: torch.Tensor | None
+    """The row of each picture feature: its `<|image|>` token, or one past the last row (blank
+    pictures)."""
+    counted: torch.Tensor
+    """`[T]` 1 on the samples' tokens, 0 on padding (whose expert choices are not counted)."""
+    mtp_counted: torch.Tensor
+    num_token_slots: int
+    num_trained: int
+    """Assistant tokens that are targets of the main loss (host count)."""
+
+
+def step_tensors(host: HostBatch, device: torch.device | str, config: ModelConfig
+                 ) -> StepTensors:
     lens = np.diff(host.cu_seqlens).tolist()
-    state = ModelState(with_mtp_layer(model.config),
-                       num_token_slots=len(lens) * -(-max(lens) // PAGE_SIZE) * PAGE_SIZE,
-                       num_state_slots=len(lens), dtype=torch.float32, device=device)
     plan = LossRows.of(host.cu_seqlens)
     mtp_target = plan.rows[plan.mtp_valid] + 2
     parts = upload(np.concatenate([plan.rows, plan.rows + 1, np.flatnonzero(plan.mtp_valid),
                                    mtp_target]), device).split(
         [plan.rows.size, plan.rows.size, mtp_target.size, mtp_target.size])
-    rows, next_rows, mtp_rows, mtp_target_rows = parts
-    weight = upload(host.weights, device, torch.float32)
+    pictures = (None, None, None)
+    if host.pixel_values is not None:
+        merge = config.vision.spatial_merge_size
+        rows = np.flatnonzero(host.ids == config.image_token_id)
+        num_features = int(np.prod(host.grid_thw, axis=1).sum()) // merge ** 2
+        rows = np.concatenate([rows, np.full(num_features - rows.size, len(host.ids))])
+        pictures = (upload(host.pixel_values, device, torch.float32),
+                    torch.from_numpy(host.grid_thw), upload(rows, device))
+    counted = np.ones(len(host.ids), np.float32) if host.is_padding is None else \
+        (~host.is_padding).astype(np.float32)
+    return StepTensors(
+        packed_batch(lens, host.ids, device), packed_batch([n - 1 for n in lens],
+                                                           _mtp_ids(host), device),
+        upload(host.weights, device, torch.float32), *parts, *pictures,
+        upload(counted, device, torch.float32), upload(_mtp_ids(host, counted), device,
+                                                       torch.float32),
+        num_token_slots=len(lens) * -(-max(lens) // PAGE_SIZE) * PAGE_SIZE,
+        num_trained=int(host.is_trained[plan.rows + 1].sum()))
+
+
+def _mtp_ids(host: HostBatch, values: np.ndarray | None = None) -> np.ndarray:
+    """The MTP forward's tokens (or `values` of the main rows at them): each sequence without
+    its first token."""
+    values = host.ids if values is None else values
+    return values[np.setdiff1d(np.arange(len(host.ids)), host.cu_seqlens[:-1])]
+
+
+def forward_losses(model: GlmForCausalLM, mtp: GlmMtp, host: HostBatch
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(main loss, MTP loss, indexer loss, assistant tokens) of one packed batch, on the
+    models' device."""
+    tensors = step_tensors(host, model.lm_head.weight.device, model.config)
+    return (*step_losses(model, mtp, tensors), tensors.num_trained)
+
+
+def step_losses(model: GlmForCausalLM, mtp: GlmMtp, tensors: StepTensors
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(main loss, MTP loss, indexer loss) of a batch already on the models' device."""
+    device = model.lm_head.weight.device
+    batch, ids, weight = tensors.batch, tensors.batch.input_ids, tensors.weight
+    state = ModelState(with_mtp_layer(model.config), num_token_slots=tensors.num_token_slots,
+                       num_state_slots=len(batch.cu_seqlens) - 1, dtype=torch.float32,
+                       device=device)
+    count_only(model, tensors.counted)
+    count_only(mtp, tensors.mtp_counted)
     inputs = MlaInputs(model, mtp)
     try:
-        batch = packed_batch(lens, host.ids, device)
-        batch.input_embeds = _embeds(model, batch.input_ids, host)
+        batch.input_embeds = _embeds(model, ids, tensors)
         hidden = model.hidden_states(batch, state)
-        ids = batch.input_ids
-        loss = _weighted_ce(model.logits(hidden[rows]), ids[next_rows], weight[next_rows])
-        mtp_ids = host.ids[np.setdiff1d(np.arange(len(host.ids)), host.cu_seqlens[:-1])]
-        mtp_batch = packed_batch([n - 1 for n in lens], mtp_ids, device)
-        embeds = model.text.embed_tokens(mtp_batch.input_ids)
-        mtp_hidden = mtp(hidden.detach()[rows], embeds, mtp_batch, state)
-        mtp_loss = _weighted_ce(model.logits(mtp_hidden[mtp_rows]), ids[mtp_target_rows],
-                                weight[mtp_target_rows])
+        loss = _weighted_ce(model.logits(hidden[tensors.rows]), ids[tensors.next_rows],
+                            weight[tensors.next_rows])
+        embeds = model.text.embed_tokens(tensors.mtp_batch.input_ids)
+        mtp_hidden = mtp(hidden.detach()[tensors.rows], embeds, tensors.mtp_batch, state)
+        target_rows = tensors.mtp_target_rows
+        mtp_loss = _weighted_ce(model.logits(mtp_hidden[tensors.mtp_rows]), ids[target_rows],
+                                weight[target_rows])
         index_loss = indexer_loss(inputs.records)
     finally:
         inputs.remove()
-    return loss, mtp_loss, index_loss, int(host.is_trained[plan.rows + 1].sum())
+    return loss, mtp_loss, index_loss
 
 
-def _embeds(model: GlmForCausalLM, ids: torch.Tensor, host: HostBatch) -> torch.Tensor:
+def _embeds(model: GlmForCausalLM, ids: torch.Tensor, tensors: StepTensors) -> torch.Tensor:
     """Token embeddings `[T, D]`, the vision tower's features on the pictures' tokens."""
     embeds = model.text.embed_tokens(ids)
-    if host.pixel_values is None:
+    if tensors.pixel_values is None:
         return embeds
-    device = embeds.device
-    features = model.visual.features(upload(host.pixel_values, device, torch.float32),
-                                     torch.from_numpy(host.grid_thw))
-    rows = upload(np.flatnonzero(host.ids == model.config.image_token_id), device)
-    return embeds.index_put((rows,), features.to(embeds.dtype))
+    features = model.visual.features(tensors.pixel_values, tensors.grid_thw)
+    # One spare row takes the blank pictures' features.
+    spare = torch.cat([embeds, embeds.new_zeros(1, embeds.shape[1])])
+    return spare.index_put((tensors.picture_rows,), features.to(embeds.dtype))[:-1]
 
 
 def _weighted_ce(logits: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor

@@ -2,7 +2,7 @@
 release layout with a manifest and its loss log:
 
     python tools/train_tiny.py OUT_DIR [--device cuda] [--minutes 5 | --steps N]
-        [--tokens-per-step 32768] [--workers 8] [--tar OUT.tar] [--eval]
+        [--tokens-per-step 32768] [--graph] [--workers 8] [--tar OUT.tar] [--eval]
 
 The network is the project's own (glmflash.model) with the reference ops under autograd
 (tools/tiny_trainer.py); the data is made by tools/tiny_batches.py from the seed, batch k from
@@ -87,6 +87,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the training process (1 is fastest on a shared "
                         "machine)")
+    parser.add_argument("--graph", action="store_true",
+                        help="batches of one planned shape (about --tokens-per-step tokens), "
+                        "each step replayed as a CUDA graph")
     parser.add_argument("--qat-fraction", type=float, default=0.0,
                         help="train the last part of the steps through FP8-rounded weights")
     parser.add_argument("--checkpoint-minutes", type=float, default=1.5)
@@ -104,7 +107,7 @@ def main() -> None:
     options = RunOptions(seed=args.seed, tokens_per_step=args.tokens_per_step, peak_lr=args.lr,
                          warmup_steps=args.warmup_steps, device=args.device, amp=args.amp,
                          compile=args.compile, workers=workers, threads=args.threads,
-                         qat_fraction=args.qat_fraction)
+                         qat_fraction=args.qat_fraction, graph=args.graph)
     training = train(args.out, options, steps=args.steps, minutes=args.minutes,
                      checkpoint_minutes=args.checkpoint_minutes, tar=args.tar)
     logger.info("wrote %s: %s", args.out, json.dumps(training))

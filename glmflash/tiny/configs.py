@@ -54,16 +54,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "kpool16": dict(index_kpool=16, index_topk=32, layer_types=[DSA, DSA, KDA, KDA, DSA],
                     num_hidden_layers=5, indexer_types=["full"] * 5,
                     mlp_layer_types=["dense", "sparse", "sparse", "sparse", "sparse"]),
-    # The trained default (tools/train_tiny.py): narrower and shallower, so that it trains on two
-    # CPU cores, with every feature kept (KDA and DSA layers, a really sparse indexer, mHC, dense
-    # and MoE layers, the MTP layer, the vision tower).
-    "trained": dict(hidden_size=96, intermediate_size=192, moe_intermediate_size=64,
+    # The trained default (tools/train_tiny.py, trained on a GPU): narrower and shallower than
+    # the embedded random model so that it ships in a few MB, with every feature kept (KDA and
+    # DSA layers, a really sparse indexer, mHC, dense and MoE layers, the MTP layer, the vision
+    # tower).
+    "trained": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
                     num_hidden_layers=4, layer_types=[KDA, DSA, KDA, DSA],
                     indexer_types=["full"] * 4, mlp_layer_types=["dense", "sparse", "sparse",
                                                                   "sparse"],
-                    q_lora_rank=64, kv_lora_rank=48, qk_nope_head_dim=24, v_head_dim=24,
-                    index_n_heads=4, index_head_dim=16, num_nextn_predict_layers=1,
-                    linear_attn_config=dict(num_heads=2, head_dim=24, short_conv_kernel_size=4,
+                    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64,
+                    kv_lora_rank=64, qk_nope_head_dim=32, v_head_dim=32, index_n_heads=4,
+                    index_head_dim=16, index_topk=32, num_nextn_predict_layers=1,
+                    linear_attn_config=dict(num_heads=4, head_dim=32, short_conv_kernel_size=4,
                                             gate_lower_bound=-5.0)),
     # The oracle recipe's own sizes (spec §9.2): narrow layers, one partial FP8 block each.
     "recipe": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, q_lora_rank=32,

@@ -8,9 +8,11 @@ import csv
 import math
 
 import pytest
+import torch
 
 from glmflash.tiny.manifest import mismatched_files
-from tools.tiny_run import RunOptions
+from tools import tiny_graph_step
+from tools.tiny_run import RunOptions, Training
 from tools.train_tiny import train
 
 pytestmark = pytest.mark.gpu
@@ -28,3 +30,24 @@ def test_training_steps_on_the_gpu(tmp_path):
     assert len(losses) == 8 and all(map(math.isfinite, losses))
     assert losses[-1] < losses[0] - 0.3
     assert abs(summary["fp8_rounding"]["loss_fp8"] - summary["fp8_rounding"]["loss_fp32"]) < 0.5
+
+
+def _losses(options: RunOptions, steps: int) -> list[list[float]]:
+    run = Training(options, total_steps=steps)
+    try:
+        return [run.step().tolist() for _ in range(steps)]
+    finally:
+        run.close()
+
+
+def test_graph_steps_equal_eager_steps(monkeypatch):
+    """The captured step (replays from step WARMUP_STEPS on) trains as the eager step does on
+    the same fixed-shape batches."""
+    options = RunOptions(tokens_per_step=8192, warmup_steps=2, device="cuda", workers=2,
+                         graph=True)
+    steps = tiny_graph_step.WARMUP_STEPS + 3
+    graph = _losses(options, steps)
+    monkeypatch.setattr(tiny_graph_step, "WARMUP_STEPS", 10**6)  # never captured
+    eager = _losses(options, steps)
+    print(graph, eager)
+    assert torch.allclose(torch.tensor(graph), torch.tensor(eager), rtol=2e-3, atol=2e-4)
