@@ -65,13 +65,15 @@ class Padded:
         self.flat, self.source, self.starts = parts
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """`[T, ...]` -> `[B, L, ...]`, zeros after each sequence (differentiable)."""
-        ext = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
-        return ext[self.source].view(self.num_seqs, self.length, *x.shape[1:])
+        """`[T, ...]` -> `[B, L, ...]`, zeros after each sequence (differentiable). A copy to
+        distinct rows: its gradient is a gather (a gather from a shared zero row would have a
+        scatter with many duplicate rows, slow on a GPU)."""
+        cells = x.new_zeros(self.num_seqs * self.length, *x.shape[1:])
+        return cells.index_copy(0, self.flat, x).view(self.num_seqs, self.length, *x.shape[1:])
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
-        """`[B, L, ...]` -> `[T, ...]`."""
-        return x.reshape(self.num_seqs * self.length, *x.shape[2:])[self.flat]
+        """`[B, L, ...]` -> `[T, ...]` (gradient: an atomic scatter-add)."""
+        return x.reshape(self.num_seqs * self.length, *x.shape[2:]).index_select(0, self.flat)
 
 
 def padded_layout(batch, device: torch.device, multiple: int = 1) -> Padded:
@@ -228,6 +230,15 @@ def _select_in_forward(q, weights, pool_keys, page_table, plan, **kwargs):
     return select_fresh(q, weights, pool_keys, page_table, plan, layout=layout, **kwargs)
 
 
+def decayed_products_elementwise(q: torch.Tensor, k: torch.Tensor, decay: torch.Tensor
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kda_ref`'s decayed key products as broadcast products and sums: the reference's
+    three-operand einsums run as millions of one-element matrix products, slow on a GPU (and
+    slower still in their backward)."""
+    return ((k.unsqueeze(2) * k.unsqueeze(1) * decay).sum(-1),
+            (q.unsqueeze(2) * k.unsqueeze(1) * decay).sum(-1))
+
+
 def _compiled_ops() -> dict[str, tuple[object, str, object]]:
     """(module, name, compiled function) of the blocks `torch.compile` may fuse: mHC with its
     Sinkhorn iterations, the dense experts, one KDA chunk (shapes vary: dynamic)."""
@@ -244,7 +255,7 @@ def training_ops(*modules: nn.Module, compile: bool = False) -> Iterator[list[De
     `torch.compile` the blocks of `_compiled_ops`."""
     saved_env = {op: os.environ.get(f"GLMFLASH_KERNEL_{op}") for op in REF_OPS}
     saved = (kda_module.kda, kda_module.causal_conv1d, indexer_module.indexer_select,
-             sparse_mla_ref_module.QUERY_BLOCK)
+             sparse_mla_ref_module.QUERY_BLOCK, kda_ref_module._decayed_products)
     compiled = _compiled_ops() if compile else {}
     saved_compiled = [(module, name, getattr(module, name))
                       for module, name, _ in compiled.values()]
@@ -253,6 +264,7 @@ def training_ops(*modules: nn.Module, compile: bool = False) -> Iterator[list[De
     try:
         os.environ.update({f"GLMFLASH_KERNEL_{op}": "ref" for op in REF_OPS})
         kda_module.kda, kda_module.causal_conv1d = _kda_in_forward, conv_fresh
+        kda_ref_module._decayed_products = decayed_products_elementwise
         indexer_module.indexer_select = _select_in_forward
         sparse_mla_ref_module.QUERY_BLOCK = TRAIN_QUERY_BLOCK
         for module, name, function in compiled.values():
@@ -264,7 +276,7 @@ def training_ops(*modules: nn.Module, compile: bool = False) -> Iterator[list[De
         yield backends
     finally:
         (kda_module.kda, kda_module.causal_conv1d, indexer_module.indexer_select,
-         sparse_mla_ref_module.QUERY_BLOCK) = saved
+         sparse_mla_ref_module.QUERY_BLOCK, kda_ref_module._decayed_products) = saved
         for module, name, function in saved_compiled:
             setattr(module, name, function)
         _OPS["dense_experts"] = dense_experts

@@ -176,12 +176,14 @@ def step_losses(model: GlmForCausalLM, mtp: GlmMtp, tensors: StepTensors
     try:
         batch.input_embeds = _embeds(model, ids, tensors)
         hidden = model.hidden_states(batch, state)
-        loss = _weighted_ce(model.logits(hidden[tensors.rows]), ids[tensors.next_rows],
+        hidden_rows = hidden.index_select(0, tensors.rows)
+        loss = _weighted_ce(model.logits(hidden_rows), ids[tensors.next_rows],
                             weight[tensors.next_rows])
         embeds = model.text.embed_tokens(tensors.mtp_batch.input_ids)
-        mtp_hidden = mtp(hidden.detach()[tensors.rows], embeds, tensors.mtp_batch, state)
+        mtp_hidden = mtp(hidden_rows.detach(), embeds, tensors.mtp_batch, state)
         target_rows = tensors.mtp_target_rows
-        mtp_loss = _weighted_ce(model.logits(mtp_hidden[tensors.mtp_rows]), ids[target_rows],
+        mtp_loss = _weighted_ce(model.logits(mtp_hidden.index_select(0, tensors.mtp_rows)),
+                                ids[target_rows],
                                 weight[target_rows])
         index_loss = indexer_loss(inputs.records)
     finally:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import glmflash.kernels.kda.ref as kda_ref_module
 import glmflash.model.indexer as indexer_module
 from glmflash.config import ModelConfig
 from glmflash.kernels.fused_moe.ref import fused_moe_ref
@@ -29,6 +30,7 @@ from tools.tiny_indexer_loss import MlaInputs, _layer_loss, indexer_loss
 from tools.tiny_train_ops import (
     Padded,
     conv_fresh,
+    decayed_products_elementwise,
     dense_experts,
     kda_fresh,
     select_fresh,
@@ -68,6 +70,24 @@ def test_kda_fresh_matches_the_reference():
     for got, want in zip(_grads(fresh, [q, k, v, g, beta], probe),
                          _grads(ref, [q, k, v, g, beta], probe), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_elementwise_decayed_products_match_the_einsums():
+    """The training form of KDA's decayed key products (outputs and gradients)."""
+    torch.manual_seed(7)
+    q, k = (torch.randn(3, 16, 8, requires_grad=True) for _ in range(2))
+    cum = (-torch.rand(3, 16, 8) * 5).cumsum(1)
+    decay = (cum.unsqueeze(2) - cum.unsqueeze(1)).masked_fill(
+        ~torch.ones(16, 16, dtype=torch.bool).tril()[None, :, :, None], float("-inf")).exp()
+    decay.requires_grad_()
+    probe = torch.randn(2, 3, 16, 16)
+    results = [_grads(lambda f=f: torch.stack(f(q, k, decay)), [q, k, decay], probe)
+               for f in (decayed_products_elementwise, kda_ref_module._decayed_products)]
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.stack(decayed_products_elementwise(q, k, decay)),
+                               torch.stack(kda_ref_module._decayed_products(q, k, decay)),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_conv_fresh_matches_the_reference():

@@ -118,8 +118,8 @@ def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
     diff = cum.unsqueeze(2) - cum.unsqueeze(1)
     diff = diff.masked_fill(~causal[None, :, :, None], float("-inf"))
     decay = diff.exp()
-    kk = torch.einsum("htc,hsc,htsc->hts", k, k, decay).tril(-1)
-    qk = torch.einsum("htc,hsc,htsc->hts", q, k, decay)
+    kk, qk = _decayed_products(q, k, decay)
+    kk = kk.tril(-1)
     rhs = beta.unsqueeze(-1) * (v - (k * cum.exp()) @ s0)
     system = torch.eye(size, device=q.device) + beta.unsqueeze(-1) * kk
     delta = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
@@ -127,6 +127,13 @@ def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
     last = cum[:, -1:]
     s_new = last.transpose(1, 2).exp() * s0 + (k * (last - cum).exp()).transpose(1, 2) @ delta
     return out, s_new
+
+
+def _decayed_products(q: torch.Tensor, k: torch.Tensor, decay: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[H, C, C]` sums over the key dimension of k_t k_s decay and q_t k_s decay."""
+    return (torch.einsum("htc,hsc,htsc->hts", k, k, decay),
+            torch.einsum("htc,hsc,htsc->hts", q, k, decay))
 
 
 def kda_gates_ref(f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, b: torch.Tensor,

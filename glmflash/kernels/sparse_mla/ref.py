@@ -22,7 +22,9 @@ def sparse_mla_ref(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tenso
     for t0 in range(0, q_lat.shape[0], QUERY_BLOCK):
         blk = slice(t0, t0 + QUERY_BLOCK)
         sel = slots[blk]
-        kv = latent[sel.clamp(min=0)].float()  # [t, W, R]
+        # index_select: under autograd (training) its gradient is an atomic scatter-add.
+        kv = latent.index_select(0, sel.clamp(min=0).flatten()).view(*sel.shape, latent.shape[-1])
+        kv = kv.float()
         scores = torch.einsum("thr,twr->thw", q_lat[blk].float(), kv) * scale
         scores = scores.masked_fill((sel < 0)[:, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
