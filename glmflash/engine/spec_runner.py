@@ -218,16 +218,17 @@ class SpecRunner:
             out, drafted = self._draft_part(
                 MtpRows(rows.seqs[part], rows.starts[part], rows.counts[part],
                         rows.hidden[first: first + num_rows]),
-                min(max(num_drafting - lo, 0), size))
+                min(max(num_drafting - lo, 0), size), again=lo > 0)
             outs.append(out)
             ids += drafted
             first += num_rows
         return torch.cat(outs), ids
 
-    def _draft_part(self, rows: MtpRows, num_drafting: int) -> tuple[torch.Tensor, list[int]]:
+    def _draft_part(self, rows: MtpRows, num_drafting: int,
+                    again: bool) -> tuple[torch.Tensor, list[int]]:
         """One draft graph's replay: the rows' hidden states go where the verify graph of the
         batch's size leaves its own, sequence b's from row b * (k + 1), zeros in the padding
-        rows."""
+        rows. `again`: a part after the first (`SpecGraphRunner.replay_draft`)."""
         graphs, page = self.graphs, self.runner.page_size
         full, device = graphs.rows_per_seq, self.runner.device
         host = verify_rows(
@@ -243,7 +244,7 @@ class SpecRunner:
         verify.hidden.zero_()
         verify.hidden.index_copy_(0, upload([b * full + j for b, n in enumerate(rows.counts)
                                              for j in range(n)], device), rows.hidden)
-        captured = graphs.replay_draft(host, verify)
+        captured = graphs.replay_draft(host, verify, again)
         if not num_drafting:
             return captured.out[:0], []
         picks = upload([b * full + rows.counts[b] - 1 for b in range(num_drafting)], device)
