@@ -11,10 +11,10 @@ Random weights accept nothing and route without locality, so both are forced:
   step reads; the verify graphs are captured again once the override is in place. Decodes are
   not changed.
 One engine per mode: MTP off is the same engine with drafting switched off (its decode steps
-replay the CUDA graphs); with MTP on, the verify and draft forwards replay their graphs
-(engine/spec_graphs.py) whenever every sequence has its drafts. Rows: the measured tok/s, and
-the estimate at the release's 45 layers (the main forward's share scaled by 45 / layers, the MTP
-layer's time kept).
+replay the CUDA graphs, and the MTP layer does not follow them); with MTP on, the verify and
+draft forwards replay their graphs (engine/spec_graphs.py) whenever every sequence has its
+drafts. Rows: the measured tok/s, and the estimate at the release's 45 layers (the main
+forward's share scaled by 45 / layers, the MTP layer's time kept).
 
     python bench/e2e.py --mtp                           # H200: all-gpu and hybrid-0, < 2 min
     python bench/e2e.py --mtp --tiny --modes cpu        # CPU smoke run
@@ -174,10 +174,12 @@ class MtpClock:
         if self.spec is None:
             return
         runner = self.spec.runner
-        self.originals = (runner.draft_extend, runner.draft_chain, runner.draft_verified)
+        self.originals = (runner.draft_extend, runner.draft_chain, runner.draft_verified,
+                          runner.draft_in_graph)
         runner.draft_extend = self._timed(runner.draft_extend)
         runner.draft_chain = self._timed(runner.draft_chain)
         runner.draft_verified = self._timed(runner.draft_verified)
+        runner.draft_in_graph = self._timed(runner.draft_in_graph)
 
     def _timed(self, fn):
         def call(*args, **kwargs):
@@ -194,7 +196,8 @@ class MtpClock:
     def close(self) -> None:
         if self.spec is not None:
             runner = self.spec.runner
-            runner.draft_extend, runner.draft_chain, runner.draft_verified = self.originals
+            (runner.draft_extend, runner.draft_chain, runner.draft_verified,
+             runner.draft_in_graph) = self.originals
 
 
 def release_tok_s(row: dict, batch: int, num_layers: int) -> float:
@@ -216,9 +219,9 @@ def run_mode(engine: Engine, mode: str, args: argparse.Namespace, deadline: floa
                 if time.perf_counter() > deadline:
                     lines.append(f"| {mode} | {reuse} | {batch} | (time limit) |")
                     continue
-                spec.policy.max_batch_size = 0
+                spec.policy.max_batch_size, spec.fills_held_off = 0, False
                 off = measure(engine, batch, args.context, args.steps, args.warmup)
-                spec.policy.max_batch_size = batch
+                spec.policy.max_batch_size, spec.fills_held_off = batch, True
                 for rate in args.accept:
                     spec.accept_override = forced_acceptance(rate)
                     on = measure(engine, batch, args.context, args.steps, args.warmup)

@@ -49,6 +49,9 @@ class CapturedDecode:
     of it is done, since the engine waits for each step's sampled ids."""
     logits: torch.Tensor
     """The output `[B, V]`; a replay overwrites it."""
+    hidden: torch.Tensor
+    """The main model's hidden state of every row `[B, D]` (what the MTP layer reads while
+    speculative decoding holds drafting off); a replay overwrites it."""
 
 
 def graph_batch_sizes(requested: tuple[int, ...] | None, max_batch_size: int | None,
@@ -141,6 +144,10 @@ class CudaGraphRunner:
 
     def replay(self, rows: DecodeHostRows) -> torch.Tensor:
         """Logits `[n, V]` of n decodes (n <= the largest captured size)."""
+        return self.replay_captured(rows).logits[: len(rows.input_ids)]
+
+    def replay_captured(self, rows: DecodeHostRows) -> CapturedDecode:
+        """Replay the graph that holds n decodes: rows 0..n-1 of its outputs are theirs."""
         num_rows = len(rows.input_ids)
         size = next(b for b in self.batch_sizes if b >= num_rows)
         captured = self.graphs[(size, self.runner.pool_width(rows.num_pools))]
@@ -155,7 +162,7 @@ class CudaGraphRunner:
         if self.handoff is not None:
             self.handoff.check()
         self.num_replays += 1
-        return captured.logits[:num_rows]
+        return captured
 
     def _timing_events(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
         if self.replay_events is None:
@@ -183,10 +190,11 @@ class CudaGraphRunner:
         runner = self.runner
         packed = upload(runner.pack_decode(runner.padding_rows(size)), runner.device)
 
-        def forward() -> torch.Tensor:
+        def forward() -> tuple[torch.Tensor, torch.Tensor]:
             # A new ForwardBatch per forward: its memo must not carry values across them.
             batch = decode_batch(packed, runner.page_table, runner.page_size, width)
-            return runner.model(batch, runner.state)
+            hidden = runner.model.hidden_states(batch, runner.state)
+            return runner.model.logits(hidden[batch.logits_index]), hidden
 
         # Warm-up outside the capture (compiles, fits launch shapes), on a side stream.
         side = torch.cuda.Stream(runner.device)
@@ -197,6 +205,6 @@ class CudaGraphRunner:
         torch.cuda.current_stream(runner.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            logits = forward()
+            logits, hidden = forward()
         return CapturedDecode(graph, packed, torch.empty_like(packed, device="cpu").pin_memory(),
-                              logits)
+                              logits, hidden)

@@ -278,7 +278,8 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         if speculative:
             runs = self.spec.verify(batch, sampled)
         else:
-            runs = [[t] for t in self.sampler.sample(self.runner.run(batch), sampled)]
+            logits = self.spec.run_plain(batch) if self.spec is not None else self.runner.run(batch)
+            runs = [[t] for t in self.sampler.sample(logits, sampled)]
         deltas = self.scheduler.update_runs(batch, self._end_failed_rows(sampled, runs))
         if self.spec is not None:
             self.spec.after_update(deltas)

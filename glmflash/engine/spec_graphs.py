@@ -152,13 +152,20 @@ class SpecGraphRunner:
         self.num_replays += 1
         return captured
 
-    def replay_draft(self, rows: VerifyHostRows, verify: CapturedVerify) -> CapturedDraft:
+    def replay_draft(self, rows: VerifyHostRows, verify: CapturedVerify,
+                     again: bool = False) -> CapturedDraft:
         """The MTP layer over `rows` (padding rows where nothing is committed), reading the
-        hidden states `verify` left."""
+        hidden states `verify` left. `again`: the host has not waited on the device since this
+        graph's previous replay, whose copy from the staging buffer may not have run yet, so
+        the words go through a fresh page-locked block."""
         size = verify.hidden.shape[0] // self.rows_per_seq
         captured = verify.draft
-        captured.staging.numpy()[:] = pack_verify(self._padded(rows, size), save=False)
-        captured.packed.copy_(captured.staging, non_blocking=True)
+        words = pack_verify(self._padded(rows, size), save=False)
+        if again:
+            captured.packed.copy_(upload(words, captured.packed.device))
+        else:
+            captured.staging.numpy()[:] = words
+            captured.packed.copy_(captured.staging, non_blocking=True)
         captured.graph.replay()
         return captured
 

@@ -6,8 +6,9 @@ latest window is below `speculative_min_acceptance` (tried again after a pause).
 near zero is a warning: the MTP layer is probably broken (a known failure of MTP heads).
 Acceptance alone does not say that drafting pays: a verify step can cost more than the tokens it
 gains (an eager verify against graph-replayed decodes, experts on the CPU without routing
-overlap). So `SpeedCheck` measures decode tokens/s with drafts and then without, in turn, and
-holds drafting off for a while when it was the slower (logged), measuring again later.
+overlap). So `SpeedCheck` measures decode tokens/s with drafts and then without (steps that
+still keep the MTP layer's cache, engine/speculative.py), in turn, and holds drafting off for a
+while when it was the slower (logged), measuring again later.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The rows of a speculative step: which sequences verify, the parts of a batch, and the rows
-each sampled sequence's tokens are drawn from."""
+"""The rows of a speculative step: which sequences verify, which keep the MTP layer's cache, the
+parts of a batch, and the rows each sampled sequence's tokens are drawn from."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import torch
 
+from glmflash.engine.sampling_tensors import uses_penalties
 from glmflash.engine.scheduler import ScheduledBatch
 from glmflash.engine.sequence import Sequence
 from glmflash.engine.spec_runner import MainOutput, gather_rows
@@ -17,6 +18,19 @@ def is_verify(seq: Sequence, num_tokens: int, needs_sample: bool, drafts: list[i
     """A decode (the last token an output token), with or without drafts."""
     return needs_sample and num_tokens == 1 + len(drafts) and \
         seq.num_computed_tokens >= seq.num_prompt_tokens
+
+
+def never_drafts(seq: Sequence) -> bool:
+    """Penalties and logits processors depend on the tokens before each draft: a request with
+    them never drafts."""
+    return bool(seq.params.logits_processors) or uses_penalties(seq.params)
+
+
+def keeps_mtp_cache(seq: Sequence, start: int, has_prefix_cache: bool) -> bool:
+    """Whether the MTP layer runs over what `seq` commits from position `start`: always for a
+    sequence that may draft (now or once drafting resumes); for one that never drafts only over
+    its prompt, and only while the prefix cache may hand those pages to a sequence that does."""
+    return not never_drafts(seq) or (has_prefix_cache and start < seq.num_prompt_tokens)
 
 
 def batch_part(batch: ScheduledBatch, idx: list[int]) -> ScheduledBatch:

@@ -107,6 +107,20 @@ class SpecRunner:
         return MainOutput(hidden, logits, cu)
 
     @torch.inference_mode()
+    def forward_plain(self, batch: ScheduledBatch) -> MainOutput:
+        """A step without drafts, keeping the hidden states: a decode graph's replay when one
+        holds the batch, else `forward_main`."""
+        runner = self.runner
+        step = runner.decode_step(batch) if runner.graphs is not None and \
+            runner.prompt_logprobs.plan(batch) is None else None
+        if step is None or not runner.graphs.can_replay(len(step.rows.input_ids)):
+            return self.forward_main(batch)
+        runner.apply_cache_changes(step.page_updates, step.cache_ops)
+        captured = runner.graphs.replay_captured(step.rows)
+        num = len(batch.seqs)
+        return MainOutput(captured.hidden[:num], captured.logits[:num], list(range(num + 1)))
+
+    @torch.inference_mode()
     def capture_graphs(self, batch_sizes: list[int]) -> None:
         """Capture the verify and draft forwards (after the runner's decode graphs, into their
         memory pool)."""
@@ -182,6 +196,59 @@ class SpecRunner:
         picks = [b * graphs.rows_per_seq + max(c, 1) - 1 for b, c in enumerate(committed)]
         drafted = captured.ids[:num].tolist()
         return captured.out[upload(picks, self.runner.device)], [drafted[r] for r in picks]
+
+    def fits_draft_graph(self, rows: MtpRows) -> bool:
+        """`rows` fit the draft graphs: each sequence has at most k + 1 positions, none whose
+        next tokens include a media prompt's visual rows."""
+        graphs = self.graphs
+        return graphs is not None and bool(graphs.verify_graphs) and \
+            all(count <= graphs.rows_per_seq and
+                (seq.prompt_embeds is None or start + 1 >= seq.num_prompt_tokens)
+                for seq, start, count in zip(rows.seqs, rows.starts, rows.counts, strict=True))
+
+    @torch.inference_mode()
+    def draft_in_graph(self, rows: MtpRows, num_drafting: int) -> tuple[torch.Tensor, list[int]]:
+        """`draft_extend` replayed from the draft graphs (`fits_draft_graph`), as many
+        sequences at a time as the largest holds."""
+        size, first = self.graphs.batch_sizes[-1], 0
+        outs, ids = [], []
+        for lo in range(0, len(rows.seqs), size):
+            part = slice(lo, lo + size)
+            num_rows = sum(rows.counts[part])
+            out, drafted = self._draft_part(
+                MtpRows(rows.seqs[part], rows.starts[part], rows.counts[part],
+                        rows.hidden[first: first + num_rows]),
+                min(max(num_drafting - lo, 0), size), again=lo > 0)
+            outs.append(out)
+            ids += drafted
+            first += num_rows
+        return torch.cat(outs), ids
+
+    def _draft_part(self, rows: MtpRows, num_drafting: int,
+                    again: bool) -> tuple[torch.Tensor, list[int]]:
+        """One draft graph's replay: the rows' hidden states go where the verify graph of the
+        batch's size leaves its own, sequence b's from row b * (k + 1), zeros in the padding
+        rows. `again`: a part after the first (`SpecGraphRunner.replay_draft`)."""
+        graphs, page = self.graphs, self.runner.page_size
+        full, device = graphs.rows_per_seq, self.runner.device
+        host = verify_rows(
+            [seq.token_ids[start + 1: start + 1 + n].tolist()
+             for seq, start, n in zip(rows.seqs, rows.starts, rows.counts, strict=True)],
+            [token_slots_of(seq.page_ids, start, n, page).tolist()
+             for seq, start, n in zip(rows.seqs, rows.starts, rows.counts, strict=True)],
+            rows.starts, [seq.state_slot for seq in rows.seqs],
+            max(s + n for s, n in zip(rows.starts, rows.counts, strict=True))
+            // self.model.config.index_kpool)
+        verify = graphs.verify_graphs[graphs.key(len(rows.seqs), host.num_pools)]
+        # NOTE: other graphs of the pool may have used this buffer as working memory since.
+        verify.hidden.zero_()
+        verify.hidden.index_copy_(0, upload([b * full + j for b, n in enumerate(rows.counts)
+                                             for j in range(n)], device), rows.hidden)
+        captured = graphs.replay_draft(host, verify, again)
+        if not num_drafting:
+            return captured.out[:0], []
+        picks = upload([b * full + rows.counts[b] - 1 for b in range(num_drafting)], device)
+        return captured.out[picks], captured.ids[picks].tolist()
 
     def commit(self, seqs: list[Sequence], drafts: list[list[int]],
                num_accepted: list[int]) -> None:

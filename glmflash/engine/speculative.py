@@ -11,6 +11,15 @@ and greedy output is the target's own. Then the fixed-size state is committed at
 position, the scheduler appends the run (a stop condition cuts it), and the MTP layer runs over
 the positions each sequence committed: its last row drafts the next token, and chained steps
 (`--speculative-num-steps` > 1) feed the layer its own output and draft.
+
+While drafting is held off (the speed check, the acceptance pause, a batch above
+`--speculative-max-batch-size`), steps run without drafts (`run_plain`: a decode graph when one
+holds the batch) but keep their hidden states, and the MTP layer still runs over the positions
+committed by every sequence that may draft later, from the draft graphs when the rows fit them:
+one MTP forward per step, so that drafting resumes over a complete cache (rebuilding the missed
+positions later would need the main model's hidden states there, prompts included). A request
+that never drafts (penalties, logits processors) pays for no MTP forward past its prompt, whose
+pages the prefix cache may share (`spec_rows.keeps_mtp_cache`).
 """
 
 from __future__ import annotations
@@ -22,11 +31,17 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from glmflash.engine.sampler import Sampler, unpack
-from glmflash.engine.sampling_tensors import uses_penalties
 from glmflash.engine.scheduler import ScheduledBatch, Scheduler, TokenDelta
 from glmflash.engine.sequence import Sequence
 from glmflash.engine.spec_policy import DraftPolicy, SpecCounters
-from glmflash.engine.spec_rows import SampleRows, batch_part, gather_pieces, is_verify
+from glmflash.engine.spec_rows import (
+    SampleRows,
+    batch_part,
+    gather_pieces,
+    is_verify,
+    keeps_mtp_cache,
+    never_drafts,
+)
 from glmflash.engine.spec_runner import MainOutput, MtpRows, SpecRunner
 
 if TYPE_CHECKING:
@@ -53,6 +68,8 @@ class _Step(NamedTuple):
     """seq id -> logprob entries of its run (cut to the tokens the update kept)."""
     greedy: GreedyStep | None = None
     """Set when the step ran wholly in graphs (its drafts are already made)."""
+    is_plain: bool = False
+    """A step without drafts while drafting was held off (`run_plain`)."""
 
 
 class SpecDecoder:
@@ -66,12 +83,32 @@ class SpecDecoder:
         self.accept_override: Callable[[list[int]], int] | None = None
         """Benchmarks (bench/e2e_mtp.py): the drafts a sequence accepts, given its drafts, in
         place of comparing them with the sampled tokens."""
+        self.fills_held_off = True
+        """False (benchmarks: the MTP-off side of bench/e2e_mtp.py): steps held off run as
+        without speculative decoding, leaving the MTP layer's cache behind."""
 
     def wants(self, batch: ScheduledBatch) -> bool:
-        """This step takes the speculative path: it verifies drafts, or drafting is on."""
+        """This step takes the speculative path: it verifies drafts, or drafting is on and a
+        sequence of the batch may draft."""
         self._step = None  # what a failed step may have left
         self.policy.tick()
-        return batch.draft_ids is not None or self.policy.allows(len(self.scheduler.running))
+        allowed = self.policy.allows(len(self.scheduler.running))
+        return batch.draft_ids is not None or \
+            (allowed and not all(never_drafts(seq) for seq in batch.seqs))
+
+    def run_plain(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits of a step off the speculative path. Its hidden states are kept for
+        `after_update`, which runs the MTP layer over what the sequences that keep its cache
+        committed; a step with none of them runs as without speculative decoding."""
+        starts = [seq.num_computed_tokens for seq in batch.seqs]
+        if not self.fills_held_off or not any(
+                self._keeps_mtp_cache(seq, start)
+                for seq, start in zip(batch.seqs, starts, strict=True)):
+            return self.runner.runner.run(batch)
+        main = self.runner.forward_plain(batch)
+        self._step = _Step(batch, starts, list(batch.num_tokens), main,
+                           {i: i for i in range(len(batch.seqs))}, None, {}, {}, is_plain=True)
+        return main.logits
 
     def verify(self, batch: ScheduledBatch, sampled: list[Sequence]) -> list[list[int]]:
         """The step's forwards and the accepted run of every sampled sequence (in order).
@@ -143,7 +180,9 @@ class SpecDecoder:
         rows, drafting = self._mtp_rows(step)
         if not rows.seqs:
             return
-        hidden, first = self.runner.draft_extend(rows, len(drafting))
+        in_graph = step.is_plain and self.runner.fits_draft_graph(rows)
+        draft = self.runner.draft_in_graph if in_graph else self.runner.draft_extend
+        hidden, first = draft(rows, len(drafting))
         drafts = [[t] for t in first]
         self._chain(drafting, hidden, drafts)
         for seq, draft in zip(drafting, drafts, strict=True):
@@ -220,7 +259,8 @@ class SpecDecoder:
         """After a replayed verify (every sequence verified all its drafts): the draft graph
         over the committed positions, then the chained steps."""
         seqs = step.batch.seqs
-        live = [not seq.is_finished for seq in seqs]
+        live = [not seq.is_finished and self._keeps_mtp_cache(seq, start)
+                for seq, start in zip(seqs, step.starts, strict=True)]
         out, first = self.runner.draft_verified(seqs, step.starts, step.committed, live)
         allowed = self.policy.allows(len(self.scheduler.running))
         drafting = [b for b, seq in enumerate(seqs)
@@ -233,8 +273,8 @@ class SpecDecoder:
             seqs[b].draft_ids = draft
 
     def _mtp_rows(self, step: _Step) -> tuple[MtpRows, list[Sequence]]:
-        """The positions each live sequence committed (drafting sequences first), with their
-        main hidden states."""
+        """The positions each live sequence that keeps the MTP layer's cache committed
+        (drafting sequences first), with their main hidden states."""
         drafting, others = [], []
         allowed = self.policy.allows(len(self.scheduler.running))
         for i, seq in enumerate(step.batch.seqs):
@@ -242,7 +282,7 @@ class SpecDecoder:
                 continue
             if allowed and self._draft_budget(seq) > 0:
                 drafting.append(i)
-            else:
+            elif self._keeps_mtp_cache(seq, step.starts[i]):
                 others.append(i)
         order = drafting + others
         if not order:
@@ -263,10 +303,13 @@ class SpecDecoder:
         the tokens before each draft)."""
         params = seq.params
         if seq.num_uncomputed_tokens != 1 or seq.num_computed_tokens < seq.num_prompt_tokens \
-                or params.logits_processors or uses_penalties(params):
+                or never_drafts(seq):
             return 0
         return max(0, min(self.num_steps, params.max_tokens - seq.num_output_tokens - 1,
                           self.max_seq_len - seq.num_tokens - 1))
+
+    def _keeps_mtp_cache(self, seq: Sequence, start: int) -> bool:
+        return keeps_mtp_cache(seq, start, self.cache.radix is not None)
 
     def _chain(self, drafting: list[Sequence], hidden: torch.Tensor,
                drafts: list[list[int]]) -> None:

@@ -117,10 +117,12 @@ def logit_bytes(config: ModelConfig, num_rows: int, item: int) -> int:
 def graph_bytes(config: ModelConfig, batch_sizes: list[int], widths: list[int],
                 item: int) -> int:
     """Decode CUDA graphs: one shared pool as large as the largest graph's forward (captured
-    first), plus what every graph keeps: its logits `[B, V]` fp32 and its input rows."""
+    first), plus what every graph keeps: its logits `[B, V]` fp32, hidden states `[B, D]`
+    and input rows."""
     if not batch_sizes or not widths:
         return 0
     pool = forward_bytes(config, max(batch_sizes), max(batch_sizes), max(widths), item,
                          reference=False)
-    kept = sum(b * (config.vocab_size * FP32 + 16 * INT64) for b in batch_sizes) * len(widths)
+    per_row = config.vocab_size * FP32 + config.hidden_size * item + 16 * INT64
+    kept = sum(b * per_row for b in batch_sizes) * len(widths)
     return pool + kept

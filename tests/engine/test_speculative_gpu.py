@@ -1,7 +1,8 @@
 """Speculative decoding on CUDA with the trained tiny model: greedy tokens equal MTP off, all-GPU
 and hybrid (the main model's experts on the CPU, inside the verify graphs; the MTP layer's on the
 GPU), with the verify and draft forwards replayed from CUDA graphs (engine/spec_graphs.py) where
-every sequence has all its drafts; seeded sampling draws the same tokens."""
+every sequence has all its drafts; seeded sampling draws the same tokens; drafting held off
+keeps the MTP layer's cache through the decode and draft graphs."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from glmflash import Engine, SamplingParams
 from glmflash.tiny.embedded import embedded_checkpoint
+from tests.engine.test_spec_hold import _mtp_cache, _start
 
 pytestmark = pytest.mark.gpu
 
@@ -67,3 +69,55 @@ def test_seeded_sampling_matches_mtp_off_on_cuda():
     off, _ = _outputs({}, params)
     on, _ = _outputs({"speculative_algorithm": "NEXTN"}, params)
     assert on == off
+
+
+def _held_run(engine: Engine, holds: dict[int, int]) -> tuple[list[int], list, list[tuple]]:
+    """Greedy TEXTS[0] until it has computed its prompt and 20 more positions (drafting paused
+    at the steps of `holds`), then to its end: its tokens, its MTP cache over those positions,
+    and per step the replays of the decode, verify and draft graphs."""
+    prompt = engine.tokenizer.encode(TEXTS[0])
+    compared = len(prompt) + 20
+    collector, seq = _start(engine, prompt, GREEDY[0])
+    graphs, spec = engine.runner.graphs, engine.spec.runner.graphs
+
+    def replays() -> tuple[int, int, int]:
+        return graphs.num_replays, spec.num_replays, \
+            sum(v.draft.graph.num_replays for v in spec.verify_graphs.values())
+
+    steps, step = [], 0
+    while seq.num_computed_tokens < compared:
+        if step in holds:
+            engine.spec.policy.num_paused_steps = holds[step]
+        before = replays()
+        engine.step()
+        steps.append(tuple(b - a for a, b in zip(before, replays(), strict=True)))
+        step += 1
+    cache = _mtp_cache(engine, seq, compared)
+    while not collector.is_done:
+        engine.step()
+    return collector.result().token_ids, cache, steps
+
+
+def test_drafting_held_off_keeps_the_mtp_cache_on_cuda(greedy_off):
+    """Drafting paused for a stretch of decodes: those steps replay the decode graph and fill
+    the MTP layer's cache through the draft graph (no verify), the cache equals that of a run
+    that drafted all along (to the rounding of the different forwards: a position the fill
+    missed keeps zeros, a relative error of 1), and the greedy tokens equal MTP off."""
+    options = dict(device="cuda", dtype="float32", context_length=256, max_running_requests=4,
+                   background_loop=False, speculative_algorithm="NEXTN",
+                   speculative_num_steps=1, disable_speculative_speed_check=True,
+                   speculative_min_acceptance=0.0)
+    runs = {}
+    for name, holds in (("along", {}), ("held", {8: 6})):
+        engine = Engine(TRAINED, **options)
+        try:
+            runs[name] = _held_run(engine, holds)
+        finally:
+            engine.shutdown()
+    off = greedy_off("all-gpu")[0]
+    assert runs["held"][0] == runs["along"][0] == off
+    # Step 8 verifies the drafts made before the pause; steps 9-12 are held off.
+    assert runs["held"][2][9:13] == [(1, 0, 1)] * 4, runs["held"][2]
+    for held, along in zip(runs["held"][1], runs["along"][1], strict=True):
+        error = ((held - along).norm(dim=-1) / along.norm(dim=-1)).max().item()
+        assert error < 0.05, error
