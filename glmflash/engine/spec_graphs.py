@@ -74,6 +74,7 @@ class SpecGraphRunner:
                              f"scratch rows; the scratch has {spec.scratch.num_rows}")
         self.verify_graphs: dict[tuple[int, int], CapturedVerify] = {}
         self.num_replays = 0
+        self.num_draft_replays = 0
         device = self.runner.device
         self.step_inputs_gpu = torch.zeros(2, self.batch_sizes[-1], dtype=torch.int64,
                                            device=device)
@@ -167,6 +168,7 @@ class SpecGraphRunner:
             captured.staging.numpy()[:] = words
             captured.packed.copy_(captured.staging, non_blocking=True)
         captured.graph.replay()
+        self.num_draft_replays += 1
         return captured
 
     def replay_greedy(self, rows: VerifyHostRows, forced: list[int] | None,
@@ -187,6 +189,7 @@ class SpecGraphRunner:
         _record_event(events, 1)
         verify.accept.graph.replay()
         verify.draft.graph.replay()
+        self.num_draft_replays += 1
         _record_event(events, 2)
         result = verify.accept.result[:num_seqs]
         packed = torch.cat([result.view(-1), verify.draft.ids[: num_seqs * rows_per_seq]])

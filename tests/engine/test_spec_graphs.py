@@ -110,9 +110,9 @@ def test_sequences_with_fewer_drafts_take_padding_rows(rerun_graphs):
     """A request with a penalty never drafts and short requests draft less near their end: the
     batch still replays the graphs (those sequences' rows past their drafts are padding) and
     gives the tokens of MTP off and of the eager verify."""
-    params = [SamplingParams(max_tokens=14, temperature=0, ignore_eos=True,
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
                              presence_penalty=0.5),
-              SamplingParams(max_tokens=14, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)]
     spec = {**SPEC, "speculative_num_steps": 2}
     outputs, counts = {}, {}

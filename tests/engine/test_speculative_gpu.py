@@ -81,8 +81,7 @@ def _held_run(engine: Engine, holds: dict[int, int]) -> tuple[list[int], list, l
     graphs, spec = engine.runner.graphs, engine.spec.runner.graphs
 
     def replays() -> tuple[int, int, int]:
-        return graphs.num_replays, spec.num_replays, \
-            sum(v.draft.graph.num_replays for v in spec.verify_graphs.values())
+        return graphs.num_replays, spec.num_replays, spec.num_draft_replays
 
     steps, step = [], 0
     while seq.num_computed_tokens < compared:
