@@ -68,7 +68,7 @@ def _run_arrivals(engine: Engine, prompts: list[list[int]], arrivals: list[int],
 def test_greedy_tokens_equal_mtp_off_with_chunks_and_preemption(engines):
     prompts = [engines["off"].tokenizer.encode(t) for t in TEXTS[:4]]
     arrivals = [0, 0, 1, 3]
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     outputs = {}
     for name, engine in engines.items():
         preempted = engine.scheduler.num_preemptions
