@@ -1,5 +1,5 @@
 """Generated pictures (pillow) with a question and its answer: a shape of one colour on a
-background of another, sometimes with a word written on it."""
+background of another (no writing yet: issue 16 also asks for a few words of text)."""
 
 from __future__ import annotations
 
