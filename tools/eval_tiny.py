@@ -7,7 +7,8 @@
   split into reasoning and content (a non-empty `<think>` part and the answer after it);
 * tool use through `Engine.chat` with tool schemas the training never produced: the rate of
   outputs with a tool call, and of calls with the right name and arguments;
-* questions on held-out generated pictures (PNG data URLs) through `Engine.chat`: exact match;
+* questions on held-out generated pictures (PNG data URLs) through `Engine.chat`: exact match,
+  for the shape pictures and for pictures of a written word (data recipe 2);
 * the MTP layer: top-1 agreement with the main model's next-next token on the generated parts;
 * greedy tokens in bf16 against fp32 on the CPU.
 
@@ -39,7 +40,7 @@ from tools.tiny_data import is_held_out
 from tools.tiny_eval_models import bf16_agreement, greedy_agreement, greedy_outputs, mtp_agreement
 from tools.tiny_tasks import QA_FAMILIES, Task
 from tools.tiny_tool_tasks import ToolCase, tool_case
-from tools.tiny_vision_tasks import ImageTask, data_url, image_task
+from tools.tiny_vision_tasks import PALETTE, ImageTask, data_url, image_task, word_task
 
 logger = logging.getLogger("glmflash.eval_tiny")
 MAX_TOKENS = 64
@@ -99,6 +100,11 @@ def held_out_images(seed: int, count: int) -> list[ImageTask]:
     return [image_task(rng) for _ in range(count)]
 
 
+def held_out_words(seed: int, count: int) -> list[ImageTask]:
+    rng = random.Random(seed + 3)
+    return [word_task(*rng.sample(list(PALETTE), 2), rng) for _ in range(count)]
+
+
 def eval_images(engine: Engine, tasks: list[ImageTask]) -> dict:
     """Questions on held-out pictures, sent as PNG data URLs through `Engine.chat`."""
     results = _chat_all(engine, [([{"role": "user", "content": [
@@ -134,6 +140,7 @@ def evaluate(checkpoint: Path, seed: int, per_family: int, num_tools: int,
         tasks = eval_tasks(engine, held_out_tasks(seed, per_family))
         tools = eval_tool_calls(engine, held_out_tool_cases(seed, num_tools))
         images = eval_images(engine, held_out_images(seed, per_family))
+        words = eval_images(engine, held_out_words(seed, per_family))
         prompts = [s[:n] for s, n in zip(tasks["sequences"], tasks["prompt_lens"], strict=True)]
         step = max(1, len(prompts) // num_compare)
         compare = prompts[::step][:num_compare]
@@ -141,7 +148,8 @@ def evaluate(checkpoint: Path, seed: int, per_family: int, num_tools: int,
     finally:
         engine.shutdown()
     mtp = mtp_agreement(checkpoint, tasks.pop("sequences"), tasks.pop("prompt_lens"))
-    return dict(tasks=tasks, tools=tools, images=images, mtp_agreement=mtp, bf16_vs_fp32=bf16)
+    return dict(tasks=tasks, tools=tools, images=images, words=words, mtp_agreement=mtp,
+                bf16_vs_fp32=bf16)
 
 
 def mtp_acceptance(checkpoint: Path, seed: int, per_family: int, num_steps: int = 1) -> dict:
@@ -222,6 +230,7 @@ def format_table(report: dict) -> str:
              f"{tools['tool_call_rate']:.3f} / {tools['right_name']:.3f} / "
              f"{tools['right_call']:.3f}", ">= 0.80 (right call)"),
             ("picture questions", f"{report['images']['exact_match']:.3f}", ""),
+            ("words written in pictures", f"{report['words']['exact_match']:.3f}", ""),
             ("MTP top-1 = main model's next-next token", f"{report['mtp_agreement']:.3f}",
              ">= 0.60"),
             ("greedy bf16 vs fp32 on the CPU, positions (identical outputs)",

@@ -23,7 +23,7 @@ import torch
 
 from glmflash.config import ModelConfig
 from glmflash.tiny.tokenizer_files import write_tiny_tokenizer
-from tools.tiny_data import MIXTURE, Sample, SampleMaker, make_sample
+from tools.tiny_data import MIXTURE, RECIPE_VERSION, Sample, SampleMaker, make_sample
 
 logger = logging.getLogger(__name__)
 # Loss weight of the tokens outside the assistant turns (prompts, tool schemas, tool results).
@@ -160,10 +160,10 @@ def _with_blank_pictures(batch: HostBatch, room: int, width: int) -> HostBatch:
 _WORKER_MAKER: SampleMaker | None = None
 
 
-def _init_worker(config_dict: dict) -> None:
+def _init_worker(config_dict: dict, recipe: int) -> None:
     global _WORKER_MAKER
     torch.set_num_threads(1)
-    _WORKER_MAKER = sample_maker(config_dict)
+    _WORKER_MAKER = sample_maker(config_dict, recipe)
 
 
 def batch_of(maker: SampleMaker, seed: int, step: int, size: int | FixedShape) -> HostBatch:
@@ -177,10 +177,10 @@ def _worker_batch(seed: int, step: int, size: int | FixedShape) -> HostBatch:
     return batch_of(_WORKER_MAKER, seed, step, size)
 
 
-def sample_maker(config_dict: dict) -> SampleMaker:
+def sample_maker(config_dict: dict, recipe: int = RECIPE_VERSION) -> SampleMaker:
     tokenizer_dir = Path(tempfile.mkdtemp(prefix="tiny-tokenizer-"))
     write_tiny_tokenizer(tokenizer_dir)
-    return SampleMaker(tokenizer_dir, ModelConfig.from_dict(config_dict))
+    return SampleMaker(tokenizer_dir, ModelConfig.from_dict(config_dict), recipe)
 
 
 class BatchStream:
@@ -188,16 +188,16 @@ class BatchStream:
     processes (none: made on demand in this process)."""
 
     def __init__(self, config_dict: dict, seed: int, size: int | FixedShape, *,
-                 num_workers: int = 0, first: int = 0) -> None:
+                 num_workers: int = 0, first: int = 0, recipe: int = RECIPE_VERSION) -> None:
         self.seed, self.size, self.next_step = seed, size, first
         self.pool, self.pending = None, deque()
         if num_workers > 0:
             # spawn: the workers never inherit a CUDA context or torch's thread pools.
             context = multiprocessing.get_context("spawn")
-            self.pool = context.Pool(num_workers, _init_worker, (config_dict,))
+            self.pool = context.Pool(num_workers, _init_worker, (config_dict, recipe))
             self.ahead = 4 * num_workers
         else:
-            self.maker = sample_maker(config_dict)
+            self.maker = sample_maker(config_dict, recipe)
 
     def __iter__(self) -> Iterator[HostBatch]:
         return self

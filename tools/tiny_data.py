@@ -31,12 +31,16 @@ END_OF_TURN = "<|user|>"
 # family -> share of the samples
 MIXTURE = {"greeting": 0.06, "story": 0.08, "raw_qa": 0.08, "chat_qa": 0.34, "tool": 0.34,
            "image": 0.10}
-RECIPE = ("plain text (greetings, short stories, 'Q: ... A: ...' lines), chat transcripts "
+RECIPE_1 = ("plain text (greetings, short stories, 'Q: ... A: ...' lines), chat transcripts "
           "with <think> reasoning (arithmetic on 0-9, copying 2-4 words, recalling a colour from "
           "two facts; 30% after an earlier turn), tool use on generated schemas (1-2 tools with "
           "random names, 1-2 parameters of random name and type; call, tool result, final answer), "
           "pictures (pillow: a square, circle or triangle of one colour on another) with a "
           "question on the shape, its colour or the background")
+RECIPES = {1: RECIPE_1,
+           2: RECIPE_1 + "; a quarter of the pictures show a word (one of 12) to read instead"}
+RECIPE_VERSION = 2
+"""The data recipe of new runs (a manifest records its run's; without one: recipe 1)."""
 
 
 @dataclass
@@ -50,7 +54,11 @@ class Sample:
 class SampleMaker:
     """Renders and tokenizes samples with a checkpoint folder's tokenizer and template."""
 
-    def __init__(self, tokenizer_dir: str | Path, config: ModelConfig) -> None:
+    def __init__(self, tokenizer_dir: str | Path, config: ModelConfig,
+                 recipe: int = RECIPE_VERSION) -> None:
+        if recipe not in RECIPES:
+            raise ValueError(f"unknown data recipe {recipe}; known: {sorted(RECIPES)}")
+        self.recipe = recipe
         self.tokenizer = Tokenizer.from_dir(tokenizer_dir)
         self.backend = BackendTokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
         self.config = config
@@ -123,7 +131,7 @@ def make_sample(maker: SampleMaker, rng: random.Random) -> Sample:
     if family == "story":
         return maker.plain(story(rng))
     if family == "image":
-        return maker.image_chat(image_task(rng))
+        return maker.image_chat(image_task(rng, words=maker.recipe >= 2))
     if family == "raw_qa":
         task = random_task(rng)
         return maker.plain(f"Q: {task.question}\nA: {task.answer}")

@@ -21,7 +21,7 @@ from glmflash.tiny.checkpoint import write_trained_checkpoint
 from glmflash.tiny.configs import tiny_config
 from glmflash.tiny.manifest import write_manifest
 from tools.tiny_batches import BatchStream, make_batch, plan_shape, sample_maker
-from tools.tiny_data import RECIPE
+from tools.tiny_data import RECIPE_VERSION, RECIPES
 from tools.tiny_graph_step import GraphStep
 from tools.tiny_quant import PARAMETRIZED, fake_fp8, quantization_gap
 from tools.tiny_train_ops import training_ops
@@ -59,6 +59,8 @@ class RunOptions:
     threads: int = 1
     qat_fraction: float = 0.0
     """The last part of the steps that trains through FP8-rounded weights (tiny_quant.py)."""
+    recipe: int = RECIPE_VERSION
+    """The training data's recipe (tiny_data.RECIPES)."""
     graph: bool = False
     """Batches of one planned shape, each step replayed as a CUDA graph (tiny_graph_step.py;
     on a CPU: the same fixed buffers, eagerly)."""
@@ -77,7 +79,7 @@ class Training:
         self.config = ModelConfig.from_dict(self.config_dict)
         self.is_qat = False
         model, mtp = build_models(self.config, options.seed)
-        self.probe = probe_losses(model, mtp, self.config_dict, options.seed)
+        self.probe = probe_losses(model, mtp, self.config_dict, options.seed, options.recipe)
         self.model, self.mtp = model.to(self.device), mtp.to(self.device)
         self.params = [p for m in (self.model, self.mtp) for p in m.parameters()
                        if p.requires_grad]
@@ -93,11 +95,11 @@ class Training:
         self.stack.enter_context(training_ops(self.model, self.mtp, compile=options.compile))
         self.moes = moe_layers(self.model, self.mtp)
         self.counts = [moe.experts.backend.counts for moe in self.moes]
-        self.shape = plan_shape(sample_maker(self.config_dict), options.seed,
+        self.shape = plan_shape(sample_maker(self.config_dict, options.recipe), options.seed,
                                 options.tokens_per_step) if options.graph else None
         self.source = BatchStream(self.config_dict, options.seed,
                                   self.shape or options.tokens_per_step,
-                                  num_workers=options.workers)
+                                  num_workers=options.workers, recipe=options.recipe)
         self.graph_step: GraphStep | None = None
         self.log: list[tuple] = []
         self.pending: list[tuple[int, torch.Tensor, int]] = []
@@ -187,7 +189,8 @@ class Training:
                     warmup_steps=self.options.warmup_steps, device=device, amp=self.options.amp,
                     threads=self.options.threads, qat_fraction=self.options.qat_fraction,
                     graph=self.options.graph, **self._shape_summary(),
-                    data_recipe=RECIPE,
+                    data_recipe=RECIPES[self.options.recipe],
+                    recipe_version=self.options.recipe,
                     trained_tokens=sum(r[4] for r in self.log), final_loss=mean(1),
                     final_mtp_loss=mean(2), final_indexer_loss=mean(3),
                     train_seconds=round(time.time() - self.start), probe=self.probe,
@@ -204,7 +207,8 @@ class Training:
         """Losses of a batch of other data with the weights as trained and rounded to FP8."""
         self.qat.close()
         self.is_qat = False
-        batch = make_batch(sample_maker(self.config_dict), self.options.seed + GAP_SEED_OFFSET,
+        batch = make_batch(sample_maker(self.config_dict, self.options.recipe),
+                           self.options.seed + GAP_SEED_OFFSET,
                            0, self.options.gap_tokens)
         gap = quantization_gap(self.config, self.model, self.mtp,
                                lambda: forward_losses(self.model, self.mtp, batch))
@@ -218,12 +222,12 @@ class Training:
         self.stack.close()
 
 
-def probe_losses(model, mtp, config_dict: dict, seed: int) -> dict:
+def probe_losses(model, mtp, config_dict: dict, seed: int, recipe: int) -> dict:
     """The losses of the initial weights (on the CPU, fp32) on the first `PROBE_TOKENS` tokens
     of the run's data, before any update: tests/tiny/test_trained.py replays them from the
     seed. (On the CPU: at random weights many indexer scores tie, and devices break ties
     differently.)"""
-    batch = make_batch(sample_maker(config_dict), seed, 0, PROBE_TOKENS)
+    batch = make_batch(sample_maker(config_dict, recipe), seed, 0, PROBE_TOKENS)
     with training_ops(model, mtp), torch.no_grad():
         losses = forward_losses(model, mtp, batch)
     return dict(tokens=PROBE_TOKENS, loss=losses[0].item(), mtp_loss=losses[1].item(),

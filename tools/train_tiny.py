@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from glmflash.utils.logging import setup_logging
+from tools.tiny_data import RECIPE_VERSION, RECIPES
 from tools.tiny_run import RunOptions, Training, save_run
 
 logger = logging.getLogger("glmflash.train_tiny")
@@ -87,6 +88,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the training process (1 is fastest on a shared "
                         "machine)")
+    parser.add_argument("--recipe", type=int, default=RECIPE_VERSION, choices=sorted(RECIPES),
+                        help="the training data's recipe (tools/tiny_data.py RECIPES)")
     parser.add_argument("--graph", action="store_true",
                         help="batches of one planned shape (about --tokens-per-step tokens), "
                         "each step replayed as a CUDA graph")
@@ -107,7 +110,8 @@ def main() -> None:
     options = RunOptions(seed=args.seed, tokens_per_step=args.tokens_per_step, peak_lr=args.lr,
                          warmup_steps=args.warmup_steps, device=args.device, amp=args.amp,
                          compile=args.compile, workers=workers, threads=args.threads,
-                         qat_fraction=args.qat_fraction, graph=args.graph)
+                         qat_fraction=args.qat_fraction, graph=args.graph,
+                         recipe=args.recipe)
     training = train(args.out, options, steps=args.steps, minutes=args.minutes,
                      checkpoint_minutes=args.checkpoint_minutes, tar=args.tar)
     logger.info("wrote %s: %s", args.out, json.dumps(training))

@@ -17,7 +17,7 @@ from tools.tiny_data import SampleMaker, is_held_out, make_samples, random_task,
 from tools.tiny_tool_tasks import tool_case, tool_conversation
 from tools.tiny_train_ops import training_ops
 from tools.tiny_trainer import build_models, forward_losses
-from tools.tiny_vision_tasks import image_task
+from tools.tiny_vision_tasks import WORDS, image_task
 
 CONFIG = ModelConfig.from_dict(tiny_config("trained"))
 
@@ -86,3 +86,18 @@ def test_gradients_reach_every_trained_parameter(tokenizer_dir):
     missing = [name for module in (model, mtp) for name, p in module.named_parameters()
                if p.requires_grad and p.grad is None]
     assert missing == []
+
+
+def test_word_pictures_come_with_recipe_2_only(tokenizer_dir):
+    """Recipe 1's picture stream is unchanged (the shipped checkpoint replays it); recipe 2 adds
+    pictures of a written word, asked for."""
+    old, new = random.Random(5), random.Random(5)
+    plain = [image_task(old) for _ in range(64)]
+    mixed = [image_task(new, words=True) for _ in range(64)]
+    assert not any(t.answer in WORDS for t in plain)
+    words = [t for t in mixed if t.question == "What word is written in the picture?"]
+    assert 4 <= len(words) <= 32 and all(t.answer in WORDS for t in words)
+    again = random.Random(5)
+    assert [t.question for t in plain[:3]] == [image_task(again).question for _ in range(3)]
+    with pytest.raises(ValueError, match="unknown data recipe"):
+        SampleMaker(tokenizer_dir, CONFIG, recipe=99)
