@@ -56,3 +56,25 @@ def run_kda(lens: list[int], heads: int, dim: int, dtype: torch.dtype, decay: fl
     want = kda_ref(q, k, v, g, beta, s_ref, cu, slots, fresh)
     got = kda(q, k, v, g, beta, s_got, cu, slots, fresh, **kwargs)
     return got, want, s_got, s_ref
+
+
+def against_fla(config=None) -> tuple[torch.Tensor, ...]:
+    """Our Triton prefill (launch `config`, None: the default) and fla's chunk_kda on its
+    safe-gate path (our gate's lower bound is -5), on four sequences of release width:
+    (our output, fla's, our final states, fla's)."""
+    import pytest
+
+    fla_kda = pytest.importorskip("fla.ops.kda")
+    from glmflash.kernels.kda.triton_impl import kda
+
+    lens = [1000, 3000, 64, 129]
+    q, k, v, g, beta, state = kda_inputs(lens, 64, 128, torch.bfloat16)
+    cu = cu_seqlens(lens)
+    s_got = state.clone()
+    extra = {} if config is None else {"config": config}
+    got = kda(q, k, v, g, beta, s_got, cu, [0, 1, 2, 3], [False] * 4, **extra)
+    o_fla, s_fla = fla_kda.chunk_kda(
+        q[None], k[None], v[None], g[None], beta[None], scale=128 ** -0.5,
+        initial_state=state[:4].clone(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+        cu_seqlens=torch.tensor(cu, device=q.device), safe_gate=True, lower_bound=-5.0)
+    return got, o_fla[0], s_got[:4], s_fla

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 from glmflash.kernels.kda.chunk_stages import StagedConfig  # noqa: E402
 from glmflash.kernels.kda.triton_impl import KdaConfig  # noqa: E402
-from tests.kernels.kda_cases import kda_inputs, rel_err, run_kda  # noqa: E402
+from tests.kernels.kda_cases import against_fla, kda_inputs, rel_err, run_kda  # noqa: E402
 from tests.kernels.test_kda_chunk_triton import (  # noqa: E402
     BF16_REL,
     PREFILL_CASES,
@@ -132,19 +132,6 @@ def test_staged_steep_decay_gpu():
                          ids=["staged", "split"])
 def test_staged_matches_fla_gpu(form):
     """Against fla's chunk_kda on its safe-gate path (our gate's lower bound is -5)."""
-    fla_kda = pytest.importorskip("fla.ops.kda")
-    from glmflash.kernels.kda.triton_impl import kda
-
-    lens = [1000, 3000, 64, 129]
-    q, k, v, g, beta, state = kda_inputs(lens, 64, 128, torch.bfloat16)
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    s_got = state.clone()
-    got = kda(q, k, v, g, beta, s_got, cu, [0, 1, 2, 3], [False] * 4, config=form)
-    o_fla, s_fla = fla_kda.chunk_kda(
-        q[None], k[None], v[None], g[None], beta[None], scale=128 ** -0.5,
-        initial_state=state[:4].clone(), output_final_state=True, use_qk_l2norm_in_kernel=True,
-        cu_seqlens=torch.tensor(cu, device=q.device), safe_gate=True, lower_bound=-5.0)
-    assert rel_err(got, o_fla[0]) < BF16_REL
-    assert rel_err(s_got[:4], s_fla) < BF16_REL
+    got, o_fla, s_got, s_fla = against_fla(form)
+    assert rel_err(got, o_fla) < BF16_REL
+    assert rel_err(s_got, s_fla) < BF16_REL
