@@ -94,9 +94,12 @@ class FixedShape:
 
 # The grid of every generated picture (tiny_vision_tasks), also the blank pictures' grid.
 PICTURE_GRID = (1, 8, 8)
-LONGEST_SAMPLE = 640  # the last sequence's length: the generated samples stay under it
-PLAN_DRAWS = 2048  # samples drawn to plan the lengths
-PICTURE_ROOM = 2.0  # room for pictures: this many times the mixture's expected count, plus 2
+# The last sequence's length: the generated samples stay under it.
+LONGEST_SAMPLE = 640
+# Samples drawn to plan the lengths.
+PLAN_DRAWS = 2048
+# Room for pictures: this many times the mixture's expected count, plus 2.
+PICTURE_ROOM = 2.0
 
 
 def plan_shape(maker: SampleMaker, seed: int, tokens: int) -> FixedShape:

@@ -5,9 +5,10 @@ The eager step launches thousands of small kernels from Python (the reference op
 autograd), so on a GPU the tiny model trains at the host's pace. When every batch has one shape
 (tiny_batches.FixedShape), the integer structure of a step (sequence offsets, loss rows, page
 tables, the padded layouts of the batched ops) is the same at every step; only the token ids,
-loss weights, expert-count masks and pixels change. Those live in device buffers made once
-(`StepTensors`) and refilled before each replay. The structure's own uploads are made by the
-warm-up steps and reused by the capture (`UploadMemo`), which refuses any new one.
+loss weights, padding masks, pixels and the pictures' token rows change. Those live in device
+buffers made once (`StepTensors`) and refilled before each replay. The structure's own uploads
+are made by the warm-up steps and reused by the capture (`UploadMemo`), which refuses any new
+one.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from collections.abc import Callable
 
 import torch
 
+from glmflash.config import ModelConfig
 from glmflash.utils.device import UploadMemo, remembered_uploads
 from tools.tiny_batches import HostBatch
 from tools.tiny_trainer import StepTensors, step_tensors
 
 logger = logging.getLogger("glmflash.train_tiny")
-WARMUP_STEPS = 3  # eager steps before a capture (lazy initialisations, the uploads' memo)
+# Eager steps before a capture (lazy initialisations, the uploads' memo).
+WARMUP_STEPS = 3
 
 
 class GraphStep:
@@ -36,7 +39,7 @@ class GraphStep:
     accumulation across steps)."""
 
     def __init__(self, body: Callable[[StepTensors], torch.Tensor], first: HostBatch,
-                 device: torch.device, config) -> None:
+                 device: torch.device, config: ModelConfig) -> None:
         self.body, self.device, self.config = body, device, config
         self.inputs = step_tensors(first, device, config)
         self.memo = UploadMemo()

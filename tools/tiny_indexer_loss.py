@@ -36,14 +36,20 @@ class MlaInputs:
             handle.remove()
 
 
-def indexer_loss(records: list[tuple[MultiLatentAttention, torch.Tensor, ForwardBatch]]
-                 ) -> torch.Tensor:
-    return torch.stack([_layer_loss(m, x, batch) for m, x, batch in records]).mean()
+def indexer_loss(records: list[tuple[MultiLatentAttention, torch.Tensor, ForwardBatch]],
+                 counted: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+    """`counted`: per forward batch (by `id`), `[T]` 1 on the samples' tokens, 0 on padding
+    (whose queries are left out); None: every token counts."""
+    counted = counted or {}
+    return torch.stack([_layer_loss(m, x, batch, counted.get(id(batch)))
+                        for m, x, batch in records]).mean()
 
 
-def _layer_loss(mla: MultiLatentAttention, x: torch.Tensor, batch: ForwardBatch):
+def _layer_loss(mla: MultiLatentAttention, x: torch.Tensor, batch: ForwardBatch,
+                counted: torch.Tensor | None = None):
     """The mean over sequences (with a complete pool) of the mean KL over their queries that
-    have a candidate pool (0 without any); all sequences at once, padded to the longest."""
+    have a candidate pool (0 without any) and count; all sequences at once, padded to the
+    longest."""
     idx, kpool = mla.indexer, mla.indexer.kpool
     layout = Padded(batch.cu_seqlens, x.device, kpool)
     with torch.no_grad():
@@ -67,6 +73,8 @@ def _layer_loss(mla: MultiLatentAttention, x: torch.Tensor, batch: ForwardBatch)
     candidate = pool_end[None, :] <= torch.arange(length, device=x.device)[:, None]  # [L, P]
     lens = upload(np.diff(batch.cu_seqlens), x.device)
     rows = candidate.any(-1)[None, :] & (torch.arange(length, device=x.device) < lens[:, None])
+    if counted is not None:
+        rows = rows & (layout.pad(counted) > 0)
     target = target.masked_fill(~candidate, 0)
     target = target / target.sum(-1, keepdim=True).clamp(min=1e-9)
     log_p = torch.log_softmax(scores.masked_fill(~candidate, -1e9), dim=-1)

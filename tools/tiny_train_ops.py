@@ -55,14 +55,10 @@ class Padded:
         self.length = int(-(-lens.max() // multiple) * multiple)
         seq = np.repeat(np.arange(self.num_seqs), lens)
         pos = np.arange(self.num_tokens) - np.asarray(cu_seqlens[:-1])[seq]
-        flat = seq * self.length + pos
-        # Padded cell -> packed row (num_tokens for padding, a zero row appended on packing).
-        source = np.full(self.num_seqs * self.length, self.num_tokens, dtype=np.int64)
-        source[flat] = np.arange(self.num_tokens)
+        flat = seq * self.length + pos  # packed row -> padded cell
         starts = np.asarray(cu_seqlens[:-1], dtype=np.int64)
-        parts = upload(np.concatenate([flat, source, starts]), device).split(
-            [self.num_tokens, source.size, self.num_seqs])
-        self.flat, self.source, self.starts = parts
+        self.flat, self.starts = upload(np.concatenate([flat, starts]), device).split(
+            [self.num_tokens, self.num_seqs])
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """`[T, ...]` -> `[B, L, ...]`, zeros after each sequence (differentiable). A copy to

@@ -185,7 +185,8 @@ def step_losses(model: GlmForCausalLM, mtp: GlmMtp, tensors: StepTensors
         mtp_loss = _weighted_ce(model.logits(mtp_hidden.index_select(0, tensors.mtp_rows)),
                                 ids[target_rows],
                                 weight[target_rows])
-        index_loss = indexer_loss(inputs.records)
+        index_loss = indexer_loss(inputs.records, {id(batch): tensors.counted,
+                                                   id(tensors.mtp_batch): tensors.mtp_counted})
     finally:
         inputs.remove()
     return loss, mtp_loss, index_loss

@@ -16,7 +16,8 @@ SHAPES = ("square", "circle", "triangle")
 SIZE = 112
 WORDS = ("cat", "dog", "sun", "sky", "tree", "boat", "milk", "star", "fish", "rain", "home",
          "book")
-WORD_SHARE = 0.25  # of the pictures, when words are drawn at all
+# The share of the pictures that show a word, when words are drawn at all.
+WORD_SHARE = 0.25
 FONT_SIZE = 30
 
 

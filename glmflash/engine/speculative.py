@@ -181,8 +181,8 @@ class SpecDecoder:
         if not rows.seqs:
             return
         in_graph = step.is_plain and self.runner.fits_draft_graph(rows)
-        draft = self.runner.draft_in_graph if in_graph else self.runner.draft_extend
-        hidden, first = draft(rows, len(drafting))
+        run_mtp = self.runner.draft_in_graph if in_graph else self.runner.draft_extend
+        hidden, first = run_mtp(rows, len(drafting))
         drafts = [[t] for t in first]
         self._chain(drafting, hidden, drafts)
         for seq, draft in zip(drafting, drafts, strict=True):

@@ -55,6 +55,8 @@ def upload(values: np.ndarray | list[int], device: torch.device | str,
 
     On CUDA the data goes through page-locked memory from torch's caching host allocator, so the
     copy is asynchronous and the staging block is not reused before the copy has run.
+    NOTE: while an `UploadMemo` is installed, equal values share one tensor: treat it as
+    read-only.
     """
     host = torch.as_tensor(np.asarray(values), dtype=dtype)
     device = torch.device(device)

@@ -1,6 +1,8 @@
-"""The fixed-shape training step (tools/tiny_graph_step.py) on the CPU: after the warm-up, steps
-run under the frozen upload memo (what a CUDA graph capture may use); the memo itself. (The
-captured step against the eager one: tests/tiny/test_train_gpu.py.)"""
+"""The fixed-shape training step (tools/tiny_graph_step.py) on the CPU: after the warm-up, and
+again after the switch to FP8-rounded weights, steps run under the frozen upload memo, which
+catches an upload of batch-dependent values inside the step (a capture would replay it stale);
+the memo itself. Host syncs and branches on tensor values pass on the CPU: the captured step
+against the eager one is tests/tiny/test_train_gpu.py."""
 
 from __future__ import annotations
 
@@ -31,11 +33,13 @@ def test_steps_after_the_warm_up_upload_nothing_new(monkeypatch):
     upload inside the step, which a CUDA graph would replay stale)."""
     monkeypatch.setattr(tiny_batches, "LONGEST_SAMPLE", 0)  # short sequences: a quick test
     monkeypatch.setattr(tiny_batches, "PLAN_DRAWS", 64)
-    run = Training(RunOptions(tokens_per_step=160, warmup_steps=1, graph=True),
-                   total_steps=tiny_graph_step.WARMUP_STEPS + 1)
+    warm = tiny_graph_step.WARMUP_STEPS
+    steps = 2 * warm + 2  # warm-up, one frozen step; FP8-rounded: warm-up, one frozen step
+    run = Training(RunOptions(tokens_per_step=160, warmup_steps=1, graph=True,
+                              qat_fraction=(warm + 1) / steps), total_steps=steps)
     try:
         losses = [run.step() for _ in range(run.total_steps)]
-        assert run.graph_step.warm == tiny_graph_step.WARMUP_STEPS
+        assert run.is_qat and run.graph_step.warm == warm
         assert len(run.graph_step.memo.tensors) > 0
         assert torch.isfinite(torch.stack(losses)).all()
     finally:

@@ -97,7 +97,9 @@ def test_word_pictures_come_with_recipe_2_only(tokenizer_dir):
     assert not any(t.answer in WORDS for t in plain)
     words = [t for t in mixed if t.question == "What word is written in the picture?"]
     assert 4 <= len(words) <= 32 and all(t.answer in WORDS for t in words)
-    again = random.Random(5)
-    assert [t.question for t in plain[:3]] == [image_task(again).question for _ in range(3)]
+    # Recipe 1's first pictures of this seed, as the shipped checkpoint was trained on them.
+    assert [(t.question, t.answer) for t in plain[:3]] == [
+        ("What colour is the background?", "white"), ("What colour is the background?", "yellow"),
+        ("What colour is the square?", "blue")]
     with pytest.raises(ValueError, match="unknown data recipe"):
         SampleMaker(tokenizer_dir, CONFIG, recipe=99)

@@ -131,7 +131,9 @@ def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
 
 def _decayed_products(q: torch.Tensor, k: torch.Tensor, decay: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[H, C, C]` sums over the key dimension of k_t k_s decay and q_t k_s decay."""
+    """`[H, C, C]` sums over the key dimension of k_t k_s decay and q_t k_s decay. (A function of
+    its own so that the tiny-model trainer can swap in a form that is fast under autograd on a
+    GPU: tools/tiny_train_ops.py.)"""
     return (torch.einsum("htc,hsc,htsc->hts", k, k, decay),
             torch.einsum("htc,hsc,htsc->hts", q, k, decay))
 
