@@ -8,50 +8,10 @@ without drafts. The captures themselves run on the GPU (tests/engine/test_specul
 from __future__ import annotations
 
 import pytest
-import torch
 
-import glmflash.engine.spec_capture as spec_capture
 from glmflash import SamplingParams
 from glmflash.engine.outputs import ResultCollector
-from glmflash.engine.spec_graphs import SpecGraphRunner
-from tests.engine.test_speculative import SPEC, TEXTS, _engine, _run_arrivals
-
-
-class RerunForward:
-    """A stand-in for a captured graph: `replay` runs the forward again and copies its outputs
-    into the tensors the first run returned."""
-
-    def __init__(self, forward) -> None:
-        self.forward = forward
-        self.outputs = forward()
-        self.num_replays = 0
-
-    def replay(self) -> None:
-        for static, fresh in zip(self.outputs, self.forward(), strict=True):
-            static.copy_(fresh)
-        self.num_replays += 1
-
-    def pool(self) -> None:
-        return None
-
-
-def _record(forward, pool, device):
-    graph = RerunForward(forward)
-    return graph, graph.outputs
-
-
-@pytest.fixture
-def rerun_graphs(monkeypatch):
-    monkeypatch.setattr(spec_capture, "record", _record)
-    monkeypatch.setattr(spec_capture, "staging", lambda packed: torch.empty_like(packed))
-
-
-def _with_graphs(engine, sizes: list[int]) -> SpecGraphRunner:
-    spec = engine.spec.runner
-    spec.graphs = SpecGraphRunner(spec, sizes, engine.options.num_speculative_steps)
-    spec.graphs.capture_all(None)
-    return spec.graphs
-
+from tests.engine.spec_helpers import SPEC, TEXTS, run_arrivals, spec_engine, with_graphs
 
 SAMPLING = {"greedy": SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
             "seeded": SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)}
@@ -66,12 +26,12 @@ def test_graph_forms_give_the_tokens_of_mtp_off(rerun_graphs, num_steps, samplin
     spec = {**SPEC, "speculative_num_steps": num_steps}
     outputs, counts = {}, {}
     for name, extra in (("off", {}), ("eager", spec), ("graphs", spec)):
-        engine = _engine(pages=16, max_running_requests=4, **extra)
-        graphs = _with_graphs(engine, [1, 2, 4]) if name == "graphs" else None
+        engine = spec_engine(pages=16, max_running_requests=4, **extra)
+        graphs = with_graphs(engine, [1, 2, 4]) if name == "graphs" else None
         prompts = [engine.tokenizer.encode(t) for t in TEXTS[:3]]
         # Different arrivals and a short request: batches of 1-3 sequences padded to 1, 2 or
         # 4, and a sequence that finishes beside live ones.
-        results = [c.result() for c in _run_arrivals(engine, prompts, [0, 2, 5], params)]
+        results = [c.result() for c in run_arrivals(engine, prompts, [0, 2, 5], params)]
         outputs[name] = [r.token_ids for r in results]
         stats = engine.stats().speculative
         if stats is not None:
@@ -117,8 +77,8 @@ def test_sequences_with_fewer_drafts_take_padding_rows(rerun_graphs):
     spec = {**SPEC, "speculative_num_steps": 2}
     outputs, counts = {}, {}
     for name, extra in (("off", {}), ("eager", spec), ("graphs", spec)):
-        engine = _engine(pages=16, max_running_requests=4, **extra)
-        graphs = _with_graphs(engine, [1, 2, 4]) if name == "graphs" else None
+        engine = spec_engine(pages=16, max_running_requests=4, **extra)
+        graphs = with_graphs(engine, [1, 2, 4]) if name == "graphs" else None
         prompts = [engine.tokenizer.encode(t) for t in TEXTS[:3]]
         outputs[name] = _run_each(engine, prompts, params)
         if engine.spec is not None:

@@ -5,16 +5,19 @@ that never drafts (a penalty) pays no MTP forward for its decodes."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from glmflash import SamplingParams
-from glmflash.engine.outputs import ResultCollector
 from glmflash.engine.sequence import Sequence
-from glmflash.model.forward_batch import token_slots_of
-from tests.engine.test_spec_graphs import _with_graphs, rerun_graphs  # noqa: F401 (fixture)
-from tests.engine.test_speculative import SPEC, TEXTS, _engine
+from tests.engine.spec_helpers import (
+    SPEC,
+    TEXTS,
+    mtp_cache,
+    spec_engine,
+    start_request,
+    with_graphs,
+)
 
 # Neither the speed check nor the acceptance pause holds drafting off on their own: the test
 # alone does (`DraftPolicy.num_paused_steps`).
@@ -26,13 +29,6 @@ PARAMS = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
 HOLDS = {0: 8, 11: 6}
 # Positions compared: the prompt and the first outputs (the sequence is still running).
 COMPARED_OUTPUTS = 22
-
-
-def _start(engine, prompt: list[int], params: SamplingParams) -> tuple[ResultCollector, Sequence]:
-    collector = ResultCollector("", prompt, 1)
-    collector.request_id = engine.add_request(prompt, params, collector.add)
-    engine._drain_inbox(block=False)
-    return collector, engine.scheduler.waiting[-1]
 
 
 def _step_until(engine, seq: Sequence, num_tokens: int,
@@ -60,17 +56,6 @@ def _replays(engine) -> tuple[int, int]:
     return graphs.num_replays, drafts
 
 
-def _mtp_cache(engine, seq: Sequence, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MTP layer's latents of positions 0..num_positions-1 and its pooled indexer keys of the
-    pools complete among them."""
-    state, layer = engine.runner.state, engine.spec.runner.mtp_layer
-    kpool = engine.runner.kpool
-    slots = token_slots_of(seq.page_ids, 0, num_positions, engine.cache.page_size)
-    pools = slots[kpool - 1:: kpool] // kpool
-    return state.latent[layer][torch.from_numpy(slots)].clone(), \
-        state.pool_keys[layer][torch.from_numpy(np.asarray(pools))].clone()
-
-
 @pytest.mark.parametrize("form", ["eager", "graphs"])
 def test_positions_committed_while_held_off_fill_the_mtp_cache(request, form):
     """A run held off twice (its prompt and first decodes, then a stretch of decodes) has the MTP
@@ -78,18 +63,18 @@ def test_positions_committed_while_held_off_fill_the_mtp_cache(request, form):
     only: the MTP layer's projections of one row or of several round differently."""
     if form == "graphs":
         request.getfixturevalue("rerun_graphs")
-    engines = {name: _engine(pages=16, **options) for name, options in
+    engines = {name: spec_engine(pages=16, **options) for name, options in
                (("off", {}), ("along", ALONG), ("held", ALONG))}
     prompt = engines["off"].tokenizer.encode(TEXTS[0])
     caches, results, replays = {}, {}, {}
     for name in ("held", "along"):
         engine = engines[name]
         if form == "graphs":
-            _with_graphs(engine, [1, 2])
-        collector, seq = _start(engine, prompt, PARAMS)
+            with_graphs(engine, [1, 2])
+        collector, seq = start_request(engine, prompt, PARAMS)
         compared = len(prompt) + COMPARED_OUTPUTS
         replays[name] = _step_until(engine, seq, compared, HOLDS if name == "held" else {})
-        caches[name] = _mtp_cache(engine, seq, compared)
+        caches[name] = mtp_cache(engine, seq, compared)
         while not collector.is_done:
             engine.step()
         results[name] = collector.result().token_ids
@@ -115,12 +100,12 @@ def test_a_batch_above_the_drafting_limit_fills_the_mtp_cache_in_graph_sized_par
     that drafted all along, and the tokens those of MTP off."""
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (12, 24, 24)]
     limits = {"held": 2, "along": 3}
-    prompts = [_engine(pages=16).tokenizer.encode(t) for t in TEXTS[1:4]]
+    prompts = [spec_engine(pages=16).tokenizer.encode(t) for t in TEXTS[1:4]]
     caches, results = {}, {}
     for name, limit in limits.items():
-        engine = _engine(pages=16, **{**ALONG, "speculative_max_batch_size": limit})
-        _with_graphs(engine, [1, 2])
-        started = [_start(engine, p, q) for p, q in zip(prompts, params, strict=True)]
+        engine = spec_engine(pages=16, **{**ALONG, "speculative_max_batch_size": limit})
+        with_graphs(engine, [1, 2])
+        started = [start_request(engine, p, q) for p, q in zip(prompts, params, strict=True)]
         seqs, replays = [seq for _, seq in started], []
         while seqs[0].num_output_tokens < 3 or \
                 min(s.num_computed_tokens - s.num_prompt_tokens for s in seqs[1:]) < 14:
@@ -128,14 +113,14 @@ def test_a_batch_above_the_drafting_limit_fills_the_mtp_cache_in_graph_sized_par
             engine.step()
             replays.append(tuple(b - a for a, b in zip(before, _replays(engine), strict=True)))
             assert not seqs[1].is_finished and not seqs[2].is_finished
-        caches[name] = [_mtp_cache(engine, s, s.num_prompt_tokens + 14) for s in seqs[1:]]
+        caches[name] = [mtp_cache(engine, s, s.num_prompt_tokens + 14) for s in seqs[1:]]
         while not all(c.is_done for c, _ in started):
             engine.step()
         results[name] = [c.result().token_ids for c, _ in started]
         if name == "held":
             # Decode steps of all three: no verify, two draft graph replays.
             assert replays.count((0, 2)) >= 2, str(replays)
-    off = _engine(pages=16)
+    off = spec_engine(pages=16)
     results["off"] = [r.token_ids for r in off.generate(prompt_token_ids=prompts,
                                                          sampling_params=params)]
     assert results["held"] == results["along"] == results["off"]
@@ -149,7 +134,7 @@ def test_a_sequence_that_never_drafts_pays_no_mtp_forward_for_its_decodes(prefix
     """The penalty sequence's prompt runs through the MTP layer only when the prefix cache may
     give its pages to a sequence that drafts; its decodes never do, held off or not, while the
     sequence beside it that may draft fills every position."""
-    engine = _engine(pages=16, disable_radix_cache=not prefix_cache, **ALONG)
+    engine = spec_engine(pages=16, disable_radix_cache=not prefix_cache, **ALONG)
     calls: list[tuple[int, int, int]] = []
     spec = engine.spec.runner
     draft_extend = spec.draft_extend
@@ -163,7 +148,7 @@ def test_a_sequence_that_never_drafts_pays_no_mtp_forward_for_its_decodes(prefix
     penalty = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, presence_penalty=0.5)
     plain = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     prompts = [engine.tokenizer.encode(t) for t in TEXTS[:2]]
-    seqs = [_start(engine, p, params)[1] for p, params in zip(prompts, (penalty, plain),
+    seqs = [start_request(engine, p, params)[1] for p, params in zip(prompts, (penalty, plain),
                                                                strict=True)]
     for step in range(40):
         if step == 10:
@@ -185,14 +170,14 @@ def test_a_sequence_that_never_drafts_pays_no_mtp_forward_for_its_decodes(prefix
 def test_held_off_steps_with_preemption_keep_the_tokens():
     """Drafting paused over the prefills, preemptions and recomputations of four requests in
     five pages: the tokens of MTP off, every page and slot back at the end."""
-    engines = {"off": _engine(), "held": _engine(**ALONG)}
+    engines = {"off": spec_engine(), "held": spec_engine(**ALONG)}
     prompts = [engines["off"].tokenizer.encode(t) for t in TEXTS[:4]]
     arrivals, params = [0, 0, 1, 3], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     outputs = {}
     for name, engine in engines.items():
         collectors, step = [], 0
         while step <= max(arrivals) or not all(c.is_done for c in collectors):
-            collectors += [_start(engine, p, params)[0]
+            collectors += [start_request(engine, p, params)[0]
                            for p, at in zip(prompts, arrivals, strict=True) if at == step]
             if name == "held" and step in (0, 12):
                 engine.spec.policy.num_paused_steps = 8
@@ -212,17 +197,17 @@ def test_a_prefix_cached_while_held_off_carries_the_mtp_cache():
     prefilled while drafting was on."""
     caches = {}
     for name, paused in (("held", 100), ("along", 0)):
-        engine = _engine(pages=16, disable_radix_cache=False, **ALONG)
+        engine = spec_engine(pages=16, disable_radix_cache=False, **ALONG)
         prefix = engine.tokenizer.encode("Once upon a time, a little fox lived in the woods. ")
         engine.spec.policy.num_paused_steps = paused
         engine.generate(prompt_token_ids=[prefix],
                         sampling_params=SamplingParams(max_tokens=2, temperature=0))
         engine.spec.policy.num_paused_steps = 0
-        collector, seq = _start(engine, prefix + engine.tokenizer.encode("The fox"),
+        collector, seq = start_request(engine, prefix + engine.tokenizer.encode("The fox"),
                                 SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         engine.step()
         assert seq.num_cached_tokens >= engine.cache.page_size, seq.num_cached_tokens
-        caches[name] = _mtp_cache(engine, seq, seq.num_cached_tokens)
+        caches[name] = mtp_cache(engine, seq, seq.num_cached_tokens)
         while not collector.is_done:
             engine.step()
     for held, along in zip(caches["held"], caches["along"], strict=True):

@@ -4,65 +4,15 @@ stop strings inside an accepted run; logprobs; aborts; the prefix cache."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch
 
 from glmflash import Engine, SamplingParams
-from glmflash.config import ModelConfig
-from glmflash.engine.options import EngineConfig
-from glmflash.engine.outputs import ResultCollector
-from glmflash.model.mtp import with_mtp_layer
-from glmflash.model.state import cache_bytes
-from glmflash.tiny.embedded import embedded_checkpoint
-
-TRAINED = embedded_checkpoint()
-# 5 pages of 8 tokens, 3 state slots, chunks of 7: the arrivals below cannot all fit, so the
-# scheduler preempts and recomputes, and prompts are prefilled in several chunks.
-SMALL = dict(context_length=40, page_size=8, chunked_prefill_size=7, max_running_requests=3,
-             background_loop=False, check_integrity=True, skip_kernel_warmup=True,
-             disable_radix_cache=True)
-SPEC = dict(speculative_algorithm="NEXTN", speculative_num_steps=2)
-TEXTS = ["Once upon a time, a little fox", "The cat sat on the", "Tom has three apples and",
-         "In the morning the sun", "A dog ran to the park and", "Hello! My name is"]
-
-
-def _budget_gb(options: dict, pages: int) -> float:
-    config = ModelConfig.from_dict(json.loads((TRAINED / "config.json").read_text()))
-    engine_config = EngineConfig(**options)
-    if engine_config.num_speculative_steps:
-        config = with_mtp_layer(config)
-    per_token, per_slot = cache_bytes(config, torch.float32)
-    slots = engine_config.max_running_requests * (1 + engine_config.num_speculative_steps) + \
-        engine_config.num_state_snapshots
-    return (slots * per_slot + pages * options["page_size"] * per_token) / 2**30
-
-
-def _engine(pages: int = 5, **extra) -> Engine:
-    options = {**SMALL, **extra}
-    return Engine(TRAINED, device="cpu", dtype="float32",
-                  cache_budget_gb=_budget_gb(options, pages), **options)
+from tests.engine.spec_helpers import SPEC, TEXTS, TRAINED, run_arrivals, spec_engine
 
 
 @pytest.fixture(scope="module")
 def engines():
-    return {"off": _engine(), "on": _engine(**SPEC)}
-
-
-def _run_arrivals(engine: Engine, prompts: list[list[int]], arrivals: list[int],
-                  params: SamplingParams) -> list[ResultCollector]:
-    collectors, step = [], 0
-    while step <= max(arrivals) or not all(c.is_done for c in collectors):
-        for prompt, at in zip(prompts, arrivals, strict=True):
-            if at == step:
-                collector = ResultCollector("", prompt, 1)
-                collector.request_id = engine.add_request(prompt, params, collector.add)
-                collectors.append(collector)
-        engine.step()
-        step += 1
-        assert step < 400
-    return collectors
+    return {"off": spec_engine(), "on": spec_engine(**SPEC)}
 
 
 def test_greedy_tokens_equal_mtp_off_with_chunks_and_preemption(engines):
@@ -72,7 +22,7 @@ def test_greedy_tokens_equal_mtp_off_with_chunks_and_preemption(engines):
     outputs = {}
     for name, engine in engines.items():
         preempted = engine.scheduler.num_preemptions
-        results = [c.result() for c in _run_arrivals(engine, prompts, arrivals, params)]
+        results = [c.result() for c in run_arrivals(engine, prompts, arrivals, params)]
         assert engine.scheduler.num_preemptions > preempted, name
         assert engine.cache.num_free_pages == engine.cache.plan.num_pages
         outputs[name] = [r.token_ids for r in results]

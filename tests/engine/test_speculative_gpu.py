@@ -12,7 +12,7 @@ import pytest
 
 from glmflash import Engine, SamplingParams
 from glmflash.tiny.embedded import embedded_checkpoint
-from tests.engine.test_spec_hold import _mtp_cache, _start
+from tests.engine.spec_helpers import mtp_cache, start_request
 
 pytestmark = pytest.mark.gpu
 
@@ -77,7 +77,7 @@ def _held_run(engine: Engine, holds: dict[int, int]) -> tuple[list[int], list, l
     and per step the replays of the decode, verify and draft graphs."""
     prompt = engine.tokenizer.encode(TEXTS[0])
     compared = len(prompt) + 20
-    collector, seq = _start(engine, prompt, GREEDY[0])
+    collector, seq = start_request(engine, prompt, GREEDY[0])
     graphs, spec = engine.runner.graphs, engine.spec.runner.graphs
 
     def replays() -> tuple[int, int, int]:
@@ -91,7 +91,7 @@ def _held_run(engine: Engine, holds: dict[int, int]) -> tuple[list[int], list, l
         engine.step()
         steps.append(tuple(b - a for a, b in zip(before, replays(), strict=True)))
         step += 1
-    cache = _mtp_cache(engine, seq, compared)
+    cache = mtp_cache(engine, seq, compared)
     while not collector.is_done:
         engine.step()
     return collector.result().token_ids, cache, steps
