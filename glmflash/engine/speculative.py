@@ -26,50 +26,27 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
 from glmflash.engine.sampler import Sampler, unpack
 from glmflash.engine.scheduler import ScheduledBatch, Scheduler, TokenDelta
 from glmflash.engine.sequence import Sequence
+from glmflash.engine.spec_drafts import Drafter, SpecStep
 from glmflash.engine.spec_policy import DraftPolicy, SpecCounters
 from glmflash.engine.spec_rows import (
     SampleRows,
     batch_part,
-    gather_pieces,
     is_verify,
-    keeps_mtp_cache,
     never_drafts,
 )
-from glmflash.engine.spec_runner import MainOutput, MtpRows, SpecRunner
+from glmflash.engine.spec_runner import SpecRunner
 
 if TYPE_CHECKING:
     from glmflash.engine.cache import CacheManager
-    from glmflash.engine.spec_graphs import GreedyStep
 
 logger = logging.getLogger(__name__)
-
-
-class _Step(NamedTuple):
-    """What a verify step leaves for the drafting after the scheduler's update."""
-
-    batch: ScheduledBatch
-    starts: list[int]
-    """Each sequence's computed tokens before the step."""
-    committed: list[int]
-    """Positions each sequence computed for good this step."""
-    main: MainOutput | None
-    main_rows: dict[int, int]
-    """Batch index -> its sequence's index in the main forward."""
-    verify: MainOutput | None
-    verify_rows: dict[int, int]
-    logprobs: dict[int, list]
-    """seq id -> logprob entries of its run (cut to the tokens the update kept)."""
-    greedy: GreedyStep | None = None
-    """Set when the step ran wholly in graphs (its drafts are already made)."""
-    is_plain: bool = False
-    """A step without drafts while drafting was held off (`run_plain`)."""
 
 
 class SpecDecoder:
@@ -79,7 +56,8 @@ class SpecDecoder:
         self.runner, self.scheduler, self.cache, self.sampler = runner, scheduler, cache, sampler
         self.num_steps, self.policy, self.max_seq_len = num_steps, policy, max_seq_len
         self.counters = SpecCounters.empty(num_steps)
-        self._step: _Step | None = None
+        self.drafter = Drafter(runner, scheduler, cache, policy, num_steps, max_seq_len)
+        self._step: SpecStep | None = None
         self.accept_override: Callable[[list[int]], int] | None = None
         """Benchmarks (bench/e2e_mtp.py): the drafts a sequence accepts, given its drafts, in
         place of comparing them with the sampled tokens."""
@@ -102,11 +80,11 @@ class SpecDecoder:
         committed; a step with none of them runs as without speculative decoding."""
         starts = [seq.num_computed_tokens for seq in batch.seqs]
         if not self.fills_held_off or not any(
-                self._keeps_mtp_cache(seq, start)
+                self.drafter.keeps_mtp_cache(seq, start)
                 for seq, start in zip(batch.seqs, starts, strict=True)):
             return self.runner.runner.run(batch)
         main = self.runner.forward_plain(batch)
-        self._step = _Step(batch, starts, list(batch.num_tokens), main,
+        self._step = SpecStep(batch, starts, list(batch.num_tokens), main,
                            {i: i for i in range(len(batch.seqs))}, None, {}, {}, is_plain=True)
         return main.logits
 
@@ -140,8 +118,9 @@ class SpecDecoder:
         committed = list(batch.num_tokens)
         for i, a in zip(verify_idx, accepted, strict=True):
             committed[i] = 1 + a
-        self._step = _Step(batch, starts, committed, main, {i: k for k, i in enumerate(main_idx)},
-                           verify, {i: k for k, i in enumerate(verify_idx)}, logprobs)
+        self._step = SpecStep(batch, starts, committed, main,
+                              {i: k for k, i in enumerate(main_idx)}, verify,
+                              {i: k for k, i in enumerate(verify_idx)}, logprobs)
         return runs
 
     def _verify_greedy(self, batch: ScheduledBatch, drafts: list[list[int]],
@@ -154,7 +133,7 @@ class SpecDecoder:
         self.sampler.errors = {}
         self._count(batch.seqs, drafts, step.accepted)
         committed = [1 + a for a in step.accepted]
-        self._step = _Step(batch, starts, committed, None, {}, None, {}, {}, step)
+        self._step = SpecStep(batch, starts, committed, None, {}, None, {}, {}, step)
         return [targets[: a + 1] for targets, a in zip(step.targets, step.accepted, strict=True)]
 
     @staticmethod
@@ -171,22 +150,7 @@ class SpecDecoder:
             entries = step.logprobs.get(delta.seq.seq_id)
             if entries is not None:
                 delta.seq.logprobs.extend(entries[: len(delta.token_ids)])
-        if step.greedy is not None:
-            self._draft_after_greedy(step)
-            return
-        if step.main is None and self.runner.last_verify is not None:
-            self._draft_after_graph(step)
-            return
-        rows, drafting = self._mtp_rows(step)
-        if not rows.seqs:
-            return
-        in_graph = step.is_plain and self.runner.fits_draft_graph(rows)
-        run_mtp = self.runner.draft_in_graph if in_graph else self.runner.draft_extend
-        hidden, first = run_mtp(rows, len(drafting))
-        drafts = [[t] for t in first]
-        self._chain(drafting, hidden, drafts)
-        for seq, draft in zip(drafting, drafts, strict=True):
-            seq.draft_ids = draft
+        self.drafter.after(step)
 
     def observe_speed(self, batch: ScheduledBatch, speculative: bool, num_tokens: int,
                       seconds: float) -> None:
@@ -240,103 +204,3 @@ class SpecDecoder:
             first_drafts += 1
             first_accepted += int(a > 0)
         self.policy.observe(first_drafts, first_accepted)
-
-    def _draft_after_greedy(self, step: _Step) -> None:
-        """The drafts the greedy step's draft graph made, then the chained steps."""
-        seqs, greedy = step.batch.seqs, step.greedy
-        allowed = self.policy.allows(len(self.scheduler.running))
-        drafting = [b for b, seq in enumerate(seqs)
-                    if not seq.is_finished and allowed and self._draft_budget(seq) > 0]
-        if not drafting:
-            return
-        drafts = [[greedy.drafted[b]] for b in drafting]
-        if self.num_steps > 1:
-            self._chain([seqs[b] for b in drafting], greedy.draft_outputs(drafting), drafts)
-        for b, draft in zip(drafting, drafts, strict=True):
-            seqs[b].draft_ids = draft
-
-    def _draft_after_graph(self, step: _Step) -> None:
-        """After a replayed verify (every sequence verified all its drafts): the draft graph
-        over the committed positions, then the chained steps."""
-        seqs = step.batch.seqs
-        live = [not seq.is_finished and self._keeps_mtp_cache(seq, start)
-                for seq, start in zip(seqs, step.starts, strict=True)]
-        out, first = self.runner.draft_verified(seqs, step.starts, step.committed, live)
-        allowed = self.policy.allows(len(self.scheduler.running))
-        drafting = [b for b, seq in enumerate(seqs)
-                    if live[b] and allowed and self._draft_budget(seq) > 0]
-        if not drafting:
-            return
-        drafts = [[first[b]] for b in drafting]
-        self._chain([seqs[b] for b in drafting], out[drafting], drafts)
-        for b, draft in zip(drafting, drafts, strict=True):
-            seqs[b].draft_ids = draft
-
-    def _mtp_rows(self, step: _Step) -> tuple[MtpRows, list[Sequence]]:
-        """The positions each live sequence that keeps the MTP layer's cache committed
-        (drafting sequences first), with their main hidden states."""
-        drafting, others = [], []
-        allowed = self.policy.allows(len(self.scheduler.running))
-        for i, seq in enumerate(step.batch.seqs):
-            if seq.is_finished:
-                continue
-            if allowed and self._draft_budget(seq) > 0:
-                drafting.append(i)
-            elif self._keeps_mtp_cache(seq, step.starts[i]):
-                others.append(i)
-        order = drafting + others
-        if not order:
-            return MtpRows([], [], [], None), []
-        pieces = []
-        for i in order:
-            out, k = (step.verify, step.verify_rows[i]) if i in step.verify_rows \
-                else (step.main, step.main_rows[i])
-            pieces.append((out, out.cu_seqlens[k], step.committed[i]))
-        hidden = gather_pieces(pieces)
-        seqs = [step.batch.seqs[i] for i in order]
-        return MtpRows(seqs, [step.starts[i] for i in order], [step.committed[i] for i in order],
-                       hidden), seqs[: len(drafting)]
-
-    def _draft_budget(self, seq: Sequence) -> int:
-        """Drafts a sequence may take now: up to num_steps, never past its max_tokens or the
-        context; none for a prefill, or under penalties or logits processors (they depend on
-        the tokens before each draft)."""
-        params = seq.params
-        if seq.num_uncomputed_tokens != 1 or seq.num_computed_tokens < seq.num_prompt_tokens \
-                or never_drafts(seq):
-            return 0
-        return max(0, min(self.num_steps, params.max_tokens - seq.num_output_tokens - 1,
-                          self.max_seq_len - seq.num_tokens - 1))
-
-    def _keeps_mtp_cache(self, seq: Sequence, start: int) -> bool:
-        return keeps_mtp_cache(seq, start, self.cache.radix is not None)
-
-    def _chain(self, drafting: list[Sequence], hidden: torch.Tensor,
-               drafts: list[list[int]]) -> None:
-        """Chained draft steps 2..num_steps for the sequences with budget and pages for them;
-        the MTP layer's tail is restored afterwards (its chained positions are drafts)."""
-        budgets = [self._chain_budget(seq) for seq in drafting]
-        active = [b for b, n in enumerate(budgets) if n > 1]
-        if not active:
-            return
-        self.runner.apply_page_updates(self.cache.take_page_updates())
-        saved = self.runner.save_mtp_tail([drafting[b] for b in active])
-        hidden = hidden[active]
-        for step in range(2, max(budgets) + 1):
-            keep = [j for j, b in enumerate(active) if budgets[b] >= step]
-            active, hidden = [active[j] for j in keep], hidden[keep]
-            seqs = [drafting[b] for b in active]
-            hidden, ids = self.runner.draft_chain(
-                seqs, [s.num_computed_tokens + step - 2 for s in seqs], hidden,
-                [drafts[b][-1] for b in active])
-            for b, token in zip(active, ids, strict=True):
-                drafts[b].append(token)
-        self.runner.restore_mtp_tail(saved)
-
-    def _chain_budget(self, seq: Sequence) -> int:
-        """Drafts for `seq` this round, after taking the pages its chained positions need."""
-        budget = self._draft_budget(seq)
-        if budget > 1 and self.cache.can_append(seq, budget - 1):
-            self.cache.append(seq, budget - 1)
-            return budget
-        return 1
