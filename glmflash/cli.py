@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prompt text; repeat for several prompts")
     gen.add_argument("--chat", action="store_true",
                      help="wrap each prompt as a user message through the chat template")
-    gen.add_argument("--max-tokens", type=positive_int, default=32, help="most tokens per prompt")
+    gen.add_argument("--max-tokens", type=positive_int, default=128, help="most tokens per prompt")
     gen.add_argument("--ignore-eos", action="store_true",
                      help="keep generating past end-of-sequence tokens (up to --max-tokens)")
     gen.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy")
