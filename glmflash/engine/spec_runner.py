@@ -144,8 +144,7 @@ class SpecRunner:
             if all(n == full for n in rows.num_tokens):
                 return MainOutput(captured.hidden[: cu[-1]], captured.logits[: cu[-1]], cu)
             # Rows past a sequence's drafts are padding in the graph's layout.
-            index = upload([b * full + j for b, n in enumerate(rows.num_tokens)
-                            for j in range(n)], self.runner.device)
+            index = self._graph_rows(rows.num_tokens)
             return MainOutput(captured.hidden.index_select(0, index),
                               captured.logits.index_select(0, index), cu)
         runner = self.runner
@@ -182,15 +181,10 @@ class SpecRunner:
         sequence's committed positions `starts[b]..starts[b]+committed[b]-1` (padding rows
         elsewhere). Returns, per sequence, the layer's output at its last committed row
         `[B, D]` and the id drafted there."""
-        graphs, page = self.graphs, self.runner.page_size
+        graphs = self.graphs
         counts = [count if is_live else 0 for count, is_live in zip(committed, live, strict=True)]
         # The graph runner pads each sequence's rows to k + 1 (and the batch to its size).
-        rows = verify_rows(
-            [seq.token_ids[start + 1: start + 1 + n].tolist()
-             for seq, start, n in zip(seqs, starts, counts, strict=True)],
-            [token_slots_of(seq.page_ids, start, n, page).tolist()
-             for seq, start, n in zip(seqs, starts, counts, strict=True)],
-            starts, [seq.state_slot for seq in seqs], 0)
+        rows = self._committed_rows(seqs, starts, counts, 0)
         num = graphs.rows_per_seq * len(seqs)
         captured = graphs.replay_draft(rows, self.last_verify)
         picks = [b * graphs.rows_per_seq + max(c, 1) - 1 for b, c in enumerate(committed)]
@@ -229,26 +223,40 @@ class SpecRunner:
         """One draft graph's replay: the rows' hidden states go where the verify graph of the
         batch's size leaves its own, sequence b's from row b * (k + 1), zeros in the padding
         rows. `again`: a part after the first (`SpecGraphRunner.replay_draft`)."""
-        graphs, page = self.graphs, self.runner.page_size
-        full, device = graphs.rows_per_seq, self.runner.device
-        host = verify_rows(
-            [seq.token_ids[start + 1: start + 1 + n].tolist()
-             for seq, start, n in zip(rows.seqs, rows.starts, rows.counts, strict=True)],
-            [token_slots_of(seq.page_ids, start, n, page).tolist()
-             for seq, start, n in zip(rows.seqs, rows.starts, rows.counts, strict=True)],
-            rows.starts, [seq.state_slot for seq in rows.seqs],
+        graphs, device = self.graphs, self.runner.device
+        full = graphs.rows_per_seq
+        host = self._committed_rows(
+            rows.seqs, rows.starts, rows.counts,
             max(s + n for s, n in zip(rows.starts, rows.counts, strict=True))
             // self.model.config.index_kpool)
         verify = graphs.verify_graphs[graphs.key(len(rows.seqs), host.num_pools)]
         # NOTE: other graphs of the pool may have used this buffer as working memory since.
         verify.hidden.zero_()
-        verify.hidden.index_copy_(0, upload([b * full + j for b, n in enumerate(rows.counts)
-                                             for j in range(n)], device), rows.hidden)
+        verify.hidden.index_copy_(0, self._graph_rows(rows.counts), rows.hidden)
         captured = graphs.replay_draft(host, verify, again)
         if not num_drafting:
             return captured.out[:0], []
         picks = upload([b * full + rows.counts[b] - 1 for b in range(num_drafting)], device)
         return captured.out[picks], captured.ids[picks].tolist()
+
+    def _committed_rows(self, seqs: list[Sequence], starts: list[int], counts: list[int],
+                        num_pools: int) -> VerifyHostRows:
+        """Rows of the MTP layer over positions `starts[b]..starts[b]+counts[b]-1` of each
+        sequence, each with the token after it."""
+        page = self.runner.page_size
+        return verify_rows(
+            [seq.token_ids[start + 1: start + 1 + n].tolist()
+             for seq, start, n in zip(seqs, starts, counts, strict=True)],
+            [token_slots_of(seq.page_ids, start, n, page).tolist()
+             for seq, start, n in zip(seqs, starts, counts, strict=True)],
+            starts, [seq.state_slot for seq in seqs], num_pools)
+
+    def _graph_rows(self, counts: list[int]) -> torch.Tensor:
+        """The rows of a graph's layout (k + 1 per sequence) that sequences of `counts` rows
+        fill, on the device."""
+        full = self.graphs.rows_per_seq
+        return upload([b * full + j for b, n in enumerate(counts) for j in range(n)],
+                      self.runner.device)
 
     def commit(self, seqs: list[Sequence], drafts: list[list[int]],
                num_accepted: list[int]) -> None:
