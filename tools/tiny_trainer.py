@@ -137,21 +137,16 @@ def step_tensors(host: HostBatch, device: torch.device | str, config: ModelConfi
                     torch.from_numpy(host.grid_thw), upload(rows, device))
     counted = np.ones(len(host.ids), np.float32) if host.is_padding is None else \
         (~host.is_padding).astype(np.float32)
+    # The MTP forward's rows: each sequence without its first token.
+    mtp_index = np.setdiff1d(np.arange(len(host.ids)), host.cu_seqlens[:-1])
     return StepTensors(
         packed_batch(lens, host.ids, device), packed_batch([n - 1 for n in lens],
-                                                           _mtp_ids(host), device),
+                                                           host.ids[mtp_index], device),
         upload(host.weights, device, torch.float32), *parts, *pictures,
-        upload(counted, device, torch.float32), upload(_mtp_ids(host, counted), device,
+        upload(counted, device, torch.float32), upload(counted[mtp_index], device,
                                                        torch.float32),
         num_token_slots=len(lens) * -(-max(lens) // PAGE_SIZE) * PAGE_SIZE,
         num_trained=int(host.is_trained[plan.rows + 1].sum()))
-
-
-def _mtp_ids(host: HostBatch, values: np.ndarray | None = None) -> np.ndarray:
-    """The MTP forward's tokens (or `values` of the main rows at them): each sequence without
-    its first token."""
-    values = host.ids if values is None else values
-    return values[np.setdiff1d(np.arange(len(host.ids)), host.cu_seqlens[:-1])]
 
 
 def forward_losses(model: GlmForCausalLM, mtp: GlmMtp, host: HostBatch

@@ -35,12 +35,7 @@ from glmflash.engine.scheduler import ScheduledBatch, Scheduler, TokenDelta
 from glmflash.engine.sequence import Sequence
 from glmflash.engine.spec_drafts import Drafter, SpecStep
 from glmflash.engine.spec_policy import DraftPolicy, SpecCounters
-from glmflash.engine.spec_rows import (
-    SampleRows,
-    batch_part,
-    is_verify,
-    never_drafts,
-)
+from glmflash.engine.spec_rows import SampleRows, batch_part, is_verify, never_drafts
 from glmflash.engine.spec_runner import SpecRunner
 
 if TYPE_CHECKING:
@@ -53,8 +48,7 @@ class SpecDecoder:
     def __init__(self, runner: SpecRunner, scheduler: Scheduler, cache: CacheManager,
                  sampler: Sampler, num_steps: int, policy: DraftPolicy,
                  max_seq_len: int) -> None:
-        self.runner, self.scheduler, self.cache, self.sampler = runner, scheduler, cache, sampler
-        self.num_steps, self.policy, self.max_seq_len = num_steps, policy, max_seq_len
+        self.runner, self.scheduler, self.sampler, self.policy = runner, scheduler, sampler, policy
         self.counters = SpecCounters.empty(num_steps)
         self.drafter = Drafter(runner, scheduler, cache, policy, num_steps, max_seq_len)
         self._step: SpecStep | None = None
@@ -85,7 +79,8 @@ class SpecDecoder:
             return self.runner.runner.run(batch)
         main = self.runner.forward_plain(batch)
         self._step = SpecStep(batch, starts, list(batch.num_tokens), main,
-                           {i: i for i in range(len(batch.seqs))}, None, {}, {}, is_plain=True)
+                              {i: i for i in range(len(batch.seqs))}, None, {}, {},
+                              is_plain=True)
         return main.logits
 
     def verify(self, batch: ScheduledBatch, sampled: list[Sequence]) -> list[list[int]]:
