@@ -21,6 +21,7 @@ import torch
 
 from glmflash.config import ModelConfig
 from glmflash.utils.device import UploadMemo, remembered_uploads
+from glmflash.utils.graph_capture import isolated_capture
 from tools.tiny_batches import HostBatch
 from tools.tiny_trainer import StepTensors, step_tensors
 
@@ -89,7 +90,7 @@ class GraphStep:
 
     def _capture(self) -> None:
         graph = torch.cuda.CUDAGraph()
-        with self._frozen(), torch.cuda.graph(graph):
+        with self._frozen(), isolated_capture(graph):
             self.losses = self.body(self.inputs)
         self.graph = graph
         logger.info("captured the training step as a CUDA graph (%d uploads reused)",

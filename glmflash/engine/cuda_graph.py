@@ -26,6 +26,7 @@ from glmflash.engine.experts import hybrid_layers, placement_graph_handoff
 from glmflash.model.forward_batch import decode_batch
 from glmflash.utils.device import upload
 from glmflash.utils.env import kernel_override
+from glmflash.utils.graph_capture import record
 
 if TYPE_CHECKING:
     from glmflash.engine.graph_handoff import GraphHandOff
@@ -196,15 +197,6 @@ class CudaGraphRunner:
             hidden = runner.model.hidden_states(batch, runner.state)
             return runner.model.logits(hidden[batch.logits_index]), hidden
 
-        # Warm-up outside the capture (compiles, fits launch shapes), on a side stream.
-        side = torch.cuda.Stream(runner.device)
-        side.wait_stream(torch.cuda.current_stream(runner.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                forward()
-        torch.cuda.current_stream(runner.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            logits, hidden = forward()
+        graph, (logits, hidden) = record(forward, pool, runner.device)
         return CapturedDecode(graph, packed, torch.empty_like(packed, device="cpu").pin_memory(),
                               logits, hidden)

@@ -5,7 +5,6 @@ acceptance between them. Each reads its inputs from a device buffer laid out by
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -14,6 +13,7 @@ import torch
 
 from glmflash.model.verify import commit_on_device, verify_batch
 from glmflash.utils.device import upload
+from glmflash.utils.graph_capture import record
 
 if TYPE_CHECKING:
     from glmflash.engine.spec_runner import SpecRunner
@@ -143,21 +143,6 @@ def capture_accept(spec: SpecRunner, verify: CapturedVerify, draft_inputs: torch
 
     graph, (result,) = record(forward, pool, runner.device)
     return CapturedAccept(graph, result)
-
-
-def record(forward: Callable[[], tuple[torch.Tensor, ...]], pool: tuple[int, int] | None,
-           device: torch.device) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
-    """Warm `forward` up on a side stream (compiles, fits launch shapes), then capture it."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            forward()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        outputs = forward()
-    return graph, outputs
 
 
 def staging(packed: torch.Tensor) -> torch.Tensor:

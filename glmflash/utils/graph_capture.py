@@ -1,0 +1,46 @@
+"""CUDA graph capture that nothing else in the process can spoil.
+
+A capture in CUDA's default ("global") mode is invalidated by an unsafe call from any thread,
+and a garbage collection that runs inside it can free another object's pinned memory or graphs
+(a synchronising call) in the middle of the capture; the error then surfaces at some later
+launch of the captured forward. Here the capture is thread-local (the capturing thread's own
+calls are still checked) and the collector is paused for its duration."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
+
+import torch
+
+
+@contextlib.contextmanager
+def isolated_capture(graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None = None
+                     ) -> Iterator[None]:
+    """`torch.cuda.graph(graph, pool)`, thread-local, with garbage collection paused."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def record(forward: Callable[[], tuple[torch.Tensor, ...]], pool: tuple[int, int] | None,
+           device: torch.device, warmups: int = 2
+           ) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
+    """Run `forward` `warmups` times on a side stream (compiles kernels, fits launch shapes),
+    then capture it: the graph and the outputs its replays rewrite."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            forward()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with isolated_capture(graph, pool):
+        outputs = forward()
+    return graph, outputs

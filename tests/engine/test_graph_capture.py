@@ -1,0 +1,70 @@
+"""The engine's captures (glmflash/utils/graph_capture.py) are thread-local and pause garbage
+collection, so another thread's synchronising call or a collection that frees another engine's
+memory cannot invalidate them; on CUDA, a capture taken while another thread keeps
+synchronising the device replays correctly."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+
+import pytest
+import torch
+
+import glmflash.utils.graph_capture as graph_capture
+
+
+def test_capture_is_thread_local_and_pauses_the_collector(monkeypatch):
+    seen = {}
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None, capture_error_mode="global"):
+        seen.update(mode=capture_error_mode, collecting=gc.isenabled(), pool=pool)
+        yield
+
+    monkeypatch.setattr(graph_capture.torch.cuda, "graph", fake_graph)
+    assert gc.isenabled()
+    with graph_capture.isolated_capture(object(), pool=(0, 1)):
+        pass
+    assert seen == {"mode": "thread_local", "collecting": False, "pool": (0, 1)}
+    assert gc.isenabled()
+    with pytest.raises(ValueError), graph_capture.isolated_capture(object()):
+        raise ValueError("a failed capture")
+    assert gc.isenabled()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_capture_survives_another_thread_synchronising():
+    device = torch.device("cuda")
+    x = torch.arange(1024, dtype=torch.float32, device=device)
+    stop = threading.Event()
+    calls = []
+
+    def synchronise_until_stopped():
+        while not stop.is_set():
+            try:  # the call may itself be refused while the capture runs: it is made anyway
+                torch.cuda.synchronize(device)
+            except RuntimeError:
+                pass
+            calls.append(1)
+
+    def forward():
+        calls.clear()
+        y = x
+        for _ in range(200):
+            y = y * 1.0001 + 1
+        return (y,)
+
+    other = threading.Thread(target=synchronise_until_stopped, daemon=True)
+    other.start()
+    try:
+        graph, (out,) = graph_capture.record(forward, None, device)
+    finally:
+        stop.set()
+        other.join()
+    assert calls, "the other thread made no call during the capture"
+    x.add_(1)
+    graph.replay()
+    torch.testing.assert_close(out, forward()[0])
