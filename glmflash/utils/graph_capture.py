@@ -1,10 +1,11 @@
-"""CUDA graph capture that nothing else in the process can spoil.
+"""CUDA graph capture that less in the process can spoil.
 
-A capture in CUDA's default ("global") mode is invalidated by an unsafe call from any thread,
-and a garbage collection that runs inside it can free another object's pinned memory or graphs
-(a synchronising call) in the middle of the capture; the error then surfaces at some later
-launch of the captured forward. Here the capture is thread-local (the capturing thread's own
-calls are still checked) and the collector is paused for its duration."""
+A capture in CUDA's default ("global") mode is invalidated by an unsafe call (a cudaMalloc, say)
+from any thread, and a garbage collection that runs inside it can free another object's pinned
+memory or graphs in the middle of the capture; the error then surfaces at some later launch of
+the captured forward. Here the capture is thread-local (the capturing thread's own calls are
+still checked) and the collector is paused for its duration. A device-wide synchronise from
+another thread still breaks it, in any mode."""
 
 from __future__ import annotations
 
@@ -33,7 +34,15 @@ def record(forward: Callable[[], tuple[torch.Tensor, ...]], pool: tuple[int, int
            device: torch.device, warmups: int = 2
            ) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
     """Run `forward` `warmups` times on a side stream (compiles kernels, fits launch shapes),
-    then capture it: the graph and the outputs its replays rewrite."""
+    then capture it: the graph and the outputs its replays rewrite. Both under inference mode,
+    as the model's own forward (the CPU experts' hand-off buffers are inference tensors)."""
+    with torch.inference_mode():
+        return _warm_and_capture(forward, pool, device, warmups)
+
+
+def _warm_and_capture(forward: Callable[[], tuple[torch.Tensor, ...]],
+                      pool: tuple[int, int] | None, device: torch.device, warmups: int
+                      ) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
