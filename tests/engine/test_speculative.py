@@ -38,8 +38,9 @@ def test_seeded_sampling_draws_the_tokens_of_mtp_off(engines):
     prompt = engines["off"].tokenizer.encode(TEXTS[0])
     outputs = {}
     for name, engine in engines.items():
-        params = [SamplingParams(max_tokens=6, temperature=0.8, seed=s, ignore_eos=True)
-                  for s in range(2)]
+        # Temperature 1.5: at 0.8 the trained model tells this story the same way every time.
+        params = [SamplingParams(max_tokens=8, temperature=1.5, seed=s, ignore_eos=True)
+                  for s in range(4)]
         outputs[name] = [r.token_ids for r in engine.generate(
             prompt_token_ids=[prompt] * len(params), sampling_params=params)]
     assert outputs["on"] == outputs["off"]
