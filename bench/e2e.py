@@ -350,7 +350,7 @@ def parse_args() -> argparse.Namespace:
     args.reuse_given = args.reuse
     if args.mtp:
         args.batches = args.batches or [1, 4, 16]
-        args.steps = args.steps or 8
+        args.steps = args.steps or 48
         args.contexts = args.contexts or ([256] if args.tiny else [4096])
         args.modes = args.modes or (["all-gpu", "hybrid-0"] if torch.cuda.is_available()
                                     else ["cpu"])

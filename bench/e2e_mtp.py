@@ -110,14 +110,15 @@ def forced_acceptance(rate: float, seed: int = 0):
 
 def measure(engine: Engine, batch: int, context: int, steps: int, warmup: int) -> dict:
     """Output tokens per second over `steps` steps after `warmup`, the MTP layer's share, and
-    the GPU time of a replayed verify (greedy steps in graphs: CUDA events around them)."""
+    the GPU time of a replayed verify (greedy steps in graphs: CUDA events around them). The
+    timed steps run untouched; the MTP layer's eager forwards are timed over as many further
+    steps (`MtpClock` synchronises around each, which would slow the timed ones)."""
     params = SamplingParams(max_tokens=10**6, temperature=0, ignore_eos=True)
     seqs = add_fake_context_requests(engine, batch, context, params)
     for _ in range(warmup):
         engine.step()
     before = sum(s.num_output_tokens for s in seqs)
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
-    clock = MtpClock(engine)
     graphs = engine.spec.runner.graphs if engine.spec is not None else None
     if graphs is not None:
         graphs.replay_events = []
@@ -128,13 +129,16 @@ def measure(engine: Engine, batch: int, context: int, steps: int, warmup: int) -
     sync()
     seconds = time.perf_counter() - start
     tokens = sum(s.num_output_tokens for s in seqs) - before
-    for seq in seqs:
-        engine.abort(engine._choices[seq.seq_id].request_id)
-    engine.step()
-    clock.close()
     events = graphs.replay_events if graphs is not None else None
     if graphs is not None:
         graphs.replay_events = None
+    clock = MtpClock(engine)
+    for _ in range(steps):
+        engine.step()
+    clock.close()
+    for seq in seqs:
+        engine.abort(engine._choices[seq.seq_id].request_id)
+    engine.step()
     verify_ms = _mean_ms(events, 0, 1)
     graph_mtp_ms = _mean_ms(events, 1, 2) * len(events) / steps if events else 0.0
     return dict(tok_s=tokens / seconds, step_ms=1e3 * seconds / steps,
