@@ -4,6 +4,8 @@ the host operations and kernels that cost the most (torch.profiler).
 Usage: python bench/profile_decode.py [--device cuda] [--batch 1] [--steps 5] [--top 25]
        [--release-layers N]   (a release-width model of N layers on dummy weights, bench/e2e.py)
        [--cprofile]           (Python functions by own time instead of torch.profiler)
+       [--mtp RATE]           (speculative decoding, one draft accepted at the forced RATE,
+                               as bench/e2e.py --mtp: the verify and draft graphs' kernels)
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--release-layers", type=int, default=0)
     parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument("--mtp", type=float, default=None)
     args = parser.parse_args()
     engine = make_engine(args)
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
@@ -64,16 +67,33 @@ def main() -> None:
 
 
 def make_engine(args: argparse.Namespace) -> Engine:
-    if not args.release_layers:
-        from glmflash.tiny.embedded import random_tiny_checkpoint
+    engine = _engine(args, _mtp_options(args) if args.mtp is not None else {})
+    if args.mtp is not None:
+        from bench.e2e_mtp import forced_acceptance
 
-        return Engine(random_tiny_checkpoint(), device=args.device, context_length=512,
-                      background_loop=False)
+        engine.spec.accept_override = forced_acceptance(args.mtp)
+    return engine
+
+
+def _mtp_options(args: argparse.Namespace) -> dict:
+    return dict(speculative_algorithm="NEXTN", speculative_num_steps=1,
+                speculative_min_acceptance=0.0, disable_speculative_speed_check=True,
+                cuda_graph_bs=[args.batch], speculative_max_batch_size=args.batch)
+
+
+def _engine(args: argparse.Namespace, options: dict) -> Engine:
+    if not args.release_layers:
+        from glmflash.tiny.embedded import embedded_checkpoint, random_tiny_checkpoint
+
+        # The trained model has an MTP layer; the random one none.
+        folder = embedded_checkpoint() if options else random_tiny_checkpoint()
+        return Engine(folder, device=args.device, context_length=512,
+                      background_loop=False, **options)
     from bench.e2e import bench_config, write_folder
 
     folder = write_folder(bench_config(False, args.release_layers), Path(tempfile.mkdtemp()))
     return Engine(folder, device=args.device, load_format="dummy", context_length=512,
-                  background_loop=False)
+                  background_loop=False, **options)
 
 
 def profile_python(engine: Engine, args: argparse.Namespace) -> None:
