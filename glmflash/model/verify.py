@@ -146,11 +146,11 @@ def pack_verify(rows: VerifyHostRows, save: bool) -> np.ndarray:
         seqs = np.flatnonzero(lengths > j)
         saved = np.flatnonzero(lengths > j + 1) if save else np.zeros(0, np.int64)
         token_rows = starts[seqs] + j
-        local = np.arange(seqs.size, dtype=np.int64)
         row_slots, row_fresh = slots[token_rows], fresh[token_rows]
-        meta = np.concatenate([np.stack([local, row_slots, row_fresh], 1).reshape(-1),
-                               np.stack([local, local, local + 1, row_slots, row_fresh],
-                                        1).reshape(-1)]).astype(np.int32)
+        # The kernels read and write these rows of the whole verify in place.
+        meta = np.concatenate([np.stack([token_rows, row_slots, row_fresh], 1).reshape(-1),
+                               np.stack([token_rows, token_rows, token_rows + 1, row_slots,
+                                         row_fresh], 1).reshape(-1)]).astype(np.int32)
         parts += [token_rows, row_slots, positions[token_rows], slots[starts[saved] + j],
                   saved.astype(np.int64), meta.view(np.int64)]
     assert parts[0].size == DECODE_WIDTH * num
@@ -213,11 +213,11 @@ def commit_on_device(state: ModelState, scratch: VerifyScratch, state_slots: tor
 
 def verify_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                 verify: VerifyInputs, layer: int) -> torch.Tensor:
-    """`causal_conv1d_decode` position by position over x `[T, C]`."""
+    """`causal_conv1d_decode` position by position over x `[T, C]` (each reads and writes its
+    position's rows in place)."""
     out = torch.empty_like(x)
     for j, at in enumerate(verify.steps):
-        rows = at.token_rows
-        out[rows] = causal_conv1d_decode(x[rows], weight, conv_state, at.conv_meta)
+        causal_conv1d_decode(x, weight, conv_state, at.conv_meta, out)
         _keep(verify, 'conv', layer, conv_state, at, j)
     return out
 
@@ -225,12 +225,11 @@ def verify_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
 def verify_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                beta: torch.Tensor, state: torch.Tensor, verify: VerifyInputs,
                layer: int) -> torch.Tensor:
-    """`kda_decode` position by position; o `[T, H, dv]`."""
+    """`kda_decode` position by position (each reads and writes its position's rows in
+    place); o `[T, H, dv]`."""
     out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
     for j, at in enumerate(verify.steps):
-        rows = at.token_rows
-        out[rows] = kda_decode(q[rows], k[rows], v[rows], g[rows], beta[rows], state,
-                               at.kda_meta)
+        kda_decode(q, k, v, g, beta, state, at.kda_meta, out)
         _keep(verify, 'recurrent', layer, state, at, j)
     return out
 

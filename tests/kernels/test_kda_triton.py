@@ -58,6 +58,44 @@ def test_kda_strided_qkv_views(nan_empty):
     assert torch.allclose(s_got, s_ref, atol=FP32_TOL * 10, rtol=FP32_TOL)
 
 
+@pytest.mark.parametrize("impl", ["triton", "dispatch"])
+def test_decode_rows_read_and_written_in_place(impl):
+    """A verify's position: the meta names rows 3 and 0 of a 5-row batch; only those rows of
+    `out` are written (the rest stay NaN), each from its own inputs, as the reference gives
+    for the two rows alone; the conv step the same."""
+    import glmflash.kernels.kda as dispatch
+    from glmflash.kernels.kda import triton_impl
+
+    module = triton_impl if impl == "triton" else dispatch
+    if impl == "dispatch" and DEVICE != "cpu":
+        pytest.skip("the dispatcher takes Triton on CUDA")
+    q, k, v, g, beta, state = kda_inputs([1] * 5, heads=2, dim=16, dtype=torch.float32)
+    rows, slots = [3, 0], [1, 4]
+    meta = torch.tensor([[r, s, 0] for r, s in zip(rows, slots, strict=True)], dtype=torch.int32,
+                        device=DEVICE)
+    s_ref, s_got = state.clone(), state.clone()
+    want = kda_ref(q[rows], k[rows], v[rows], g[rows], beta[rows], s_ref, [0, 1, 2], slots,
+                   [False, False])
+    out = torch.full((5, 2, 16), float("nan"), device=DEVICE)
+    module.kda_decode(q, k, v, g, beta, s_got, meta, out)
+    assert (out[rows] - want).abs().max().item() < FP32_TOL
+    assert out[[1, 2, 4]].isnan().all()
+    assert torch.allclose(s_got, s_ref, atol=FP32_TOL * 10, rtol=FP32_TOL)
+
+    x = torch.randn(5, 24, device=DEVICE)
+    weight = torch.randn(24, 4, device=DEVICE)
+    conv = torch.randn(5, 24, 3, device=DEVICE)
+    c_ref, c_got = conv.clone(), conv.clone()
+    conv_meta = torch.tensor([[r, r, r + 1, s, 0] for r, s in zip(rows, slots, strict=True)],
+                             dtype=torch.int32, device=DEVICE)
+    want = causal_conv1d_ref(x[rows], weight, c_ref, [0, 1, 2], slots, [False, False])
+    out = torch.full_like(x, float("nan"))
+    module.causal_conv1d_decode(x, weight, c_got, conv_meta, out)
+    assert (out[rows] - want).abs().max().item() < FP32_TOL
+    assert out[[1, 2, 4]].isnan().all()
+    assert torch.allclose(c_got, c_ref, atol=FP32_TOL)
+
+
 CONV_CASES = {
     "decode": ([1, 1, 1], 48),
     "short": ([5, 2], 40),

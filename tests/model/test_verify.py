@@ -88,11 +88,13 @@ def _one_token_steps(calls, ref: dict, table: torch.Tensor, num_positions: int,
         seen[(name, layer)] = position + 1
         if position >= num_positions:
             continue
-        if name == "kda_decode":
-            q, k, v, g, beta = args[:5]
+        if name == "kda_decode":  # the whole verify's rows; the meta names the position's
+            rows = args[6][:, 0].tolist()
+            q, k, v, g, beta = (t[rows] for t in args[:5])
             kda(q, k, v, g, beta, ref["recurrent"][layer], [0, 1], [0], [False])
         elif name == "causal_conv1d_decode":
-            causal_conv1d(args[0], args[1], ref["conv"][layer], [0, 1], [0], [False])
+            rows = args[3][:, 0].tolist()
+            causal_conv1d(args[0][rows], args[1], ref["conv"][layer], [0, 1], [0], [False])
         else:
             keys, gates, ape = args[:3]
             pos = int(args[7][0])

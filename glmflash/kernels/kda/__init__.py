@@ -44,30 +44,43 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
 
 
 def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-               beta: torch.Tensor, state: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+               beta: torch.Tensor, state: torch.Tensor, meta: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """`kda` over one token per sequence, with the rows on the device: `meta` `[B, 3]` int32
-    (token row, state slot, fresh). The Triton path reads nothing on the host (CUDA graphs);
-    the reference reads `meta` back."""
+    (token row, state slot, fresh). The output has the inputs' rows (`out`, when given) and
+    only the meta's token rows are written, so a verify reads and writes its positions' rows
+    in place. The Triton path reads nothing on the host (CUDA graphs); the reference reads
+    `meta` back."""
     if use_triton(q, "kda"):
         from glmflash.kernels.kda import triton_impl
 
-        return triton_impl.kda_decode(q, k, v, g, beta, state, meta)
+        return triton_impl.kda_decode(q, k, v, g, beta, state, meta, out)
     rows = meta.tolist()
-    return kda_ref(q, k, v, g, beta, state, list(range(len(rows) + 1)), [r[1] for r in rows],
-                   [bool(r[2]) for r in rows])
+    tokens = [r[0] for r in rows]
+    o = kda_ref(q[tokens], k[tokens], v[tokens], g[tokens], beta[tokens], state,
+                list(range(len(rows) + 1)), [r[1] for r in rows], [bool(r[2]) for r in rows])
+    if out is None:
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    out[tokens] = o
+    return out
 
 
 def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
-                         meta: torch.Tensor) -> torch.Tensor:
+                         meta: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """`causal_conv1d` over one token per sequence: `meta` `[B, 5]` int32 (token row, start,
-    end, state slot, fresh), as `kda_decode`."""
+    end, state slot, fresh); the output's rows as `kda_decode`'s."""
     if use_triton(x, "causal_conv1d", "kda"):
         from glmflash.kernels.kda import triton_impl
 
-        return triton_impl.causal_conv1d_decode(x, weight, conv_state, meta)
+        return triton_impl.causal_conv1d_decode(x, weight, conv_state, meta, out)
     rows = meta.tolist()
-    return causal_conv1d_ref(x, weight, conv_state, list(range(len(rows) + 1)),
-                             [r[3] for r in rows], [bool(r[4]) for r in rows])
+    tokens = [r[0] for r in rows]
+    y = causal_conv1d_ref(x[tokens], weight, conv_state, list(range(len(rows) + 1)),
+                          [r[3] for r in rows], [bool(r[4]) for r in rows])
+    if out is None:
+        out = torch.empty_like(x)
+    out[tokens] = y
+    return out
 
 
 def kda_gates(f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, b: torch.Tensor,

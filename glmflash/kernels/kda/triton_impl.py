@@ -152,15 +152,20 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
 
 
 def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-               beta: torch.Tensor, state: torch.Tensor, meta: torch.Tensor, *,
+               beta: torch.Tensor, state: torch.Tensor, meta: torch.Tensor,
+               out: torch.Tensor | None = None, *,
                config: KdaConfig = DEFAULT_CONFIG) -> torch.Tensor:
     """One token per sequence, rows described on the device: `meta` `[B, 3]` int32 (token row,
-    state slot, fresh). Nothing is read on the host, so a CUDA graph can replay it."""
+    state slot, fresh). Nothing is read on the host, so a CUDA graph can replay it. The
+    output's rows are the inputs' (`out`, `[T, H, dv]`, when given): only the meta's rows are
+    written."""
     for t, name in ((q, "q"), (k, "k"), (v, "v"), (g, "g")):
         _check_heads(t, name)
     assert state.dtype == torch.float32 and state.is_contiguous()
     assert meta.dtype == torch.int32 and meta.is_contiguous() and meta.shape[1] == 3
-    out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
+    assert out.shape == (q.shape[0], q.shape[1], v.shape[2]) and out.stride(2) == 1
     if meta.shape[0]:
         _launch_decode(q, k, v, g, beta, state, out, meta, meta.shape[0], config)
     return out
@@ -295,14 +300,17 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
 
 
 def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
-                         meta: torch.Tensor) -> torch.Tensor:
+                         meta: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """One token per sequence, rows described on the device: `meta` `[B, 5]` int32 (token row,
-    its start, its end, state slot, fresh), as `_conv_plan` lays out single-token blocks."""
+    its start, its end, state slot, fresh), as `_conv_plan` lays out single-token blocks. The
+    output's rows are x's (`out` when given): only the meta's rows are written."""
     channels = x.shape[1]
     hist = weight.shape[1] - 1
     assert x.stride(1) == 1 and weight.is_contiguous() and conv_state.is_contiguous()
     assert meta.dtype == torch.int32 and meta.is_contiguous() and meta.shape[1] == 5
-    out = torch.empty_like(x)
+    if out is None:
+        out = torch.empty_like(x)
+    assert out.shape == x.shape and out.stride(1) == 1
     if meta.shape[0]:
         causal_conv1d_kernel[(meta.shape[0], triton.cdiv(channels, 256))](
             x, weight, conv_state, out, meta, x.stride(0), out.stride(0), channels, HIST=hist,
