@@ -9,7 +9,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from importlib import resources
 from pathlib import Path
 
 import torch
@@ -17,28 +16,20 @@ import torch
 from glmflash.config import ModelConfig
 from glmflash.engine.api import EngineApiMixin
 from glmflash.engine.cache import CacheManager, PrefixCacheStats
-from glmflash.engine.cuda_graph import (
-    decode_graph_sizes,
-    graphs_unsupported,
-    spec_graph_sizes,
-)
 from glmflash.engine.detokenizer import SequenceDetokenizer
+from glmflash.engine.emit import EngineEmitMixin
 from glmflash.engine.errors import EngineDead, EngineOverloaded, PromptTooLong
 from glmflash.engine.loop import EngineLoopMixin
-from glmflash.engine.memory_plan import measured_peak, plan_memory
-from glmflash.engine.model_runner import ModelRunner, load_model
+from glmflash.engine.memory_plan import measured_peak
 from glmflash.engine.multimodal import MediaPreparer, MediaSources, collect_media, media_cache_key
 from glmflash.engine.options import EngineConfig
 from glmflash.engine.outputs import EngineStats, Result, StreamDelta
 from glmflash.engine.progress import PrefillProgress
 from glmflash.engine.sampler import Sampler
-from glmflash.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, TokenDelta
+from glmflash.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from glmflash.engine.sequence import Sequence
-from glmflash.engine.spec_policy import DraftPolicy
-from glmflash.engine.spec_runner import SpecRunner, load_mtp_module
-from glmflash.engine.speculative import SpecDecoder
+from glmflash.engine.startup import WARMUP_TOKENS, EngineStartupMixin, resolve_dtype, warmup_text
 from glmflash.engine.warmup import warm_up_kernels
-from glmflash.model.mtp import with_mtp_layer
 from glmflash.multimodal.fetch import UrlPolicy
 from glmflash.multimodal.prompt import MultimodalPrompt
 from glmflash.sampling_params import SamplingParams, wrap_seed
@@ -48,9 +39,6 @@ from glmflash.utils.logging import setup_logging
 logger = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineDead", "EngineOverloaded", "Result"]
-WARMUP_TOKENS = 1024
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 Sink = Callable[[StreamDelta], None]
 
 
@@ -63,7 +51,7 @@ class _Choice:
     seq: Sequence
 
 
-class Engine(EngineApiMixin, EngineLoopMixin):
+class Engine(EngineApiMixin, EngineLoopMixin, EngineStartupMixin, EngineEmitMixin):
     """Loads a checkpoint (the embedded tiny one when `model_path` is None) and serves requests."""
 
     def __init__(self, model_path: str | Path | None = None, device: str | None = None,
@@ -126,34 +114,6 @@ class Engine(EngineApiMixin, EngineLoopMixin):
         logger.info("engine ready: %s on %s (%s), context %d", self.model_path, self.device,
                     self.dtype, self.max_seq_len)
 
-    def _start_runner(self, log_level: str | None, warmup_ids: list[int] | None):
-        """The model on this device, or this rank's part of it with the other ranks started."""
-        self.memory_ledger = None
-        """The start-up MemoryLedger (one process; ranks log their own)."""
-        self.mtp = None
-        """The checkpoint's MTP layer, when speculative decoding is on."""
-        if self.options.tp_size == 1:
-            model = load_model(self.model_path, self.config, self.device, self.dtype,
-                               self.options, warmup_ids=warmup_ids)
-            state_config = self.config
-            if self.options.num_speculative_steps:
-                self.mtp = load_mtp_module(self.model_path, model, self.device, self.options)
-                state_config = with_mtp_layer(self.config)
-            plan, self.memory_ledger = plan_memory(
-                state_config, self.options, self.max_seq_len, self.device, self.dtype,
-                model=model, graph_sizes=self._graph_rows())
-            return ModelRunner(model, plan, state_config), plan
-        from glmflash.distributed.parallel import ParallelConfig
-        from glmflash.engine.parallel_runner import RankSpec, start_ranks
-
-        parallel = ParallelConfig(self.options.tp_size, self.options.ep_size,
-                                  experts_on_rank0=self.device.type == "cuda"
-                                  and self.options.kt_num_gpu_experts is not None)
-        runner = start_ranks(RankSpec(self.model_path, self.config, self.device.type, self.dtype,
-                                      self.options, self.max_seq_len, parallel,
-                                      log_level=log_level), warmup_ids)
-        return runner, runner.plan
-
     # Submission, from any thread.
     def add_request(self, prompt_token_ids: list[int],
                     params: SamplingParams | Callable[[list[int]], SamplingParams], sink: Sink,
@@ -205,46 +165,6 @@ class Engine(EngineApiMixin, EngineLoopMixin):
             self._thread.join(timeout=30)
             self._thread = None
         self.runner.close()
-
-    def _speculative_decoder(self) -> SpecDecoder | None:
-        options = self.options
-        if not options.num_speculative_steps:
-            return None
-        runner = SpecRunner(self.runner, self.mtp, options.num_speculative_steps,
-                            options.max_running_requests)
-        policy = DraftPolicy(options.speculative_max_batch_size,
-                             options.speculative_min_acceptance,
-                             check_speed=not options.disable_speculative_speed_check)
-        return SpecDecoder(runner, self.scheduler, self.cache, self.sampler,
-                           options.num_speculative_steps, policy, self.max_seq_len)
-
-    def _graph_sizes(self) -> list[int]:
-        """Decode batch sizes to capture as CUDA graphs (none when off or impossible here)."""
-        return decode_graph_sizes(self.options, self.device)
-
-    def _graph_rows(self) -> list[int]:
-        """Token rows of every forward captured: the decode sizes, then a verify and a draft
-        forward per speculative size (for the memory plan)."""
-        rows = 1 + self.options.num_speculative_steps
-        spec = [b * rows for b in spec_graph_sizes(self.options, self.device)]
-        return self._graph_sizes() + spec + spec
-
-    def _capture_graphs(self) -> None:
-        """Decode CUDA graphs at start-up, unless off or impossible here (said once)."""
-        options = self.options
-        if options.disable_cuda_graph:
-            return
-        sizes = self._graph_sizes()
-        if sizes:
-            with measured_peak(self.memory_ledger, "CUDA graphs", self.device,
-                               "capturing the CUDA graphs"):
-                self.runner.capture_graphs(sizes)
-                spec_sizes = spec_graph_sizes(options, self.device)
-                if self.spec is not None and spec_sizes:
-                    self.spec.runner.capture_graphs(spec_sizes)
-        elif options.cuda_graph_bs is not None or self.device.type == "cuda":
-            logger.info("decode runs without CUDA graphs: %s",
-                        graphs_unsupported(self.device) or "no batch size to capture")
 
     @property
     def supports_media(self) -> bool:
@@ -380,47 +300,6 @@ class Engine(EngineApiMixin, EngineLoopMixin):
             self._finish(seq, choice, StreamDelta(choice.request_id, choice.index, "", [],
                                                   "error", error=error))
 
-    def _emit(self, deltas: list[TokenDelta]) -> None:
-        for delta in deltas:
-            seq, choice = delta.seq, self._choices[delta.seq.seq_id]
-            visible = delta.token_ids
-            if delta.finish_reason == "stop":
-                # The scheduler stops only on a stop token (eos or stop_token_ids): not text.
-                visible = visible[:-1]
-            is_last = delta.finish_reason is not None
-            text, num_taken = choice.detok.add_run(visible, is_last=is_last)
-            reason = delta.finish_reason
-            if text.hit_stop_string:
-                _drop_after_stop(seq, delta, len(delta.token_ids) - num_taken)
-                if reason is None:
-                    self.scheduler.finish(seq, "stop")
-                reason = "stop"
-            logprobs = seq.logprobs[-len(delta.token_ids):] if seq.params.logprobs is not None \
-                and delta.token_ids else None
-            out = StreamDelta(choice.request_id, choice.index, text.text, delta.token_ids, reason,
-                              logprobs, seq.num_prompt_tokens, seq.num_output_tokens,
-                              num_cached_tokens=seq.num_cached_tokens or 0)
-            if seq.prompt_logprobs is not None and seq.num_output_tokens == len(delta.token_ids):
-                out.prompt_logprobs = seq.prompt_logprobs
-            if reason:
-                self._finish(seq, choice, out)
-            else:
-                choice.sink(out)
-
-    def _finish(self, seq: Sequence, choice: _Choice, delta: StreamDelta) -> None:
-        if self._choices.pop(seq.seq_id, None) is None:
-            return
-        self.sampler.release(seq)
-        self.runner.prompt_logprobs.release(seq)
-        self.progress.release(seq)
-        with self._lock:
-            self.num_pending -= 1
-        delta.num_prompt_tokens = seq.num_prompt_tokens
-        delta.num_output_tokens = seq.num_output_tokens
-        delta.num_cached_tokens = seq.num_cached_tokens or 0
-        delta.speculative = (seq.num_draft_tokens, seq.num_accepted_tokens, seq.num_verify_steps)
-        choice.sink(delta)
-
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("a prompt needs at least one token")
@@ -428,32 +307,6 @@ class Engine(EngineApiMixin, EngineLoopMixin):
             raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size})")
         if len(token_ids) >= self.max_seq_len:
             raise PromptTooLong(len(token_ids), self.max_seq_len)
-
-
-def _drop_after_stop(seq: Sequence, delta: TokenDelta, num_dropped: int) -> None:
-    """A stop string ended the text before the last of a run's tokens: the tokens after the
-    one that completed it are not output (nor their logprobs)."""
-    if num_dropped <= 0:
-        return
-    del delta.token_ids[-num_dropped:]
-    del seq.token_ids[-num_dropped:]
-    if seq.params.logprobs is not None:
-        del seq.logprobs[-num_dropped:]
-
-
-def warmup_text() -> str:
-    """Generic prose to route through the model at start (expert placement by frequency)."""
-    return resources.files("glmflash.assets").joinpath("tiny_corpus.txt").read_text()[:8000]
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

@@ -1,0 +1,64 @@
+"""How the engine hands a step's tokens to each request: detokenized text with stop strings
+applied, logprobs, and the final delta with its counts when a choice ends."""
+
+from __future__ import annotations
+
+from glmflash.engine.outputs import StreamDelta
+from glmflash.engine.scheduler import TokenDelta
+from glmflash.engine.sequence import Sequence
+
+
+class EngineEmitMixin:
+    """`Engine._emit`: per-step deltas to the requests' sinks, on the engine thread."""
+
+    def _emit(self, deltas: list[TokenDelta]) -> None:
+        for delta in deltas:
+            seq, choice = delta.seq, self._choices[delta.seq.seq_id]
+            visible = delta.token_ids
+            if delta.finish_reason == "stop":
+                # The scheduler stops only on a stop token (eos or stop_token_ids): not text.
+                visible = visible[:-1]
+            is_last = delta.finish_reason is not None
+            text, num_taken = choice.detok.add_run(visible, is_last=is_last)
+            reason = delta.finish_reason
+            if text.hit_stop_string:
+                _drop_after_stop(seq, delta, len(delta.token_ids) - num_taken)
+                if reason is None:
+                    self.scheduler.finish(seq, "stop")
+                reason = "stop"
+            logprobs = seq.logprobs[-len(delta.token_ids):] if seq.params.logprobs is not None \
+                and delta.token_ids else None
+            out = StreamDelta(choice.request_id, choice.index, text.text, delta.token_ids, reason,
+                              logprobs, seq.num_prompt_tokens, seq.num_output_tokens,
+                              num_cached_tokens=seq.num_cached_tokens or 0)
+            if seq.prompt_logprobs is not None and seq.num_output_tokens == len(delta.token_ids):
+                out.prompt_logprobs = seq.prompt_logprobs
+            if reason:
+                self._finish(seq, choice, out)
+            else:
+                choice.sink(out)
+
+    def _finish(self, seq: Sequence, choice, delta: StreamDelta) -> None:
+        if self._choices.pop(seq.seq_id, None) is None:
+            return
+        self.sampler.release(seq)
+        self.runner.prompt_logprobs.release(seq)
+        self.progress.release(seq)
+        with self._lock:
+            self.num_pending -= 1
+        delta.num_prompt_tokens = seq.num_prompt_tokens
+        delta.num_output_tokens = seq.num_output_tokens
+        delta.num_cached_tokens = seq.num_cached_tokens or 0
+        delta.speculative = (seq.num_draft_tokens, seq.num_accepted_tokens, seq.num_verify_steps)
+        choice.sink(delta)
+
+
+def _drop_after_stop(seq: Sequence, delta: TokenDelta, num_dropped: int) -> None:
+    """A stop string ended the text before the last of a run's tokens: the tokens after the
+    one that completed it are not output (nor their logprobs)."""
+    if num_dropped <= 0:
+        return
+    del delta.token_ids[-num_dropped:]
+    del seq.token_ids[-num_dropped:]
+    if seq.params.logprobs is not None:
+        del seq.logprobs[-num_dropped:]
