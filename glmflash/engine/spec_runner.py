@@ -19,6 +19,7 @@ from glmflash.engine.model_runner import ModelRunner
 from glmflash.engine.options import EngineConfig
 from glmflash.engine.scheduler import ScheduledBatch
 from glmflash.engine.sequence import Sequence
+from glmflash.engine.spec_draft_graph import DraftGraphMixin
 from glmflash.model.dummy_weights import fill_dummy_weights
 from glmflash.model.forward_batch import ForwardBatch, build_forward_batch, token_slots_of
 from glmflash.model.glm import GlmForCausalLM
@@ -78,7 +79,7 @@ class MtpRows(NamedTuple):
     """`[sum(counts), D]` the main hidden state at those positions."""
 
 
-class SpecRunner:
+class SpecRunner(DraftGraphMixin):
     def __init__(self, runner: ModelRunner, mtp: GlmMtp, num_steps: int, max_rows: int) -> None:
         self.runner, self.mtp, self.model = runner, mtp, runner.model
         self.state = runner.state
@@ -191,54 +192,6 @@ class SpecRunner:
         drafted = captured.ids[:num].tolist()
         return captured.out[upload(picks, self.runner.device)], [drafted[r] for r in picks]
 
-    def fits_draft_graph(self, rows: MtpRows) -> bool:
-        """`rows` fit the draft graphs: each sequence has at most k + 1 positions, none whose
-        next tokens include a media prompt's visual rows."""
-        graphs = self.graphs
-        return graphs is not None and bool(graphs.verify_graphs) and \
-            all(count <= graphs.rows_per_seq and
-                (seq.prompt_embeds is None or start + 1 >= seq.num_prompt_tokens)
-                for seq, start, count in zip(rows.seqs, rows.starts, rows.counts, strict=True))
-
-    @torch.inference_mode()
-    def draft_in_graph(self, rows: MtpRows, num_drafting: int) -> tuple[torch.Tensor, list[int]]:
-        """`draft_extend` replayed from the draft graphs (`fits_draft_graph`), as many
-        sequences at a time as the largest holds."""
-        size, first = self.graphs.batch_sizes[-1], 0
-        outs, ids = [], []
-        for lo in range(0, len(rows.seqs), size):
-            part = slice(lo, lo + size)
-            num_rows = sum(rows.counts[part])
-            out, drafted = self._draft_part(
-                MtpRows(rows.seqs[part], rows.starts[part], rows.counts[part],
-                        rows.hidden[first: first + num_rows]),
-                min(max(num_drafting - lo, 0), size), again=lo > 0)
-            outs.append(out)
-            ids += drafted
-            first += num_rows
-        return torch.cat(outs), ids
-
-    def _draft_part(self, rows: MtpRows, num_drafting: int,
-                    again: bool) -> tuple[torch.Tensor, list[int]]:
-        """One draft graph's replay: the rows' hidden states go where the verify graph of the
-        batch's size leaves its own, sequence b's from row b * (k + 1), zeros in the padding
-        rows. `again`: a part after the first (`SpecGraphRunner.replay_draft`)."""
-        graphs, device = self.graphs, self.runner.device
-        full = graphs.rows_per_seq
-        host = self._committed_rows(
-            rows.seqs, rows.starts, rows.counts,
-            max(s + n for s, n in zip(rows.starts, rows.counts, strict=True))
-            // self.model.config.index_kpool)
-        verify = graphs.verify_graphs[graphs.key(len(rows.seqs), host.num_pools)]
-        # NOTE: other graphs of the pool may have used this buffer as working memory since.
-        verify.hidden.zero_()
-        verify.hidden.index_copy_(0, self._graph_rows(rows.counts), rows.hidden)
-        captured = graphs.replay_draft(host, verify, again)
-        if not num_drafting:
-            return captured.out[:0], []
-        picks = upload([b * full + rows.counts[b] - 1 for b in range(num_drafting)], device)
-        return captured.out[picks], captured.ids[picks].tolist()
-
     def _committed_rows(self, seqs: list[Sequence], starts: list[int], counts: list[int],
                         num_pools: int) -> VerifyHostRows:
         """Rows of the MTP layer over positions `starts[b]..starts[b]+counts[b]-1` of each
@@ -250,13 +203,6 @@ class SpecRunner:
             [token_slots_of(seq.page_ids, start, n, page).tolist()
              for seq, start, n in zip(seqs, starts, counts, strict=True)],
             starts, [seq.state_slot for seq in seqs], num_pools)
-
-    def _graph_rows(self, counts: list[int]) -> torch.Tensor:
-        """The rows of a graph's layout (k + 1 per sequence) that sequences of `counts` rows
-        fill, on the device."""
-        full = self.graphs.rows_per_seq
-        return upload([b * full + j for b, n in enumerate(counts) for j in range(n)],
-                      self.runner.device)
 
     def commit(self, seqs: list[Sequence], drafts: list[list[int]],
                num_accepted: list[int]) -> None:
