@@ -133,8 +133,9 @@ def measure(engine: Engine, batch: int, context: int, steps: int, warmup: int) -
     if graphs is not None:
         graphs.replay_events = None
     clock = MtpClock(engine)
-    for _ in range(steps):
-        engine.step()
+    if engine.spec is not None and engine.spec.policy.max_batch_size:  # drafting on
+        for _ in range(steps):
+            engine.step()
     clock.close()
     for seq in seqs:
         engine.abort(engine._choices[seq.seq_id].request_id)

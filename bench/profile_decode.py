@@ -37,7 +37,8 @@ def main() -> None:
     parser.add_argument("--mtp", type=float, default=None)
     args = parser.parse_args()
     engine = make_engine(args)
-    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    # Enough tokens for the warm-up and twice the timed steps at k + 1 tokens a step.
+    params = SamplingParams(max_tokens=6 + 4 * args.steps + 16, temperature=0, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request([5 + i, 17, 99, 3] * 8, params, lambda d: None)
     for _ in range(6):  # prefill and warm-up decodes (kernels compile)

@@ -43,9 +43,9 @@ class VerifyPosition:
     positions: torch.Tensor
     """`[n]` int64 positions of those tokens in their sequences."""
     kda_meta: torch.Tensor
-    """`[n, 3]` int32 decode rows of the KDA kernel over the gathered tokens."""
+    """`[n, 3]` int32 decode rows of the KDA kernel: the tokens' rows in the whole forward."""
     conv_meta: torch.Tensor
-    """`[n, 5]` int32 decode rows of the conv kernel over the gathered tokens."""
+    """`[n, 5]` int32 decode rows of the conv kernel: the tokens' rows in the whole forward."""
     save_slots: torch.Tensor
     """`[m]` int64 slots whose state after position j is kept (sequences with more tokens)."""
     save_rows: torch.Tensor

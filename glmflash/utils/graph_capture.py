@@ -11,23 +11,45 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from collections.abc import Callable, Iterator
 
 import torch
+
+
+class _CollectorPause:
+    """Garbage collection off while any capture runs (captures of several threads nest: the
+    collector comes back when the last ends, if it was on before the first)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.was_enabled = False
+
+    def __enter__(self) -> None:
+        with self.lock:
+            if self.depth == 0:
+                self.was_enabled = gc.isenabled()
+                gc.disable()
+            self.depth += 1
+
+    def __exit__(self, *exc) -> None:
+        with self.lock:
+            self.depth -= 1
+            if self.depth == 0 and self.was_enabled:
+                gc.enable()
+
+
+_COLLECTOR_PAUSE = _CollectorPause()
 
 
 @contextlib.contextmanager
 def isolated_capture(graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None = None
                      ) -> Iterator[None]:
     """`torch.cuda.graph(graph, pool)`, thread-local, with garbage collection paused."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            yield
-    finally:
-        if collecting:
-            gc.enable()
+    with _COLLECTOR_PAUSE, torch.cuda.graph(graph, pool=pool,
+                                            capture_error_mode="thread_local"):
+        yield
 
 
 def record(forward: Callable[[], tuple[torch.Tensor, ...]], pool: tuple[int, int] | None,

@@ -95,3 +95,19 @@ def test_a_global_capture_does_not():
     """What the isolation is for: the same capture in CUDA's default mode fails."""
     with pytest.raises(RuntimeError, match="captur"):
         _capture_beside_an_allocating_thread(_global_capture)
+
+
+def test_nested_captures_restore_the_collector_after_the_last(monkeypatch):
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None, capture_error_mode="global"):
+        yield
+
+    monkeypatch.setattr(graph_capture.torch.cuda, "graph", fake_graph)
+    first = graph_capture.isolated_capture(object())
+    second = graph_capture.isolated_capture(object())
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert not gc.isenabled()  # the second capture still runs
+    second.__exit__(None, None, None)
+    assert gc.isenabled()

@@ -59,7 +59,8 @@ def _state_copy(state: ModelState) -> dict:
 
 
 class Recorder:
-    """The verify's calls of the three state kernels, with their (gathered) inputs."""
+    """The verify's calls of the three state kernels, with their inputs (KDA and conv: the whole
+    forward's rows and a meta naming the position's; the indexer: the gathered rows)."""
 
     def __init__(self, monkeypatch, state: ModelState) -> None:
         self.calls = []

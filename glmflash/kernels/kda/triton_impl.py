@@ -165,7 +165,9 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     assert meta.dtype == torch.int32 and meta.is_contiguous() and meta.shape[1] == 3
     if out is None:
         out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
-    assert out.shape == (q.shape[0], q.shape[1], v.shape[2]) and out.stride(2) == 1
+    # The kernel steps heads by dv within a row: rows may be strided, heads not.
+    assert out.shape == (q.shape[0], q.shape[1], v.shape[2])
+    assert out.stride(2) == 1 and out.stride(1) == v.shape[2]
     if meta.shape[0]:
         _launch_decode(q, k, v, g, beta, state, out, meta, meta.shape[0], config)
     return out
