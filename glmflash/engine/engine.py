@@ -105,6 +105,9 @@ class Engine(EngineApiMixin, EngineLoopMixin, EngineStartupMixin, EngineEmitMixi
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._step_lock = threading.Lock()
+        """Held by `step`: callers that drive the engine themselves (no engine thread) may do so
+        from several threads, one step at a time."""
         self._stopping = False
         self._batch: ScheduledBatch | None = None
         self.fatal_error: str | None = None
@@ -181,12 +184,14 @@ class Engine(EngineApiMixin, EngineLoopMixin, EngineStartupMixin, EngineEmitMixi
         return self.fatal_error
 
     def step(self) -> None:
-        """Take in submissions and aborts, then run one scheduled batch (if any)."""
-        self._drain_inbox(block=False)
-        self._batch = batch = self.scheduler.schedule()
-        if batch is not None:
-            self._run(batch)
-        self._publish_stats()
+        """Take in submissions and aborts, then run one scheduled batch (if any); callers on
+        several threads take turns."""
+        with self._step_lock:
+            self._drain_inbox(block=False)
+            self._batch = batch = self.scheduler.schedule()
+            if batch is not None:
+                self._run(batch)
+            self._publish_stats()
 
     def _run(self, batch: ScheduledBatch) -> None:
         start = time.perf_counter()
