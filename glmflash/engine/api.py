@@ -103,6 +103,11 @@ class EngineApiMixin:
         finished = 0
         try:
             while finished < n:
+                # Without an engine thread the consumer drives the steps, off the event loop
+                # (`step` takes turns with other callers); a step's deltas reach the queue
+                # before the step's own completion does.
+                while not self.options.background_loop and deltas.empty():
+                    await asyncio.to_thread(self.step)
                 delta = await deltas.get()
                 finished += delta.finish_reason is not None
                 yield delta
