@@ -143,10 +143,6 @@ class CudaGraphRunner:
                     len(self.graphs), time.perf_counter() - start, used,
                     "; CPU experts inside them" if self.handoff else "")
 
-    def replay(self, rows: DecodeHostRows) -> torch.Tensor:
-        """Logits `[n, V]` of n decodes (n <= the largest captured size)."""
-        return self.replay_captured(rows).logits[: len(rows.input_ids)]
-
     def replay_captured(self, rows: DecodeHostRows) -> CapturedDecode:
         """Replay the graph that holds n decodes: rows 0..n-1 of its outputs are theirs."""
         num_rows = len(rows.input_ids)

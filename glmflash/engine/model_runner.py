@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -28,6 +28,9 @@ from glmflash.model.snapshots import StateSnapshots, copy_pages
 from glmflash.model.state import ModelState
 from glmflash.model.weights import load_checkpoint
 from glmflash.utils.device import upload
+
+if TYPE_CHECKING:
+    from glmflash.engine.cuda_graph import CapturedDecode
 
 logger = logging.getLogger(__name__)
 DUMMY_WEIGHT_SEED = 0
@@ -180,10 +183,18 @@ class ModelRunner:
         """Logits of a batch of decodes: a graph replay when one holds the batch, else the
         decode form eagerly. (The other ranks of a split model make the same choice: they
         captured the same sizes.)"""
-        if self.graphs is not None and self.graphs.can_replay(len(step.rows.input_ids)):
-            self.apply_cache_changes(step.page_updates, step.cache_ops)
-            return self.graphs.replay(step.rows)
+        captured = self.replay_decode(step)
+        if captured is not None:
+            return captured.logits[: len(step.rows.input_ids)]
         return self.model(self.prepare_decode(step), self.state)
+
+    def replay_decode(self, step: DecodeStep) -> CapturedDecode | None:
+        """The captured decode graph replayed for `step` (its rows first in the outputs), or
+        None when no graph holds the batch."""
+        if self.graphs is None or not self.graphs.can_replay(len(step.rows.input_ids)):
+            return None
+        self.apply_cache_changes(step.page_updates, step.cache_ops)
+        return self.graphs.replay_captured(step.rows)
 
     def prepare(self, batch: ScheduledBatch,
                 extra_logit_rows: list[int] | None = None) -> ForwardBatch:

@@ -112,12 +112,10 @@ class SpecRunner(DraftGraphMixin):
         """A step without drafts, keeping the hidden states: a decode graph's replay when one
         holds the batch, else `forward_main`."""
         runner = self.runner
-        step = runner.decode_step(batch) if runner.graphs is not None and \
-            runner.prompt_logprobs.plan(batch) is None else None
-        if step is None or not runner.graphs.can_replay(len(step.rows.input_ids)):
+        step = runner.decode_step(batch) if runner.prompt_logprobs.plan(batch) is None else None
+        captured = runner.replay_decode(step) if step is not None else None
+        if captured is None:
             return self.forward_main(batch)
-        runner.apply_cache_changes(step.page_updates, step.cache_ops)
-        captured = runner.graphs.replay_captured(step.rows)
         num = len(batch.seqs)
         return MainOutput(captured.hidden[:num], captured.logits[:num], list(range(num + 1)))
 
