@@ -70,9 +70,7 @@ class Drafter:
     def _after_greedy(self, step: SpecStep) -> None:
         """The drafts the greedy step's draft graph made, then the chained steps."""
         seqs, greedy = step.batch.seqs, step.greedy
-        allowed = self.policy.allows(len(self.scheduler.running))
-        drafting = [b for b, seq in enumerate(seqs)
-                    if not seq.is_finished and allowed and self.draft_budget(seq) > 0]
+        drafting = self._drafting(seqs, [not seq.is_finished for seq in seqs])
         if not drafting:
             return
         drafts = [[greedy.drafted[b]] for b in drafting]
@@ -88,15 +86,19 @@ class Drafter:
         live = [not seq.is_finished and self.keeps_mtp_cache(seq, start)
                 for seq, start in zip(seqs, step.starts, strict=True)]
         out, first = self.runner.draft_verified(seqs, step.starts, step.committed, live)
-        allowed = self.policy.allows(len(self.scheduler.running))
-        drafting = [b for b, seq in enumerate(seqs)
-                    if live[b] and allowed and self.draft_budget(seq) > 0]
+        drafting = self._drafting(seqs, live)
         if not drafting:
             return
         drafts = [[first[b]] for b in drafting]
         self._chain([seqs[b] for b in drafting], out[drafting], drafts)
         for b, draft in zip(drafting, drafts, strict=True):
             seqs[b].draft_ids = draft
+
+    def _drafting(self, seqs: list[Sequence], live: list[bool]) -> list[int]:
+        """The indices of the live sequences that draft for the next step."""
+        if not self.policy.allows(len(self.scheduler.running)):
+            return []
+        return [b for b, seq in enumerate(seqs) if live[b] and self.draft_budget(seq) > 0]
 
     def _mtp_rows(self, step: SpecStep) -> tuple[MtpRows, list[Sequence]]:
         """The positions each live sequence that keeps the MTP layer's cache committed
