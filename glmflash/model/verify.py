@@ -27,6 +27,7 @@ import torch
 from glmflash.config import MLA, ModelConfig
 from glmflash.kernels.indexer import indexer_write_decode
 from glmflash.kernels.kda import causal_conv1d_decode, kda_decode
+from glmflash.kernels.row_copy import copy_rows
 from glmflash.model.forward_batch import DECODE_WIDTH, ForwardBatch, decode_batch, pack_decode
 from glmflash.model.state import ModelState
 from glmflash.utils.device import upload
@@ -69,7 +70,15 @@ class VerifyScratch:
              step: int) -> None:
         """Keep `live`'s state of the sequences `at` saves (kind: recurrent, conv, index_tail)."""
         if at.save_rows.numel():
-            getattr(self, kind)[layer][at.save_rows, step] = live[at.save_slots]
+            copy_rows(live, at.save_slots, getattr(self, kind)[layer].flatten(0, 1),
+                      at.save_rows, dst_scale=self.num_steps, dst_offset=step)
+
+    def layers(self, state: ModelState):
+        """(live state, its scratch copies `[rows * num_steps, ...]`) of every kept layer."""
+        for live, saved in ((state.recurrent, self.recurrent), (state.conv, self.conv),
+                            (state.index_tail, self.index_tail)):
+            for layer, copies in saved.items():
+                yield live[layer], copies.flatten(0, 1)
 
 
 def scratch_bytes(config: ModelConfig, num_rows: int, num_steps: int, dtype: torch.dtype) -> int:
@@ -188,11 +197,10 @@ def commit(state: ModelState, scratch: VerifyScratch, state_slots: list[int],
     if not picks:
         return
     device = next(iter(state.latent.values())).device
-    slots, rows, steps = upload(np.asarray(picks, np.int64).T.copy(), device)
-    for live, saved in ((state.recurrent, scratch.recurrent), (state.conv, scratch.conv),
-                        (state.index_tail, scratch.index_tail)):
-        for layer, copies in saved.items():
-            live[layer][slots] = copies[rows, steps]
+    slots, rows, steps = np.asarray(picks, np.int64).T
+    slots, sources = upload(np.stack([slots, rows * scratch.num_steps + steps]), device)
+    for live, copies in scratch.layers(state):
+        copy_rows(copies, sources, live, slots)
 
 
 def commit_on_device(state: ModelState, scratch: VerifyScratch, state_slots: torch.Tensor,
@@ -201,14 +209,10 @@ def commit_on_device(state: ModelState, scratch: VerifyScratch, state_slots: tor
     slot `state_slots[b]`, `num_drafts[b]` drafts) takes its scratch copy of position
     `num_accepted[b]`, unless every draft was accepted (its slot already holds that state)."""
     rows = torch.arange(state_slots.shape[0], device=state_slots.device)
-    keep = num_accepted < num_drafts
     steps = torch.minimum(num_accepted, num_drafts - 1).clamp(min=0)
-    for live, saved in ((state.recurrent, scratch.recurrent), (state.conv, scratch.conv),
-                        (state.index_tail, scratch.index_tail)):
-        for layer, copies in saved.items():
-            kept = copies[rows, steps]
-            chosen = keep.view(-1, *[1] * (kept.dim() - 1))
-            live[layer][state_slots] = torch.where(chosen, kept, live[layer][state_slots])
+    sources = torch.where(num_accepted < num_drafts, rows * scratch.num_steps + steps, -1)
+    for live, copies in scratch.layers(state):
+        copy_rows(copies, sources, live, state_slots)
 
 
 def verify_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
@@ -237,12 +241,12 @@ def verify_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 def verify_indexer_write(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor,
                          pool_keys: torch.Tensor, tail: torch.Tensor, page_table: torch.Tensor,
                          verify: VerifyInputs, layer: int, *, page_size: int) -> None:
-    """`indexer_write_decode` position by position (pools completed by a draft are written;
-    a rejected one is never read before the real tokens rewrite it)."""
+    """`indexer_write_decode` position by position, each reading its position's rows of the
+    whole forward (pools completed by a draft are written; a rejected one is never read before
+    the real tokens rewrite it)."""
     for j, at in enumerate(verify.steps):
-        rows = at.token_rows
-        indexer_write_decode(keys[rows], gates[rows], ape, pool_keys, tail, page_table,
-                             at.state_slots, at.positions, page_size=page_size)
+        indexer_write_decode(keys, gates, ape, pool_keys, tail, page_table, at.state_slots,
+                             at.positions, page_size=page_size, token_rows=at.token_rows)
         _keep(verify, 'index_tail', layer, tail, at, j)
 
 

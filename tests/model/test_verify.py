@@ -59,8 +59,8 @@ def _state_copy(state: ModelState) -> dict:
 
 
 class Recorder:
-    """The verify's calls of the three state kernels, with their inputs (KDA and conv: the whole
-    forward's rows and a meta naming the position's; the indexer: the gathered rows)."""
+    """The verify's calls of the three state kernels, with their inputs (the whole forward's
+    rows, and a meta or `token_rows` naming the position's)."""
 
     def __init__(self, monkeypatch, state: ModelState) -> None:
         self.calls = []
@@ -73,8 +73,9 @@ class Recorder:
         def record(*args, **kwargs):
             state_arg = {"kda_decode": 5, "causal_conv1d_decode": 2,
                          "indexer_write_decode": 4}[name]
-            self.calls.append((name, self.layer_of[id(args[state_arg])],
-                               [a.clone() if isinstance(a, torch.Tensor) else a for a in args]))
+            copy = lambda a: a.clone() if isinstance(a, torch.Tensor) else a  # noqa: E731
+            self.calls.append((name, self.layer_of[id(args[state_arg])], [copy(a) for a in args],
+                               {key: copy(a) for key, a in kwargs.items()}))
             return fn(*args, **kwargs)
         return record
 
@@ -84,7 +85,7 @@ def _one_token_steps(calls, ref: dict, table: torch.Tensor, num_positions: int,
     """Replay the recorded per-token inputs of the first `num_positions` positions, one token
     per step, through the varlen entry points (as a prefill of one token would run them)."""
     seen: dict[tuple[str, int], int] = {}
-    for name, layer, args in calls:
+    for name, layer, args, kwargs in calls:
         position = seen.get((name, layer), 0)
         seen[(name, layer)] = position + 1
         if position >= num_positions:
@@ -98,6 +99,8 @@ def _one_token_steps(calls, ref: dict, table: torch.Tensor, num_positions: int,
             causal_conv1d(args[0][rows], args[1], ref["conv"][layer], [0, 1], [0], [False])
         else:
             keys, gates, ape = args[:3]
+            rows = kwargs["token_rows"].tolist()
+            keys, gates = keys[rows], gates[rows]
             pos = int(args[7][0])
             plan = write_plan([0, 1], [pos], [0], ref["index_tail"][layer].shape[0], kpool,
                               keys.device)

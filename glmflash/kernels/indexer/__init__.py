@@ -4,9 +4,10 @@ Both reach a sequence's earlier tokens through the page table. The per-forward p
 (`write_plan`, `select_plan`) are host index arithmetic over the new tokens, uploaded once and
 shared by every indexer layer. CUDA tensors go to the Triton selection (triton_impl.py), CPU
 tensors to ref.py; `GLMFLASH_KERNEL_INDEXER_SELECT` (or `GLMFLASH_KERNEL_INDEXER` for both)
-`=ref|triton` forces one. `indexer_write` is the reference on every device (a few gathers and
-scatters, no host sync). Batches of decodes take `decode_select_plan` and `indexer_write_decode`,
-whose rows and positions stay on the device (CUDA graphs).
+`=ref|triton` forces one (`GLMFLASH_KERNEL_INDEXER_WRITE` for the decode write).
+`indexer_write` is the reference on every device (a few gathers and scatters per forward, no
+host sync). Batches of decodes take `decode_select_plan` and `indexer_write_decode` (one Triton
+launch on CUDA), whose rows and positions stay on the device (CUDA graphs).
 """
 
 from __future__ import annotations
@@ -21,13 +22,28 @@ from glmflash.kernels.indexer.ref import (
     compress_pools,
     decode_select_plan,
     indexer_select_ref,
-    indexer_write_decode,
     indexer_write_ref,
     select_plan,
     write_plan,
 )
+from glmflash.kernels.indexer.ref import (
+    indexer_write_decode as decode_write_ref,
+)
 
 indexer_write = indexer_write_ref
+
+
+def indexer_write_decode(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor,
+                         pool_keys: torch.Tensor, tail: torch.Tensor, page_table: torch.Tensor,
+                         rows: torch.Tensor, positions: torch.Tensor, *, page_size: int,
+                         token_rows: torch.Tensor | None = None) -> None:
+    """One new token per sequence into the pooled keys or the tail; see
+    `ref.indexer_write_decode` (write_triton.py: the same in one launch)."""
+    impl = decode_write_ref
+    if use_triton(keys, "indexer_write", "indexer"):
+        from glmflash.kernels.indexer.write_triton import indexer_write_decode as impl
+    impl(keys, gates, ape, pool_keys, tail, page_table, rows, positions, page_size=page_size,
+         token_rows=token_rows)
 
 
 def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor,

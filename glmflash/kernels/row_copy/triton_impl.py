@@ -1,0 +1,46 @@
+"""Triton `copy_rows`: one launch, a program per (row, block of the row's elements); a row
+whose source index is negative is skipped without reading or writing anything."""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the package must import without triton; the launchers need it
+    triton = None
+
+from glmflash.kernels.triton_utils import jit
+
+# Elements per program: 16 KiB of fp32 rows, enough programs for a 4 MiB KDA state row.
+BLOCK = 4096
+
+
+@jit(do_not_specialize=("width", "dst_scale", "dst_offset"))
+def copy_rows_kernel(src, src_rows, dst, dst_rows, width, dst_scale, dst_offset,
+                     BLOCK: tl.constexpr):
+    """Elements [j * BLOCK, +BLOCK) of row i: dst row `dst_rows[i] * dst_scale + dst_offset`
+    from src row `src_rows[i]`, unless that is negative."""
+    i, j = tl.program_id(0), tl.program_id(1)
+    source = tl.load(src_rows + i).to(tl.int64)
+    if source >= 0:
+        target = tl.load(dst_rows + i).to(tl.int64) * dst_scale + dst_offset
+        o = j * BLOCK + tl.arange(0, BLOCK)
+        m = o < width
+        values = tl.load(src + source * width + o, mask=m)
+        tl.store(dst + target * width + o, values, mask=m)
+
+
+def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,
+              dst_rows: torch.Tensor, *, dst_scale: int = 1, dst_offset: int = 0) -> None:
+    """See `row_copy.copy_rows`."""
+    assert src[0:1].is_contiguous() and dst[0:1].is_contiguous(), "rows must be contiguous"
+    assert src.stride(0) == dst.stride(0) == src[0].numel(), "rows back to back"
+    rows, width = src_rows.numel(), src[0].numel()
+    if rows == 0 or width == 0:
+        return
+    block = min(BLOCK, triton.next_power_of_2(width))
+    copy_rows_kernel[(rows, triton.cdiv(width, block))](
+        src, src_rows, dst, dst_rows, width, dst_scale, dst_offset, BLOCK=block,
+        num_warps=4 if block >= 1024 else 1)
