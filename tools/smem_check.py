@@ -37,6 +37,8 @@ from glmflash.kernels.fused_moe import triton_w8a8 as moe_w8a8  # noqa: E402
 from glmflash.kernels.hyper import triton_impl as hyper  # noqa: E402
 from glmflash.kernels.indexer import topk_triton as indexer_topk  # noqa: E402
 from glmflash.kernels.indexer import triton_impl as indexer  # noqa: E402
+from glmflash.kernels.indexer import write_triton as indexer_write  # noqa: E402
+from glmflash.kernels.row_copy import triton_impl as row_copy  # noqa: E402
 from glmflash.kernels.kda import chunk_intra as intra  # noqa: E402
 from glmflash.kernels.kda import chunk_stages as stages  # noqa: E402
 from glmflash.kernels.kda import chunk_triton as chunk  # noqa: E402
@@ -271,6 +273,15 @@ def indexer_launches() -> list[Launch]:
     out += [Launch(f"indexer top-k {name}", kernel, topk, consts, config.num_warps)
             for name, kernel in (("count", indexer_topk.topk_count_kernel),
                                  ("write", indexer_topk.topk_write_kernel))]
+    write = {"keys": "*bf16", "gates": "*bf16", "ape": "*bf16", "pool_keys": "*bf16",
+             "tail": "*bf16", "page_table": "*i32", "slots": "*i64", "positions": "*i64",
+             "token_rows": "*i64"}
+    out.append(Launch("indexer write decode", indexer_write.indexer_write_decode_kernel, write,
+                      dict(KPOOL=4, KP=4, PAGE=64, BD=128, HAS_TOKEN_ROWS=True), 1,
+                      aligned=("D",)))
+    copy = {"src": "*fp32", "src_rows": "*i64", "dst": "*fp32", "dst_rows": "*i64"}
+    out.append(Launch("row copy", row_copy.copy_rows_kernel, copy,
+                      dict(BLOCK=row_copy.BLOCK), 4))
     return out
 
 
@@ -285,7 +296,8 @@ def hyper_launches() -> list[Launch]:
         cfg = hyper.default_pre_config(tokens, 4, 132)
         dot = cfg.block_t >= 16
         consts = dict(S=4, ITERS=20, NP=32, BT=cfg.block_t, BK=cfg.block_k, BD=cfg.block_d,
-                      USE_DOT=dot, USE_SPLIT=True, DOT=tl.bfloat16, PREC="tf32")
+                      USE_DOT=dot, USE_SPLIT=True, RB=hyper.range_block(64, cfg.block_t, 32),
+                      DOT=tl.bfloat16, PREC="tf32")
         out.append(Launch(f"hyper_pre BT{cfg.block_t} {'dot' if dot else 'FMA'}",
                           hyper.hyper_pre_kernel, pre, consts, cfg.num_warps,
                           aligned=("D", "stride_fn", "K_PER_SPLIT")))

@@ -96,11 +96,14 @@ def test_hyper_pre_fp32(shape, nan_empty):
     _assert_pre_fp32(got, hyper_pre_ref(streams, fn, base, scale, **KW), streams)
 
 
-# Token blocks by FMA and on tensor cores, one range or several (the last one shorter), a
-# token block with one live token, collapse steps with a feature tail.
+# Token blocks by FMA and on tensor cores, one range or several (the last one shorter; more
+# than the finish loads at once), a token block with one live token, collapse steps with a
+# feature tail.
 PRE_CONFIGS = {
     "fma_bt1_one_range": HyperPreConfig(block_t=1, block_k=128, block_d=64, splits=1),
     "fma_bt4_7_ranges": HyperPreConfig(block_t=4, block_k=32, block_d=64, splits=7),
+    # 25 ranges of 4-token blocks: the finish loads 16 ranges' partials at once, then 9.
+    "fma_bt4_25_ranges": HyperPreConfig(block_t=4, block_k=32, block_d=64, splits=25),
     "fma_bt2_default_ranges": HyperPreConfig(block_t=2, block_k=64, block_d=128),
     "dot_bt16_3_ranges": HyperPreConfig(block_t=16, block_k=64, block_d=32, splits=3),
     "dot_bt32_one_range": HyperPreConfig(block_t=32, block_k=16, block_d=16, splits=1),

@@ -3,7 +3,8 @@
 hyper_pre, one launch: a program owns a block of tokens and one range of the flattened streams
 `[T, S*D]`. It accumulates the projection onto fn's rows and the sum of squares in fp32 (the RMS
 norm scales a whole row, so it is applied after the product), and writes both to a scratch
-buffer. The range that arrives last at its token block's counter adds the ranges in order, forms
+buffer. The range that arrives last at its token block's counter adds the ranges (a fixed order,
+loading many ranges' partials at once), forms
 the weights (gates, softmax, Sinkhorn in registers), writes post and comb, and collapses the
 block's streams with the pre weights.
 hyper_post, one launch: a program per (token, feature block); products and sum in fp32, one
@@ -30,6 +31,8 @@ from glmflash.kernels.triton_utils import ArrivalCounters, interpreting, jit, nu
 _ARRIVALS = ArrivalCounters(1 << 12)
 # Up to this many tokens hyper_pre's default launch takes the few-token (decode) shape.
 DECODE_TOKENS = 64
+# fp32 partial values the finishing program loads at once (16 registers a thread at 4 warps).
+PARTIAL_VALUES = 2048
 
 
 @dataclass(frozen=True)
@@ -157,8 +160,8 @@ def _collapse(x, out, b_pre, o_t, m_t, D, S: tl.constexpr, BD: tl.constexpr):
 def hyper_pre_kernel(x, fn, base, scale, post, comb, out, part, arrivals, T, D, stride_fn,
                      K_PER_SPLIT, SPLITS, norm_eps, hc_eps, S: tl.constexpr, ITERS: tl.constexpr,
                      NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
-                     USE_DOT: tl.constexpr, USE_SPLIT: tl.constexpr, DOT: tl.constexpr,
-                     PREC: tl.constexpr):
+                     USE_DOT: tl.constexpr, USE_SPLIT: tl.constexpr, RB: tl.constexpr,
+                     DOT: tl.constexpr, PREC: tl.constexpr):
     """mHC pre for tokens [i_t * BT, +BT), columns [i_s * K_PER_SPLIT, +K_PER_SPLIT) of the
     flattened streams; the last range of the token block finishes it (see the module doc)."""
     i_t, i_s = tl.program_id(0), tl.program_id(1)
@@ -187,9 +190,14 @@ def hyper_pre_kernel(x, fn, base, scale, post, comb, out, part, arrivals, T, D, 
     if is_last:
         if USE_SPLIT:
             tl.debug_barrier()
+            # The ranges' partials, RB at a time: one round of independent loads per chunk (a
+            # loop of single partials would wait out an L2 round trip for each).
+            o_rb = tl.arange(0, RB)
             b_tot = tl.zeros([BT, NP], dtype=tl.float32)
-            for i in range(SPLITS):
-                b_tot += tl.load(p_tile + i * (BT * NP) + o_tile, cache_modifier=".cg")
+            for r0 in range(0, SPLITS, RB):
+                m_r = (r0 + o_rb < SPLITS)[:, None, None]
+                p_ranges = p_tile + (r0 + o_rb)[:, None, None] * (BT * NP) + o_tile[None, :, :]
+                b_tot += tl.sum(tl.load(p_ranges, mask=m_r, other=0.0, cache_modifier=".cg"), 0)
             tl.store(p_tile + o_tile, b_tot)
             tl.atomic_xchg(arrivals + i_t, 0, sem="relaxed")
             tl.debug_barrier()
@@ -240,6 +248,11 @@ def default_pre_config(num_tokens: int, num_streams: int, num_sms: int,
 def default_post_config(num_tokens: int) -> HyperPostConfig:
     """Narrow feature blocks while tokens are few, so that enough programs run."""
     return HyperPostConfig(block_d=256 if num_tokens <= DECODE_TOKENS else 1024)
+
+
+def range_block(splits: int, block_t: int, np_: int) -> int:
+    """Ranges whose partials the finishing program loads at once."""
+    return min(triton.next_power_of_2(splits), max(1, PARTIAL_VALUES // (block_t * np_)))
 
 
 def _num_splits(config: HyperPreConfig, tiles: int, k: int, device: torch.device) -> int:
@@ -306,7 +319,8 @@ def hyper_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale
         streams, fn, base, scale, post, comb, out, part, arrivals if splits > 1 else part,
         num_tokens, d, fn.stride(0), k_per_split, splits, norm_eps, hc_eps, S=s,
         ITERS=sinkhorn_iters, NP=np_, BT=cfg.block_t, BK=cfg.block_k, BD=cfg.block_d,
-        USE_DOT=cfg.block_t >= 16, USE_SPLIT=splits > 1, DOT=dot, PREC=prec,
+        USE_DOT=cfg.block_t >= 16, USE_SPLIT=splits > 1,
+        RB=range_block(splits, cfg.block_t, np_), DOT=dot, PREC=prec,
         num_warps=cfg.num_warps)
     return post, comb, out
 
