@@ -38,11 +38,12 @@ from glmflash.kernels.hyper import triton_impl as hyper  # noqa: E402
 from glmflash.kernels.indexer import topk_triton as indexer_topk  # noqa: E402
 from glmflash.kernels.indexer import triton_impl as indexer  # noqa: E402
 from glmflash.kernels.indexer import write_triton as indexer_write  # noqa: E402
-from glmflash.kernels.row_copy import triton_impl as row_copy  # noqa: E402
 from glmflash.kernels.kda import chunk_intra as intra  # noqa: E402
 from glmflash.kernels.kda import chunk_stages as stages  # noqa: E402
 from glmflash.kernels.kda import chunk_triton as chunk  # noqa: E402
 from glmflash.kernels.kda import triton_impl as kda  # noqa: E402
+from glmflash.kernels.router import triton_impl as router  # noqa: E402
+from glmflash.kernels.row_copy import triton_impl as row_copy  # noqa: E402
 from glmflash.kernels.sparse_mla import combine_triton as mla_combine  # noqa: E402
 from glmflash.kernels.sparse_mla import triton_impl as mla  # noqa: E402
 
@@ -257,7 +258,8 @@ def fused_moe_launches() -> list[Launch]:
 
 
 def indexer_launches() -> list[Launch]:
-    """Scoring and the radix top-k (every pass) at their default launch shapes."""
+    """Scoring and the radix top-k (every pass) at their default launch shapes; the decode
+    write, the MoE router and the state row copy."""
     ptrs = {"q": "*bf16", "weights": "*fp32", "pool_keys": "*bf16", "page_table": "*i32",
             "rows": "*i64", "positions": "*i64", "num_pools": "*i64", "scores": "*fp32",
             "lengths": "*i32"}
@@ -279,6 +281,16 @@ def indexer_launches() -> list[Launch]:
     out.append(Launch("indexer write decode", indexer_write.indexer_write_decode_kernel, write,
                       dict(KPOOL=4, KP=4, PAGE=64, BD=128, HAS_TOKEN_ROWS=True), 1,
                       aligned=("D",)))
+    scores = {"x": "*bf16", "w": "*bf16", "scores": "*fp32"}
+    for tokens in (1, 64):
+        cfg = router.default_score_config(tokens)
+        out.append(Launch(f"router scores BT{cfg.block_t}", router.router_scores_kernel, scores,
+                          dict(BT=cfg.block_t, BE=cfg.block_e, BK=cfg.block_k), cfg.num_warps,
+                          aligned=("K",)))
+    select = {"scores": "*fp32", "bias": "*fp32", "ids": "*i64", "weights": "*fp32",
+              "scaling": "fp32"}
+    out.append(Launch("router select", router.router_select_kernel, select,
+                      dict(G=1, GP=1, EGP=512, TOPK_GROUPS=1, TOPK=8, KP=8, RENORM=True), 4))
     copy = {"src": "*fp32", "src_rows": "*i64", "dst": "*fp32", "dst_rows": "*i64"}
     out.append(Launch("row copy", row_copy.copy_rows_kernel, copy,
                       dict(BLOCK=row_copy.BLOCK), 4))

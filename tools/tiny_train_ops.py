@@ -41,7 +41,7 @@ from glmflash.utils.device import upload
 
 # Every op the model dispatches: the reference on every device (autograd needs it).
 REF_OPS = ("KDA", "CAUSAL_CONV1D", "KDA_GATES", "INDEXER", "INDEXER_SELECT", "SPARSE_MLA",
-           "HYPER", "RMS_NORM", "FP8_GEMM", "FUSED_MOE")
+           "HYPER", "RMS_NORM", "FP8_GEMM", "FUSED_MOE", "ROUTER")
 # Queries per block of the sparse MLA reference while training (its memory is small here).
 TRAIN_QUERY_BLOCK = 1 << 15
 

@@ -8,6 +8,7 @@ from torch import nn
 from glmflash.config import ModelConfig
 from glmflash.kernels.fp8_gemm import FP8_DTYPE, block_scale_shape, dequantize_block_fp8
 from glmflash.kernels.fused_moe import fused_moe
+from glmflash.kernels.router import RouterSpec, route, route_ref
 from glmflash.model.layers import MLP, clamped_swiglu
 
 
@@ -35,23 +36,18 @@ class Router(nn.Module):
         return self._fp32
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (expert ids `[T, k]`, fp32 weights `[T, k]`). No host sync (topk, scatter,
-        gather), except `bincount` while `counts` is set."""
-        scores = torch.sigmoid(x.float() @ self.weight_fp32().t())
-        choice = scores + self.e_score_correction_bias
-        num_tokens = x.shape[0]
-        grouped = choice.view(num_tokens, self.num_groups, -1)
-        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
-        kept = group_scores.topk(self.topk_groups, dim=-1, sorted=False).indices
-        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
-        choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).view(num_tokens, -1)
-        ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        """Returns (expert ids `[T, k]`, fp32 weights `[T, k]`). No host sync, except
+        `bincount` while `counts` is set."""
+        spec = RouterSpec(self.top_k, self.num_groups, self.topk_groups, self.renormalize,
+                          self.scaling)
+        if self.weight.requires_grad and torch.is_grad_enabled():  # training: autograd
+            ids, weights = route_ref(x, self.weight.float(), self.e_score_correction_bias, spec)
+        else:
+            ids, weights = route(x, self.weight, self.weight_fp32, self.e_score_correction_bias,
+                                 spec)
         if self.counts is not None:
             self.counts += torch.bincount(ids.flatten(), minlength=self.counts.numel())
-        weights = scores.gather(1, ids)
-        if self.renormalize:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return ids, weights * self.scaling
+        return ids, weights
 
 
 class StackedWeight(nn.Module):

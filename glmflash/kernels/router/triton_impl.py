@@ -1,0 +1,139 @@
+"""Triton MoE routing: the sigmoid scores of few tokens (fp32 FMA over the model-dtype weight,
+whose products are exact in fp32) and the choice (bias, group limit, top-k, weights) in one
+launch of a program per token. Above `SCORE_TOKENS` tokens the scores are one fp32 GEMM, as in
+the reference. Ties choose the lower expert index; the reference's top-k leaves that open."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the package must import without triton; the launchers need it
+    triton = None
+
+from glmflash.kernels.router.ref import RouterSpec
+from glmflash.kernels.triton_utils import jit
+
+# Up to this many tokens the scores come from router_scores_kernel; above, from cuBLAS.
+SCORE_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class ScoreConfig:
+    """Launch shape of router_scores_kernel: a program owns `block_t` tokens and `block_e`
+    experts and walks the hidden size `block_k` columns a step."""
+
+    block_t: int
+    block_e: int
+    block_k: int
+    num_warps: int = 4
+
+
+def default_score_config(num_tokens: int) -> ScoreConfig:
+    """Two experts a program (144 programs for 288 experts, every SM busy at one token) and a
+    [BT, BE, BK] product tile of 4K values, so that one token takes two steps of 2048 columns
+    (each step a round trip to memory)."""
+    bt = min(4, triton.next_power_of_2(max(num_tokens, 1)))
+    return ScoreConfig(block_t=bt, block_e=2, block_k=max(128, min(2048, 4096 // (bt * 2))))
+
+
+@jit
+def router_scores_kernel(x, w, scores, T, E, K, stride_x, stride_w, stride_s, BT: tl.constexpr,
+                         BE: tl.constexpr, BK: tl.constexpr):
+    """scores[t, e] = sigmoid(x[t] . w[e]) in fp32 for tokens [i_t * BT, +BT), experts
+    [i_e * BE, +BE): products into a [BT, BE, BK] tile, reduced once."""
+    i_e, i_t = tl.program_id(0), tl.program_id(1)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_e = i_e * BE + tl.arange(0, BE)
+    o_k = tl.arange(0, BK)
+    m_t, m_e = o_t < T, o_e < E
+    p_x = x + o_t[:, None].to(tl.int64) * stride_x + o_k[None, :]
+    p_w = w + o_e[:, None].to(tl.int64) * stride_w + o_k[None, :]
+    b_acc = tl.zeros([BT, BE, BK], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        m_k = k0 + o_k < K
+        b_x = tl.load(p_x + k0, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_w = tl.load(p_w + k0, mask=m_e[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_acc += b_x[:, None, :] * b_w[None, :, :]
+    b_s = tl.sigmoid(tl.sum(b_acc, 2))
+    p_s = scores + o_t[:, None].to(tl.int64) * stride_s + o_e[None, :]
+    tl.store(p_s, b_s, mask=m_t[:, None] & m_e[None, :])
+
+
+@jit
+def router_select_kernel(scores, bias, ids, weights, stride_s, EG, scaling, G: tl.constexpr,
+                         GP: tl.constexpr, EGP: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+                         TOPK: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr):
+    """Token t: choice = scores + bias over a [groups, experts per group] tile; keep the
+    TOPK_GROUPS groups whose two best choices sum highest; the TOPK best kept experts; their
+    scores (renormalised) times `scaling`."""
+    t = tl.program_id(0).to(tl.int64)
+    o_g = tl.arange(0, GP)
+    o_j = tl.arange(0, EGP)
+    m = (o_g < G)[:, None] & (o_j < EG)[None, :]
+    expert = o_g[:, None] * EG + o_j[None, :]
+    b_s = tl.load(scores + t * stride_s + expert, mask=m, other=0.0)
+    b_c = tl.where(m, b_s + tl.load(bias + expert, mask=m, other=0.0), float("-inf"))
+    if G > 1:
+        first = tl.argmax(b_c, 1)
+        second = tl.max(tl.where(o_j[None, :] == first[:, None], float("-inf"), b_c), 1)
+        b_group = tl.where(o_g < G, tl.max(b_c, 1) + second, float("-inf"))
+        keep = o_g < 0
+        for _ in tl.static_range(TOPK_GROUPS):
+            best = tl.argmax(b_group, 0)
+            keep = keep | (o_g == best)
+            b_group = tl.where(o_g == best, float("-inf"), b_group)
+        b_c = tl.where(keep[:, None], b_c, float("-inf"))
+    o_f = tl.arange(0, GP * EGP)
+    f_c = tl.reshape(b_c, [GP * EGP])
+    f_s = tl.reshape(b_s, [GP * EGP])
+    f_e = tl.reshape(expert, [GP * EGP])
+    o_k = tl.arange(0, KP)
+    b_ids = tl.zeros([KP], dtype=tl.int64)
+    b_w = tl.zeros([KP], dtype=tl.float32)
+    for i in tl.static_range(TOPK):
+        best = tl.argmax(f_c, 0)
+        hit = o_f == best
+        b_ids = tl.where(o_k == i, tl.sum(tl.where(hit, f_e, 0), 0).to(tl.int64), b_ids)
+        b_w = tl.where(o_k == i, tl.sum(tl.where(hit, f_s, 0.0), 0), b_w)
+        f_c = tl.where(hit, float("-inf"), f_c)
+    if RENORM:
+        b_w = b_w / (tl.sum(b_w, 0) + 1e-20)
+    tl.store(ids + t * TOPK + o_k, b_ids, mask=o_k < TOPK)
+    tl.store(weights + t * TOPK + o_k, b_w * scaling, mask=o_k < TOPK)
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, weight_fp32, bias: torch.Tensor,
+          spec: RouterSpec, *, score_config: ScoreConfig | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `route_ref`: x `[T, D]`, weight `[E, D]` (model dtype), bias `[E]` fp32. Two
+    launches, no host sync."""
+    num_tokens, dim = x.shape
+    num_experts = weight.shape[0]
+    assert x.stride(1) == 1 and weight.stride(1) == 1 and bias.is_contiguous()
+    assert num_experts % spec.num_groups == 0
+    ids = torch.empty(num_tokens, spec.top_k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(num_tokens, spec.top_k, dtype=torch.float32, device=x.device)
+    if num_tokens == 0:
+        return ids, weights
+    if num_tokens <= SCORE_TOKENS:
+        cfg = score_config or default_score_config(num_tokens)
+        scores = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
+        router_scores_kernel[(triton.cdiv(num_experts, cfg.block_e),
+                              triton.cdiv(num_tokens, cfg.block_t))](
+            x, weight, scores, num_tokens, num_experts, dim, x.stride(0), weight.stride(0),
+            scores.stride(0), BT=cfg.block_t, BE=cfg.block_e, BK=cfg.block_k,
+            num_warps=cfg.num_warps)
+    else:
+        scores = torch.sigmoid(x.float() @ weight_fp32().t())
+    per_group = num_experts // spec.num_groups
+    router_select_kernel[(num_tokens,)](
+        scores, bias, ids, weights, scores.stride(0), per_group, float(spec.scaling),
+        G=spec.num_groups, GP=triton.next_power_of_2(spec.num_groups),
+        EGP=triton.next_power_of_2(per_group), TOPK_GROUPS=spec.topk_groups, TOPK=spec.top_k,
+        KP=triton.next_power_of_2(spec.top_k), RENORM=spec.renormalize, num_warps=4)
+    return ids, weights

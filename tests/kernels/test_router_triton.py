@@ -1,0 +1,80 @@
+"""Triton MoE routing against router/ref.py: the same experts and weights per token (order
+within a token may differ). Interpreter on the CPU, compiled with CUDA."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from glmflash.kernels.router import RouterSpec, route_ref  # noqa: E402
+from glmflash.kernels.router.triton_impl import SCORE_TOKENS, ScoreConfig, route  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (experts, hidden, spec): the release's one group, the tiny model's two groups keeping one,
+# four groups keeping two without renormalising, and an odd hidden size.
+SPECS = {
+    "release_like": (288, 256, RouterSpec(8, 1, 1, True, 2.5)),
+    "tiny": (8, 64, RouterSpec(2, 2, 1, True, 2.5)),
+    "four_groups": (64, 96, RouterSpec(6, 4, 2, False, 1.0)),
+    "odd_hidden": (24, 100, RouterSpec(3, 3, 2, True, 1.5)),
+}
+
+
+def _case(tokens, experts, hidden, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    weight = (torch.randn(experts, hidden, generator=gen) / hidden ** 0.5).to(dtype)
+    bias = 0.1 * torch.randn(experts, generator=gen)
+    return [t.to(DEVICE) for t in (x, weight, bias)]
+
+
+def _sorted(ids, weights):
+    order = ids.argsort(dim=1)
+    return ids.gather(1, order), weights.gather(1, order)
+
+
+def _check(tokens, name, dtype=torch.float32, config=None):
+    experts, hidden, spec = SPECS[name]
+    x, weight, bias = _case(tokens, experts, hidden, dtype)
+    want = _sorted(*route_ref(x, weight.float(), bias, spec))
+    got = _sorted(*route(x, weight, weight.float, bias, spec, score_config=config))
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-5)
+    return got[0]
+
+
+@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("tokens", [1, 3, 17, SCORE_TOKENS + 6])
+def test_same_experts_and_weights(tokens, name):
+    ids = _check(tokens, name)
+    assert ids.shape == (tokens, SPECS[name][2].top_k)
+    assert (ids.diff(dim=1) > 0).all()  # k distinct experts
+
+
+def test_bf16_and_a_narrow_launch():
+    _check(5, "release_like", torch.bfloat16, ScoreConfig(block_t=2, block_e=4, block_k=64))
+
+
+def test_group_limit_binds():
+    # Group 0's experts score highest, but the bias lifts group 1's best pair above them: with
+    # one group kept, every choice comes from group 1.
+    experts, hidden, spec = SPECS["tiny"]
+    x, weight, _ = _case(4, experts, hidden, torch.float32)
+    bias = torch.tensor([0.0] * 4 + [5.0, 5.0, -5.0, -5.0], device=DEVICE)
+    ids, _ = route(x, weight, weight.float, bias, spec)
+    assert ((ids >= 4) & (ids < 6)).all()
+    assert torch.equal(_sorted(ids, ids.float())[0],
+                       _sorted(*route_ref(x, weight.float(), bias, spec))[0])
+
+
+def test_no_tokens():
+    experts, hidden, spec = SPECS["tiny"]
+    x, weight, bias = _case(0, experts, hidden, torch.float32)
+    ids, weights = route(x, weight, weight.float, bias, spec)
+    assert ids.shape == (0, 2) and weights.shape == (0, 2)
