@@ -34,8 +34,8 @@ def _case(positions, dim, kpool, dtype, *, token_rows=None, extra_rows=0, seed=0
     ape = torch.randn(kpool, dim, generator=gen).to(dtype)
     pool_keys = torch.randn(rows * pages * page // kpool, dim, generator=gen).to(dtype)
     tail = torch.randn(rows, kpool - 1, 2 * dim, generator=gen).to(dtype)
-    slots = torch.arange(1, rows, dtype=torch.int64)
-    pos = torch.tensor(positions, dtype=torch.int64)
+    # Slots and positions as columns of one tensor (strided views).
+    slots, pos = torch.stack([torch.arange(1, rows), torch.tensor(positions)], 1).unbind(1)
     tensors = [t.to(DEVICE) for t in (keys, gates, ape, pool_keys, tail, table, slots, pos)]
     picks = None if token_rows is None else torch.tensor(token_rows, dtype=torch.int64).to(DEVICE)
     return tensors, picks

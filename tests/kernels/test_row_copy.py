@@ -21,7 +21,9 @@ def _check(row_shape, src_rows, dst_rows, *, num_dst=8, dtype=torch.float32, **a
     gen = torch.Generator().manual_seed(len(src_rows))
     src = torch.randn(6, *row_shape, generator=gen).to(dtype).to(DEVICE)
     dst = torch.randn(num_dst, *row_shape, generator=gen).to(dtype).to(DEVICE)
-    index = [torch.tensor(r, dtype=torch.int64, device=DEVICE) for r in (src_rows, dst_rows)]
+    # The indices as columns of one tensor (strided views, as a captured commit passes them).
+    both = torch.tensor([src_rows, dst_rows], dtype=torch.int64, device=DEVICE).reshape(2, -1)
+    index = list(both.t().contiguous().unbind(1))
     want, got = dst.clone(), dst.clone()
     copy_rows_ref(src, index[0], want, index[1], **affine)
     copy_rows(src, index[0], got, index[1], **affine)
@@ -44,3 +46,10 @@ def test_affine_targets_and_bf16():
 def test_nothing_to_copy():
     assert _check((3,), [], []) == 0
     assert _check((3,), [-1, -1], [0, 1]) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_release_kda_state_rows():
+    # 4 MiB fp32 rows (64 heads x 128 x 128), the commit's skipped row and strided indices.
+    assert _check((64, 128, 128), [2, -1, 0], [1, 4, 3], num_dst=5) == 2

@@ -25,16 +25,17 @@ from glmflash.kernels.triton_utils import jit
 @jit
 def indexer_write_decode_kernel(keys, gates, ape, pool_keys, tail, page_table, slots, positions,
                                 token_rows, D, stride_k, stride_g, stride_pk, stride_ts,
-                                stride_pt, KPOOL: tl.constexpr, KP: tl.constexpr,
+                                stride_pt, stride_slots, stride_pos, stride_rows,
+                                KPOOL: tl.constexpr, KP: tl.constexpr,
                                 PAGE: tl.constexpr, BD: tl.constexpr,
                                 HAS_TOKEN_ROWS: tl.constexpr):
     """Token i: `tail[slots[i], offset] = (key, gate)`, or the pooled key of its pool when the
     token completes it (offset = kpool - 1). Tail rows are `[kpool - 1, 2D]`, contiguous."""
     i = tl.program_id(0)
-    row = tl.load(slots + i).to(tl.int64)
-    pos = tl.load(positions + i).to(tl.int64)
+    row = tl.load(slots + i * stride_slots).to(tl.int64)
+    pos = tl.load(positions + i * stride_pos).to(tl.int64)
     if HAS_TOKEN_ROWS:
-        t = tl.load(token_rows + i).to(tl.int64)
+        t = tl.load(token_rows + i * stride_rows).to(tl.int64)
     else:
         t = i.to(tl.int64)
     o_d = tl.arange(0, BD)
@@ -89,10 +90,11 @@ def indexer_write_decode(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Ten
     assert page_size % kpool == 0, "a pool never straddles pages"
     if num == 0:
         return
+    picks = rows if token_rows is None else token_rows
     indexer_write_decode_kernel[(num,)](
-        keys, gates, ape, pool_keys, tail, page_table, rows, positions,
-        rows if token_rows is None else token_rows, dim, keys.stride(0), gates.stride(0),
-        pool_keys.stride(0), tail.stride(0), page_table.stride(0), KPOOL=kpool,
+        keys, gates, ape, pool_keys, tail, page_table, rows, positions, picks, dim,
+        keys.stride(0), gates.stride(0), pool_keys.stride(0), tail.stride(0),
+        page_table.stride(0), rows.stride(0), positions.stride(0), picks.stride(0), KPOOL=kpool,
         KP=triton.next_power_of_2(kpool), PAGE=page_size,
         BD=max(16, triton.next_power_of_2(dim)), HAS_TOKEN_ROWS=token_rows is not None,
         num_warps=4 if dim > 256 else 1)

@@ -18,14 +18,14 @@ BLOCK = 4096
 
 
 @jit(do_not_specialize=("width", "dst_scale", "dst_offset"))
-def copy_rows_kernel(src, src_rows, dst, dst_rows, width, dst_scale, dst_offset,
-                     BLOCK: tl.constexpr):
+def copy_rows_kernel(src, src_rows, dst, dst_rows, width, dst_scale, dst_offset, stride_src_rows,
+                     stride_dst_rows, BLOCK: tl.constexpr):
     """Elements [j * BLOCK, +BLOCK) of row i: dst row `dst_rows[i] * dst_scale + dst_offset`
     from src row `src_rows[i]`, unless that is negative."""
     i, j = tl.program_id(0), tl.program_id(1)
-    source = tl.load(src_rows + i).to(tl.int64)
+    source = tl.load(src_rows + i * stride_src_rows).to(tl.int64)
     if source >= 0:
-        target = tl.load(dst_rows + i).to(tl.int64) * dst_scale + dst_offset
+        target = tl.load(dst_rows + i * stride_dst_rows).to(tl.int64) * dst_scale + dst_offset
         o = j * BLOCK + tl.arange(0, BLOCK)
         m = o < width
         values = tl.load(src + source * width + o, mask=m)
@@ -42,5 +42,6 @@ def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,
         return
     block = min(BLOCK, triton.next_power_of_2(width))
     copy_rows_kernel[(rows, triton.cdiv(width, block))](
-        src, src_rows, dst, dst_rows, width, dst_scale, dst_offset, BLOCK=block,
+        src, src_rows, dst, dst_rows, width, dst_scale, dst_offset, src_rows.stride(0),
+        dst_rows.stride(0), BLOCK=block,
         num_warps=4 if block >= 1024 else 1)
