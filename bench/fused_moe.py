@@ -10,6 +10,7 @@ report TFLOP/s against the dense GEMM (goal: >= 0.7x at 8192 tokens). CUDA-graph
     python bench/fused_moe.py [--tokens 1 8 32 2048 8192] [--no-loop]
     python bench/fused_moe.py --forms 8192 [--sweep]   # prefill: W8A8 form vs bf16 form
     python bench/sweeps.py --ops moe                     # prefill parts at 8192
+    python bench/fused_moe.py --tokens 1 8 --decode-sweep  # decode launch shapes
 
 `--forms`: at each given size (uniform routing) the W8A8 prefill form and the dequantising bf16
 form against the dense GEMM, and the sort alone; `--sweep` also times a few W8A8 launch shapes
@@ -19,6 +20,7 @@ and names the fastest.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -35,6 +37,7 @@ from glmflash.kernels.fp8_gemm.triton_impl import (  # noqa: E402
 from glmflash.kernels.fused_moe.triton_impl import (  # noqa: E402
     DEFAULT_DISPATCH,
     PREFILL_CONFIG,
+    FusedMoeConfig,
     SortConfig,
     W8A8MoeConfig,
     fused_moe,
@@ -217,6 +220,31 @@ def parts_table(num_tokens: int = 8192) -> str:
                   "dense / total: per-tensor / blockwise (goal 0.7)"], rows)
 
 
+def decode_sweep(token_counts: list[int]) -> None:
+    """Graph times of the decode GEMMs' launch shapes (both grouped GEMMs take the shape),
+    against the expert bytes touched at the copy bandwidth of the same run."""
+    copy_gbs = copy_bandwidth()
+    w = expert_weights()
+    shapes = [FusedMoeConfig(block_n=bn, block_k=bk, num_stages=st)
+              for bn in (32, 64, 128) for bk in (64, 128) for st in (3, 5)]
+    shapes.append(FusedMoeConfig(num_warps=8))
+    rows = []
+    for num_tokens in token_counts:
+        x = torch.randn(num_tokens, HIDDEN, device="cuda").bfloat16()
+        ids, weights = routing(num_tokens, False)
+        moved = ids.unique().numel() * 3 * INTER * HIDDEN
+        for cfg in shapes:
+            call = functools.partial(fused_moe, x, ids, weights, *w, limit=LIMIT, config=cfg)
+            us = 1e3 * graph_ms(call)
+            gbs = moved / us / 1e3
+            rows.append([num_tokens, f"{cfg.block_n}/{cfg.block_k}/{cfg.num_stages}/"
+                         f"{cfg.num_warps}", f"{us:.1f}", f"{gbs:.0f} ({gbs / copy_gbs:.2f})"])
+            print(rows[-1], flush=True)
+    print(f"HBM copy {copy_gbs:.0f} GB/s (read + write); default {FusedMoeConfig()}")
+    print(table(["tokens", "block n / k / stages / warps", "us (graph)",
+                 "expert GB/s (of copy)"], rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 2048, 8192])
@@ -224,7 +252,12 @@ def main() -> None:
     parser.add_argument("--forms", type=int, nargs="+", default=None,
                         help="prefill sizes: W8A8 vs bf16 form only")
     parser.add_argument("--sweep", action="store_true", help="with --forms: W8A8 shapes")
+    parser.add_argument("--decode-sweep", action="store_true",
+                        help="decode launch shapes at --tokens (uniform routing)")
     args = parser.parse_args()
+    if args.decode_sweep:
+        decode_sweep(args.tokens)
+        return
     if args.forms:
         w = expert_weights()
         tables = [prefill_forms(n, w, args.sweep) for n in args.forms]
