@@ -235,8 +235,8 @@ def default_pre_config(num_tokens: int, num_streams: int, num_sms: int,
                        fp32_products: bool = False) -> HyperPreConfig:
     """Up to 8 tokens: a block per token by FMA, so that each token's finish (reduction,
     weights, collapse) runs in its own program, with a [1, NP, 128] product tile and collapse
-    tiles [1, S, BD] of 8K values (on the H200 at two tokens 8.5 us against 13.0 for one
-    two-token block). Up to 64: blocks of 4 (a [BT, NP, BK] product tile of 8K values). Many:
+    tiles [1, S, BD] of 8K values (README.md, Measurements). Up to 64: blocks of 4 (a
+    [BT, NP, BK] product tile of 8K values). Many:
     16-64-token blocks on tensor cores, about one per SM, 64 columns a step (16 with fp32
     operands, whose products need far more registers). Collapse tiles of 4K values there."""
     if num_tokens <= FEW_TOKENS:
@@ -252,8 +252,7 @@ def default_pre_config(num_tokens: int, num_streams: int, num_sms: int,
 
 def default_post_config(num_tokens: int) -> HyperPostConfig:
     """Narrow feature blocks while tokens are few, so that enough programs run (up to 8
-    tokens 128 features and 8 warps: 1.2 us on the H200 at one and two tokens, 1.8 with 256
-    and 4 warps)."""
+    tokens, 128 features and 8 warps: README.md, Measurements)."""
     if num_tokens <= FEW_TOKENS:
         return HyperPostConfig(block_d=128, num_warps=8)
     return HyperPostConfig(block_d=256 if num_tokens <= DECODE_TOKENS else 1024)
