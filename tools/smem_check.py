@@ -293,7 +293,7 @@ def indexer_launches() -> list[Launch]:
                       dict(G=1, GP=1, EGP=512, TOPK_GROUPS=1, TOPK=8, KP=8, RENORM=True), 4))
     copy = {"src": "*fp32", "src_rows": "*i64", "dst": "*fp32", "dst_rows": "*i64"}
     out.append(Launch("row copy", row_copy.copy_rows_kernel, copy,
-                      dict(BLOCK=row_copy.BLOCK), 4))
+                      dict(BLOCK=row_copy.DEFAULT_BLOCK), 4))
     return out
 
 

@@ -33,8 +33,6 @@ _ARRIVALS = ArrivalCounters(1 << 12)
 # few-token (decode) shape.
 FEW_TOKENS = 8
 DECODE_TOKENS = 64
-# fp32 partial values the finishing program loads at once (16 registers a thread at 4 warps).
-PARTIAL_VALUES = 2048
 
 
 @dataclass(frozen=True)
@@ -48,6 +46,7 @@ class HyperPreConfig:
     min_range_steps: int = 2  # projection steps per range at least
     splits: int | None = None  # a fixed number of ranges instead (tests, sweeps)
     num_warps: int = 4
+    partial_values: int = 2048  # fp32 partials the finish loads at once (16 regs at 4 warps)
 
     def __post_init__(self) -> None:
         for size in (self.block_t, self.block_k, self.block_d):
@@ -258,9 +257,9 @@ def default_post_config(num_tokens: int) -> HyperPostConfig:
     return HyperPostConfig(block_d=256 if num_tokens <= DECODE_TOKENS else 1024)
 
 
-def range_block(splits: int, block_t: int, np_: int) -> int:
+def range_block(splits: int, block_t: int, np_: int, partial_values: int = 2048) -> int:
     """Ranges whose partials the finishing program loads at once."""
-    return min(triton.next_power_of_2(splits), max(1, PARTIAL_VALUES // (block_t * np_)))
+    return min(triton.next_power_of_2(splits), max(1, partial_values // (block_t * np_)))
 
 
 def _num_splits(config: HyperPreConfig, tiles: int, k: int, device: torch.device) -> int:
@@ -328,7 +327,7 @@ def hyper_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale
         num_tokens, d, fn.stride(0), k_per_split, splits, norm_eps, hc_eps, S=s,
         ITERS=sinkhorn_iters, NP=np_, BT=cfg.block_t, BK=cfg.block_k, BD=cfg.block_d,
         USE_DOT=cfg.block_t >= 16, USE_SPLIT=splits > 1,
-        RB=range_block(splits, cfg.block_t, np_), DOT=dot, PREC=prec,
+        RB=range_block(splits, cfg.block_t, np_, cfg.partial_values), DOT=dot, PREC=prec,
         num_warps=cfg.num_warps)
     return post, comb, out
 

@@ -13,8 +13,8 @@ except ImportError:  # the package must import without triton; the launchers nee
 
 from glmflash.kernels.triton_utils import jit
 
-# Elements per program: 16 KiB of fp32 rows, enough programs for a 4 MiB KDA state row.
-BLOCK = 4096
+# Elements per program by default: 16 KiB of fp32 rows, 256 programs for a 4 MiB KDA state row.
+DEFAULT_BLOCK = 4096
 
 
 @jit(do_not_specialize=("width", "dst_scale", "dst_offset"))
@@ -33,14 +33,15 @@ def copy_rows_kernel(src, src_rows, dst, dst_rows, width, dst_scale, dst_offset,
 
 
 def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,
-              dst_rows: torch.Tensor, *, dst_scale: int = 1, dst_offset: int = 0) -> None:
-    """See `row_copy.copy_rows`."""
+              dst_rows: torch.Tensor, *, dst_scale: int = 1, dst_offset: int = 0,
+              block: int = DEFAULT_BLOCK) -> None:
+    """See `row_copy.copy_rows`; `block`: elements per program (a power of two)."""
     assert src[0:1].is_contiguous() and dst[0:1].is_contiguous(), "rows must be contiguous"
     assert src.stride(0) == dst.stride(0) == src[0].numel(), "rows back to back"
     rows, width = src_rows.numel(), src[0].numel()
     if rows == 0 or width == 0:
         return
-    block = min(BLOCK, triton.next_power_of_2(width))
+    block = min(block, triton.next_power_of_2(width))
     copy_rows_kernel[(rows, triton.cdiv(width, block))](
         src, src_rows, dst, dst_rows, width, dst_scale, dst_offset, src_rows.stride(0),
         dst_rows.stride(0), BLOCK=block,
