@@ -25,6 +25,8 @@ class Router(nn.Module):
         self.top_k, self.num_groups, self.topk_groups = (config.num_experts_per_tok,
                                                          config.n_group, config.topk_group)
         self.renormalize, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
+        self.spec = RouterSpec(self.top_k, self.num_groups, self.topk_groups, self.renormalize,
+                               self.scaling)
         self.counts: torch.Tensor | None = None
         """When set (a `[E]` tensor), every routing choice is counted into it."""
 
@@ -38,13 +40,11 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (expert ids `[T, k]`, fp32 weights `[T, k]`). No host sync, except
         `bincount` while `counts` is set."""
-        spec = RouterSpec(self.top_k, self.num_groups, self.topk_groups, self.renormalize,
-                          self.scaling)
-        if self.weight.requires_grad and torch.is_grad_enabled():  # training: autograd
-            ids, weights = route_ref(x, self.weight.float(), self.e_score_correction_bias, spec)
+        spec, bias = self.spec, self.e_score_correction_bias
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            ids, weights = route_ref(x, self.weight, bias, spec=spec)  # training: autograd
         else:
-            ids, weights = route(x, self.weight, self.weight_fp32, self.e_score_correction_bias,
-                                 spec)
+            ids, weights = route(x, self.weight, bias, spec=spec, weight_fp32=self.weight_fp32())
         if self.counts is not None:
             self.counts += torch.bincount(ids.flatten(), minlength=self.counts.numel())
         return ids, weights

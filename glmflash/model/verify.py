@@ -70,15 +70,16 @@ class VerifyScratch:
              step: int) -> None:
         """Keep `live`'s state of the sequences `at` saves (kind: recurrent, conv, index_tail)."""
         if at.save_rows.numel():
-            copy_rows(live, at.save_slots, getattr(self, kind)[layer].flatten(0, 1),
-                      at.save_rows, dst_scale=self.num_steps, dst_offset=step)
+            assert 0 <= step < self.num_steps, f"draft position {step} has no scratch row"
+            copy_rows(live, at.save_slots, _rows(getattr(self, kind)[layer]), at.save_rows,
+                      dst_scale=self.num_steps, dst_offset=step)
 
     def layers(self, state: ModelState):
         """(live state, its scratch copies `[rows * num_steps, ...]`) of every kept layer."""
         for live, saved in ((state.recurrent, self.recurrent), (state.conv, self.conv),
                             (state.index_tail, self.index_tail)):
             for layer, copies in saved.items():
-                yield live[layer], copies.flatten(0, 1)
+                yield live[layer], _rows(copies)
 
 
 def scratch_bytes(config: ModelConfig, num_rows: int, num_steps: int, dtype: torch.dtype) -> int:
@@ -87,6 +88,11 @@ def scratch_bytes(config: ModelConfig, num_rows: int, num_steps: int, dtype: tor
     from glmflash.model.state import cache_bytes
 
     return cache_bytes(config, dtype)[1] * num_rows * num_steps
+
+
+def _rows(copies: torch.Tensor) -> torch.Tensor:
+    """A scratch tensor `[rows, steps, ...]` as `[rows * steps, ...]`, a view (writes land)."""
+    return copies.view(-1, *copies.shape[2:])
 
 
 def _scratch(live: torch.Tensor, num_rows: int, num_steps: int) -> torch.Tensor:

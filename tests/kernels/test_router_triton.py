@@ -17,12 +17,15 @@ from glmflash.kernels.router.triton_impl import SCORE_TOKENS, ScoreConfig, route
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # (experts, hidden, spec): the release's one group, the tiny model's two groups keeping one,
-# four groups keeping two without renormalising, and an odd hidden size.
+# four groups keeping two without renormalising, an odd hidden size, five groups of six
+# experts (neither a power of two) keeping every group, and top-k taking every kept expert.
 SPECS = {
     "release_like": (288, 256, RouterSpec(8, 1, 1, True, 2.5)),
     "tiny": (8, 64, RouterSpec(2, 2, 1, True, 2.5)),
     "four_groups": (64, 96, RouterSpec(6, 4, 2, False, 1.0)),
     "odd_hidden": (24, 100, RouterSpec(3, 3, 2, True, 1.5)),
+    "five_groups_all_kept": (30, 48, RouterSpec(7, 5, 5, True, 1.0)),
+    "every_kept_expert": (12, 32, RouterSpec(6, 4, 2, True, 1.0)),
 }
 
 
@@ -42,19 +45,25 @@ def _sorted(ids, weights):
 def _check(tokens, name, dtype=torch.float32, config=None):
     experts, hidden, spec = SPECS[name]
     x, weight, bias = _case(tokens, experts, hidden, dtype)
-    want = _sorted(*route_ref(x, weight.float(), bias, spec))
-    got = _sorted(*route(x, weight, weight.float, bias, spec, score_config=config))
+    want = _sorted(*route_ref(x, weight, bias, spec=spec))
+    got = _sorted(*route(x, weight, bias, spec=spec, score_config=config))
     assert torch.equal(got[0], want[0])
     torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-5)
     return got[0]
 
 
 @pytest.mark.parametrize("name", SPECS)
-@pytest.mark.parametrize("tokens", [1, 3, 17, SCORE_TOKENS + 6])
+@pytest.mark.parametrize("tokens", [1, 5])
 def test_same_experts_and_weights(tokens, name):
     ids = _check(tokens, name)
     assert ids.shape == (tokens, SPECS[name][2].top_k)
     assert (ids.diff(dim=1) > 0).all()  # k distinct experts
+
+
+@pytest.mark.parametrize("name", ["release_like", "five_groups_all_kept"])
+def test_scores_by_gemm_above_score_tokens(name):
+    # Past SCORE_TOKENS the scores are the reference's fp32 GEMM, the choice still the kernel.
+    _check(SCORE_TOKENS + 1, name)
 
 
 def test_bf16_and_a_narrow_launch():
@@ -67,16 +76,26 @@ def test_group_limit_binds():
     experts, hidden, spec = SPECS["tiny"]
     x, weight, _ = _case(4, experts, hidden, torch.float32)
     bias = torch.tensor([0.0] * 4 + [5.0, 5.0, -5.0, -5.0], device=DEVICE)
-    ids, _ = route(x, weight, weight.float, bias, spec)
+    ids, _ = route(x, weight, bias, spec=spec)
     assert ((ids >= 4) & (ids < 6)).all()
     assert torch.equal(_sorted(ids, ids.float())[0],
-                       _sorted(*route_ref(x, weight.float(), bias, spec))[0])
+                       _sorted(*route_ref(x, weight, bias, spec=spec))[0])
+
+
+def test_nan_scores_still_choose_distinct_real_experts():
+    experts, hidden, spec = SPECS["release_like"]
+    x, weight, bias = _case(3, experts, hidden, torch.float32)
+    x[1] = float("nan")
+    ids, weights = route(x, weight, bias, spec=spec)
+    assert ((ids >= 0) & (ids < experts)).all()
+    assert all(len(set(row)) == spec.top_k for row in ids.tolist())
+    assert weights[1].isnan().all() and not weights[[0, 2]].isnan().any()
 
 
 def test_no_tokens():
     experts, hidden, spec = SPECS["tiny"]
     x, weight, bias = _case(0, experts, hidden, torch.float32)
-    ids, weights = route(x, weight, weight.float, bias, spec)
+    ids, weights = route(x, weight, bias, spec=spec)
     assert ids.shape == (0, 2) and weights.shape == (0, 2)
 
 
@@ -86,8 +105,8 @@ def test_no_tokens():
 def test_release_shape_bf16(tokens):
     experts, spec = 288, RouterSpec(8, 1, 1, True, 2.5)
     x, weight, bias = _case(tokens, experts, 4096, torch.bfloat16)
-    want = _sorted(*route_ref(x, weight.float(), bias, spec))
-    got = _sorted(*route(x, weight, weight.float, bias, spec))
+    want = _sorted(*route_ref(x, weight, bias, spec=spec))
+    got = _sorted(*route(x, weight, bias, spec=spec))
     # fp32 sums of exact products in another order: a choice could flip only at a near tie.
     assert torch.equal(got[0], want[0])
     torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-4)

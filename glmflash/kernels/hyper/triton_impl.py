@@ -52,6 +52,8 @@ class HyperPreConfig:
         for size in (self.block_t, self.block_k, self.block_d):
             assert size >= 1 and size & (size - 1) == 0, f"block sizes are powers of two: {self}"
         assert self.block_k >= 16 or self.block_t < 16, "tensor-core steps need block_k >= 16"
+        assert self.partial_values >= 1 and self.partial_values & (self.partial_values - 1) == 0, (
+            f"partial_values is a power of two: {self}")
 
 
 @dataclass(frozen=True)

@@ -77,10 +77,12 @@ def indexer_write_decode_kernel(keys, gates, ape, pool_keys, tail, page_table, s
 def indexer_write_decode(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor,
                          pool_keys: torch.Tensor, tail: torch.Tensor, page_table: torch.Tensor,
                          rows: torch.Tensor, positions: torch.Tensor, *, page_size: int,
-                         token_rows: torch.Tensor | None = None) -> None:
+                         token_rows: torch.Tensor | None = None,
+                         num_warps: int | None = None) -> None:
     """Triton `ref.indexer_write_decode`: token `token_rows[i]` (default i) of keys / gates
     `[T, D]` at `positions[i]` of the sequence in page-table row / state slot `rows[i]`. One
-    launch, nothing read on the host."""
+    launch, nothing read on the host. `num_warps`: default 4 for keys wider than 256, else 1
+    (a program holds a [kpool, D] tile)."""
     kpool, dim = ape.shape
     num = rows.numel()
     assert positions.numel() == num and (token_rows is None or token_rows.numel() == num)
@@ -97,4 +99,4 @@ def indexer_write_decode(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Ten
         page_table.stride(0), rows.stride(0), positions.stride(0), picks.stride(0), KPOOL=kpool,
         KP=triton.next_power_of_2(kpool), PAGE=page_size,
         BD=max(16, triton.next_power_of_2(dim)), HAS_TOKEN_ROWS=token_rows is not None,
-        num_warps=4 if dim > 256 else 1)
+        num_warps=num_warps or (4 if dim > 256 else 1))

@@ -13,16 +13,15 @@ from glmflash.kernels.dispatch import use_triton
 from glmflash.kernels.router.ref import RouterSpec, route_ref, select_ref
 
 
-def route(x: torch.Tensor, weight: torch.Tensor, weight_fp32, bias: torch.Tensor,
-          spec: RouterSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """(expert ids `[T, k]` int64, fp32 weights `[T, k]`); see `route_ref`. `weight` is the
-    router weight in the model's dtype; `weight_fp32()` returns its fp32 copy (the reference
-    path asks for it; the Triton scores multiply the model-dtype weight exactly in fp32)."""
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, spec: RouterSpec,
+          weight_fp32: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert ids `[T, k]` int64, fp32 weights `[T, k]`); see `route_ref`. The Triton scores
+    multiply the model-dtype weight exactly in fp32; `weight_fp32` serves the larger batches'
+    fp32 GEMM."""
+    impl = route_ref
     if use_triton(x, "router"):
-        from glmflash.kernels.router import triton_impl
-
-        return triton_impl.route(x, weight, weight_fp32, bias, spec)
-    return route_ref(x, weight_fp32(), bias, spec)
+        from glmflash.kernels.router.triton_impl import route as impl
+    return impl(x, weight, bias, spec=spec, weight_fp32=weight_fp32)
 
 
 __all__ = ["RouterSpec", "route", "route_ref", "select_ref"]

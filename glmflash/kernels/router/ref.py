@@ -18,11 +18,13 @@ class RouterSpec(NamedTuple):
     scaling: float
 
 
-def route_ref(x: torch.Tensor, weight_fp32: torch.Tensor, bias: torch.Tensor,
-              spec: RouterSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """(expert ids `[T, k]` int64, fp32 weights `[T, k]`) of x `[T, D]` over the router's fp32
-    weight `[E, D]` and correction bias `[E]`. No host sync."""
-    scores = torch.sigmoid(x.float() @ weight_fp32.t())
+def route_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, spec: RouterSpec,
+              weight_fp32: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert ids `[T, k]` int64, fp32 weights `[T, k]`) of x `[T, D]` over the router weight
+    `[E, D]` (scored in fp32; `weight_fp32`: its fp32 copy, when the caller keeps one) and the
+    correction bias `[E]`. No host sync."""
+    w = weight_fp32 if weight_fp32 is not None else weight.float()
+    scores = torch.sigmoid(x.float() @ w.t())
     return select_ref(scores, bias, spec)
 
 

@@ -25,18 +25,19 @@ SCORE_TOKENS = 64
 @dataclass(frozen=True)
 class ScoreConfig:
     """Launch shape of router_scores_kernel: a program owns `block_t` tokens and `block_e`
-    experts and walks the hidden size `block_k` columns a step."""
+    experts and walks the hidden size `block_k` columns a step; `select_warps`: warps of the
+    choice's program per token."""
 
     block_t: int
     block_e: int
     block_k: int
     num_warps: int = 4
+    select_warps: int = 4
 
 
 def default_score_config(num_tokens: int) -> ScoreConfig:
-    """Two experts a program (144 programs for 288 experts, every SM busy at one token) and a
-    [BT, BE, BK] product tile of 4K values, so that one token takes two steps of 2048 columns
-    (each step a round trip to memory)."""
+    """Two experts a program and a [BT, BE, BK] product tile of 4K values (README.md says
+    why)."""
     bt = min(4, triton.next_power_of_2(max(num_tokens, 1)))
     return ScoreConfig(block_t=bt, block_e=2, block_k=max(128, min(2048, 4096 // (bt * 2))))
 
@@ -76,8 +77,11 @@ def router_select_kernel(scores, bias, ids, weights, stride_s, EG, scaling, G: t
     o_j = tl.arange(0, EGP)
     m = (o_g < G)[:, None] & (o_j < EG)[None, :]
     expert = o_g[:, None] * EG + o_j[None, :]
-    b_s = tl.load(scores + t * stride_s + expert, mask=m, other=0.0)
-    b_c = tl.where(m, b_s + tl.load(bias + expert, mask=m, other=0.0), float("-inf"))
+    b_s = tl.load(scores + t * stride_s + expert, mask=m, other=0.0)  # [GP, EGP]
+    b_c = b_s + tl.load(bias + expert, mask=m, other=0.0)
+    # A NaN score ranks below every number but above the padding and the experts taken (-inf),
+    # so a token's k choices stay distinct real experts; its weights carry the NaN on.
+    b_c = tl.where(m, tl.where(b_c == b_c, b_c, -3.4028234663852886e38), float("-inf"))
     if G > 1:
         first = tl.argmax(b_c, 1)
         second = tl.max(tl.where(o_j[None, :] == first[:, None], float("-inf"), b_c), 1)
@@ -107,8 +111,8 @@ def router_select_kernel(scores, bias, ids, weights, stride_s, EG, scaling, G: t
     tl.store(weights + t * TOPK + o_k, b_w * scaling, mask=o_k < TOPK)
 
 
-def route(x: torch.Tensor, weight: torch.Tensor, weight_fp32, bias: torch.Tensor,
-          spec: RouterSpec, *, score_config: ScoreConfig | None = None
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, spec: RouterSpec,
+          weight_fp32: torch.Tensor | None = None, score_config: ScoreConfig | None = None
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `route_ref`: x `[T, D]`, weight `[E, D]` (model dtype), bias `[E]` fp32. Two
     launches, no host sync."""
@@ -120,8 +124,8 @@ def route(x: torch.Tensor, weight: torch.Tensor, weight_fp32, bias: torch.Tensor
     weights = torch.empty(num_tokens, spec.top_k, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return ids, weights
+    cfg = score_config or default_score_config(num_tokens)
     if num_tokens <= SCORE_TOKENS:
-        cfg = score_config or default_score_config(num_tokens)
         scores = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
         router_scores_kernel[(triton.cdiv(num_experts, cfg.block_e),
                               triton.cdiv(num_tokens, cfg.block_t))](
@@ -129,11 +133,13 @@ def route(x: torch.Tensor, weight: torch.Tensor, weight_fp32, bias: torch.Tensor
             scores.stride(0), BT=cfg.block_t, BE=cfg.block_e, BK=cfg.block_k,
             num_warps=cfg.num_warps)
     else:
-        scores = torch.sigmoid(x.float() @ weight_fp32().t())
+        w = weight_fp32 if weight_fp32 is not None else weight.float()
+        scores = torch.sigmoid(x.float() @ w.t())
     per_group = num_experts // spec.num_groups
     router_select_kernel[(num_tokens,)](
         scores, bias, ids, weights, scores.stride(0), per_group, float(spec.scaling),
         G=spec.num_groups, GP=triton.next_power_of_2(spec.num_groups),
         EGP=triton.next_power_of_2(per_group), TOPK_GROUPS=spec.topk_groups, TOPK=spec.top_k,
-        KP=triton.next_power_of_2(spec.top_k), RENORM=spec.renormalize, num_warps=4)
+        KP=triton.next_power_of_2(spec.top_k), RENORM=spec.renormalize,
+        num_warps=cfg.select_warps)
     return ids, weights

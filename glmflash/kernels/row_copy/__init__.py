@@ -1,8 +1,8 @@
 """Copy whole rows between state tensors by device indices: `copy_rows` (the speculative
 verify keeps each draft position's state in a scratch row and commits the accepted one).
 
-CUDA tensors go to one Triton launch (triton_impl.py); CPU tensors to the reference below (a
-gather, a select and a scatter); `GLMFLASH_KERNEL_ROW_COPY=ref|triton` forces one.
+CUDA tensors go to one Triton launch (triton_impl.py); CPU tensors to ref.py (a gather, a
+select and a scatter); `GLMFLASH_KERNEL_ROW_COPY=ref|triton` forces one.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from glmflash.kernels.dispatch import use_triton
+from glmflash.kernels.row_copy.ref import copy_rows_ref
 
 
 def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,
@@ -26,14 +27,6 @@ def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,
     else:
         impl = copy_rows_ref
     impl(src, src_rows, dst, dst_rows, dst_scale=dst_scale, dst_offset=dst_offset)
-
-
-def copy_rows_ref(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,
-                  dst_rows: torch.Tensor, *, dst_scale: int = 1, dst_offset: int = 0) -> None:
-    """`copy_rows` in torch ops: rows skipped by a negative source keep what they held."""
-    targets = dst_rows * dst_scale + dst_offset
-    keep = (src_rows >= 0).view(-1, *[1] * (src.dim() - 1))
-    dst[targets] = torch.where(keep, src[src_rows.clamp(min=0)], dst[targets])
 
 
 __all__ = ["copy_rows", "copy_rows_ref"]
