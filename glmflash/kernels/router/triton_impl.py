@@ -72,26 +72,26 @@ def router_select_kernel(scores, bias, ids, weights, stride_s, EG, scaling, G: t
     """Token t: choice = scores + bias over a [groups, experts per group] tile; keep the
     TOPK_GROUPS groups whose two best choices sum highest; the TOPK best kept experts; their
     scores (renormalised) times `scaling`."""
-    t = tl.program_id(0).to(tl.int64)
+    i_t = tl.program_id(0).to(tl.int64)
     o_g = tl.arange(0, GP)
     o_j = tl.arange(0, EGP)
     m = (o_g < G)[:, None] & (o_j < EG)[None, :]
     expert = o_g[:, None] * EG + o_j[None, :]
-    b_s = tl.load(scores + t * stride_s + expert, mask=m, other=0.0)  # [GP, EGP]
+    b_s = tl.load(scores + i_t * stride_s + expert, mask=m, other=0.0)  # [GP, EGP]
     b_c = b_s + tl.load(bias + expert, mask=m, other=0.0)
     # A NaN score ranks below every number but above the padding and the experts taken (-inf),
     # so a token's k choices stay distinct real experts; its weights carry the NaN on.
     b_c = tl.where(m, tl.where(b_c == b_c, b_c, -3.4028234663852886e38), float("-inf"))
     if G > 1:
-        first = tl.argmax(b_c, 1)
-        second = tl.max(tl.where(o_j[None, :] == first[:, None], float("-inf"), b_c), 1)
-        b_group = tl.where(o_g < G, tl.max(b_c, 1) + second, float("-inf"))
-        keep = o_g < 0
+        b_first = tl.argmax(b_c, 1)  # [GP]
+        b_second = tl.max(tl.where(o_j[None, :] == b_first[:, None], float("-inf"), b_c), 1)
+        b_group = tl.where(o_g < G, tl.max(b_c, 1) + b_second, float("-inf"))
+        m_keep = o_g < 0  # [GP]
         for _ in tl.static_range(TOPK_GROUPS):
             best = tl.argmax(b_group, 0)
-            keep = keep | (o_g == best)
+            m_keep = m_keep | (o_g == best)
             b_group = tl.where(o_g == best, float("-inf"), b_group)
-        b_c = tl.where(keep[:, None], b_c, float("-inf"))
+        b_c = tl.where(m_keep[:, None], b_c, float("-inf"))
     o_f = tl.arange(0, GP * EGP)
     f_c = tl.reshape(b_c, [GP * EGP])
     f_s = tl.reshape(b_s, [GP * EGP])
@@ -101,14 +101,14 @@ def router_select_kernel(scores, bias, ids, weights, stride_s, EG, scaling, G: t
     b_w = tl.zeros([KP], dtype=tl.float32)
     for i in tl.static_range(TOPK):
         best = tl.argmax(f_c, 0)
-        hit = o_f == best
-        b_ids = tl.where(o_k == i, tl.sum(tl.where(hit, f_e, 0), 0).to(tl.int64), b_ids)
-        b_w = tl.where(o_k == i, tl.sum(tl.where(hit, f_s, 0.0), 0), b_w)
-        f_c = tl.where(hit, float("-inf"), f_c)
+        m_hit = o_f == best  # [GP * EGP]
+        b_ids = tl.where(o_k == i, tl.sum(tl.where(m_hit, f_e, 0), 0).to(tl.int64), b_ids)
+        b_w = tl.where(o_k == i, tl.sum(tl.where(m_hit, f_s, 0.0), 0), b_w)
+        f_c = tl.where(m_hit, float("-inf"), f_c)
     if RENORM:
         b_w = b_w / (tl.sum(b_w, 0) + 1e-20)
-    tl.store(ids + t * TOPK + o_k, b_ids, mask=o_k < TOPK)
-    tl.store(weights + t * TOPK + o_k, b_w * scaling, mask=o_k < TOPK)
+    tl.store(ids + i_t * TOPK + o_k, b_ids, mask=o_k < TOPK)
+    tl.store(weights + i_t * TOPK + o_k, b_w * scaling, mask=o_k < TOPK)
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, spec: RouterSpec,
