@@ -5,8 +5,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from glmflash.kernels.fp8_gemm import FP8_DTYPE, block_scale_shape, fp8_linear
+from glmflash.kernels.fp8_gemm import (
+    FP8_DTYPE,
+    block_scale_shape,
+    dequantize_block_fp8,
+    fp8_linear,
+    fp8_linear_on_triton,
+)
 from glmflash.kernels.rms_norm import rms_norm
+
+# FP8 weights up to this many elements keep a dequantised copy when their product runs the
+# reference (tiny models on the CPU); release weights are far larger and never do.
+DEQUANTIZED_CACHE_LIMIT = 1 << 20
 
 
 class RMSNorm(nn.Module):
@@ -37,11 +47,25 @@ class Linear(nn.Module):
             if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8_block:
+        if not self.fp8_block:
+            y = nn.functional.linear(x, self.weight)
+        elif fp8_linear_on_triton(x) or self.weight.numel() > DEQUANTIZED_CACHE_LIMIT:
             y = fp8_linear(x, self.weight, self.weight_scale_inv, block=self.fp8_block)
         else:
-            y = nn.functional.linear(x, self.weight)
+            # The reference product of a small weight (tiny models, on the CPU): the same
+            # dequantised copy every call, kept instead of made again.
+            y = nn.functional.linear(x, self.dequantized(x.dtype))
         return y if self.bias is None else y + self.bias
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The FP8 weight dequantised to `dtype`, kept while the weight and scales stay."""
+        key = (self.weight.data_ptr(), self.weight_scale_inv.data_ptr(), dtype,
+               self.weight.device)
+        if getattr(self, "_dequantized_key", None) != key:
+            self._dequantized = dequantize_block_fp8(self.weight, self.weight_scale_inv,
+                                                     block=self.fp8_block, dtype=dtype)
+            self._dequantized_key = key
+        return self._dequantized
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

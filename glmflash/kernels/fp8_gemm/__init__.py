@@ -19,10 +19,16 @@ from glmflash.kernels.fp8_gemm.ref import (
 )
 
 
+def fp8_linear_on_triton(x: torch.Tensor) -> bool:
+    """Whether `fp8_linear` of `x` runs a Triton kernel (else the reference: dequantise, then
+    a plain product)."""
+    return use_triton(x, "fp8_gemm", "fp8_linear")
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, *,
                block: int = 128) -> torch.Tensor:
     """`y = x W^T` with W in block-scaled FP8; see `fp8_linear_ref`."""
-    if use_triton(x, "fp8_gemm", "fp8_linear"):
+    if fp8_linear_on_triton(x):
         from glmflash.kernels.fp8_gemm import triton_impl
 
         return triton_impl.fp8_linear(x, weight, scale_inv, block=block)
@@ -30,4 +36,4 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, *
 
 
 __all__ = ["FP8_DTYPE", "block_scale_shape", "dequantize_block_fp8", "fp8_linear",
-           "fp8_linear_ref", "quantize_block_fp8"]
+           "fp8_linear_on_triton", "fp8_linear_ref", "quantize_block_fp8"]
