@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 ENGINE_WATCH_INTERVAL_S = 0.25
 # uvicorn cancels connections still open this long after our own deadline (a backstop only).
 _UVICORN_MARGIN_S = 5.0
+# Idle keep-alive connections stay open this long: longer than clients keep them (httpx, and so
+# the openai SDK, expire theirs after 5 s). With uvicorn's default, also 5 s, a client could send
+# on a connection at the moment the server closed it, and that request failed (a read error).
+KEEP_ALIVE_S = 75
 SHUTTING_DOWN = "The server is shutting down; this request was stopped before it finished."
 
 
@@ -107,7 +111,7 @@ class GracefulServer(uvicorn.Server):
 
     @staticmethod
     def config(app, lifecycle: Lifecycle, log_level: str) -> uvicorn.Config:
-        return uvicorn.Config(app, log_level=log_level,
+        return uvicorn.Config(app, log_level=log_level, timeout_keep_alive=KEEP_ALIVE_S,
                               timeout_graceful_shutdown=int(lifecycle.graceful_timeout_s
                                                             + _UVICORN_MARGIN_S))
 

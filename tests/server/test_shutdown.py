@@ -95,3 +95,14 @@ def test_sigterm_lets_short_streams_finish_and_ends_long_ones(tiny_dirs, tmp_pat
     assert out["short"][-1] == "data: [DONE]" and '"finish_reason":"length"' in out["short"][-2]
     assert out["long"][-1] == "data: [DONE]" and '"code":"shutting_down"' in out["long"][-2]
     assert "received SIGTERM" in text and "cache integrity after shutdown: ok" in text
+
+
+def test_idle_connections_outlive_the_clients_keep_alive():
+    # A server that closed idle connections no later than httpx (and the openai SDK) expires
+    # them could close one just as a client sends on it: that request would fail.
+    from types import SimpleNamespace
+
+    from glmflash.server.lifecycle import GracefulServer
+
+    config = GracefulServer.config(object(), SimpleNamespace(graceful_timeout_s=1.0), "warning")
+    assert config.timeout_keep_alive > httpx.Limits().keepalive_expiry
