@@ -36,8 +36,12 @@ CANDIDATES = {
     "fused": ti.DEFAULT_CONFIG,
     "fused prep w8 k32": ti.KdaConfig(prep_warps=8, prep_key_block=32, prep_value_block=32),
     "staged": ti.KdaConfig(staged=_STAGED),
-    "staged intra w2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, intra_warps=2)),
-    "staged intra k64": ti.KdaConfig(staged=dataclasses.replace(_STAGED, intra_key_block=64)),
+    "staged off w2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, intra_warps=2)),
+    "staged off w1": ti.KdaConfig(staged=dataclasses.replace(_STAGED, intra_warps=1)),
+    "staged diag w2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, diag_warps=2)),
+    "staged diag k64": ti.KdaConfig(staged=dataclasses.replace(_STAGED, diag_key_block=64)),
+    "staged one-program intra": ti.KdaConfig(staged=dataclasses.replace(_STAGED,
+                                                                        intra_split=False)),
     "staged solve tf32": ti.KdaConfig(staged=dataclasses.replace(
         _STAGED, solve_precision="tf32")),
     "staged T fp32": ti.KdaConfig(staged=dataclasses.replace(_STAGED, inverse_bf16=False)),
@@ -47,12 +51,14 @@ CANDIDATES = {
                                       state_value_block=32, state_warps=2),
 }
 
-# The output fused into the walk and split off (one intra kernel, ieee inverse products), and
-# the intra kernel with TF32 inverse products (fewer spills): two intra compiles in all.
-SWEEP_DEFAULT = ("staged", "staged solve tf32", "split")
+# The fused prep, the staged form with the intra stage split (at a few launch shapes) and in
+# one program, and the output split off the walk.
+SWEEP_DEFAULT = ("fused", "staged", "staged off w2", "staged off w1", "staged diag w2",
+                 "staged one-program intra", "split")
 # (candidate, dtype) of every prefill the GPU tests in tests/kernels/test_kda_chunk_*.py run.
 TEST_FORMS = tuple((name, "bfloat16") for name in (
-    "fused", "staged", "staged solve tf32", "staged T fp32", "split", "split walk v32 w2")) + (
+    "fused", "staged", "staged solve tf32", "staged T fp32", "split", "split walk v32 w2",
+    "staged one-program intra")) + (
     ("fused", "float32"), ("staged", "float32"), ("split", "float32"))
 
 

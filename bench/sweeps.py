@@ -1,6 +1,6 @@
 """Launch-shape sweeps of the decode-sized GPU kernels (prints only; pick defaults from these).
 
-    PYTHONPATH=. python bench/sweeps.py [--ops kda,kda_prefill,mla,fp8,fp8row,fp8rules,moe]
+    PYTHONPATH=. python bench/sweeps.py [--ops kda,kda_prefill,topk,mla,fp8,fp8row,fp8rules,moe]
 
 `moe`: fused MoE prefill at 8192 tokens by parts: both sorts, the GEMMs (bench/fused_moe.py);
 `fp8rules`: FP8 linear at 16 rows, the streaming grid and the per-shape rules over it.
@@ -174,6 +174,30 @@ def _rule_pick(entries, n: int, k: int) -> tuple:
     return STREAM_GRID[0]
 
 
+# (rows, pooled keys per row): one query at 128K context and 32 queries at 1M (kpool 4).
+TOPK_SHAPES = ((1, 32768), (32, 262144))
+
+
+def sweep_topk(k: int = 512) -> None:
+    """The radix top-k (indexer/topk_triton.py) at each launch shape against torch.topk."""
+    from glmflash.kernels.indexer.topk_triton import DEFAULT_CONFIG, TopkConfig, topk_indices
+
+    grid = [DEFAULT_CONFIG] + [
+        TopkConfig(block=b, min_segment=b, programs_per_sm=p, num_warps=w)
+        for p, b, w in itertools.product((4, 8, 16), (1024, 2048), (4, 8))]
+    for rows, width in TOPK_SHAPES:
+        scores = torch.randn(rows, width, device="cuda")
+        lengths = torch.full((rows,), width, dtype=torch.int32, device="cuda")
+        want = scores.topk(k, dim=1).indices.sort(1).values.int()
+        torch_us = graph_ms(lambda s=scores: s.topk(k, dim=1)) * 1e3
+        print(f"topk rows={rows} width={width}: torch.topk {torch_us:.1f} us", flush=True)
+        for c in grid:
+            ok = torch.equal(topk_indices(scores, lengths, k, config=c).sort(1).values, want)
+            us = graph_ms(lambda c=c, s=scores, n=lengths: topk_indices(s, n, k, config=c)) * 1e3
+            print(f"topk rows={rows} width={width} block={c.block} per_sm={c.programs_per_sm} "
+                  f"warps={c.num_warps}: {us:.1f} us{'' if ok else ' WRONG SET'}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", default="kda,mla,fp8")
@@ -193,6 +217,8 @@ def main() -> None:
 
         names = args.kda_candidates.split(",") if args.kda_candidates else None
         sweep_kda([int(n) for n in args.kda_tokens.split(",")], names)
+    if "topk" in ops:
+        sweep_topk()
     if "mla" in ops:
         sweep_sparse_mla()
     if "fp8" in ops:

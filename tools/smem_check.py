@@ -169,11 +169,19 @@ def kda_staged_launches() -> list[Launch]:
     ptrs = dict.fromkeys(("q", "k", "v", "w", "u", "qg", "kd", "aqk", "beta", "o", "vn", "h"),
                          "*bf16")
     ptrs.update(g="*fp32", g2="*fp32", rq="*fp32", rk="*fp32", gl="*fp32", state="*fp32",
-                meta="*i32", tinv="*bf16")
+                meta="*i32", tinv="*bf16", tdiag="*fp32")
     shape = dict(H=64, K=128)
     out = [Launch("kda staged gate", stages.kda_gate_kernel, ptrs, dict(shape, BK=128), 4)]
     for warps, bk in ((1, 32), (2, 32), (4, 32), (4, 64)):
         out.append(Launch(f"kda staged intra {warps}w BK{bk}", intra.kda_intra_kernel, ptrs,
+                          dict(shape, BK=bk, PREC="tf32", SOLVE="ieee"), warps))
+    for warps in (2, 4):
+        out.append(Launch(f"kda staged intra diagonal {warps}w BK128",
+                          intra.kda_intra_diag_kernel, ptrs,
+                          dict(shape, BK=128, PREC="tf32", SOLVE="ieee"), warps))
+    for warps, bk in ((1, 32), (2, 32), (4, 32), (2, 64)):
+        out.append(Launch(f"kda staged intra off-diagonal {warps}w BK{bk}",
+                          intra.kda_intra_off_kernel, ptrs,
                           dict(shape, BK=bk, PREC="tf32", SOLVE="ieee"), warps))
     for name, dot in (("bf16", tl.bfloat16), ("fp32", tl.float32)):
         wy = dict(ptrs, tinv="*bf16" if name == "bf16" else "*fp32")

@@ -267,3 +267,155 @@ def kda_intra_kernel(q, k, g2, rq, rk, beta, aqk, tinv, meta, stride_q, stride_k
     b_x = tl.dot(l32, t22, input_precision=SOLVE)
     _store_block(tinv, -tl.dot(t33, b_x, input_precision=SOLVE), r3, 32, t_end, H * 64)
     _store_block(tinv, t33, r3, 48, t_end, H * 64)
+
+
+# The intra stage in two kernels (StagedConfig.intra_split), as fla-core splits it: the
+# diagonal blocks in a program per (chunk, sub-chunk, head), then the off-diagonal blocks and
+# the merge of the inverse in a program per (chunk, head) that reads each sub-chunk once per
+# channel block. Neither holds more than one row of the other's work, so both run with few
+# registers and many programs per SM.
+
+
+@jit
+def kda_intra_diag_kernel(q, k, g2, rq, rk, beta, aqk, tinv, tdiag, meta, stride_q, stride_k,
+                          stride_b, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                          PREC: tl.constexpr, SOLVE: tl.constexpr):
+    """One (chunk, 16-row sub-chunk, head): the sub-chunk's diagonal block of Aqk (scaled,
+    normalised, causal) and T_ii = (I + L_ii)^-1, stored in tinv and, fp32, in tdiag
+    `[T, H, 16]` for `kda_intra_off_kernel`."""
+    i_c, i_s, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t0 = tl.load(meta + i_c * 3)
+    t_end = tl.load(meta + i_c * 3 + 1)
+    r0 = t0 + i_s * 16
+    if r0 >= t_end:
+        return
+    q += i_h * K
+    k += i_h * K
+    g2 += i_h * K
+    m_r = r0 + tl.arange(0, 16) < t_end
+    b_a = tl.zeros([16, 16], dtype=tl.float32)
+    b_akk = b_a
+    b_span = 0.0
+    for i_k in range(tl.cdiv(K, BK)):
+        c0 = i_k * BK
+        b_q, b_k, b_g, b_f, b_l = _rows(q, k, g2, r0, t_end, stride_q, stride_k, c0, H, K, BK)
+        b_a, b_akk = _diag_products(b_a, b_akk, b_q, b_k, b_g, b_f, b_l, m_r, PREC)
+        b_span = tl.maximum(b_span, tl.max(b_f - b_l, 0))
+    b_a, b_akk = _steep_diag(b_a, b_akk, b_span, q, k, g2, r0, t_end, stride_q, stride_k, H, K,
+                             BK)
+    b_rk = _row_vec(rk + i_h, r0, t_end, H)
+    _store_aqk(aqk + i_h * 64, b_a, _row_vec(rq + i_h, r0, t_end, H), b_rk, r0, i_s * 16, t_end,
+               H, True)
+    b_row = _row_vec(beta + i_h, r0, t_end, stride_b) * b_rk
+    b_t = _diag_inverse(b_akk, b_row, b_rk, SOLVE)
+    _store_block(tinv + i_h * 64, b_t, r0, i_s * 16, t_end, H * 64)
+    _store_block(tdiag + i_h * 16, b_t, r0, 0, t_end, H * 16)
+
+
+@jit
+def _anchored_rows(q, k, g2, r0, t_end, stride_q, stride_k, c0, H: tl.constexpr,
+                   K: tl.constexpr, BK: tl.constexpr):
+    """A sub-chunk as the rows of off-diagonal blocks: q and k times exp2(G - G_first) (<= 1,
+    zero past t_end), G_first, and its k and G for when it is the keys of later rows."""
+    b_q, b_k, b_g, b_f, _ = _rows(q, k, g2, r0, t_end, stride_q, stride_k, c0, H, K, BK)
+    b_qa, b_ka = _row_factors(b_q, b_k, b_g, b_f, r0, t_end)
+    return b_qa, b_ka, b_f, b_k, b_g
+
+
+@jit
+def _pair_products(b_aq, b_akk, b_qa, b_ka, b_f, b_kj, b_gj, r0j, t_end, PREC: tl.constexpr):
+    """Adds one channel block's share of the block (rows i, keys of sub-chunk j < i) of Aqk and
+    Akk: the keys carry exp2(G_first(i) - G) <= 1."""
+    m_r = r0j + tl.arange(0, 16) < t_end
+    b_kt = tl.trans(b_kj * tl.where(m_r[:, None], tl.exp2(b_f[None, :] - b_gj), 0.0))
+    b_aq = tl.dot(b_qa, b_kt, b_aq, input_precision=PREC)
+    b_akk = tl.dot(b_ka, b_kt, b_akk, input_precision=PREC)
+    return b_aq, b_akk
+
+
+@jit
+def _load_t(tdiag, r0, t_end, H: tl.constexpr):
+    """A diagonal block of T from `kda_intra_diag_kernel`'s fp32 copy, zero past t_end."""
+    return _load_rows(tdiag, r0, t_end, H * 16, 0, 16, 16, 16)
+
+
+@jit
+def kda_intra_off_kernel(q, k, g2, rq, rk, beta, aqk, tinv, tdiag, meta, stride_q, stride_k,
+                         stride_b, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                         PREC: tl.constexpr, SOLVE: tl.constexpr):
+    """One (chunk, head): the six blocks below the diagonal of Aqk and Akk (rows anchored at
+    their sub-chunk's first decay, so every factor is <= 1), then T's blocks below the
+    diagonal from the diagonal ones, T_ij = -T_ii sum_{j <= m < i} L_im T_mj."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0 = tl.load(meta + i_c * 3)
+    t_end = tl.load(meta + i_c * 3 + 1)
+    if t_end - t0 <= 16:
+        return
+    q += i_h * K
+    k += i_h * K
+    g2 += i_h * K
+    r1, r2, r3 = t0 + 16, t0 + 32, t0 + 48
+    z = tl.zeros([16, 16], dtype=tl.float32)
+    a10, k10, a20, k20, a21, k21 = z, z, z, z, z, z
+    a30, k30, a31, k31, a32, k32 = z, z, z, z, z, z
+    for i_k in range(tl.cdiv(K, BK)):
+        c0 = i_k * BK
+        b_k0 = _load_rows(k, t0, t_end, stride_k, c0, K, BK, 16)
+        b_g0 = _load_rows(g2, t0, t_end, H * K, c0, K, BK, 16)
+        b_qa, b_ka, b_f, b_k1, b_g1 = _anchored_rows(q, k, g2, r1, t_end, stride_q, stride_k,
+                                                     c0, H, K, BK)
+        a10, k10 = _pair_products(a10, k10, b_qa, b_ka, b_f, b_k0, b_g0, t0, t_end, PREC)
+        b_qa, b_ka, b_f, b_k2, b_g2 = _anchored_rows(q, k, g2, r2, t_end, stride_q, stride_k,
+                                                     c0, H, K, BK)
+        a20, k20 = _pair_products(a20, k20, b_qa, b_ka, b_f, b_k0, b_g0, t0, t_end, PREC)
+        a21, k21 = _pair_products(a21, k21, b_qa, b_ka, b_f, b_k1, b_g1, r1, t_end, PREC)
+        b_qa, b_ka, b_f, _, _ = _anchored_rows(q, k, g2, r3, t_end, stride_q, stride_k, c0, H,
+                                               K, BK)
+        a30, k30 = _pair_products(a30, k30, b_qa, b_ka, b_f, b_k0, b_g0, t0, t_end, PREC)
+        a31, k31 = _pair_products(a31, k31, b_qa, b_ka, b_f, b_k1, b_g1, r1, t_end, PREC)
+        a32, k32 = _pair_products(a32, k32, b_qa, b_ka, b_f, b_k2, b_g2, r2, t_end, PREC)
+    rq += i_h
+    rk += i_h
+    beta += i_h
+    aqk += i_h * 64
+    tinv += i_h * 64
+    tdiag += i_h * 16
+    b_rk0, b_rk1 = _row_vec(rk, t0, t_end, H), _row_vec(rk, r1, t_end, H)
+    b_rk2, b_rk3 = _row_vec(rk, r2, t_end, H), _row_vec(rk, r3, t_end, H)
+    t00, t11 = _load_t(tdiag, t0, t_end, H), _load_t(tdiag, r1, t_end, H)
+    t22, t33 = _load_t(tdiag, r2, t_end, H), _load_t(tdiag, r3, t_end, H)
+
+    b_rq = _row_vec(rq, r1, t_end, H)
+    _store_aqk(aqk, a10, b_rq, b_rk0, r1, 0, t_end, H, False)
+    b_row = _row_vec(beta, r1, t_end, stride_b) * b_rk1
+    l10 = _l_block(k10, b_row, b_rk0, False)
+    t10 = -tl.dot(t11, tl.dot(l10, t00, input_precision=SOLVE), input_precision=SOLVE)
+    _store_block(tinv, t10, r1, 0, t_end, H * 64)
+
+    b_rq = _row_vec(rq, r2, t_end, H)
+    _store_aqk(aqk, a20, b_rq, b_rk0, r2, 0, t_end, H, False)
+    _store_aqk(aqk, a21, b_rq, b_rk1, r2, 16, t_end, H, False)
+    b_row = _row_vec(beta, r2, t_end, stride_b) * b_rk2
+    l20 = _l_block(k20, b_row, b_rk0, False)
+    l21 = _l_block(k21, b_row, b_rk1, False)
+    b_x = tl.dot(l21, t10, tl.dot(l20, t00, input_precision=SOLVE), input_precision=SOLVE)
+    t20 = -tl.dot(t22, b_x, input_precision=SOLVE)
+    t21 = -tl.dot(t22, tl.dot(l21, t11, input_precision=SOLVE), input_precision=SOLVE)
+    _store_block(tinv, t20, r2, 0, t_end, H * 64)
+    _store_block(tinv, t21, r2, 16, t_end, H * 64)
+
+    b_rq = _row_vec(rq, r3, t_end, H)
+    _store_aqk(aqk, a30, b_rq, b_rk0, r3, 0, t_end, H, False)
+    _store_aqk(aqk, a31, b_rq, b_rk1, r3, 16, t_end, H, False)
+    _store_aqk(aqk, a32, b_rq, b_rk2, r3, 32, t_end, H, False)
+    b_row = _row_vec(beta, r3, t_end, stride_b) * b_rk3
+    l30 = _l_block(k30, b_row, b_rk0, False)
+    l31 = _l_block(k31, b_row, b_rk1, False)
+    l32 = _l_block(k32, b_row, b_rk2, False)
+    b_x = tl.dot(l31, t10, tl.dot(l30, t00, input_precision=SOLVE), input_precision=SOLVE)
+    b_x = tl.dot(l32, t20, b_x, input_precision=SOLVE)
+    _store_block(tinv, -tl.dot(t33, b_x, input_precision=SOLVE), r3, 0, t_end, H * 64)
+    b_x = tl.dot(l32, t21, tl.dot(l31, t11, input_precision=SOLVE), input_precision=SOLVE)
+    _store_block(tinv, -tl.dot(t33, b_x, input_precision=SOLVE), r3, 16, t_end, H * 64)
+    b_x = tl.dot(l32, t22, input_precision=SOLVE)
+    _store_block(tinv, -tl.dot(t33, b_x, input_precision=SOLVE), r3, 32, t_end, H * 64)
