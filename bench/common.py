@@ -181,3 +181,22 @@ def add_fake_context_requests(engine, num_requests: int, context_len: int, param
     for seq in seqs:
         fill_fake_context(engine, seq, context_len)
     return seqs
+
+
+def kernel_ms(fn, reps: int = 3) -> dict[str, float]:
+    """GPU ms per call of each kernel `fn` launches (torch.profiler, after one warm-up call),
+    summed by kernel name, in launch order."""
+    from torch.autograd import DeviceType
+
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            us = e.time_range.end - e.time_range.start
+            out[e.name] = out.get(e.name, 0.0) + us / 1e3 / reps
+    return out

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from bench.common import event_ms, graph_ms, rel
+from bench.common import event_ms, graph_ms, kernel_ms, rel
 from bench.kernels import _fla, _kda_inputs
 from glmflash.kernels.kda import chunk_stages as cs
 from glmflash.kernels.kda import chunk_triton
@@ -40,6 +40,12 @@ CANDIDATES = {
     "staged off w1": ti.KdaConfig(staged=dataclasses.replace(_STAGED, intra_warps=1)),
     "staged diag w2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, diag_warps=2)),
     "staged diag k64": ti.KdaConfig(staged=dataclasses.replace(_STAGED, diag_key_block=64)),
+    "staged off w2 diag k64 w2": ti.KdaConfig(staged=dataclasses.replace(
+        _STAGED, intra_warps=2, diag_key_block=64, diag_warps=2)),
+    "staged off w2 diag k32 w1": ti.KdaConfig(staged=dataclasses.replace(
+        _STAGED, intra_warps=2, diag_key_block=32, diag_warps=1)),
+    "staged off w2 diag k32 w2": ti.KdaConfig(staged=dataclasses.replace(
+        _STAGED, intra_warps=2, diag_key_block=32, diag_warps=2)),
     "staged one-program intra": ti.KdaConfig(staged=dataclasses.replace(_STAGED,
                                                                         intra_split=False)),
     "staged solve tf32": ti.KdaConfig(staged=dataclasses.replace(
@@ -166,6 +172,28 @@ def sweep_kda(sizes: list[int], names: list[str] | None = None) -> None:
     names = [n for n in names if n not in failed]
     for n in sizes:
         _sweep_size(n, chunk_kda, names)
+
+
+def profile_kda(n: int, names: list[str]) -> None:
+    """GPU ms of each kernel of fla's safe-gate prefill and of each candidate's, at n tokens."""
+    q, k, v, g, beta, state = _kda_inputs(n)
+    inputs = (q, k, v, g, beta)
+    chunk_kda, _ = _fla()
+    runs = {}
+    if chunk_kda is not None:
+        from bench.kda_prefill import _fla_runner
+
+        run = _fla_runner(chunk_kda, inputs, n, True)
+        runs["fla safe gate"] = lambda: run(state.clone())
+    for name in names:
+        config = CANDIDATES[name]
+        runs[name] = lambda c=config: ti.kda(*inputs, state.clone(), [0, n], [0], [False],
+                                             config=c)
+    for label, fn in runs.items():
+        times = kernel_ms(fn)
+        parts = ", ".join(f"{kernel[:48]} {ms:.3f}" for kernel, ms in times.items()
+                          if ms >= 0.01)
+        print(f"kda profile n={n} {label}: {sum(times.values()):.3f} ms | {parts}", flush=True)
 
 
 def _sweep_size(n: int, chunk_kda, names: list[str]) -> None:

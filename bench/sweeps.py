@@ -1,7 +1,9 @@
 """Launch-shape sweeps of the decode-sized GPU kernels (prints only; pick defaults from these).
 
-    PYTHONPATH=. python bench/sweeps.py [--ops kda,kda_prefill,topk,mla,fp8,fp8row,fp8rules,moe]
+    PYTHONPATH=. python bench/sweeps.py
+        [--ops kda,kda_prefill,kda_profile,topk,mla,fp8,fp8row,fp8rules,moe]
 
+`kda_profile`: each kernel's GPU time in fla's prefill and the candidates' (first length);
 `moe`: fused MoE prefill at 8192 tokens by parts: both sorts, the GEMMs (bench/fused_moe.py);
 `fp8rules`: FP8 linear at 16 rows, the streaming grid and the per-shape rules over it.
 
@@ -217,6 +219,11 @@ def main() -> None:
 
         names = args.kda_candidates.split(",") if args.kda_candidates else None
         sweep_kda([int(n) for n in args.kda_tokens.split(",")], names)
+    if "kda_profile" in ops:
+        from bench.kda_sweep import SWEEP_DEFAULT, profile_kda
+
+        names = args.kda_candidates.split(",") if args.kda_candidates else list(SWEEP_DEFAULT)
+        profile_kda(int(args.kda_tokens.split(",")[0]), names)
     if "topk" in ops:
         sweep_topk()
     if "mla" in ops:
