@@ -46,6 +46,18 @@ CANDIDATES = {
         _STAGED, intra_warps=2, diag_key_block=32, diag_warps=1)),
     "staged off w2 diag k32 w2": ti.KdaConfig(staged=dataclasses.replace(
         _STAGED, intra_warps=2, diag_key_block=32, diag_warps=2)),
+    "staged off w2 diag k16 w1": ti.KdaConfig(staged=dataclasses.replace(
+        _STAGED, intra_warps=2, diag_key_block=16, diag_warps=1)),
+    "staged d32w1 wy w2": ti.KdaConfig(staged=dataclasses.replace(
+        _STAGED, intra_warps=2, diag_key_block=32, diag_warps=1, wy_warps=2)),
+    "staged d32w1 wy k32": ti.KdaConfig(staged=dataclasses.replace(
+        _STAGED, intra_warps=2, diag_key_block=32, diag_warps=1, wy_block=32)),
+    "staged d32w1 wy k32 w2": ti.KdaConfig(staged=dataclasses.replace(
+        _STAGED, intra_warps=2, diag_key_block=32, diag_warps=1, wy_block=32, wy_warps=2)),
+    "staged d32w1 wy k128 w8": ti.KdaConfig(staged=dataclasses.replace(
+        _STAGED, intra_warps=2, diag_key_block=32, diag_warps=1, wy_block=128, wy_warps=8)),
+    "staged d32w1 walk v32": ti.KdaConfig(staged=dataclasses.replace(
+        _STAGED, intra_warps=2, diag_key_block=32, diag_warps=1), state_value_block=32),
     "staged one-program intra": ti.KdaConfig(staged=dataclasses.replace(_STAGED,
                                                                         intra_split=False)),
     "staged solve tf32": ti.KdaConfig(staged=dataclasses.replace(

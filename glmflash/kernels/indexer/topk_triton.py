@@ -43,8 +43,9 @@ class TopkConfig:
     """Keys a program handles per loop step (a power of two)."""
     min_segment: int = 1024
     """The fewest keys of a row one program takes (a multiple of `block`)."""
-    programs_per_sm: int = 2
-    """Programs aimed for per SM when the rows are long enough to fill them."""
+    programs_per_sm: int = 8
+    """Programs aimed for per SM when the rows are long enough to fill them (the programs are
+    latency-bound: more of them hide more of it; bench/sweeps.py --ops topk)."""
     num_warps: int = 4
 
     def segment(self, num_rows: int, width: int, device: torch.device) -> int:
