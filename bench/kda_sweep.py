@@ -36,33 +36,20 @@ CANDIDATES = {
     "fused": ti.DEFAULT_CONFIG,
     "fused prep w8 k32": ti.KdaConfig(prep_warps=8, prep_key_block=32, prep_value_block=32),
     "staged": ti.KdaConfig(staged=_STAGED),
-    "staged off w2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, intra_warps=2)),
-    "staged off w1": ti.KdaConfig(staged=dataclasses.replace(_STAGED, intra_warps=1)),
+    "staged off w4": ti.KdaConfig(staged=dataclasses.replace(_STAGED, off_warps=4)),
     "staged diag w2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, diag_warps=2)),
-    "staged diag k64": ti.KdaConfig(staged=dataclasses.replace(_STAGED, diag_key_block=64)),
-    "staged off w2 diag k64 w2": ti.KdaConfig(staged=dataclasses.replace(
-        _STAGED, intra_warps=2, diag_key_block=64, diag_warps=2)),
-    "staged off w2 diag k32 w1": ti.KdaConfig(staged=dataclasses.replace(
-        _STAGED, intra_warps=2, diag_key_block=32, diag_warps=1)),
-    "staged off w2 diag k32 w2": ti.KdaConfig(staged=dataclasses.replace(
-        _STAGED, intra_warps=2, diag_key_block=32, diag_warps=2)),
-    "staged off w2 diag k16 w1": ti.KdaConfig(staged=dataclasses.replace(
-        _STAGED, intra_warps=2, diag_key_block=16, diag_warps=1)),
-    "staged d32w1 wy w2": ti.KdaConfig(staged=dataclasses.replace(
-        _STAGED, intra_warps=2, diag_key_block=32, diag_warps=1, wy_warps=2)),
-    "staged d32w1 wy k32": ti.KdaConfig(staged=dataclasses.replace(
-        _STAGED, intra_warps=2, diag_key_block=32, diag_warps=1, wy_block=32)),
-    "staged d32w1 wy k32 w2": ti.KdaConfig(staged=dataclasses.replace(
-        _STAGED, intra_warps=2, diag_key_block=32, diag_warps=1, wy_block=32, wy_warps=2)),
-    "staged d32w1 wy k128 w8": ti.KdaConfig(staged=dataclasses.replace(
-        _STAGED, intra_warps=2, diag_key_block=32, diag_warps=1, wy_block=128, wy_warps=8)),
-    "staged d32w1 walk v32": ti.KdaConfig(staged=dataclasses.replace(
-        _STAGED, intra_warps=2, diag_key_block=32, diag_warps=1), state_value_block=32),
-    "staged one-program intra": ti.KdaConfig(staged=dataclasses.replace(_STAGED,
-                                                                        intra_split=False)),
+    "staged diag k16": ti.KdaConfig(staged=dataclasses.replace(_STAGED, diag_key_block=16)),
+    "staged diag k64 w2": ti.KdaConfig(staged=dataclasses.replace(
+        _STAGED, diag_key_block=64, diag_warps=2)),
     "staged solve tf32": ti.KdaConfig(staged=dataclasses.replace(
         _STAGED, solve_precision="tf32")),
     "staged T fp32": ti.KdaConfig(staged=dataclasses.replace(_STAGED, inverse_bf16=False)),
+    "staged wy w2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, wy_warps=2)),
+    "staged wy k32": ti.KdaConfig(staged=dataclasses.replace(_STAGED, wy_block=32)),
+    "staged wy k32 w2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, wy_block=32,
+                                                                wy_warps=2)),
+    "staged wy k128 w8": ti.KdaConfig(staged=dataclasses.replace(_STAGED, wy_block=128,
+                                                                 wy_warps=8)),
     "staged walk v32": ti.KdaConfig(staged=_STAGED, state_value_block=32),
     "split": ti.KdaConfig(staged=dataclasses.replace(_STAGED, split_output=True)),
     "split walk v32 w2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, split_output=True),
@@ -70,13 +57,13 @@ CANDIDATES = {
 }
 
 # The fused prep, the staged form with the intra stage split (at a few launch shapes) and in
-# one program, and the output split off the walk.
-SWEEP_DEFAULT = ("fused", "staged", "staged off w2", "staged off w1", "staged diag w2",
-                 "staged one-program intra", "split")
+# The fused prep, the staged form at its defaults and with the w/u kernel's alternatives, and
+# the output split off the walk.
+SWEEP_DEFAULT = ("fused", "staged", "staged diag k16", "staged wy k32", "staged wy k32 w2",
+                 "staged wy k128 w8", "split")
 # (candidate, dtype) of every prefill the GPU tests in tests/kernels/test_kda_chunk_*.py run.
 TEST_FORMS = tuple((name, "bfloat16") for name in (
-    "fused", "staged", "staged solve tf32", "staged T fp32", "split", "split walk v32 w2",
-    "staged one-program intra")) + (
+    "fused", "staged", "staged solve tf32", "staged T fp32", "split", "split walk v32 w2")) + (
     ("fused", "float32"), ("staged", "float32"), ("split", "float32"))
 
 

@@ -26,10 +26,9 @@ from tests.kernels.test_kda_chunk_triton import (  # noqa: E402
 )
 
 # 16 channels a step, so that dim 16 runs one step and dim 24 two (the second masked).
-SMALL = StagedConfig(intra_key_block=16, diag_key_block=16, wy_block=16, out_value_block=16)
+SMALL = StagedConfig(diag_key_block=16, off_key_block=16, wy_block=16, out_value_block=16)
 FORMS = {"walk_output": KdaConfig(staged=SMALL),
-         "split_output": KdaConfig(staged=dataclasses.replace(SMALL, split_output=True)),
-         "one_program_intra": KdaConfig(staged=dataclasses.replace(SMALL, intra_split=False))}
+         "split_output": KdaConfig(staged=dataclasses.replace(SMALL, split_output=True))}
 
 
 @pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
@@ -97,8 +96,7 @@ GPU_FORMS = {"staged": KdaConfig(staged=StagedConfig()),
              "staged_t_fp32": KdaConfig(staged=StagedConfig(inverse_bf16=False)),
              "split": KdaConfig(staged=StagedConfig(split_output=True)),
              "split_v32": KdaConfig(staged=StagedConfig(split_output=True),
-                                    state_value_block=32, state_warps=2),
-             "staged_one_program_intra": KdaConfig(staged=StagedConfig(intra_split=False))}
+                                    state_value_block=32, state_warps=2)}
 
 
 @pytest.mark.gpu

@@ -1,7 +1,9 @@
 """The intra-chunk stage of the staged KDA prefill (chunk_stages.py; README.md, "The staged
-form"): per (64-token chunk, head), Aqk and T = (I + diag(beta) Akk)^-1 from 16x16 blocks, one
-row of sub-chunks at a time, so that only that row's products and the inverse's earlier rows
-are held in registers.
+form"): Aqk and T = (I + diag(beta) Akk)^-1 of each 64-token chunk from 16x16 blocks, in two
+kernels as fla-core splits it: the diagonal blocks in a program per (chunk, 16-row sub-chunk,
+head), then the blocks below them and the merge of the inverse in a program per (chunk, head)
+that reads each sub-chunk once per channel block. Each holds little, so both run with few
+warps and many programs per SM.
 """
 
 from __future__ import annotations
@@ -53,21 +55,6 @@ def _diag_products(b_aq, b_akk, b_q, b_k, b_g, b_first, b_last, m_r, PREC: tl.co
     b_kt = tl.trans(b_k * tl.where(m, tl.exp2(b_mid[None, :] - b_g), 0.0))
     b_aq = tl.dot(b_q * b_up, b_kt, b_aq, input_precision=PREC)
     b_akk = tl.dot(b_k * b_up, b_kt, b_akk, input_precision=PREC)
-    return b_aq, b_akk
-
-
-@jit
-def _off_products(b_aq, b_akk, b_qa, b_ka, b_gn, k, g2, r0, t_end, stride_k, c0,
-                  H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-    """Adds one channel block's share of the blocks (rows of sub-chunk i, keys r0.. of an
-    earlier one) of Aqk and Akk: b_qa, b_ka are i's rows times exp2(G - gn), gn the decay at
-    i's first row; the keys take exp2(gn - G). Both factors are <= 1 for any gate."""
-    b_k = _load_rows(k, r0, t_end, stride_k, c0, K, BK, 16)
-    b_g = _load_rows(g2, r0, t_end, H * K, c0, K, BK, 16)
-    m_r = r0 + tl.arange(0, 16) < t_end
-    b_kt = tl.trans(b_k * tl.where(m_r[:, None], tl.exp2(b_gn[None, :] - b_g), 0.0))
-    b_aq = tl.dot(b_qa, b_kt, b_aq, input_precision=PREC)
-    b_akk = tl.dot(b_ka, b_kt, b_akk, input_precision=PREC)
     return b_aq, b_akk
 
 
@@ -141,139 +128,6 @@ def _diag_inverse(b_akk, b_row, b_rk, SOLVE: tl.constexpr):
     """(I + L_ii)^-1 of a diagonal block, through the upper-triangular recursive inverse."""
     b_u = tl.trans(_l_block(b_akk, b_row, b_rk, True))
     return tl.trans(_unit_upper_inverse(b_u, SOLVE))
-
-
-@jit
-def kda_intra_kernel(q, k, g2, rq, rk, beta, aqk, tinv, meta, stride_q, stride_k, stride_b,
-                     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-                     SOLVE: tl.constexpr):
-    """One (chunk, head): Aqk (scaled, normalised, causal) and T = (I + L)^-1, L = diag(beta)
-    Akk strictly lower, by rows of 16x16 blocks: row i's products (diagonal block anchored at
-    the middle decay, the blocks left of it at i's first row), then T's row i by block forward
-    substitution, T_ij = -T_ii sum_{j <= m < i} L_im T_mj."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0 = tl.load(meta + i_c * 3)
-    t_end = tl.load(meta + i_c * 3 + 1)
-    q += i_h * K
-    k += i_h * K
-    g2 += i_h * K
-    aqk += i_h * 64
-    tinv += i_h * 64
-    rq += i_h
-    rk += i_h
-    beta += i_h
-    r1, r2, r3 = t0 + 16, t0 + 32, t0 + 48
-    b_rk0, b_rk1 = _row_vec(rk, t0, t_end, H), _row_vec(rk, r1, t_end, H)
-    b_rk2, b_rk3 = _row_vec(rk, r2, t_end, H), _row_vec(rk, r3, t_end, H)
-    z = tl.zeros([16, 16], dtype=tl.float32)
-    m0 = t0 + tl.arange(0, 16) < t_end
-
-    # row 0
-    a00, k00, b_span = z, z, 0.0
-    for i_k in range(tl.cdiv(K, BK)):
-        c0 = i_k * BK
-        b_q, b_k, b_g, b_f, b_l = _rows(q, k, g2, t0, t_end, stride_q, stride_k, c0, H, K, BK)
-        a00, k00 = _diag_products(a00, k00, b_q, b_k, b_g, b_f, b_l, m0, PREC)
-        b_span = tl.maximum(b_span, tl.max(b_f - b_l, 0))
-    a00, k00 = _steep_diag(a00, k00, b_span, q, k, g2, t0, t_end, stride_q, stride_k, H, K, BK)
-    b_rq = _row_vec(rq, t0, t_end, H)
-    _store_aqk(aqk, a00, b_rq, b_rk0, t0, 0, t_end, H, True)
-    b_row = _row_vec(beta, t0, t_end, stride_b) * b_rk0
-    t00 = _diag_inverse(k00, b_row, b_rk0, SOLVE)
-    _store_block(tinv, t00, t0, 0, t_end, H * 64)
-
-    # row 1
-    m1 = r1 + tl.arange(0, 16) < t_end
-    a11, k11, a10, k10, b_span = z, z, z, z, 0.0
-    for i_k in range(tl.cdiv(K, BK)):
-        c0 = i_k * BK
-        b_q, b_k, b_g, b_f, b_l = _rows(q, k, g2, r1, t_end, stride_q, stride_k, c0, H, K, BK)
-        a11, k11 = _diag_products(a11, k11, b_q, b_k, b_g, b_f, b_l, m1, PREC)
-        b_span = tl.maximum(b_span, tl.max(b_f - b_l, 0))
-        b_qa, b_ka = _row_factors(b_q, b_k, b_g, b_f, r1, t_end)
-        a10, k10 = _off_products(a10, k10, b_qa, b_ka, b_f, k, g2, t0, t_end, stride_k, c0, H,
-                                 K, BK, PREC)
-    a11, k11 = _steep_diag(a11, k11, b_span, q, k, g2, r1, t_end, stride_q, stride_k, H, K, BK)
-    b_rq = _row_vec(rq, r1, t_end, H)
-    _store_aqk(aqk, a10, b_rq, b_rk0, r1, 0, t_end, H, False)
-    _store_aqk(aqk, a11, b_rq, b_rk1, r1, 16, t_end, H, True)
-    b_row = _row_vec(beta, r1, t_end, stride_b) * b_rk1
-    t11 = _diag_inverse(k11, b_row, b_rk1, SOLVE)
-    l10 = _l_block(k10, b_row, b_rk0, False)
-    t10 = -tl.dot(t11, tl.dot(l10, t00, input_precision=SOLVE), input_precision=SOLVE)
-    _store_block(tinv, t10, r1, 0, t_end, H * 64)
-    _store_block(tinv, t11, r1, 16, t_end, H * 64)
-
-    # row 2
-    m2 = r2 + tl.arange(0, 16) < t_end
-    a22, k22, a20, k20, a21, k21, b_span = z, z, z, z, z, z, 0.0
-    for i_k in range(tl.cdiv(K, BK)):
-        c0 = i_k * BK
-        b_q, b_k, b_g, b_f, b_l = _rows(q, k, g2, r2, t_end, stride_q, stride_k, c0, H, K, BK)
-        a22, k22 = _diag_products(a22, k22, b_q, b_k, b_g, b_f, b_l, m2, PREC)
-        b_span = tl.maximum(b_span, tl.max(b_f - b_l, 0))
-        b_qa, b_ka = _row_factors(b_q, b_k, b_g, b_f, r2, t_end)
-        a20, k20 = _off_products(a20, k20, b_qa, b_ka, b_f, k, g2, t0, t_end, stride_k, c0, H,
-                                 K, BK, PREC)
-        a21, k21 = _off_products(a21, k21, b_qa, b_ka, b_f, k, g2, r1, t_end, stride_k, c0, H,
-                                 K, BK, PREC)
-    a22, k22 = _steep_diag(a22, k22, b_span, q, k, g2, r2, t_end, stride_q, stride_k, H, K, BK)
-    b_rq = _row_vec(rq, r2, t_end, H)
-    _store_aqk(aqk, a20, b_rq, b_rk0, r2, 0, t_end, H, False)
-    _store_aqk(aqk, a21, b_rq, b_rk1, r2, 16, t_end, H, False)
-    _store_aqk(aqk, a22, b_rq, b_rk2, r2, 32, t_end, H, True)
-    b_row = _row_vec(beta, r2, t_end, stride_b) * b_rk2
-    t22 = _diag_inverse(k22, b_row, b_rk2, SOLVE)
-    l20 = _l_block(k20, b_row, b_rk0, False)
-    l21 = _l_block(k21, b_row, b_rk1, False)
-    b_x = tl.dot(l21, t10, tl.dot(l20, t00, input_precision=SOLVE), input_precision=SOLVE)
-    t20 = -tl.dot(t22, b_x, input_precision=SOLVE)
-    t21 = -tl.dot(t22, tl.dot(l21, t11, input_precision=SOLVE), input_precision=SOLVE)
-    _store_block(tinv, t20, r2, 0, t_end, H * 64)
-    _store_block(tinv, t21, r2, 16, t_end, H * 64)
-    _store_block(tinv, t22, r2, 32, t_end, H * 64)
-
-    # row 3
-    m3 = r3 + tl.arange(0, 16) < t_end
-    a33, k33, a30, k30, a31, k31, a32, k32, b_span = z, z, z, z, z, z, z, z, 0.0
-    for i_k in range(tl.cdiv(K, BK)):
-        c0 = i_k * BK
-        b_q, b_k, b_g, b_f, b_l = _rows(q, k, g2, r3, t_end, stride_q, stride_k, c0, H, K, BK)
-        a33, k33 = _diag_products(a33, k33, b_q, b_k, b_g, b_f, b_l, m3, PREC)
-        b_span = tl.maximum(b_span, tl.max(b_f - b_l, 0))
-        b_qa, b_ka = _row_factors(b_q, b_k, b_g, b_f, r3, t_end)
-        a30, k30 = _off_products(a30, k30, b_qa, b_ka, b_f, k, g2, t0, t_end, stride_k, c0, H,
-                                 K, BK, PREC)
-        a31, k31 = _off_products(a31, k31, b_qa, b_ka, b_f, k, g2, r1, t_end, stride_k, c0, H,
-                                 K, BK, PREC)
-        a32, k32 = _off_products(a32, k32, b_qa, b_ka, b_f, k, g2, r2, t_end, stride_k, c0, H,
-                                 K, BK, PREC)
-    a33, k33 = _steep_diag(a33, k33, b_span, q, k, g2, r3, t_end, stride_q, stride_k, H, K, BK)
-    b_rq = _row_vec(rq, r3, t_end, H)
-    _store_aqk(aqk, a30, b_rq, b_rk0, r3, 0, t_end, H, False)
-    _store_aqk(aqk, a31, b_rq, b_rk1, r3, 16, t_end, H, False)
-    _store_aqk(aqk, a32, b_rq, b_rk2, r3, 32, t_end, H, False)
-    _store_aqk(aqk, a33, b_rq, b_rk3, r3, 48, t_end, H, True)
-    b_row = _row_vec(beta, r3, t_end, stride_b) * b_rk3
-    t33 = _diag_inverse(k33, b_row, b_rk3, SOLVE)
-    l30 = _l_block(k30, b_row, b_rk0, False)
-    l31 = _l_block(k31, b_row, b_rk1, False)
-    l32 = _l_block(k32, b_row, b_rk2, False)
-    b_x = tl.dot(l31, t10, tl.dot(l30, t00, input_precision=SOLVE), input_precision=SOLVE)
-    b_x = tl.dot(l32, t20, b_x, input_precision=SOLVE)
-    _store_block(tinv, -tl.dot(t33, b_x, input_precision=SOLVE), r3, 0, t_end, H * 64)
-    b_x = tl.dot(l32, t21, tl.dot(l31, t11, input_precision=SOLVE), input_precision=SOLVE)
-    _store_block(tinv, -tl.dot(t33, b_x, input_precision=SOLVE), r3, 16, t_end, H * 64)
-    b_x = tl.dot(l32, t22, input_precision=SOLVE)
-    _store_block(tinv, -tl.dot(t33, b_x, input_precision=SOLVE), r3, 32, t_end, H * 64)
-    _store_block(tinv, t33, r3, 48, t_end, H * 64)
-
-
-# The intra stage in two kernels (StagedConfig.intra_split), as fla-core splits it: the
-# diagonal blocks in a program per (chunk, sub-chunk, head), then the off-diagonal blocks and
-# the merge of the inverse in a program per (chunk, head) that reads each sub-chunk once per
-# channel block. Neither holds more than one row of the other's work, so both run with few
-# registers and many programs per SM.
 
 
 @jit

@@ -20,7 +20,6 @@ except ImportError:  # the package must import without triton; the launchers nee
 from glmflash.kernels.kda.chunk_intra import (
     _g_row,
     kda_intra_diag_kernel,
-    kda_intra_kernel,
     kda_intra_off_kernel,
 )
 from glmflash.kernels.kda.chunk_triton import (
@@ -43,16 +42,12 @@ class StagedConfig:
     """Launch shapes of the staged prefill (bench/kda_sweep.py passes its candidates)."""
 
     gate_warps: int = 4
-    intra_split: bool = True
-    """The intra stage as two kernels (fla's split): the diagonal blocks in a program per
-    sub-chunk, then the blocks below them and the inverse's merge; else one program per chunk
-    does all of it (`kda_intra_kernel`)."""
-    intra_warps: int = 4
-    intra_key_block: int = 32
-    """Channels per step of the intra-chunk products (of the off-diagonal kernel when split)."""
-    diag_warps: int = 4
-    diag_key_block: int = 128
-    """Channels per step of the split form's diagonal kernel."""
+    diag_warps: int = 1
+    diag_key_block: int = 32
+    """Channels per step of the intra stage's diagonal kernel (`kda_intra_diag_kernel`)."""
+    off_warps: int = 2
+    off_key_block: int = 32
+    """Channels per step of the intra stage's kernel for the blocks below the diagonal."""
     solve_precision: str = "ieee"
     """`input_precision` of the inverse's 16x16 products for 16-bit models (fp32 models always
     take "ieee"); "tf32" is fla's choice and spills less."""
@@ -239,7 +234,7 @@ def staged_buffers(q: torch.Tensor, v: torch.Tensor, num_chunks: int,
     walk = PrefillBuffers(per_token(dk), per_token(dv), qg, per_token(dk), per_token(CHUNK),
                           torch.empty(num_chunks, heads, dk, dtype=torch.float32, device=dev))
     norms = torch.empty(2, num_tokens, heads, dtype=torch.float32, device=dev)
-    tdiag = per_token(16, torch.float32) if config.intra_split else norms.new_empty(0)
+    tdiag = per_token(16, torch.float32)
     return StagedBuffers(per_token(dk, torch.float32), norms[0], norms[1],
                          per_token(CHUNK, tinv_dt), tdiag, walk)
 
@@ -258,22 +253,18 @@ def launch_gate(q, k, g, buf: StagedBuffers, plan: KdaPlan, config: StagedConfig
 
 def launch_intra(q, k, beta, buf: StagedBuffers, plan: KdaPlan, config: StagedConfig) -> None:
     heads, dk = q.shape[1], q.shape[2]
-    bk = min(config.intra_key_block, triton.next_power_of_2(dk))
+    bk = min(config.off_key_block, triton.next_power_of_2(dk))
     assert bk >= 16, "head dims below 16 do not fit tl.dot"
     args = (q, k, buf.g2, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv)
     strides = (q.stride(0), k.stride(0), beta.stride(0))
     shapes = dict(H=heads, K=dk, PREC=product_precision(q.dtype),
                   SOLVE="ieee" if q.dtype == torch.float32 else config.solve_precision)
     meta = _chunk_meta(plan)
-    if not config.intra_split:
-        kda_intra_kernel[(plan.num_chunks, heads)](*args, meta, *strides, BK=bk, **shapes,
-                                                   num_warps=config.intra_warps)
-        return
     bk_diag = min(config.diag_key_block, triton.next_power_of_2(dk))
     kda_intra_diag_kernel[(plan.num_chunks, CHUNK // 16, heads)](
         *args, buf.tdiag, meta, *strides, BK=bk_diag, **shapes, num_warps=config.diag_warps)
     kda_intra_off_kernel[(plan.num_chunks, heads)](
-        *args, buf.tdiag, meta, *strides, BK=bk, **shapes, num_warps=config.intra_warps)
+        *args, buf.tdiag, meta, *strides, BK=bk, **shapes, num_warps=config.off_warps)
 
 
 def launch_wy(q, k, v, beta, buf: StagedBuffers, plan: KdaPlan, config: StagedConfig) -> None:
