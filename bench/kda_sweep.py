@@ -33,34 +33,29 @@ from glmflash.kernels.kda import triton_impl as ti
 REF_MAX_TOKENS = 32768
 _STAGED = cs.StagedConfig()
 CANDIDATES = {
-    "fused": ti.DEFAULT_CONFIG,
-    "fused prep w8 k32": ti.KdaConfig(prep_warps=8, prep_key_block=32, prep_value_block=32),
+    "fused": ti.KdaConfig(staged=None),
     "staged": ti.KdaConfig(staged=_STAGED),
+    "staged gate w2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, gate_warps=2)),
+    "staged gate w8": ti.KdaConfig(staged=dataclasses.replace(_STAGED, gate_warps=8)),
+    "staged gate k64": ti.KdaConfig(staged=dataclasses.replace(_STAGED, diag_key_block=64)),
+    "staged separate diag": ti.KdaConfig(staged=dataclasses.replace(
+        _STAGED, gate_diag=False, diag_warps=1)),
     "staged off w4": ti.KdaConfig(staged=dataclasses.replace(_STAGED, off_warps=4)),
-    "staged diag w2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, diag_warps=2)),
-    "staged diag k16": ti.KdaConfig(staged=dataclasses.replace(_STAGED, diag_key_block=16)),
-    "staged diag k64 w2": ti.KdaConfig(staged=dataclasses.replace(
-        _STAGED, diag_key_block=64, diag_warps=2)),
     "staged solve tf32": ti.KdaConfig(staged=dataclasses.replace(
         _STAGED, solve_precision="tf32")),
     "staged T fp32": ti.KdaConfig(staged=dataclasses.replace(_STAGED, inverse_bf16=False)),
-    "staged wy w2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, wy_warps=2)),
-    "staged wy k32": ti.KdaConfig(staged=dataclasses.replace(_STAGED, wy_block=32)),
-    "staged wy k32 w2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, wy_block=32,
-                                                                wy_warps=2)),
-    "staged wy k128 w8": ti.KdaConfig(staged=dataclasses.replace(_STAGED, wy_block=128,
-                                                                 wy_warps=8)),
-    "staged walk v32": ti.KdaConfig(staged=_STAGED, state_value_block=32),
+    "staged wy k64 w4": ti.KdaConfig(staged=dataclasses.replace(_STAGED, wy_block=64,
+                                                                wy_warps=4)),
     "split": ti.KdaConfig(staged=dataclasses.replace(_STAGED, split_output=True)),
     "split walk v32 w2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, split_output=True),
                                       state_value_block=32, state_warps=2),
 }
 
 # The fused prep, the staged form with the intra stage split (at a few launch shapes) and in
-# The fused prep, the staged form at its defaults and with the w/u kernel's alternatives, and
-# the output split off the walk.
-SWEEP_DEFAULT = ("fused", "staged", "staged diag k16", "staged wy k32", "staged wy k32 w2",
-                 "staged wy k128 w8", "split")
+# The fused prep, the staged form at its defaults, with the gate kernel's alternatives and with
+# the diagonal blocks in a kernel of their own, and the output split off the walk.
+SWEEP_DEFAULT = ("fused", "staged", "staged gate w2", "staged gate w8", "staged gate k64",
+                 "staged separate diag", "split")
 # (candidate, dtype) of every prefill the GPU tests in tests/kernels/test_kda_chunk_*.py run.
 TEST_FORMS = tuple((name, "bfloat16") for name in (
     "fused", "staged", "staged solve tf32", "staged T fp32", "split", "split walk v32 w2")) + (
@@ -77,7 +72,8 @@ def _stages(inputs, state, plan, config: ti.KdaConfig) -> dict:
                 "walk+out": lambda: chunk_triton.launch_state(state, out, buf, plan, config)}
     s = config.staged
     sb = cs.staged_buffers(q, v, plan.num_chunks, s)
-    fns = {"gate": lambda: cs.launch_gate(q, k, g, sb, plan, s),
+    fns = {"gate" + ("+diag" if s.gate_diag else ""):
+           lambda: cs.launch_gate(q, k, g, beta, sb, plan, s),
            "intra": lambda: cs.launch_intra(q, k, beta, sb, plan, s),
            "w/u": lambda: cs.launch_wy(q, k, v, beta, sb, plan, s)}
     if not s.split_output:

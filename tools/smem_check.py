@@ -172,6 +172,10 @@ def kda_staged_launches() -> list[Launch]:
                 meta="*i32", tinv="*bf16", tdiag="*fp32")
     shape = dict(H=64, K=128)
     out = [Launch("kda staged gate", stages.kda_gate_kernel, ptrs, dict(shape, BK=128), 4)]
+    for warps, bk in ((2, 32), (4, 32), (4, 64), (4, 128)):
+        out.append(Launch(f"kda staged gate+diagonal {warps}w BK{bk}",
+                          intra.kda_gate_diag_kernel, ptrs,
+                          dict(shape, BK=bk, PREC="tf32", SOLVE="ieee"), warps))
     for warps, bk in ((1, 16), (1, 32), (2, 64)):
         out.append(Launch(f"kda staged intra diagonal {warps}w BK{bk}",
                           intra.kda_intra_diag_kernel, ptrs,

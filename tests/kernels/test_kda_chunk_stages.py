@@ -28,7 +28,8 @@ from tests.kernels.test_kda_chunk_triton import (  # noqa: E402
 # 16 channels a step, so that dim 16 runs one step and dim 24 two (the second masked).
 SMALL = StagedConfig(diag_key_block=16, off_key_block=16, wy_block=16, out_value_block=16)
 FORMS = {"walk_output": KdaConfig(staged=SMALL),
-         "split_output": KdaConfig(staged=dataclasses.replace(SMALL, split_output=True))}
+         "split_output": KdaConfig(staged=dataclasses.replace(SMALL, split_output=True)),
+         "separate_diag": KdaConfig(staged=dataclasses.replace(SMALL, gate_diag=False))}
 
 
 @pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())

@@ -19,6 +19,7 @@ except ImportError:  # the package must import without triton; the launchers nee
 
 from glmflash.kernels.kda.chunk_intra import (
     _g_row,
+    kda_gate_diag_kernel,
     kda_intra_diag_kernel,
     kda_intra_off_kernel,
 )
@@ -42,6 +43,10 @@ class StagedConfig:
     """Launch shapes of the staged prefill (bench/kda_sweep.py passes its candidates)."""
 
     gate_warps: int = 4
+    gate_diag: bool = True
+    """The gate kernel also computes the intra stage's diagonal blocks from its own loads
+    (`kda_gate_diag_kernel`, `diag_key_block` channels a step); else `kda_intra_diag_kernel`
+    reads q, k and G again."""
     diag_warps: int = 1
     diag_key_block: int = 32
     """Channels per step of the intra stage's diagonal kernel (`kda_intra_diag_kernel`)."""
@@ -54,8 +59,8 @@ class StagedConfig:
     inverse_bf16: bool = True
     """Store (I + diag(beta) Akk)^-1 in bf16 and take w, u as bf16 products (fla's choice) for
     16-bit models; else fp32 and TF32 products."""
-    wy_warps: int = 4
-    wy_block: int = 64
+    wy_warps: int = 8
+    wy_block: int = 128
     """Channels (and value columns) per step of the w/u kernel."""
     split_output: bool = False
     """The walk stores the state per chunk and a parallel kernel computes the output (fla's
@@ -243,8 +248,21 @@ def _chunk_meta(plan: KdaPlan) -> torch.Tensor:
     return plan.meta[plan.num_decode * 3 + plan.num_prefill * 5:]
 
 
-def launch_gate(q, k, g, buf: StagedBuffers, plan: KdaPlan, config: StagedConfig) -> None:
+def _intra_shapes(q, config: StagedConfig) -> dict:
+    return dict(H=q.shape[1], K=q.shape[2], PREC=product_precision(q.dtype),
+                SOLVE="ieee" if q.dtype == torch.float32 else config.solve_precision)
+
+
+def launch_gate(q, k, g, beta, buf: StagedBuffers, plan: KdaPlan, config: StagedConfig
+                ) -> None:
     heads, dk = q.shape[1], q.shape[2]
+    if config.gate_diag:
+        kda_gate_diag_kernel[(plan.num_chunks, heads)](
+            q, k, g, buf.g2, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv, buf.tdiag,
+            _chunk_meta(plan), dk ** -0.5, q.stride(0), k.stride(0), g.stride(0),
+            beta.stride(0), BK=min(config.diag_key_block, triton.next_power_of_2(dk)),
+            **_intra_shapes(q, config), num_warps=config.gate_warps)
+        return
     kda_gate_kernel[(plan.num_chunks, heads)](
         q, k, g, buf.g2, buf.rq, buf.rk, _chunk_meta(plan), dk ** -0.5, q.stride(0),
         k.stride(0), g.stride(0), H=heads, K=dk, BK=triton.next_power_of_2(dk),
@@ -257,12 +275,13 @@ def launch_intra(q, k, beta, buf: StagedBuffers, plan: KdaPlan, config: StagedCo
     assert bk >= 16, "head dims below 16 do not fit tl.dot"
     args = (q, k, buf.g2, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv)
     strides = (q.stride(0), k.stride(0), beta.stride(0))
-    shapes = dict(H=heads, K=dk, PREC=product_precision(q.dtype),
-                  SOLVE="ieee" if q.dtype == torch.float32 else config.solve_precision)
+    shapes = _intra_shapes(q, config)
     meta = _chunk_meta(plan)
-    bk_diag = min(config.diag_key_block, triton.next_power_of_2(dk))
-    kda_intra_diag_kernel[(plan.num_chunks, CHUNK // 16, heads)](
-        *args, buf.tdiag, meta, *strides, BK=bk_diag, **shapes, num_warps=config.diag_warps)
+    if not config.gate_diag:
+        bk_diag = min(config.diag_key_block, triton.next_power_of_2(dk))
+        kda_intra_diag_kernel[(plan.num_chunks, CHUNK // 16, heads)](
+            *args, buf.tdiag, meta, *strides, BK=bk_diag, **shapes,
+            num_warps=config.diag_warps)
     kda_intra_off_kernel[(plan.num_chunks, heads)](
         *args, buf.tdiag, meta, *strides, BK=bk, **shapes, num_warps=config.off_warps)
 
@@ -315,7 +334,7 @@ def prefill(q, k, v, g, beta, state, out, plan: KdaPlan, config: KdaConfig) -> N
     """Chunked prefill of the plan's sequences longer than one token, stage by stage."""
     staged = config.staged
     buf = staged_buffers(q, v, plan.num_chunks, staged)
-    launch_gate(q, k, g, buf, plan, staged)
+    launch_gate(q, k, g, beta, buf, plan, staged)
     launch_intra(q, k, beta, buf, plan, staged)
     launch_wy(q, k, v, beta, buf, plan, staged)
     if not staged.split_output:

@@ -41,7 +41,7 @@ class KdaConfig:
     """Channels per step of the prep kernel (its passes over q, k and g)."""
     prep_value_block: int = 16
     """Value columns per step of the prep kernel's u."""
-    staged: StagedConfig | None = None
+    staged: StagedConfig | None = StagedConfig()
     """The prefill in fla's stages (chunk_stages.py) with these shapes; None: the fused prep
     kernel (chunk_triton.py, the prep_* fields)."""
     state_value_block: int = 64
