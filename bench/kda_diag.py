@@ -4,13 +4,14 @@ blame (GPU only).
     PYTHONPATH=. python bench/kda_diag.py
     DISABLE_MMA_V3=1 PYTHONPATH=. python bench/kda_diag.py   # the same without wgmma
 
-Runs the prep kernel on bf16 inputs (TF32 products) and on fp32 copies of them (fp32 FMA
-products) and prints the relative difference of every buffer it hands the state walk (w, u, qg,
-kd, Aqk, exp(G_last)), then the whole prefill's output and state against the fp32 reference,
-for a weak, the release-strength and a steep decay (the last takes the exact diagonal form).
-The prep kernel's products are all mma.sync or FMA; only the state walk's 64-row products may
-become wgmma. A difference that changes with DISABLE_MMA_V3 is the compiler's, one that does not
-is precision. Prints only; nothing is appended to RESULTS.md.
+Runs the stages before the state walk (gate, intra, w/u) on bf16 inputs (TF32 and bf16
+products) and on fp32 copies of them (fp32 products) and prints the relative difference of
+every buffer they hand the walk (w, u, qg, kd, Aqk, exp(G_last)), then the whole prefill's
+output and state against the fp32 reference, for a weak, the release-strength and a steep
+decay (the last takes the exact diagonal form). The intra stage's products are all mma.sync or
+FMA (M = 16); the w/u and walk's 64-row products may become wgmma. A difference that changes
+with DISABLE_MMA_V3 is the compiler's, one that does not is precision. Prints only; nothing is
+appended to RESULTS.md.
 """
 
 from __future__ import annotations
@@ -42,17 +43,22 @@ def _inputs(decay: float, seed: int = 0):
     return (q, k, v, g, beta), state
 
 
-def _prep(inputs):
-    from glmflash.kernels.kda import chunk_triton
+def _stages(inputs):
+    """The walk's buffers after the gate, intra and w/u stages."""
+    from glmflash.kernels.kda import chunk_stages as cs
     from glmflash.kernels.kda import triton_impl as ti
 
-    plan = ti._plan((0, TOKENS), (0,), (False,), inputs[0].device)
-    buf = chunk_triton.prefill_buffers(inputs[0], inputs[2], plan.num_chunks)
-    for t in buf:
+    q, k, v, g, beta = inputs
+    config = ti.DEFAULT_CONFIG.staged
+    plan = ti._plan((0, TOKENS), (0,), (False,), q.device)
+    buf = cs.staged_buffers(q, v, plan.num_chunks, config)
+    for t in buf.walk:
         t.fill_(float("nan"))
-    chunk_triton.launch_prep(*inputs, buf, plan, ti.DEFAULT_CONFIG)
+    cs.launch_gate(q, k, g, buf, plan, config)
+    cs.launch_intra(q, k, beta, buf, plan, config)
+    cs.launch_wy(q, k, v, beta, buf, plan, config)
     torch.cuda.synchronize()
-    return buf
+    return buf.walk
 
 
 def _prefill_errors(inputs, state) -> list[str]:
@@ -66,14 +72,14 @@ def _prefill_errors(inputs, state) -> list[str]:
 
 
 def main() -> None:
-    print(f"DISABLE_MMA_V3={os.environ.get('DISABLE_MMA_V3', '')!r}; prep buffers bf16 vs fp32 "
+    print(f"DISABLE_MMA_V3={os.environ.get('DISABLE_MMA_V3', '')!r}; walk buffers bf16 vs fp32 "
           f"inputs, then the bf16 prefill vs the fp32 reference ({TOKENS} tokens, {HEADS} x {DIM})")
     print("| decay | " + " | ".join(NAMES) + " | o | state |")
     print("|---|" + "---|" * (len(NAMES) + 2))
     for decay in (0.05, 5.0, 20.0):
         inputs, state = _inputs(decay)
-        want = _prep([t.float() for t in inputs])
-        got = _prep(inputs)
+        want = _stages([t.float() for t in inputs])
+        got = _stages(inputs)
         errs = [f"{rel(a.float(), b.float()):.1e}" for a, b in zip(got, want, strict=True)]
         errs += _prefill_errors(inputs, state)
         print(f"| {decay} | " + " | ".join(errs) + " |", flush=True)

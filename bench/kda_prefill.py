@@ -8,21 +8,16 @@ from __future__ import annotations
 
 import torch
 
-from bench.common import bench_ms, rel, table
+from bench.common import bench_ms, kernel_ms, rel, table
 from bench.kernels import D, _fla, _kda_inputs
-from glmflash.kernels.kda import chunk_triton
 from glmflash.kernels.kda import triton_impl as ti
 
+WALK_KERNEL = "kda_chunk_state_kernel"
 
-def _prep_setup(n: int):
+
+def _setup(n: int):
     q, k, v, g, beta, state = _kda_inputs(n)
-    plan = ti._plan((0, n), (0,), (False,), q.device)
-    buf = chunk_triton.prefill_buffers(q, v, plan.num_chunks)
-    return (q, k, v, g, beta), state, plan, buf
-
-
-def _prep_ms(inputs, buf, plan, config: ti.KdaConfig) -> float:
-    return bench_ms(lambda: chunk_triton.launch_prep(*inputs, buf, plan, config))
+    return (q, k, v, g, beta), state
 
 
 def _fla_runner(chunk_kda, inputs, n: int, safe_gate: bool):
@@ -45,19 +40,21 @@ def bench_kda_prefill(sizes: list[int]) -> str:
         rows.append(_prefill_row(n, chunk_kda))
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
-    return table(["tokens (1 seq)", "triton ms", "prep ms", "state walk ms",
+    return table(["tokens (1 seq)", "triton ms", "stages before the walk ms", "state walk ms",
                   "fla chunk_kda ms (default / safe gate)", "fla safe gate / triton (goal >= 1)",
                   "rel diff vs fla safe gate (o / state)"], rows)
 
 
 def _prefill_row(n: int, chunk_kda) -> list:
-    inputs, state, plan, buf = _prep_setup(n)
+    inputs, state = _setup(n)
     s_mine = state.clone()
     out = ti.kda(*inputs, s_mine, [0, n], [0], [False])
     clone_ms = bench_ms(lambda: state.clone())
     ms = bench_ms(lambda: ti.kda(*inputs, state.clone(), [0, n], [0], [False])) - clone_ms
-    prep_ms = _prep_ms(inputs, buf, plan, ti.DEFAULT_CONFIG)
-    row = [n, f"{ms:.3f}", f"{prep_ms:.3f}", f"{ms - prep_ms:.3f}"]
+    s_scratch = state.clone()
+    kernels = kernel_ms(lambda: ti.kda(*inputs, s_scratch, [0, n], [0], [False]))
+    walk_ms = kernels.pop(WALK_KERNEL, 0.0)
+    row = [n, f"{ms:.3f}", f"{sum(kernels.values()):.3f}", f"{walk_ms:.3f}"]
     if chunk_kda is None:
         return row + ["n/a", "n/a", "n/a"]
     default, safe = (_fla_runner(chunk_kda, inputs, n, s) for s in (False, True))
@@ -83,7 +80,7 @@ def check_kda_accuracy(sizes: list[int]) -> str:
 def _accuracy(n: int, chunk_kda) -> list[str]:
     from glmflash.kernels.kda import kda_ref
 
-    inputs, state, _, _ = _prep_setup(n)
+    inputs, state = _setup(n)
     s_ref, s_got = state.clone(), state.clone()
     want = kda_ref(*inputs, s_ref, [0, n], [0], [False])
     got = ti.kda(*inputs, s_got, [0, n], [0], [False])

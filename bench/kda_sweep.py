@@ -27,57 +27,48 @@ import torch
 from bench.common import event_ms, graph_ms, kernel_ms, rel
 from bench.kernels import _fla, _kda_inputs
 from glmflash.kernels.kda import chunk_stages as cs
-from glmflash.kernels.kda import chunk_triton
+from glmflash.kernels.kda import chunk_walk
 from glmflash.kernels.kda import triton_impl as ti
 
 REF_MAX_TOKENS = 32768
 _STAGED = cs.StagedConfig()
 CANDIDATES = {
-    "fused": ti.KdaConfig(staged=None),
     "staged": ti.KdaConfig(staged=_STAGED),
-    "staged gate w2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, gate_warps=2)),
-    "staged gate w8": ti.KdaConfig(staged=dataclasses.replace(_STAGED, gate_warps=8)),
-    "staged gate k64": ti.KdaConfig(staged=dataclasses.replace(_STAGED, diag_key_block=64)),
-    "staged separate diag": ti.KdaConfig(staged=dataclasses.replace(
-        _STAGED, gate_diag=False, diag_warps=1)),
+    "staged diag w2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, diag_warps=2)),
+    "staged diag k16": ti.KdaConfig(staged=dataclasses.replace(_STAGED, diag_key_block=16)),
     "staged off w4": ti.KdaConfig(staged=dataclasses.replace(_STAGED, off_warps=4)),
     "staged solve tf32": ti.KdaConfig(staged=dataclasses.replace(
         _STAGED, solve_precision="tf32")),
     "staged T fp32": ti.KdaConfig(staged=dataclasses.replace(_STAGED, inverse_bf16=False)),
     "staged wy k64 w4": ti.KdaConfig(staged=dataclasses.replace(_STAGED, wy_block=64,
                                                                 wy_warps=4)),
+    "staged walk v32": ti.KdaConfig(staged=_STAGED, state_value_block=32),
     "split": ti.KdaConfig(staged=dataclasses.replace(_STAGED, split_output=True)),
     "split walk v32 w2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, split_output=True),
                                       state_value_block=32, state_warps=2),
 }
 
-# The fused prep, the staged form with the intra stage split (at a few launch shapes) and in
-# The fused prep, the staged form at its defaults, with the gate kernel's alternatives and with
-# the diagonal blocks in a kernel of their own, and the output split off the walk.
-SWEEP_DEFAULT = ("fused", "staged", "staged gate w2", "staged gate w8", "staged gate k64",
-                 "staged separate diag", "split")
-# (candidate, dtype) of every prefill the GPU tests in tests/kernels/test_kda_chunk_*.py run.
+# The defaults, the launch shapes next to them that came closest, and the output split off
+# the walk.
+SWEEP_DEFAULT = ("staged", "staged diag k16", "staged off w4", "staged wy k64 w4", "split")
+# (candidate, dtype) of every prefill the KDA GPU tests run (tests/kernels/test_kda_prefill.py,
+# test_kda_chunk_stages.py).
 TEST_FORMS = tuple((name, "bfloat16") for name in (
-    "fused", "staged", "staged solve tf32", "staged T fp32", "split", "split walk v32 w2")) + (
-    ("fused", "float32"), ("staged", "float32"), ("split", "float32"))
+    "staged", "staged solve tf32", "staged T fp32", "split", "split walk v32 w2")) + (
+    ("staged", "float32"), ("split", "float32"))
 
 
 def _stages(inputs, state, plan, config: ti.KdaConfig) -> dict:
     """Each stage of `config`'s prefill as a call on buffers of its own, in order."""
     q, k, v, g, beta = inputs
     out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
-    if config.staged is None:
-        buf = chunk_triton.prefill_buffers(q, v, plan.num_chunks)
-        return {"prep": lambda: chunk_triton.launch_prep(*inputs, buf, plan, config),
-                "walk+out": lambda: chunk_triton.launch_state(state, out, buf, plan, config)}
     s = config.staged
     sb = cs.staged_buffers(q, v, plan.num_chunks, s)
-    fns = {"gate" + ("+diag" if s.gate_diag else ""):
-           lambda: cs.launch_gate(q, k, g, beta, sb, plan, s),
+    fns = {"gate": lambda: cs.launch_gate(q, k, g, sb, plan, s),
            "intra": lambda: cs.launch_intra(q, k, beta, sb, plan, s),
            "w/u": lambda: cs.launch_wy(q, k, v, beta, sb, plan, s)}
     if not s.split_output:
-        fns["walk+out"] = lambda: chunk_triton.launch_state(state, out, sb.walk, plan, config)
+        fns["walk+out"] = lambda: chunk_walk.launch_state(state, out, sb.walk, plan, config)
         return fns
     h, vn = cs.split_buffers(q, v, plan.num_chunks)
     fns["walk"] = lambda: cs.launch_walk_h(state, sb, h, vn, plan, config)

@@ -1,6 +1,6 @@
 """One launch of each main GPU kernel at a release shape, for Nsight Compute (GPU only).
 
-    ncu --clock-control none -k regex:'prep|state_kernel|sparse_mla_kernel|fp8_' \\
+    ncu --clock-control none -k regex:'kda_|sparse_mla_kernel|fp8_' \\
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \\
         python3 bench/ncu_targets.py
 

@@ -1,6 +1,6 @@
 """Shared memory, registers and spills of every Triton kernel at the release launch shapes.
 
-    python tools/smem_check.py [--arch 89 90 120] [--skip-prep] [--check]
+    python tools/smem_check.py [--arch 89 90 120] [--skip-prefill] [--check]
 
 Compiles ahead of time (Triton's own ptxas; no GPU needed) for sm_89 (RTX 40xx), sm_90 (H100 /
 H200) and sm_120 (RTX 50xx). Each launch's shared memory is printed against the architecture's
@@ -40,7 +40,7 @@ from glmflash.kernels.indexer import triton_impl as indexer  # noqa: E402
 from glmflash.kernels.indexer import write_triton as indexer_write  # noqa: E402
 from glmflash.kernels.kda import chunk_intra as intra  # noqa: E402
 from glmflash.kernels.kda import chunk_stages as stages  # noqa: E402
-from glmflash.kernels.kda import chunk_triton as chunk  # noqa: E402
+from glmflash.kernels.kda import chunk_walk as walk_kernels  # noqa: E402
 from glmflash.kernels.kda import triton_impl as kda  # noqa: E402
 from glmflash.kernels.router import triton_impl as router  # noqa: E402
 from glmflash.kernels.row_copy import triton_impl as row_copy  # noqa: E402
@@ -137,7 +137,7 @@ def sparse_mla_launch(regime: str, shape) -> Launch:
     return Launch(name, mla.sparse_mla_kernel, ptrs, consts, shape.num_warps, aligned=("H", "R"))
 
 
-def kda_launches(with_prep: bool) -> list[Launch]:
+def kda_launches(with_prefill: bool) -> list[Launch]:
     ptrs = dict.fromkeys(("q", "k", "v", "o"), "*bf16")
     ptrs.update(g="*fp32", beta="*bf16", state="*fp32", meta="*i32")
     config = kda.DEFAULT_CONFIG
@@ -146,15 +146,10 @@ def kda_launches(with_prep: bool) -> list[Launch]:
            for bv, warps in (config.decode_narrow, config.decode_wide)]
     walk = dict.fromkeys(("w", "u", "qg", "kd", "aqk", "o"), "*bf16")
     walk.update(gl="*fp32", state="*fp32", meta="*i32")
-    out.append(Launch("kda state walk", chunk.kda_chunk_state_kernel, walk,
+    out.append(Launch("kda state walk", walk_kernels.kda_chunk_state_kernel, walk,
                       dict(H=64, K=128, V=128, BK=128, BV=config.state_value_block,
                            PREC="tf32", DOT=tl.bfloat16), config.state_warps))
-    if with_prep:
-        prep = dict(ptrs, w="*bf16", u="*bf16", qg="*bf16", kd="*bf16", aqk="*bf16", gl="*fp32")
-        out.append(Launch("kda prep", chunk.kda_chunk_prep_kernel, prep,
-                          dict(H=64, K=128, V=128, BK=config.prep_key_block,
-                               BV=config.prep_value_block, PREC="tf32",
-                               SOLVE="ieee"), config.prep_warps))
+    if with_prefill:
         out += kda_staged_launches()
     conv = {"x": "*bf16", "weight": "*fp32", "conv_state": "*bf16", "out": "*bf16",
             "meta": "*i32"}
@@ -172,10 +167,6 @@ def kda_staged_launches() -> list[Launch]:
                 meta="*i32", tinv="*bf16", tdiag="*fp32")
     shape = dict(H=64, K=128)
     out = [Launch("kda staged gate", stages.kda_gate_kernel, ptrs, dict(shape, BK=128), 4)]
-    for warps, bk in ((2, 32), (4, 32), (4, 64), (4, 128)):
-        out.append(Launch(f"kda staged gate+diagonal {warps}w BK{bk}",
-                          intra.kda_gate_diag_kernel, ptrs,
-                          dict(shape, BK=bk, PREC="tf32", SOLVE="ieee"), warps))
     for warps, bk in ((1, 16), (1, 32), (2, 64)):
         out.append(Launch(f"kda staged intra diagonal {warps}w BK{bk}",
                           intra.kda_intra_diag_kernel, ptrs,
@@ -349,12 +340,12 @@ def problems(used: dict[str, dict[int, int]]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[89, 90, 120])
-    parser.add_argument("--skip-prep", action="store_true",
-                        help="skip the KDA prep kernel (its compile takes a minute per arch)")
+    parser.add_argument("--skip-prefill", action="store_true",
+                        help="skip the KDA prefill's stages (their compiles take minutes)")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 when a launch cannot run on one of the architectures")
     args = parser.parse_args()
-    launches = (sparse_mla_launches() + kda_launches(not args.skip_prep) + fp8_launches()
+    launches = (sparse_mla_launches() + kda_launches(not args.skip_prefill) + fp8_launches()
                 + fused_moe_launches() + indexer_launches() + hyper_launches())
     print(f"Triton {triton.__version__}; per launch: KB of shared memory per block (limit in the "
           "header) / registers per thread / stack bytes per thread (spills)")

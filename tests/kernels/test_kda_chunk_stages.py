@@ -1,5 +1,6 @@
-"""The staged KDA prefill (chunk_stages.py, chunk_intra.py) against kda/ref.py, with the
-output fused into the state walk and split off.
+"""The KDA prefill's stages (chunk_stages.py, chunk_intra.py) at launch shapes other than the
+defaults (test_kda_prefill.py has those) against kda/ref.py, with the output fused into the
+state walk and split off.
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 on one or two small heads; with CUDA the
 `gpu` tests add the release shape (64 heads x 128, bf16) and fla's chunk_kda where installed.
@@ -19,7 +20,7 @@ if not torch.cuda.is_available():
 from glmflash.kernels.kda.chunk_stages import StagedConfig  # noqa: E402
 from glmflash.kernels.kda.triton_impl import KdaConfig  # noqa: E402
 from tests.kernels.kda_cases import against_fla, kda_inputs, rel_err, run_kda  # noqa: E402
-from tests.kernels.test_kda_chunk_triton import (  # noqa: E402
+from tests.kernels.test_kda_prefill import (  # noqa: E402
     BF16_REL,
     PREFILL_CASES,
     _assert_fp32_close,
@@ -28,8 +29,7 @@ from tests.kernels.test_kda_chunk_triton import (  # noqa: E402
 # 16 channels a step, so that dim 16 runs one step and dim 24 two (the second masked).
 SMALL = StagedConfig(diag_key_block=16, off_key_block=16, wy_block=16, out_value_block=16)
 FORMS = {"walk_output": KdaConfig(staged=SMALL),
-         "split_output": KdaConfig(staged=dataclasses.replace(SMALL, split_output=True)),
-         "separate_diag": KdaConfig(staged=dataclasses.replace(SMALL, gate_diag=False))}
+         "split_output": KdaConfig(staged=dataclasses.replace(SMALL, split_output=True))}
 
 
 @pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
@@ -92,8 +92,7 @@ def test_staged_bf16_inputs(nan_empty):
 
 # Release launch shapes: bench/kda_sweep.py's candidates of the same names (its TEST_FORMS,
 # which `python -m bench.kda_sweep --warm` compiles ahead of these tests).
-GPU_FORMS = {"staged": KdaConfig(staged=StagedConfig()),
-             "staged_solve_tf32": KdaConfig(staged=StagedConfig(solve_precision="tf32")),
+GPU_FORMS = {"staged_solve_tf32": KdaConfig(staged=StagedConfig(solve_precision="tf32")),
              "staged_t_fp32": KdaConfig(staged=StagedConfig(inverse_bf16=False)),
              "split": KdaConfig(staged=StagedConfig(split_output=True)),
              "split_v32": KdaConfig(staged=StagedConfig(split_output=True),
@@ -111,9 +110,8 @@ def test_staged_release_shape_gpu(lens, form, nan_empty):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", [GPU_FORMS["staged"], GPU_FORMS["split"]],
-                         ids=["staged", "split"])
-def test_staged_release_shape_fp32_gpu(form):
+def test_split_release_shape_fp32_gpu():
+    form = GPU_FORMS["split"]
     got, want, s_got, s_ref = run_kda([300, 1, 77], heads=64, dim=128, dtype=torch.float32,
                                       config=form)
     assert rel_err(got, want) < 1e-5
@@ -121,18 +119,8 @@ def test_staged_release_shape_fp32_gpu(form):
 
 
 @pytest.mark.gpu
-def test_staged_steep_decay_gpu():
-    got, want, s_got, s_ref = run_kda([200, 1, 70], heads=64, dim=128, dtype=torch.bfloat16,
-                                      decay=2.0, config=GPU_FORMS["staged"])
-    assert rel_err(got, want) < BF16_REL
-    assert rel_err(s_got, s_ref) < BF16_REL
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("form", [GPU_FORMS["staged"], GPU_FORMS["split"]],
-                         ids=["staged", "split"])
-def test_staged_matches_fla_gpu(form):
+def test_split_matches_fla_gpu():
     """Against fla's chunk_kda on its safe-gate path (our gate's lower bound is -5)."""
-    got, o_fla, s_got, s_fla = against_fla(form)
+    got, o_fla, s_got, s_fla = against_fla(GPU_FORMS["split"])
     assert rel_err(got, o_fla) < BF16_REL
     assert rel_err(s_got, s_fla) < BF16_REL

@@ -1,5 +1,5 @@
 """Triton KDA conv and decode step against kda/ref.py (the chunked prefill:
-test_kda_chunk_triton.py).
+test_kda_prefill.py).
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 on small shapes; with CUDA they compile,
 and the `gpu` tests add release shapes (64 heads x 128, bf16).

@@ -19,7 +19,7 @@ def test_every_launch_fits_consumer_gpus():
     # NOTE: a subprocess, because other kernel tests switch Triton to its interpreter at import.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, str(TOOL), "--skip-prep", "--check", "--arch", "89",
+    proc = subprocess.run([sys.executable, str(TOOL), "--skip-prefill", "--check", "--arch", "89",
                            "120"], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     assert "| sparse_mla decode 16/16/2/8w |" in proc.stdout

@@ -13,15 +13,35 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     tl = None
 
-from glmflash.kernels.kda.chunk_triton import (
-    RCP_LN2,
-    SAFE_SPAN,
-    _load_rows,
-    _row,
-    _store_rows,
-    _unit_upper_inverse,
-)
-from glmflash.kernels.triton_utils import jit
+from glmflash.kernels.kda.chunk_walk import _load_rows
+from glmflash.kernels.triton_utils import constexpr, jit
+
+# Largest decay across a sub-chunk (log2 units, per channel) whose diagonal block is factored
+# around its middle: both factors then stay within 2^+-64. Steeper channels take the exact
+# form. The release gate (g > -5 per token) spans at most 16 * 5 / ln 2 = 115.4.
+SAFE_SPAN = constexpr(128.0)
+
+
+@jit
+def _merge_level(b_t, b_u, o_r, o_c, SIZE: tl.constexpr, SOLVE: tl.constexpr):
+    """From the inverses of the diagonal blocks of size SIZE / 2 (b_t, zero elsewhere) to those
+    of size SIZE: P - P C P, with C the part of b_u in each block's upper-right quarter."""
+    HALF: tl.constexpr = SIZE // 2
+    m = (o_r // SIZE == o_c // SIZE) & (o_r % SIZE < HALF) & (o_c % SIZE >= HALF)
+    b_x = tl.dot(b_t, tl.where(m, b_u, 0.0), input_precision=SOLVE)
+    return b_t - tl.dot(b_x, b_t, input_precision=SOLVE)
+
+
+@jit
+def _unit_upper_inverse(b_u, SOLVE: tl.constexpr):
+    """(I + U)^-1 of a strictly upper-triangular 16x16 U by recursive block inversion: the
+    2x2 diagonal blocks invert to I - U, then three merges of two blocks each."""
+    o_i = tl.arange(0, 16)
+    o_r, o_c = o_i[:, None], o_i[None, :]
+    b_t = tl.where(o_r == o_c, 1.0, 0.0) - tl.where(o_r // 2 == o_c // 2, b_u, 0.0)
+    b_t = _merge_level(b_t, b_u, o_r, o_c, 4, SOLVE)
+    b_t = _merge_level(b_t, b_u, o_r, o_c, 8, SOLVE)
+    return _merge_level(b_t, b_u, o_r, o_c, 16, SOLVE)
 
 
 @jit
@@ -280,69 +300,3 @@ def kda_intra_off_kernel(q, k, g2, rq, rk, beta, aqk, tinv, tdiag, meta, stride_
     _store_block(tinv, -tl.dot(t33, b_x, input_precision=SOLVE), r3, 16, t_end, H * 64)
     b_x = tl.dot(l32, t22, input_precision=SOLVE)
     _store_block(tinv, -tl.dot(t33, b_x, input_precision=SOLVE), r3, 32, t_end, H * 64)
-
-
-@jit
-def kda_gate_diag_kernel(q, k, g, g2, rq, rk, beta, aqk, tinv, tdiag, meta, scale, stride_q,
-                         stride_k, stride_g, stride_b, H: tl.constexpr, K: tl.constexpr,
-                         BK: tl.constexpr, PREC: tl.constexpr, SOLVE: tl.constexpr):
-    """One (chunk, head), a 16-row sub-chunk at a time: the gate stage (G, the decay's
-    cumulative sum from the chunk start in log2 units, stored fp32; scale / |q| and 1 / |k|,
-    eps inside the root as the reference) and, from the same loads, what
-    `kda_intra_diag_kernel` computes: q, k and g are read once for both."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0 = tl.load(meta + i_c * 3)
-    t_end = tl.load(meta + i_c * 3 + 1)
-    q += i_h * K
-    k += i_h * K
-    g += i_h * K
-    g2 += i_h * K
-    o_r = tl.arange(0, 16)
-    for i_s in range(4):
-        r0 = t0 + i_s * 16
-        if r0 < t_end:
-            m_r = r0 + o_r < t_end
-            b_a = tl.zeros([16, 16], dtype=tl.float32)
-            b_akk = b_a
-            b_nq = tl.zeros([16], dtype=tl.float32)
-            b_nk = b_nq
-            b_span = 0.0
-            for i_k in range(tl.cdiv(K, BK)):
-                c0 = i_k * BK
-                b_g = _chunk_decay(g, g2, r0, t0, t_end, stride_g, c0, H, K, BK)
-                b_q = _load_rows(q, r0, t_end, stride_q, c0, K, BK, 16)
-                b_k = _load_rows(k, r0, t_end, stride_k, c0, K, BK, 16)
-                b_nq += tl.sum(b_q * b_q, 1)
-                b_nk += tl.sum(b_k * b_k, 1)
-                # rows past t_end repeat the last row's decay, as _g_row's clamp does
-                b_f, b_l = _row(b_g, o_r, 0), _row(b_g, o_r, 15)
-                b_a, b_akk = _diag_products(b_a, b_akk, b_q, b_k, b_g, b_f, b_l, m_r, PREC)
-                b_span = tl.maximum(b_span, tl.max(b_f - b_l, 0))
-            tl.debug_barrier()  # the steep form and the next sub-chunk read this one's G
-            b_a, b_akk = _steep_diag(b_a, b_akk, b_span, q, k, g2, r0, t_end, stride_q,
-                                     stride_k, H, K, BK)
-            b_rq = tl.where(m_r, scale / tl.sqrt(b_nq + 1e-6), 0.0)
-            b_rk = tl.where(m_r, 1.0 / tl.sqrt(b_nk + 1e-6), 0.0)
-            p_n = (r0 + o_r).to(tl.int64) * H + i_h
-            tl.store(rq + p_n, b_rq, mask=m_r)
-            tl.store(rk + p_n, b_rk, mask=m_r)
-            _store_aqk(aqk + i_h * 64, b_a, b_rq, b_rk, r0, i_s * 16, t_end, H, True)
-            b_row = _row_vec(beta + i_h, r0, t_end, stride_b) * b_rk
-            b_t = _diag_inverse(b_akk, b_row, b_rk, SOLVE)
-            _store_block(tinv + i_h * 64, b_t, r0, i_s * 16, t_end, H * 64)
-            _store_block(tdiag + i_h * 16, b_t, r0, 0, t_end, H * 16)
-
-
-@jit
-def _chunk_decay(g, g2, r0, t0, t_end, stride_g, c0, H: tl.constexpr, K: tl.constexpr,
-                 BK: tl.constexpr):
-    """G of rows r0.. (channels c0..), stored to g2: the row before's (this program stored
-    it; 0 at the chunk start) plus the sub-chunk's own cumulative sum of g / ln 2. Rows past
-    t_end add nothing."""
-    o_k = c0 + tl.arange(0, BK)
-    p_prev = g2 + tl.maximum(r0 - 1, t0).to(tl.int64) * (H * K) + o_k
-    b_prev = tl.where(r0 > t0, tl.load(p_prev, mask=o_k < K, other=0.0), 0.0)
-    b_g = _load_rows(g, r0, t_end, stride_g, c0, K, BK, 16) * RCP_LN2
-    b_g = b_prev[None, :] + tl.cumsum(b_g, 0)
-    _store_rows(g2, b_g, r0, t_end, H * K, c0, K, BK, 16)
-    return b_g

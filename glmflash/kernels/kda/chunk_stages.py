@@ -1,7 +1,7 @@
 """Triton KDA chunked prefill in fla's stages (README.md, "The staged form"): gate cumsum and
 norms, intra-chunk products and inverse, w/u, state walk and, split off or fused into the walk,
 the output. Each stage is one kernel with its own launch shape (`StagedConfig`), so the stages
-are timed one by one; the fused prep of chunk_triton.py computes the same buffers in one kernel.
+are timed one by one.
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ except ImportError:  # the package must import without triton; the launchers nee
 
 from glmflash.kernels.kda.chunk_intra import (
     _g_row,
-    kda_gate_diag_kernel,
     kda_intra_diag_kernel,
     kda_intra_off_kernel,
 )
-from glmflash.kernels.kda.chunk_triton import (
+from glmflash.kernels.kda.chunk_walk import (
     CHUNK,
     RCP_LN2,
     PrefillBuffers,
@@ -43,10 +42,6 @@ class StagedConfig:
     """Launch shapes of the staged prefill (bench/kda_sweep.py passes its candidates)."""
 
     gate_warps: int = 4
-    gate_diag: bool = True
-    """The gate kernel also computes the intra stage's diagonal blocks from its own loads
-    (`kda_gate_diag_kernel`, `diag_key_block` channels a step); else `kda_intra_diag_kernel`
-    reads q, k and G again."""
     diag_warps: int = 1
     diag_key_block: int = 32
     """Channels per step of the intra stage's diagonal kernel (`kda_intra_diag_kernel`)."""
@@ -72,7 +67,7 @@ class StagedConfig:
 class StagedBuffers(NamedTuple):
     """The stages' intermediates: cumulative decay (log2) per token, head and channel, the
     inverse norms of q (times the scale) and k per token and head, the inverse T, and what the
-    walk reads (chunk_triton.PrefillBuffers)."""
+    walk reads (chunk_walk.PrefillBuffers)."""
 
     g2: torch.Tensor
     rq: torch.Tensor
@@ -248,21 +243,8 @@ def _chunk_meta(plan: KdaPlan) -> torch.Tensor:
     return plan.meta[plan.num_decode * 3 + plan.num_prefill * 5:]
 
 
-def _intra_shapes(q, config: StagedConfig) -> dict:
-    return dict(H=q.shape[1], K=q.shape[2], PREC=product_precision(q.dtype),
-                SOLVE="ieee" if q.dtype == torch.float32 else config.solve_precision)
-
-
-def launch_gate(q, k, g, beta, buf: StagedBuffers, plan: KdaPlan, config: StagedConfig
-                ) -> None:
+def launch_gate(q, k, g, buf: StagedBuffers, plan: KdaPlan, config: StagedConfig) -> None:
     heads, dk = q.shape[1], q.shape[2]
-    if config.gate_diag:
-        kda_gate_diag_kernel[(plan.num_chunks, heads)](
-            q, k, g, buf.g2, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv, buf.tdiag,
-            _chunk_meta(plan), dk ** -0.5, q.stride(0), k.stride(0), g.stride(0),
-            beta.stride(0), BK=min(config.diag_key_block, triton.next_power_of_2(dk)),
-            **_intra_shapes(q, config), num_warps=config.gate_warps)
-        return
     kda_gate_kernel[(plan.num_chunks, heads)](
         q, k, g, buf.g2, buf.rq, buf.rk, _chunk_meta(plan), dk ** -0.5, q.stride(0),
         k.stride(0), g.stride(0), H=heads, K=dk, BK=triton.next_power_of_2(dk),
@@ -275,13 +257,12 @@ def launch_intra(q, k, beta, buf: StagedBuffers, plan: KdaPlan, config: StagedCo
     assert bk >= 16, "head dims below 16 do not fit tl.dot"
     args = (q, k, buf.g2, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv)
     strides = (q.stride(0), k.stride(0), beta.stride(0))
-    shapes = _intra_shapes(q, config)
+    shapes = dict(H=heads, K=dk, PREC=product_precision(q.dtype),
+                  SOLVE="ieee" if q.dtype == torch.float32 else config.solve_precision)
     meta = _chunk_meta(plan)
-    if not config.gate_diag:
-        bk_diag = min(config.diag_key_block, triton.next_power_of_2(dk))
-        kda_intra_diag_kernel[(plan.num_chunks, CHUNK // 16, heads)](
-            *args, buf.tdiag, meta, *strides, BK=bk_diag, **shapes,
-            num_warps=config.diag_warps)
+    bk_diag = min(config.diag_key_block, triton.next_power_of_2(dk))
+    kda_intra_diag_kernel[(plan.num_chunks, CHUNK // 16, heads)](
+        *args, buf.tdiag, meta, *strides, BK=bk_diag, **shapes, num_warps=config.diag_warps)
     kda_intra_off_kernel[(plan.num_chunks, heads)](
         *args, buf.tdiag, meta, *strides, BK=bk, **shapes, num_warps=config.off_warps)
 
@@ -334,7 +315,7 @@ def prefill(q, k, v, g, beta, state, out, plan: KdaPlan, config: KdaConfig) -> N
     """Chunked prefill of the plan's sequences longer than one token, stage by stage."""
     staged = config.staged
     buf = staged_buffers(q, v, plan.num_chunks, staged)
-    launch_gate(q, k, g, beta, buf, plan, staged)
+    launch_gate(q, k, g, buf, plan, staged)
     launch_intra(q, k, beta, buf, plan, staged)
     launch_wy(q, k, v, beta, buf, plan, staged)
     if not staged.split_output:

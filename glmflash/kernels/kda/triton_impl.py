@@ -1,5 +1,5 @@
 """Triton KDA: short causal conv, fused recurrent decode step, and the launcher that splits a
-packed batch between the decode kernel and the chunked prefill (chunk_triton.py; README.md).
+packed batch between the decode kernel and the chunked prefill (chunk_stages.py; README.md).
 
 Same signatures and semantics as ref.py. Per-sequence metadata (host lists) is packed into one
 int32 tensor per distinct batch and cached, so the 34 KDA layers of a forward share one copy.
@@ -13,9 +13,9 @@ from typing import NamedTuple
 
 import torch
 
-from glmflash.kernels.kda import chunk_stages, chunk_triton
+from glmflash.kernels.kda import chunk_stages
 from glmflash.kernels.kda.chunk_stages import StagedConfig
-from glmflash.kernels.kda.chunk_triton import CHUNK
+from glmflash.kernels.kda.chunk_walk import CHUNK
 from glmflash.utils.device import upload
 
 try:
@@ -36,14 +36,8 @@ class KdaConfig:
     decode_wide: tuple[int, int] = (64, 4)
     """Decode (value columns per program, warps) from `decode_wide_batch` sequences."""
     decode_wide_batch: int = 16
-    prep_warps: int = 4
-    prep_key_block: int = 16
-    """Channels per step of the prep kernel (its passes over q, k and g)."""
-    prep_value_block: int = 16
-    """Value columns per step of the prep kernel's u."""
-    staged: StagedConfig | None = StagedConfig()
-    """The prefill in fla's stages (chunk_stages.py) with these shapes; None: the fused prep
-    kernel (chunk_triton.py, the prep_* fields)."""
+    staged: StagedConfig = StagedConfig()
+    """Launch shapes of the chunked prefill's stages before the walk (chunk_stages.py)."""
     state_value_block: int = 64
     """Value columns per program of the state walk."""
     state_warps: int = 4
@@ -129,8 +123,8 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
         state: torch.Tensor, cu_seqlens: list[int], state_slots: list[int], is_fresh: list[bool],
         *, chunk_size: int = 64, config: KdaConfig = DEFAULT_CONFIG) -> torch.Tensor:
     """Triton `kda_ref`: decode sequences take the fused recurrent kernel, longer ones the
-    chunked pair (prep, then the sequential state walk). `chunk_size` is accepted for
-    signature parity; the kernels use 64."""
+    chunked prefill's stages (chunk_stages.py, ending in the sequential state walk).
+    `chunk_size` is accepted for signature parity; the kernels use 64."""
     for t, name in ((q, "q"), (k, "k"), (v, "v"), (g, "g")):
         _check_heads(t, name)
     num_tokens, heads, dk = q.shape
@@ -146,8 +140,7 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     if plan.num_decode:
         _launch_decode(q, k, v, g, beta, state, out, plan.meta, plan.num_decode, config)
     if plan.num_prefill:
-        form = chunk_triton if config.staged is None else chunk_stages
-        form.prefill(q, k, v, g, beta, state, out, plan, config)
+        chunk_stages.prefill(q, k, v, g, beta, state, out, plan, config)
     return out
 
 

@@ -1,5 +1,6 @@
-"""Triton KDA chunked prefill (chunk_triton.py) against kda/ref.py, and its block helpers
-against torch.
+"""Triton KDA chunked prefill at its default launch shapes (chunk_stages.py) against
+kda/ref.py, and the intra stage's 16x16 inverse against torch (test_kda_chunk_stages.py tries
+the other launch shapes and forms).
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 on one or two small heads (the
 interpreter runs each program in Python); with CUDA they compile, and the `gpu` tests add the
@@ -19,8 +20,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from glmflash.kernels.kda import chunk_triton  # noqa: E402
-from glmflash.kernels.kda.triton_impl import KdaConfig  # noqa: E402
+from glmflash.kernels.kda import chunk_intra  # noqa: E402
 from tests.kernels.kda_cases import DEVICE, against_fla, rel_err, run_kda  # noqa: E402
 
 # fp32 inputs, interpreter: worst measured 7e-7 (outputs) / 5e-6 (state, |S| ~ 10), nearly all
@@ -55,13 +55,6 @@ def test_prefill_fp32_matches_ref(lens, nan_empty):
     _assert_fp32_close(*run_kda(lens, heads=1, dim=16, dtype=torch.float32))
 
 
-def test_prefill_several_channel_blocks(nan_empty):
-    # 24 channels in blocks of 16: two passes over the channels, the second one masked
-    config = KdaConfig(prep_key_block=16, prep_value_block=16)
-    _assert_fp32_close(*run_kda([70, 1, 33], heads=2, dim=24, dtype=torch.float32,
-                                config=config))
-
-
 def test_prefill_weak_decay(nan_empty):
     # g in (-0.1, 0): keys far apart in a chunk still interact, so every block of the inverse
     # counts (at the release gate's decays the far blocks are below rounding)
@@ -85,37 +78,23 @@ def test_prefill_bf16_inputs(nan_empty):
 
 
 @triton.jit
-def _blocks_kernel(x, y, z, u, t):
-    """Round trips of the prep kernel's block helpers, and its 64x64 inverse."""
+def _inverse_kernel(u, t):
+    """The intra stage's (I + U)^-1 of a strictly upper-triangular 16x16 U."""
     o_r = tl.arange(0, 16)
-    o_c = tl.arange(0, 64)
-    b_x = tl.load(x + o_r[:, None] * 64 + o_c[None, :])  # [16, 64]
-    b_0, b_1, b_2, b_3 = chunk_triton._unstack_cols(b_x)
-    b_rows = chunk_triton._stack_rows(b_0, b_1, b_2, b_3)  # [64, 16]
-    tl.store(y + o_c[:, None] * 16 + o_r[None, :], b_rows)
-    tl.store(z + o_r[:, None] * 64 + o_c[None, :], chunk_triton._stack_cols(b_3, b_2, b_1, b_0))
-    p_u = u + o_r[:, None] * 64 + o_c[None, :]
-    b_v = chunk_triton._upper_inverse(tl.load(p_u), tl.load(p_u + 1024), tl.load(p_u + 2048),
-                                      tl.load(p_u + 3072), "ieee")
-    tl.store(t + o_c[:, None] * 64 + o_c[None, :], b_v)
+    p = o_r[:, None] * 16 + o_r[None, :]
+    tl.store(t + p, chunk_intra._unit_upper_inverse(tl.load(u + p), "ieee"))
 
 
-def test_block_helpers_match_torch():
+def test_unit_upper_inverse_matches_torch():
     gen = torch.Generator().manual_seed(42)
-    x = torch.randn(16, 64, generator=gen)
-    blocks = list(x.split(16, dim=1))
-    # a strictly upper-triangular U as the prep kernel builds it: beta k_s . k_t, |U| < 1
-    keys = torch.nn.functional.normalize(torch.randn(64, 8, generator=gen), dim=1)
-    beta = torch.rand(64, generator=gen)
+    # a strictly upper-triangular U as the intra stage builds it: beta k_s . k_t, |U| < 1
+    keys = torch.nn.functional.normalize(torch.randn(16, 8, generator=gen), dim=1)
+    beta = torch.rand(16, generator=gen)
     upper = (keys @ keys.t() * beta[None, :]).triu(1)
-    x_d, upper_d = x.to(DEVICE), upper.contiguous().to(DEVICE)
-    y, z, inv = (torch.full(s, float("nan"), device=DEVICE) for s in ((64, 16), (16, 64),
-                                                                        (64, 64)))
-    _blocks_kernel[(1,)](x_d, y, z, upper_d, inv)
-    assert torch.equal(y.cpu(), torch.cat(blocks, dim=0))
-    assert torch.equal(z.cpu(), torch.cat(blocks[::-1], dim=1))
-    want = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + upper.double())
-    assert (inv.cpu().double() - want).abs().max().item() < 1e-5
+    inv = torch.full((16, 16), float("nan"), device=DEVICE)
+    _inverse_kernel[(1,)](upper.contiguous().to(DEVICE), inv)
+    want = torch.linalg.inv(torch.eye(16, dtype=torch.float64) + upper.double())
+    assert (inv.cpu().double() - want).abs().max().item() < 1e-6
 
 
 @pytest.mark.gpu
