@@ -55,7 +55,7 @@ def _stages(inputs):
     for t in buf.walk:
         t.fill_(float("nan"))
     cs.launch_gate(q, k, g, buf, plan, config)
-    cs.launch_intra(q, k, beta, buf, plan, config)
+    cs.launch_intra(q, k, g, beta, buf, plan, config)
     cs.launch_wy(q, k, v, beta, buf, plan, config)
     torch.cuda.synchronize()
     return buf.walk

@@ -171,6 +171,10 @@ def kda_staged_launches() -> list[Launch]:
         out.append(Launch(f"kda staged intra diagonal {warps}w BK{bk}",
                           intra.kda_intra_diag_kernel, ptrs,
                           dict(shape, BK=bk, PREC="tf32", SOLVE="ieee"), warps))
+    for bk in (16, 32):
+        out.append(Launch(f"kda staged gate + intra diagonal 1w BK{bk}",
+                          intra.kda_gate_diag_kernel, ptrs,
+                          dict(shape, BK=bk, PREC="tf32", SOLVE="ieee"), 1))
     for warps, bk in ((2, 32), (4, 32)):
         out.append(Launch(f"kda staged intra off-diagonal {warps}w BK{bk}",
                           intra.kda_intra_off_kernel, ptrs,

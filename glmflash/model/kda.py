@@ -18,6 +18,7 @@ from glmflash.model.forward_batch import ForwardBatch
 from glmflash.model.layers import Linear, fused_weight
 from glmflash.model.state import ModelState
 from glmflash.model.verify import verify_conv, verify_kda
+from glmflash.utils.derived import kept
 
 
 class KimiDeltaAttention(nn.Module):
@@ -82,11 +83,8 @@ class KimiDeltaAttention(nn.Module):
         sources = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
         if sources[0].requires_grad and torch.is_grad_enabled():
             return torch.cat(sources).squeeze(1)  # training: no cached copy (keeps the gradient)
-        key = tuple(w.data_ptr() for w in sources)
-        if getattr(self, "_conv_key", None) != key:
-            self._conv_weight = torch.cat(sources).squeeze(1).contiguous()
-            self._conv_key = key
-        return self._conv_weight
+        return kept(self, "conv_weight", tuple(w.data_ptr() for w in sources),
+                    lambda: torch.cat(sources).squeeze(1).contiguous())
 
 
 def _conv_weight(channels: int, kernel: int) -> nn.Module:

@@ -13,6 +13,7 @@ from glmflash.kernels.fp8_gemm import (
     fp8_linear_on_triton,
 )
 from glmflash.kernels.rms_norm import rms_norm
+from glmflash.utils.derived import kept
 
 # FP8 weights up to this many elements keep a dequantised copy when their product runs the
 # reference (tiny models on the CPU); release weights are far larger and never do.
@@ -61,11 +62,8 @@ class Linear(nn.Module):
         """The FP8 weight dequantised to `dtype`, kept while the weight and scales stay."""
         key = (self.weight.data_ptr(), self.weight_scale_inv.data_ptr(), dtype,
                self.weight.device)
-        if getattr(self, "_dequantized_key", None) != key:
-            self._dequantized = dequantize_block_fp8(self.weight, self.weight_scale_inv,
-                                                     block=self.fp8_block, dtype=dtype)
-            self._dequantized_key = key
-        return self._dequantized
+        return kept(self, "dequantized", key, lambda: dequantize_block_fp8(
+            self.weight, self.weight_scale_inv, block=self.fp8_block, dtype=dtype))
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

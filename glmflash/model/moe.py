@@ -10,6 +10,7 @@ from glmflash.kernels.fp8_gemm import FP8_DTYPE, block_scale_shape, dequantize_b
 from glmflash.kernels.fused_moe import fused_moe
 from glmflash.kernels.router import RouterSpec, route, route_ref
 from glmflash.model.layers import MLP, clamped_swiglu
+from glmflash.utils.derived import kept
 
 
 class Router(nn.Module):
@@ -32,10 +33,7 @@ class Router(nn.Module):
 
     def weight_fp32(self) -> torch.Tensor:
         """The router weight in fp32 (the reference scores in fp32), converted once."""
-        if getattr(self, "_fp32_source", None) != self.weight.data_ptr():
-            self._fp32 = self.weight.float()
-            self._fp32_source = self.weight.data_ptr()
-        return self._fp32
+        return kept(self, "weight_fp32", self.weight.data_ptr(), self.weight.float)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (expert ids `[T, k]`, fp32 weights `[T, k]`). No host sync, except

@@ -29,7 +29,8 @@ from tests.kernels.test_kda_prefill import (  # noqa: E402
 # 16 channels a step, so that dim 16 runs one step and dim 24 two (the second masked).
 SMALL = StagedConfig(diag_key_block=16, off_key_block=16, wy_block=16, out_value_block=16)
 FORMS = {"walk_output": KdaConfig(staged=SMALL),
-         "split_output": KdaConfig(staged=dataclasses.replace(SMALL, split_output=True))}
+         "split_output": KdaConfig(staged=dataclasses.replace(SMALL, split_output=True)),
+         "gate_in_diag": KdaConfig(staged=dataclasses.replace(SMALL, gate_in_diag=True))}
 
 
 @pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
@@ -67,19 +68,25 @@ def test_shared_slot_is_refused():
     kda(q, k, v, g, beta, state, [0, 3, 3, 4, 9], [2, 2, 0, 1], [True, False, False, True])
 
 
-def test_staged_several_channel_blocks(nan_empty):
+GATE_FORMS = pytest.mark.parametrize("form", [FORMS["walk_output"], FORMS["gate_in_diag"]],
+                                     ids=["gate_kernel", "gate_in_diag"])
+
+
+@GATE_FORMS
+def test_staged_several_channel_blocks(form, nan_empty):
     # 24 channels in blocks of 16: two steps over the channels, the second one masked
     _assert_fp32_close(*run_kda([70, 1, 33], heads=2, dim=24, dtype=torch.float32,
-                                config=FORMS["walk_output"]))
+                                config=form))
 
 
+@GATE_FORMS
 @pytest.mark.parametrize("decay", [0.02, 2.0, 4.0],
                          ids=["weak", "some_channels_steep", "all_steep"])
-def test_staged_decays(decay, nan_empty):
+def test_staged_decays(decay, form, nan_empty):
     # weak: far keys still interact, so every block of the inverse counts; steep: channels
     # whose decay across a sub-chunk exceeds SAFE_SPAN take the exact diagonal form
     _assert_fp32_close(*run_kda([40, 1, 70], heads=1, dim=16, dtype=torch.float32,
-                                decay=decay, config=FORMS["walk_output"]))
+                                decay=decay, config=form))
 
 
 def test_staged_bf16_inputs(nan_empty):
@@ -96,7 +103,8 @@ GPU_FORMS = {"staged_solve_tf32": KdaConfig(staged=StagedConfig(solve_precision=
              "staged_t_fp32": KdaConfig(staged=StagedConfig(inverse_bf16=False)),
              "split": KdaConfig(staged=StagedConfig(split_output=True)),
              "split_v32": KdaConfig(staged=StagedConfig(split_output=True),
-                                    state_value_block=32, state_warps=2)}
+                                    state_value_block=32, state_warps=2),
+             "gate_in_diag": KdaConfig(staged=StagedConfig(gate_in_diag=True))}
 
 
 @pytest.mark.gpu

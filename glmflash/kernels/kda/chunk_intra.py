@@ -13,7 +13,7 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     tl = None
 
-from glmflash.kernels.kda.chunk_walk import _load_rows
+from glmflash.kernels.kda.chunk_walk import RCP_LN2, _load_rows, _store_rows
 from glmflash.kernels.triton_utils import constexpr, jit
 
 # Largest decay across a sub-chunk (log2 units, per channel) whose diagonal block is factored
@@ -184,13 +184,89 @@ def kda_intra_diag_kernel(q, k, g2, rq, rk, beta, aqk, tinv, tdiag, meta, stride
         b_span = tl.maximum(b_span, tl.max(b_f - b_l, 0))
     b_a, b_akk = _steep_diag(b_a, b_akk, b_span, q, k, g2, r0, t_end, stride_q, stride_k, H, K,
                              BK)
-    b_rk = _row_vec(rk + i_h, r0, t_end, H)
-    _store_aqk(aqk + i_h * 64, b_a, _row_vec(rq + i_h, r0, t_end, H), b_rk, r0, i_s * 16, t_end,
-               H, True)
-    b_row = _row_vec(beta + i_h, r0, t_end, stride_b) * b_rk
+    _finish_diag(b_a, b_akk, _row_vec(rq + i_h, r0, t_end, H), _row_vec(rk + i_h, r0, t_end, H),
+                 beta + i_h, aqk + i_h * 64, tinv + i_h * 64, tdiag + i_h * 16, r0, i_s,
+                 t_end, stride_b, H, SOLVE)
+
+
+@jit
+def _finish_diag(b_a, b_akk, b_rq, b_rk, beta, aqk, tinv, tdiag, r0, i_s, t_end, stride_b,
+                 H: tl.constexpr, SOLVE: tl.constexpr):
+    """Stores a sub-chunk's diagonal block of Aqk (normalised by the rows' b_rq and the keys'
+    b_rk, causal) and T_ii = (I + L_ii)^-1 in tinv and, fp32, in tdiag (pointers at the head)."""
+    _store_aqk(aqk, b_a, b_rq, b_rk, r0, i_s * 16, t_end, H, True)
+    b_row = _row_vec(beta, r0, t_end, stride_b) * b_rk
     b_t = _diag_inverse(b_akk, b_row, b_rk, SOLVE)
-    _store_block(tinv + i_h * 64, b_t, r0, i_s * 16, t_end, H * 64)
-    _store_block(tdiag + i_h * 16, b_t, r0, 0, t_end, H * 16)
+    _store_block(tinv, b_t, r0, i_s * 16, t_end, H * 64)
+    _store_block(tdiag, b_t, r0, 0, t_end, H * 16)
+
+
+@jit
+def _gated_rows(g, g2, t0, r0, t_end, stride_g, c0, H: tl.constexpr, K: tl.constexpr,
+                BK: tl.constexpr):
+    """G of rows r0.. (channels c0..) from the chunk start, in log2 units, stored to g2: the
+    earlier sub-chunks' decay summed, plus this one's cumulative sum. Rows past t_end add
+    nothing, so they repeat the last row's G (as _g_row's clamp does)."""
+    b_start = tl.zeros([BK], dtype=tl.float32)
+    for r in range(t0, r0, 16):
+        b_start += tl.sum(_load_rows(g, r, t_end, stride_g, c0, K, BK, 16), 0) * RCP_LN2
+    b_g = b_start[None, :] + tl.cumsum(_load_rows(g, r0, t_end, stride_g, c0, K, BK, 16)
+                                       * RCP_LN2, 0)
+    _store_rows(g2, b_g, r0, t_end, H * K, c0, K, BK, 16)
+    return b_g
+
+
+@jit
+def _row(x, r):
+    """Row r of a `[16, N]` register tile, as a vector over its columns."""
+    return tl.sum(tl.where(tl.arange(0, 16)[:, None] == r, x, 0.0), 0)
+
+
+@jit
+def kda_gate_diag_kernel(q, k, g, g2, rq, rk, beta, aqk, tinv, tdiag, meta, scale, stride_q,
+                         stride_k, stride_g, stride_b, H: tl.constexpr, K: tl.constexpr,
+                         BK: tl.constexpr, PREC: tl.constexpr, SOLVE: tl.constexpr):
+    """`kda_intra_diag_kernel` with the gate stage for its own rows (StagedConfig.gate_in_diag):
+    G from g (the earlier sub-chunks' rows summed here), scale / |q| and 1 / |k| (eps inside
+    the root, as the reference), all stored for the later stages; the gate kernel's own pass
+    over q, k and g goes."""
+    i_c, i_s, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t0 = tl.load(meta + i_c * 3)
+    t_end = tl.load(meta + i_c * 3 + 1)
+    r0 = t0 + i_s * 16
+    if r0 >= t_end:
+        return
+    q += i_h * K
+    k += i_h * K
+    g += i_h * K
+    g2 += i_h * K
+    o_r = tl.arange(0, 16)
+    m_r = r0 + o_r < t_end
+    b_a = tl.zeros([16, 16], dtype=tl.float32)
+    b_akk = b_a
+    b_nq = tl.zeros([16], dtype=tl.float32)
+    b_nk = b_nq
+    b_span = 0.0
+    for i_k in range(tl.cdiv(K, BK)):
+        c0 = i_k * BK
+        b_g = _gated_rows(g, g2, t0, r0, t_end, stride_g, c0, H, K, BK)
+        b_q = _load_rows(q, r0, t_end, stride_q, c0, K, BK, 16)
+        b_k = _load_rows(k, r0, t_end, stride_k, c0, K, BK, 16)
+        b_nq += tl.sum(b_q * b_q, 1)
+        b_nk += tl.sum(b_k * b_k, 1)
+        b_f, b_l = _row(b_g, 0), _row(b_g, 15)
+        b_a, b_akk = _diag_products(b_a, b_akk, b_q, b_k, b_g, b_f, b_l, m_r, PREC)
+        b_span = tl.maximum(b_span, tl.max(b_f - b_l, 0))
+    tl.debug_barrier()  # the steep form reads back the G this program stored
+    b_a, b_akk = _steep_diag(b_a, b_akk, b_span, q, k, g2, r0, t_end, stride_q, stride_k, H, K,
+                             BK)
+    b_rq = tl.where(m_r, scale / tl.sqrt(b_nq + 1e-6), 0.0)
+    b_rk = tl.where(m_r, 1.0 / tl.sqrt(b_nk + 1e-6), 0.0)
+    p_n = (r0 + o_r).to(tl.int64) * H + i_h
+    tl.store(rq + p_n, b_rq, mask=m_r)
+    tl.store(rk + p_n, b_rk, mask=m_r)
+    _finish_diag(b_a, b_akk, b_rq, b_rk, beta + i_h, aqk + i_h * 64, tinv + i_h * 64,
+                 tdiag + i_h * 16, r0, i_s, t_end, stride_b, H, SOLVE)
 
 
 @jit

@@ -19,6 +19,7 @@ except ImportError:  # the package must import without triton; the launchers nee
 
 from glmflash.kernels.kda.chunk_intra import (
     _g_row,
+    kda_gate_diag_kernel,
     kda_intra_diag_kernel,
     kda_intra_off_kernel,
 )
@@ -42,6 +43,10 @@ class StagedConfig:
     """Launch shapes of the staged prefill (bench/kda_sweep.py passes its candidates)."""
 
     gate_warps: int = 4
+    gate_in_diag: bool = False
+    """The intra stage's diagonal kernel does the gate stage for its own rows
+    (`kda_gate_diag_kernel`), so that q, k and g are read once for both; else `kda_gate_kernel`
+    runs first and the diagonal kernel reads q, k and G again."""
     diag_warps: int = 1
     diag_key_block: int = 32
     """Channels per step of the intra stage's diagonal kernel (`kda_intra_diag_kernel`)."""
@@ -244,6 +249,9 @@ def _chunk_meta(plan: KdaPlan) -> torch.Tensor:
 
 
 def launch_gate(q, k, g, buf: StagedBuffers, plan: KdaPlan, config: StagedConfig) -> None:
+    """The gate stage, unless the diagonal kernel does it (`launch_intra`)."""
+    if config.gate_in_diag:
+        return
     heads, dk = q.shape[1], q.shape[2]
     kda_gate_kernel[(plan.num_chunks, heads)](
         q, k, g, buf.g2, buf.rq, buf.rk, _chunk_meta(plan), dk ** -0.5, q.stride(0),
@@ -251,7 +259,8 @@ def launch_gate(q, k, g, buf: StagedBuffers, plan: KdaPlan, config: StagedConfig
         num_warps=config.gate_warps)
 
 
-def launch_intra(q, k, beta, buf: StagedBuffers, plan: KdaPlan, config: StagedConfig) -> None:
+def launch_intra(q, k, g, beta, buf: StagedBuffers, plan: KdaPlan, config: StagedConfig
+                 ) -> None:
     heads, dk = q.shape[1], q.shape[2]
     bk = min(config.off_key_block, triton.next_power_of_2(dk))
     assert bk >= 16, "head dims below 16 do not fit tl.dot"
@@ -261,8 +270,14 @@ def launch_intra(q, k, beta, buf: StagedBuffers, plan: KdaPlan, config: StagedCo
                   SOLVE="ieee" if q.dtype == torch.float32 else config.solve_precision)
     meta = _chunk_meta(plan)
     bk_diag = min(config.diag_key_block, triton.next_power_of_2(dk))
-    kda_intra_diag_kernel[(plan.num_chunks, CHUNK // 16, heads)](
-        *args, buf.tdiag, meta, *strides, BK=bk_diag, **shapes, num_warps=config.diag_warps)
+    grid = (plan.num_chunks, CHUNK // 16, heads)
+    if config.gate_in_diag:
+        kda_gate_diag_kernel[grid](
+            q, k, g, *args[2:], buf.tdiag, meta, dk ** -0.5, q.stride(0), k.stride(0),
+            g.stride(0), beta.stride(0), BK=bk_diag, **shapes, num_warps=config.diag_warps)
+    else:
+        kda_intra_diag_kernel[grid](*args, buf.tdiag, meta, *strides, BK=bk_diag, **shapes,
+                                    num_warps=config.diag_warps)
     kda_intra_off_kernel[(plan.num_chunks, heads)](
         *args, buf.tdiag, meta, *strides, BK=bk, **shapes, num_warps=config.off_warps)
 
@@ -316,7 +331,7 @@ def prefill(q, k, v, g, beta, state, out, plan: KdaPlan, config: KdaConfig) -> N
     staged = config.staged
     buf = staged_buffers(q, v, plan.num_chunks, staged)
     launch_gate(q, k, g, buf, plan, staged)
-    launch_intra(q, k, beta, buf, plan, staged)
+    launch_intra(q, k, g, beta, buf, plan, staged)
     launch_wy(q, k, v, beta, buf, plan, staged)
     if not staged.split_output:
         launch_state(state, out, buf.walk, plan, config)

@@ -23,9 +23,14 @@ def route_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, spec
     """(expert ids `[T, k]` int64, fp32 weights `[T, k]`) of x `[T, D]` over the router weight
     `[E, D]` (scored in fp32; `weight_fp32`: its fp32 copy, when the caller keeps one) and the
     correction bias `[E]`. No host sync."""
+    return select_ref(scores_ref(x, weight, weight_fp32), bias, spec)
+
+
+def scores_ref(x: torch.Tensor, weight: torch.Tensor, weight_fp32: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """Sigmoid scores `[T, E]` in fp32, the model-dtype weight taken exactly in fp32."""
     w = weight_fp32 if weight_fp32 is not None else weight.float()
-    scores = torch.sigmoid(x.float() @ w.t())
-    return select_ref(scores, bias, spec)
+    return torch.sigmoid(x.float() @ w.t())
 
 
 def select_ref(scores: torch.Tensor, bias: torch.Tensor, spec: RouterSpec

@@ -15,7 +15,7 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
-from glmflash.kernels.router.ref import RouterSpec
+from glmflash.kernels.router.ref import RouterSpec, scores_ref
 from glmflash.kernels.triton_utils import jit
 
 # Up to this many tokens the scores come from router_scores_kernel; above, from cuBLAS.
@@ -133,8 +133,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, spec: Ro
             scores.stride(0), BT=cfg.block_t, BE=cfg.block_e, BK=cfg.block_k,
             num_warps=cfg.num_warps)
     else:
-        w = weight_fp32 if weight_fp32 is not None else weight.float()
-        scores = torch.sigmoid(x.float() @ w.t())
+        scores = scores_ref(x, weight, weight_fp32)
     per_group = num_experts // spec.num_groups
     router_select_kernel[(num_tokens,)](
         scores, bias, ids, weights, scores.stride(0), per_group, float(spec.scaling),
