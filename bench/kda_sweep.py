@@ -46,21 +46,17 @@ CANDIDATES = {
     "staged wy k64 w4": ti.KdaConfig(staged=dataclasses.replace(_STAGED, wy_block=64,
                                                                 wy_warps=4)),
     "staged walk v32": ti.KdaConfig(staged=_STAGED, state_value_block=32),
-    "split": ti.KdaConfig(staged=dataclasses.replace(_STAGED, split_output=True)),
-    "split walk v32 w2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, split_output=True),
-                                      state_value_block=32, state_warps=2),
 }
 
-# The defaults, the gate stage done by the diagonal kernel (not yet timed), the launch shapes
-# next to the defaults that came closest, and the output split off the walk.
+# The defaults, the gate stage done by the diagonal kernel (not yet timed), and the launch
+# shapes next to the defaults that came closest.
 SWEEP_DEFAULT = ("staged", "staged gate in diag", "staged gate in diag k16", "staged diag k16",
-                 "staged off w4", "split")
+                 "staged off w4")
 # (candidate, dtype) of every prefill the KDA GPU tests run (tests/kernels/test_kda_prefill.py,
 # test_kda_chunk_stages.py).
 TEST_FORMS = tuple((name, "bfloat16") for name in (
-    "staged", "staged solve tf32", "staged T fp32", "split", "split walk v32 w2",
-    "staged gate in diag")) + (
-    ("staged", "float32"), ("split", "float32"))
+    "staged", "staged solve tf32", "staged T fp32", "staged gate in diag")) + (
+    ("staged", "float32"), ("staged gate in diag", "float32"))
 
 
 def _stages(inputs, state, plan, config: ti.KdaConfig) -> dict:
@@ -73,12 +69,7 @@ def _stages(inputs, state, plan, config: ti.KdaConfig) -> dict:
     fns["gate+intra" if s.gate_in_diag else "intra"] = lambda: cs.launch_intra(
         q, k, g, beta, sb, plan, s)
     fns["w/u"] = lambda: cs.launch_wy(q, k, v, beta, sb, plan, s)
-    if not s.split_output:
-        fns["walk+out"] = lambda: chunk_walk.launch_state(state, out, sb.walk, plan, config)
-        return fns
-    h, vn = cs.split_buffers(q, v, plan.num_chunks)
-    fns["walk"] = lambda: cs.launch_walk_h(state, sb, h, vn, plan, config)
-    fns["out"] = lambda: cs.launch_output(q, out, sb, h, vn, plan, s)
+    fns["walk+out"] = lambda: chunk_walk.launch_state(state, out, sb.walk, plan, config)
     return fns
 
 

@@ -170,26 +170,21 @@ def kda_staged_launches() -> list[Launch]:
     for warps, bk in ((1, 16), (1, 32), (2, 64)):
         out.append(Launch(f"kda staged intra diagonal {warps}w BK{bk}",
                           intra.kda_intra_diag_kernel, ptrs,
-                          dict(shape, BK=bk, PREC="tf32", SOLVE="ieee"), warps))
+                          dict(shape, BK=bk, PREC="tf32", SOLVE="ieee", GATE=False), warps))
     for bk in (16, 32):
         out.append(Launch(f"kda staged gate + intra diagonal 1w BK{bk}",
-                          intra.kda_gate_diag_kernel, ptrs,
-                          dict(shape, BK=bk, PREC="tf32", SOLVE="ieee"), 1))
+                          intra.kda_intra_diag_kernel, ptrs,
+                          dict(shape, BK=bk, PREC="tf32", SOLVE="ieee", GATE=True), 1))
     for warps, bk in ((2, 32), (4, 32)):
         out.append(Launch(f"kda staged intra off-diagonal {warps}w BK{bk}",
                           intra.kda_intra_off_kernel, ptrs,
                           dict(shape, BK=bk, PREC="tf32", SOLVE="ieee"), warps))
     for name, dot in (("bf16", tl.bfloat16), ("fp32", tl.float32)):
         wy = dict(ptrs, tinv="*bf16" if name == "bf16" else "*fp32")
-        out.append(Launch(f"kda staged w/u T {name}", stages.kda_wy_kernel, wy,
-                          dict(shape, V=128, BK=64, BV=64, DOT=dot, PREC="tf32",
-                               STORE_QG=True), 4))
-    for bv, warps in ((64, 4), (32, 2)):
-        out.append(Launch(f"kda staged walk BV{bv} {warps}w", stages.kda_walk_h_kernel, ptrs,
-                          dict(shape, V=128, BK=128, BV=bv, PREC="tf32", DOT=tl.bfloat16),
-                          warps))
-    out.append(Launch("kda staged output", stages.kda_output_kernel, ptrs,
-                      dict(shape, V=128, BK=64, BV=64, PREC="tf32", DOT=tl.bfloat16), 4))
+        for block, warps in ((128, 8), (64, 4)):
+            out.append(Launch(f"kda staged w/u T {name} {block} {warps}w", stages.kda_wy_kernel,
+                              wy, dict(shape, V=128, BK=block, BV=block, DOT=dot, PREC="tf32"),
+                              warps))
     return out
 
 

@@ -1,6 +1,6 @@
 """The KDA prefill's stages (chunk_stages.py, chunk_intra.py) at launch shapes other than the
-defaults (test_kda_prefill.py has those) against kda/ref.py, with the output fused into the
-state walk and split off.
+defaults (test_kda_prefill.py has those) against kda/ref.py, and with the gate stage done by the
+diagonal-block kernel.
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 on one or two small heads; with CUDA the
 `gpu` tests add the release shape (64 heads x 128, bf16) and fla's chunk_kda where installed.
@@ -27,9 +27,8 @@ from tests.kernels.test_kda_prefill import (  # noqa: E402
 )
 
 # 16 channels a step, so that dim 16 runs one step and dim 24 two (the second masked).
-SMALL = StagedConfig(diag_key_block=16, off_key_block=16, wy_block=16, out_value_block=16)
-FORMS = {"walk_output": KdaConfig(staged=SMALL),
-         "split_output": KdaConfig(staged=dataclasses.replace(SMALL, split_output=True)),
+SMALL = StagedConfig(diag_key_block=16, off_key_block=16, wy_block=16)
+FORMS = {"small_steps": KdaConfig(staged=SMALL),
          "gate_in_diag": KdaConfig(staged=dataclasses.replace(SMALL, gate_in_diag=True))}
 
 
@@ -53,7 +52,7 @@ def test_staged_odd_lengths(form, nan_empty):
 
 def test_staged_release_odd_lengths(nan_empty):
     _assert_fp32_close(*run_kda(RELEASE_ODD, heads=1, dim=16, dtype=torch.float32,
-                                config=FORMS["walk_output"]))
+                                config=FORMS["small_steps"]))
 
 
 def test_shared_slot_is_refused():
@@ -68,7 +67,7 @@ def test_shared_slot_is_refused():
     kda(q, k, v, g, beta, state, [0, 3, 3, 4, 9], [2, 2, 0, 1], [True, False, False, True])
 
 
-GATE_FORMS = pytest.mark.parametrize("form", [FORMS["walk_output"], FORMS["gate_in_diag"]],
+GATE_FORMS = pytest.mark.parametrize("form", [FORMS["small_steps"], FORMS["gate_in_diag"]],
                                      ids=["gate_kernel", "gate_in_diag"])
 
 
@@ -91,7 +90,7 @@ def test_staged_decays(decay, form, nan_empty):
 
 def test_staged_bf16_inputs(nan_empty):
     got, want, s_got, s_ref = run_kda([70, 1, 9], heads=1, dim=32, dtype=torch.bfloat16,
-                                      config=FORMS["split_output"])
+                                      config=FORMS["gate_in_diag"])
     assert got.dtype == torch.bfloat16
     assert rel_err(got, want) < BF16_REL
     assert rel_err(s_got, s_ref) < BF16_REL
@@ -101,9 +100,6 @@ def test_staged_bf16_inputs(nan_empty):
 # which `python -m bench.kda_sweep --warm` compiles ahead of these tests).
 GPU_FORMS = {"staged_solve_tf32": KdaConfig(staged=StagedConfig(solve_precision="tf32")),
              "staged_t_fp32": KdaConfig(staged=StagedConfig(inverse_bf16=False)),
-             "split": KdaConfig(staged=StagedConfig(split_output=True)),
-             "split_v32": KdaConfig(staged=StagedConfig(split_output=True),
-                                    state_value_block=32, state_warps=2),
              "gate_in_diag": KdaConfig(staged=StagedConfig(gate_in_diag=True))}
 
 
@@ -118,8 +114,8 @@ def test_staged_release_shape_gpu(lens, form, nan_empty):
 
 
 @pytest.mark.gpu
-def test_split_release_shape_fp32_gpu():
-    form = GPU_FORMS["split"]
+def test_gate_in_diag_release_shape_fp32_gpu():
+    form = GPU_FORMS["gate_in_diag"]
     got, want, s_got, s_ref = run_kda([300, 1, 77], heads=64, dim=128, dtype=torch.float32,
                                       config=form)
     assert rel_err(got, want) < 1e-5
@@ -127,8 +123,8 @@ def test_split_release_shape_fp32_gpu():
 
 
 @pytest.mark.gpu
-def test_split_matches_fla_gpu():
+def test_gate_in_diag_matches_fla_gpu():
     """Against fla's chunk_kda on its safe-gate path (our gate's lower bound is -5)."""
-    got, o_fla, s_got, s_fla = against_fla(GPU_FORMS["split"])
+    got, o_fla, s_got, s_fla = against_fla(GPU_FORMS["gate_in_diag"])
     assert rel_err(got, o_fla) < BF16_REL
     assert rel_err(s_got, s_fla) < BF16_REL

@@ -158,50 +158,6 @@ def _diag_inverse(b_akk, b_row, b_rk, SOLVE: tl.constexpr):
 
 
 @jit
-def kda_intra_diag_kernel(q, k, g2, rq, rk, beta, aqk, tinv, tdiag, meta, stride_q, stride_k,
-                          stride_b, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                          PREC: tl.constexpr, SOLVE: tl.constexpr):
-    """One (chunk, 16-row sub-chunk, head): the sub-chunk's diagonal block of Aqk (scaled,
-    normalised, causal) and T_ii = (I + L_ii)^-1, stored in tinv and, fp32, in tdiag
-    `[T, H, 16]` for `kda_intra_off_kernel`."""
-    i_c, i_s, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    t0 = tl.load(meta + i_c * 3)
-    t_end = tl.load(meta + i_c * 3 + 1)
-    r0 = t0 + i_s * 16
-    if r0 >= t_end:
-        return
-    q += i_h * K
-    k += i_h * K
-    g2 += i_h * K
-    m_r = r0 + tl.arange(0, 16) < t_end
-    b_a = tl.zeros([16, 16], dtype=tl.float32)
-    b_akk = b_a
-    b_span = 0.0
-    for i_k in range(tl.cdiv(K, BK)):
-        c0 = i_k * BK
-        b_q, b_k, b_g, b_f, b_l = _rows(q, k, g2, r0, t_end, stride_q, stride_k, c0, H, K, BK)
-        b_a, b_akk = _diag_products(b_a, b_akk, b_q, b_k, b_g, b_f, b_l, m_r, PREC)
-        b_span = tl.maximum(b_span, tl.max(b_f - b_l, 0))
-    b_a, b_akk = _steep_diag(b_a, b_akk, b_span, q, k, g2, r0, t_end, stride_q, stride_k, H, K,
-                             BK)
-    _finish_diag(b_a, b_akk, _row_vec(rq + i_h, r0, t_end, H), _row_vec(rk + i_h, r0, t_end, H),
-                 beta + i_h, aqk + i_h * 64, tinv + i_h * 64, tdiag + i_h * 16, r0, i_s,
-                 t_end, stride_b, H, SOLVE)
-
-
-@jit
-def _finish_diag(b_a, b_akk, b_rq, b_rk, beta, aqk, tinv, tdiag, r0, i_s, t_end, stride_b,
-                 H: tl.constexpr, SOLVE: tl.constexpr):
-    """Stores a sub-chunk's diagonal block of Aqk (normalised by the rows' b_rq and the keys'
-    b_rk, causal) and T_ii = (I + L_ii)^-1 in tinv and, fp32, in tdiag (pointers at the head)."""
-    _store_aqk(aqk, b_a, b_rq, b_rk, r0, i_s * 16, t_end, H, True)
-    b_row = _row_vec(beta, r0, t_end, stride_b) * b_rk
-    b_t = _diag_inverse(b_akk, b_row, b_rk, SOLVE)
-    _store_block(tinv, b_t, r0, i_s * 16, t_end, H * 64)
-    _store_block(tdiag, b_t, r0, 0, t_end, H * 16)
-
-
-@jit
 def _gated_rows(g, g2, t0, r0, t_end, stride_g, c0, H: tl.constexpr, K: tl.constexpr,
                 BK: tl.constexpr):
     """G of rows r0.. (channels c0..) from the chunk start, in log2 units, stored to g2: the
@@ -223,13 +179,16 @@ def _row(x, r):
 
 
 @jit
-def kda_gate_diag_kernel(q, k, g, g2, rq, rk, beta, aqk, tinv, tdiag, meta, scale, stride_q,
-                         stride_k, stride_g, stride_b, H: tl.constexpr, K: tl.constexpr,
-                         BK: tl.constexpr, PREC: tl.constexpr, SOLVE: tl.constexpr):
-    """`kda_intra_diag_kernel` with the gate stage for its own rows (StagedConfig.gate_in_diag):
-    G from g (the earlier sub-chunks' rows summed here), scale / |q| and 1 / |k| (eps inside
-    the root, as the reference), all stored for the later stages; the gate kernel's own pass
-    over q, k and g goes."""
+def kda_intra_diag_kernel(q, k, g, g2, rq, rk, beta, aqk, tinv, tdiag, meta, scale, stride_q,
+                          stride_k, stride_g, stride_b, H: tl.constexpr, K: tl.constexpr,
+                          BK: tl.constexpr, PREC: tl.constexpr, SOLVE: tl.constexpr,
+                          GATE: tl.constexpr):
+    """One (chunk, 16-row sub-chunk, head): the sub-chunk's diagonal block of Aqk (scaled,
+    normalised, causal) and T_ii = (I + L_ii)^-1, stored in tinv and, fp32, in tdiag
+    `[T, H, 16]` for `kda_intra_off_kernel`. With GATE it first does the gate stage for its own
+    rows (StagedConfig.gate_in_diag): G from g (the earlier sub-chunks' rows summed here),
+    scale / |q| and 1 / |k| (eps inside the root, as the reference), stored for the later
+    stages; else it reads what `kda_gate_kernel` stored."""
     i_c, i_s, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0 = tl.load(meta + i_c * 3)
     t_end = tl.load(meta + i_c * 3 + 1)
@@ -249,24 +208,36 @@ def kda_gate_diag_kernel(q, k, g, g2, rq, rk, beta, aqk, tinv, tdiag, meta, scal
     b_span = 0.0
     for i_k in range(tl.cdiv(K, BK)):
         c0 = i_k * BK
-        b_g = _gated_rows(g, g2, t0, r0, t_end, stride_g, c0, H, K, BK)
-        b_q = _load_rows(q, r0, t_end, stride_q, c0, K, BK, 16)
-        b_k = _load_rows(k, r0, t_end, stride_k, c0, K, BK, 16)
-        b_nq += tl.sum(b_q * b_q, 1)
-        b_nk += tl.sum(b_k * b_k, 1)
-        b_f, b_l = _row(b_g, 0), _row(b_g, 15)
+        if GATE:
+            b_g = _gated_rows(g, g2, t0, r0, t_end, stride_g, c0, H, K, BK)
+            b_q = _load_rows(q, r0, t_end, stride_q, c0, K, BK, 16)
+            b_k = _load_rows(k, r0, t_end, stride_k, c0, K, BK, 16)
+            b_nq += tl.sum(b_q * b_q, 1)
+            b_nk += tl.sum(b_k * b_k, 1)
+            b_f, b_l = _row(b_g, 0), _row(b_g, 15)
+        else:
+            b_q, b_k, b_g, b_f, b_l = _rows(q, k, g2, r0, t_end, stride_q, stride_k, c0, H, K,
+                                            BK)
         b_a, b_akk = _diag_products(b_a, b_akk, b_q, b_k, b_g, b_f, b_l, m_r, PREC)
         b_span = tl.maximum(b_span, tl.max(b_f - b_l, 0))
-    tl.debug_barrier()  # the steep form reads back the G this program stored
+    if GATE:
+        tl.debug_barrier()  # the steep form reads back the G this program stored
     b_a, b_akk = _steep_diag(b_a, b_akk, b_span, q, k, g2, r0, t_end, stride_q, stride_k, H, K,
                              BK)
-    b_rq = tl.where(m_r, scale / tl.sqrt(b_nq + 1e-6), 0.0)
-    b_rk = tl.where(m_r, 1.0 / tl.sqrt(b_nk + 1e-6), 0.0)
-    p_n = (r0 + o_r).to(tl.int64) * H + i_h
-    tl.store(rq + p_n, b_rq, mask=m_r)
-    tl.store(rk + p_n, b_rk, mask=m_r)
-    _finish_diag(b_a, b_akk, b_rq, b_rk, beta + i_h, aqk + i_h * 64, tinv + i_h * 64,
-                 tdiag + i_h * 16, r0, i_s, t_end, stride_b, H, SOLVE)
+    if GATE:
+        b_rq = tl.where(m_r, scale / tl.sqrt(b_nq + 1e-6), 0.0)
+        b_rk = tl.where(m_r, 1.0 / tl.sqrt(b_nk + 1e-6), 0.0)
+        p_n = (r0 + o_r).to(tl.int64) * H + i_h
+        tl.store(rq + p_n, b_rq, mask=m_r)
+        tl.store(rk + p_n, b_rk, mask=m_r)
+    else:
+        b_rq = _row_vec(rq + i_h, r0, t_end, H)
+        b_rk = _row_vec(rk + i_h, r0, t_end, H)
+    _store_aqk(aqk + i_h * 64, b_a, b_rq, b_rk, r0, i_s * 16, t_end, H, True)
+    b_row = _row_vec(beta + i_h, r0, t_end, stride_b) * b_rk
+    b_t = _diag_inverse(b_akk, b_row, b_rk, SOLVE)
+    _store_block(tinv + i_h * 64, b_t, r0, i_s * 16, t_end, H * 64)
+    _store_block(tdiag + i_h * 16, b_t, r0, 0, t_end, H * 16)
 
 
 @jit

@@ -1,7 +1,7 @@
-"""Triton KDA chunked prefill in fla's stages (README.md, "The staged form"): gate cumsum and
-norms, intra-chunk products and inverse, w/u, state walk and, split off or fused into the walk,
-the output. Each stage is one kernel with its own launch shape (`StagedConfig`), so the stages
-are timed one by one.
+"""Triton KDA chunked prefill in fla's stages (README.md, "The stages"): gate cumsum and norms,
+intra-chunk products and inverse (chunk_intra.py), w/u, then the state walk with the output
+(chunk_walk.py). Each stage is one kernel with its own launch shape (`StagedConfig`), so the
+stages are timed one by one.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ except ImportError:  # the package must import without triton; the launchers nee
 
 from glmflash.kernels.kda.chunk_intra import (
     _g_row,
-    kda_gate_diag_kernel,
     kda_intra_diag_kernel,
     kda_intra_off_kernel,
 )
@@ -29,7 +28,6 @@ from glmflash.kernels.kda.chunk_walk import (
     PrefillBuffers,
     _load_rows,
     _store_rows,
-    _walk_start,
     launch_state,
 )
 from glmflash.kernels.triton_utils import dot_operand_type, jit, product_precision
@@ -62,11 +60,6 @@ class StagedConfig:
     wy_warps: int = 8
     wy_block: int = 128
     """Channels (and value columns) per step of the w/u kernel."""
-    split_output: bool = False
-    """The walk stores the state per chunk and a parallel kernel computes the output (fla's
-    form); else the walk computes the output as it goes (KdaConfig's state walk)."""
-    out_warps: int = 4
-    out_value_block: int = 64
 
 
 class StagedBuffers(NamedTuple):
@@ -79,7 +72,7 @@ class StagedBuffers(NamedTuple):
     rk: torch.Tensor
     tinv: torch.Tensor
     tdiag: torch.Tensor
-    """The diagonal 16x16 blocks of T in fp32 `[T, H, 16]` (the split intra stage's)."""
+    """The diagonal 16x16 blocks of T in fp32 `[T, H, 16]` (the intra stage's kernels')."""
     walk: PrefillBuffers
 
 
@@ -110,11 +103,9 @@ def kda_gate_kernel(q, k, g, g2, rq, rk, meta, scale, stride_q, stride_k, stride
 @jit
 def kda_wy_kernel(q, k, v, g2, rq, rk, beta, tinv, w, u, qg, kd, gl, meta, stride_q, stride_k,
                   stride_v, stride_b, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                  STORE_QG: tl.constexpr):
-    """One (chunk, head): w = T (beta k exp(G)), u = T (beta v), kd = k exp(G_last - G) and
-    exp(G_last) for the walk, and qg = q exp(G) when the walk computes the output (k, q
-    normalised, q scaled)."""
+                  BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """One (chunk, head): w = T (beta k exp(G)), u = T (beta v), kd = k exp(G_last - G),
+    exp(G_last) and qg = q exp(G) for the walk (k, q normalised, q scaled)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0 = tl.load(meta + i_c * 3)
     t_end = tl.load(meta + i_c * 3 + 1)
@@ -141,87 +132,13 @@ def kda_wy_kernel(q, k, v, g2, rq, rk, beta, tinv, w, u, qg, kd, gl, meta, strid
         b_x = b_k * tl.exp2(b_g) * b_b[:, None]
         b_w = tl.dot(b_t, b_x.to(DOT), input_precision=PREC)
         _store_rows(w + i_h * K, b_w, t0, t_end, H * K, c0, K, BK, 64)
-        if STORE_QG:
-            b_q = _load_rows(q + i_h * K, t0, t_end, stride_q, c0, K, BK, 64) * b_rq[:, None]
-            _store_rows(qg + i_h * K, b_q * tl.exp2(b_g), t0, t_end, H * K, c0, K, BK, 64)
+        b_q = _load_rows(q + i_h * K, t0, t_end, stride_q, c0, K, BK, 64) * b_rq[:, None]
+        _store_rows(qg + i_h * K, b_q * tl.exp2(b_g), t0, t_end, H * K, c0, K, BK, 64)
     for i_v in range(tl.cdiv(V, BV)):
         c0 = i_v * BV
         b_x = _load_rows(v + i_h * V, t0, t_end, stride_v, c0, V, BV, 64) * b_b[:, None]
         b_u = tl.dot(b_t, b_x.to(DOT), input_precision=PREC)
         _store_rows(u + i_h * V, b_u, t0, t_end, H * V, c0, V, BV, 64)
-
-
-@jit
-def kda_walk_h_kernel(w, u, kd, gl, state, h, vn, meta, H: tl.constexpr, K: tl.constexpr,
-                      V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-                      DOT: tl.constexpr):
-    """Walk one sequence's chunks for one (head, value block), storing the state each chunk
-    starts from (h) and v' = u - w S; S <- exp(G_last) S + kd^T v'. The output is left to
-    `kda_output_kernel`."""
-    BT: tl.constexpr = 64
-    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    o_t = tl.arange(0, BT)
-    m_k, m_v = o_k < K, o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-    start, end, chunk0, p_s, b_s = _walk_start(state, meta, i_n, i_h, o_k, o_v, m_s, H, K, V)
-    num_chunks = tl.cdiv(end - start, BT)
-    for i_c in tl.range(num_chunks, num_stages=2):
-        rows = start + i_c * BT + o_t
-        m_t = rows < end
-        rows = rows.to(tl.int64)
-        m_tk = m_t[:, None] & m_k[None, :]
-        m_tv = m_t[:, None] & m_v[None, :]
-        p_h = h + ((chunk0 + i_c) * H + i_h).to(tl.int64) * (K * V)
-        tl.store(p_h + o_k[:, None] * V + o_v[None, :], b_s.to(h.dtype.element_ty), mask=m_s)
-        p_x = rows[:, None] * (H * K) + i_h * K + o_k[None, :]
-        b_w = tl.load(w + p_x, mask=m_tk, other=0.0)
-        b_kd = tl.load(kd + p_x, mask=m_tk, other=0.0)
-        p_v = rows[:, None] * (H * V) + i_h * V + o_v[None, :]
-        b_u = tl.load(u + p_v, mask=m_tv, other=0.0)
-        b_gl = tl.load(gl + ((chunk0 + i_c) * H + i_h).to(tl.int64) * K + o_k, mask=m_k,
-                       other=0.0)
-        b_vn = b_u.to(tl.float32) - tl.dot(b_w.to(DOT), b_s.to(DOT), input_precision=PREC)
-        b_vnd = b_vn.to(DOT)
-        tl.store(vn + p_v, b_vnd.to(vn.dtype.element_ty), mask=m_tv)
-        b_s = b_s * b_gl[:, None] + tl.dot(tl.trans(b_kd.to(DOT)), b_vnd, input_precision=PREC)
-    tl.store(p_s, b_s, mask=m_s)
-
-
-@jit
-def kda_output_kernel(q, g2, rq, aqk, h, vn, o, meta, stride_q, stride_o, H: tl.constexpr,
-                      K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      PREC: tl.constexpr, DOT: tl.constexpr):
-    """One (chunk, head, value block): o = (q exp(G)) S_chunk + Aqk v', S_chunk the state the
-    chunk starts from (q normalised and scaled)."""
-    i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    t0 = tl.load(meta + i_c * 3)
-    t_end = tl.load(meta + i_c * 3 + 1)
-    o_t = tl.arange(0, 64)
-    o_v = i_v * BV + tl.arange(0, BV)
-    rows = t0 + o_t
-    m_t = rows < t_end
-    rows = rows.to(tl.int64)
-    b_rq = tl.load(rq + rows * H + i_h, mask=m_t, other=0.0)
-    p_h = h + (i_c * H + i_h).to(tl.int64) * (K * V)
-    b_o = tl.zeros([64, BV], dtype=tl.float32)
-    for i_k in range(tl.cdiv(K, BK)):
-        c0 = i_k * BK
-        o_k = c0 + tl.arange(0, BK)
-        b_g = _load_rows(g2 + i_h * K, t0, t_end, H * K, c0, K, BK, 64)
-        b_q = _load_rows(q + i_h * K, t0, t_end, stride_q, c0, K, BK, 64)
-        b_q = b_q * b_rq[:, None] * tl.exp2(b_g)
-        b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :],
-                      mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0.0)
-        b_o = tl.dot(b_q.to(DOT), b_h.to(DOT), b_o, input_precision=PREC)
-    m_a = m_t[:, None] & (o_t[None, :] <= o_t[:, None])
-    b_a = tl.load(aqk + rows[:, None] * (H * 64) + i_h * 64 + o_t[None, :], mask=m_a, other=0.0)
-    m_tv = m_t[:, None] & (o_v < V)[None, :]
-    b_v = tl.load(vn + rows[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_tv, other=0.0)
-    b_o = tl.dot(b_a.to(DOT), b_v.to(DOT), b_o, input_precision=PREC)
-    tl.store(o + rows[:, None] * stride_o + i_h * V + o_v[None, :], b_o.to(o.dtype.element_ty),
-             mask=m_tv)
 
 
 def staged_buffers(q: torch.Tensor, v: torch.Tensor, num_chunks: int,
@@ -235,8 +152,8 @@ def staged_buffers(q: torch.Tensor, v: torch.Tensor, num_chunks: int,
         return torch.empty(num_tokens, heads, width, dtype=dtype, device=dev)
 
     tinv_dt = dt if config.inverse_bf16 else torch.float32
-    qg = torch.empty(0, dtype=dt, device=dev) if config.split_output else per_token(dk)
-    walk = PrefillBuffers(per_token(dk), per_token(dv), qg, per_token(dk), per_token(CHUNK),
+    walk = PrefillBuffers(per_token(dk), per_token(dv), per_token(dk), per_token(dk),
+                          per_token(CHUNK),
                           torch.empty(num_chunks, heads, dk, dtype=torch.float32, device=dev))
     norms = torch.empty(2, num_tokens, heads, dtype=torch.float32, device=dev)
     tdiag = per_token(16, torch.float32)
@@ -270,14 +187,10 @@ def launch_intra(q, k, g, beta, buf: StagedBuffers, plan: KdaPlan, config: Stage
                   SOLVE="ieee" if q.dtype == torch.float32 else config.solve_precision)
     meta = _chunk_meta(plan)
     bk_diag = min(config.diag_key_block, triton.next_power_of_2(dk))
-    grid = (plan.num_chunks, CHUNK // 16, heads)
-    if config.gate_in_diag:
-        kda_gate_diag_kernel[grid](
-            q, k, g, *args[2:], buf.tdiag, meta, dk ** -0.5, q.stride(0), k.stride(0),
-            g.stride(0), beta.stride(0), BK=bk_diag, **shapes, num_warps=config.diag_warps)
-    else:
-        kda_intra_diag_kernel[grid](*args, buf.tdiag, meta, *strides, BK=bk_diag, **shapes,
-                                    num_warps=config.diag_warps)
+    kda_intra_diag_kernel[(plan.num_chunks, CHUNK // 16, heads)](
+        q, k, g, *args[2:], buf.tdiag, meta, dk ** -0.5, q.stride(0), k.stride(0), g.stride(0),
+        beta.stride(0), BK=bk_diag, **shapes, GATE=config.gate_in_diag,
+        num_warps=config.diag_warps)
     kda_intra_off_kernel[(plan.num_chunks, heads)](
         *args, buf.tdiag, meta, *strides, BK=bk, **shapes, num_warps=config.off_warps)
 
@@ -291,39 +204,8 @@ def launch_wy(q, k, v, beta, buf: StagedBuffers, plan: KdaPlan, config: StagedCo
         q, k, v, buf.g2, buf.rq, buf.rk, beta, buf.tinv, wb.w, wb.u, wb.qg, wb.kd, wb.gl,
         _chunk_meta(plan), q.stride(0), k.stride(0), v.stride(0), beta.stride(0), H=heads,
         K=dk, V=dv, BK=bk, BV=bv, DOT=dot_operand_type(buf.tinv.dtype),
-        PREC=product_precision(q.dtype), STORE_QG=not config.split_output,
+        PREC=product_precision(q.dtype),
         num_warps=config.wy_warps)
-
-
-def split_buffers(q: torch.Tensor, v: torch.Tensor, num_chunks: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The state each chunk starts from `[chunks, H, K, V]` and v' `[T, H, V]`, in the dtype of
-    the walk's products."""
-    heads, dk, dv = q.shape[1], q.shape[2], v.shape[2]
-    dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
-    return (torch.empty(num_chunks, heads, dk, dv, dtype=dt, device=q.device),
-            torch.empty(q.shape[0], heads, dv, dtype=dt, device=q.device))
-
-
-def launch_walk_h(state, buf: StagedBuffers, h, vn, plan: KdaPlan, config: KdaConfig) -> None:
-    heads, dk, dv = state.shape[1:]
-    bv = min(config.state_value_block, triton.next_power_of_2(dv))
-    wb = buf.walk
-    kda_walk_h_kernel[(plan.num_prefill, heads, triton.cdiv(dv, bv))](
-        wb.w, wb.u, wb.kd, wb.gl, state, h, vn, plan.meta[plan.num_decode * 3:], H=heads, K=dk,
-        V=dv, BK=triton.next_power_of_2(dk), BV=bv, PREC=product_precision(h.dtype),
-        DOT=dot_operand_type(h.dtype), num_warps=config.state_warps)
-
-
-def launch_output(q, out, buf: StagedBuffers, h, vn, plan: KdaPlan, config: StagedConfig
-                  ) -> None:
-    heads, dk, dv = q.shape[1], q.shape[2], out.shape[2]
-    bv = min(config.out_value_block, triton.next_power_of_2(dv))
-    bk = min(64, triton.next_power_of_2(dk))
-    kda_output_kernel[(plan.num_chunks, heads, triton.cdiv(dv, bv))](
-        q, buf.g2, buf.rq, buf.walk.aqk, h, vn, out, _chunk_meta(plan), q.stride(0),
-        out.stride(0), H=heads, K=dk, V=dv, BK=bk, BV=bv, PREC=product_precision(h.dtype),
-        DOT=dot_operand_type(h.dtype), num_warps=config.out_warps)
 
 
 def prefill(q, k, v, g, beta, state, out, plan: KdaPlan, config: KdaConfig) -> None:
@@ -333,9 +215,4 @@ def prefill(q, k, v, g, beta, state, out, plan: KdaPlan, config: KdaConfig) -> N
     launch_gate(q, k, g, buf, plan, staged)
     launch_intra(q, k, g, beta, buf, plan, staged)
     launch_wy(q, k, v, beta, buf, plan, staged)
-    if not staged.split_output:
-        launch_state(state, out, buf.walk, plan, config)
-        return
-    h, vn = split_buffers(q, v, plan.num_chunks)
-    launch_walk_h(state, buf, h, vn, plan, config)
-    launch_output(q, out, buf, h, vn, plan, staged)
+    launch_state(state, out, buf.walk, plan, config)
