@@ -265,15 +265,16 @@ def indexer_launches() -> list[Launch]:
     out = [Launch("indexer score", indexer.indexer_score_kernel, ptrs,
                   dict(KPOOL=4, PAGE=64, BHQ=32, BD=128, BP=indexer.BLOCK_P, DOT=tl.bfloat16,
                        PREC="tf32"), 4, aligned=("NH", "D"))]
-    topk = {"scores": "*fp32", "lengths": "*i32", "hist": "*i32", "counts": "*i32",
-            "out": "*i32"}
+    topk = {"scores": "*fp32", "lengths": "*i32", "hist": "*i32", "seg_hist": "*i32",
+            "counts": "*i32", "out": "*i32"}
     config = indexer_topk.DEFAULT_CONFIG
     consts = dict(BLOCK=config.block)
     out += [Launch(f"indexer top-k histogram pass {p}", indexer_topk.topk_histogram_kernel, topk,
                    dict(consts, PASS=p), config.num_warps) for p in range(4)]
-    out += [Launch(f"indexer top-k {name}", kernel, topk, consts, config.num_warps)
-            for name, kernel in (("count", indexer_topk.topk_count_kernel),
-                                 ("write", indexer_topk.topk_write_kernel))]
+    out += [Launch("indexer top-k count", indexer_topk.topk_count_kernel, topk, {},
+                   config.num_warps),
+            Launch("indexer top-k write", indexer_topk.topk_write_kernel, topk, consts,
+                   config.num_warps)]
     write = {"keys": "*bf16", "gates": "*bf16", "ape": "*bf16", "pool_keys": "*bf16",
              "tail": "*bf16", "page_table": "*i32", "slots": "*i64", "positions": "*i64",
              "token_rows": "*i64"}

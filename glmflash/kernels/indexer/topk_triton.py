@@ -4,9 +4,11 @@ Each fp32 score maps to a 32-bit key with the same order; the select fixes the t
 one byte at a time, from the top. Rows are cut into segments, one program per (row, segment):
 
 1. four histogram launches: launch p counts the p-th key byte of the keys that share the bytes
-   already fixed, each program adding its segment's 256 counts into `hist[row, p]`; the byte
-   holding the k-th largest key is then fixed (every later program recomputes it from `hist`);
-2. a count launch: per segment, the keys above the threshold and the keys equal to it;
+   already fixed, each program adding its segment's 256 counts into `hist[row, p]` and keeping
+   them in `seg_hist[row, segment, p]`; the byte holding the k-th largest key is then fixed
+   (every later program recomputes it from `hist`);
+2. a count launch: per segment, from its own histograms and no key, the keys above the
+   threshold (those whose first byte that differs from it is larger) and the keys equal to it;
 3. a write launch: the indices of the keys above the threshold in index order, then the first
    ties by index, then -1 up to k.
 
@@ -86,10 +88,10 @@ def _fixed_bytes(p_hist, k, PASSES: tl.constexpr):
 
 
 @jit(do_not_specialize=("k", "seg_len"))
-def topk_histogram_kernel(scores, lengths, hist, k, seg_len, stride_s, PASS: tl.constexpr,
-                          BLOCK: tl.constexpr):
+def topk_histogram_kernel(scores, lengths, hist, seg_hist, k, seg_len, stride_s, stride_sh,
+                          PASS: tl.constexpr, BLOCK: tl.constexpr):
     """hist[row, PASS] += counts of byte PASS over this segment's keys that match the bytes
-    fixed by the earlier passes."""
+    fixed by the earlier passes; seg_hist[row, segment, PASS] = the same counts."""
     i_r = tl.program_id(0)
     i_s = tl.program_id(1)
     length = tl.load(lengths + i_r)
@@ -114,32 +116,34 @@ def topk_histogram_kernel(scores, lengths, hist, k, seg_len, stride_s, PASS: tl.
                 b_acc += tl.histogram(tl.where(m_k, b_digit, 0), NUM_BINS)
                 b_acc -= tl.where(o_b == 0, num_out, 0)
         tl.atomic_add(p_hist + PASS * NUM_BINS + o_b, b_acc, mask=b_acc > 0)
+        p_seg = seg_hist + i_r.to(tl.int64) * stride_sh + i_s * (NUM_PASSES * NUM_BINS)
+        tl.store(p_seg + PASS * NUM_BINS + o_b, b_acc)
 
 
 @jit(do_not_specialize=("k", "seg_len"))
-def topk_count_kernel(scores, lengths, hist, counts, k, seg_len, stride_s, stride_c,
-                      BLOCK: tl.constexpr):
-    """counts[row, seg] = (keys above the threshold, keys equal to it) in the segment."""
+def topk_count_kernel(lengths, hist, seg_hist, counts, k, seg_len, stride_sh, stride_c):
+    """counts[row, seg] = (keys above the threshold, keys equal to it) in the segment, from its
+    histograms: a key is above when its first byte that differs from the threshold's is
+    larger, so each pass adds the keys of its histogram above the byte it fixed."""
     i_r = tl.program_id(0)
     i_s = tl.program_id(1)
     length = tl.load(lengths + i_r)
-    begin = i_s * seg_len
-    if (length > k) & (begin < length):
-        prefix, need = _fixed_bytes(hist + i_r * (NUM_PASSES * NUM_BINS), k, NUM_PASSES)
-        threshold = prefix ^ INT32_MIN
-        end = tl.minimum(begin + seg_len, length)
-        b_gt = tl.zeros([BLOCK], dtype=tl.int32)
-        b_eq = tl.zeros([BLOCK], dtype=tl.int32)
-        p_row = scores + i_r.to(tl.int64) * stride_s
-        for start in range(begin, end, BLOCK):
-            o_k = start + tl.arange(0, BLOCK)
-            m_k = o_k < end
-            b_key = _order_keys(p_row + o_k, m_k)
-            b_gt += (m_k & (b_key > threshold)).to(tl.int32)
-            b_eq += (m_k & (b_key == threshold)).to(tl.int32)
+    if (length > k) & (i_s * seg_len < length):
+        p_hist = hist + i_r * (NUM_PASSES * NUM_BINS)
+        p_seg = seg_hist + i_r.to(tl.int64) * stride_sh + i_s * (NUM_PASSES * NUM_BINS)
+        o_b = tl.arange(0, NUM_BINS)
+        threshold, _ = _fixed_bytes(p_hist, k, NUM_PASSES)  # unsigned form
+        num_gt = tl.sum(tl.zeros([NUM_BINS], dtype=tl.int32), 0)
+        num_eq = num_gt + 0
+        for p in tl.static_range(NUM_PASSES):
+            digit = (threshold >> (24 - 8 * p)) & 0xFF
+            b_h = tl.load(p_seg + p * NUM_BINS + o_b)
+            num_gt += tl.sum(tl.where(o_b > digit, b_h, 0), 0)
+            if p == NUM_PASSES - 1:
+                num_eq = tl.sum(tl.where(o_b == digit, b_h, 0), 0)
         p_c = counts + i_r.to(tl.int64) * stride_c + 2 * i_s
-        tl.store(p_c, tl.sum(b_gt, 0))
-        tl.store(p_c + 1, tl.sum(b_eq, 0))
+        tl.store(p_c, num_gt)
+        tl.store(p_c + 1, num_eq)
 
 
 @jit
@@ -211,13 +215,15 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *,
     grid = (num_rows, triton.cdiv(max(width, 1), seg_len))
     hist = torch.zeros(num_rows, NUM_PASSES, NUM_BINS, dtype=torch.int32,
                        device=scores.device)
+    seg_hist = torch.empty(num_rows, grid[1], NUM_PASSES, NUM_BINS, dtype=torch.int32,
+                           device=scores.device)
     counts = torch.empty(num_rows, grid[1], 2, dtype=torch.int32, device=scores.device)
     common = dict(BLOCK=config.block, num_warps=config.num_warps)
     for p in range(NUM_PASSES):
-        topk_histogram_kernel[grid](scores, lengths, hist, k, seg_len, scores.stride(0),
-                                    PASS=p, **common)
-    topk_count_kernel[grid](scores, lengths, hist, counts, k, seg_len, scores.stride(0),
-                            counts.stride(0), **common)
+        topk_histogram_kernel[grid](scores, lengths, hist, seg_hist, k, seg_len,
+                                    scores.stride(0), seg_hist.stride(0), PASS=p, **common)
+    topk_count_kernel[grid](lengths, hist, seg_hist, counts, k, seg_len, seg_hist.stride(0),
+                            counts.stride(0), num_warps=config.num_warps)
     topk_write_kernel[grid](scores, lengths, hist, counts, out, k, seg_len, scores.stride(0),
                             counts.stride(0), out.stride(0), **common)
     return out
