@@ -8,10 +8,10 @@ reference (lengths up to `REF_MAX_TOKENS`) or against fla (longer ones). Prints 
         default sweep launch, in parallel, into Triton's disk cache)
 
 The candidates' kernels are compiled first in one subprocess each, in parallel (Triton's disk
-cache hands them to this process). The intra kernel is the slow compile (tools/smem_check.py
-times it), so each candidate with its own intra shape adds one. Stage times are CUDA-graph
-replay medians of each kernel alone on buffers the previous stages filled; totals are
-event-timed whole `kda` calls, as fla's (whose launcher reads the host).
+cache hands them to this process). The intra kernels are the slow compiles
+(tools/smem_check.py times them), so each candidate with its own intra shape adds some. Stage
+times are CUDA-graph replay medians of each kernel alone on buffers the previous stages filled;
+totals are event-timed whole `kda` calls, as fla's (whose launcher reads the host).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ CANDIDATES = {
     "staged": ti.KdaConfig(staged=_STAGED),
     "staged diag w2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, diag_warps=2)),
     "staged diag k16": ti.KdaConfig(staged=dataclasses.replace(_STAGED, diag_key_block=16)),
-    "staged gate in diag": ti.KdaConfig(staged=dataclasses.replace(_STAGED, gate_in_diag=True)),
+    "staged gate in diag": ti.KdaConfig(staged=dataclasses.replace(_STAGED, use_gate_in_diag=True)),
     "staged gate in diag k16": ti.KdaConfig(staged=dataclasses.replace(
-        _STAGED, gate_in_diag=True, diag_key_block=16)),
+        _STAGED, use_gate_in_diag=True, diag_key_block=16)),
     "staged off w4": ti.KdaConfig(staged=dataclasses.replace(_STAGED, off_warps=4)),
     "staged solve tf32": ti.KdaConfig(staged=dataclasses.replace(
         _STAGED, solve_precision="tf32")),
@@ -65,8 +65,8 @@ def _stages(inputs, state, plan, config: ti.KdaConfig) -> dict:
     out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
     s = config.staged
     sb = cs.staged_buffers(q, v, plan.num_chunks, s)
-    fns = {} if s.gate_in_diag else {"gate": lambda: cs.launch_gate(q, k, g, sb, plan, s)}
-    fns["gate+intra" if s.gate_in_diag else "intra"] = lambda: cs.launch_intra(
+    fns = {} if s.use_gate_in_diag else {"gate": lambda: cs.launch_gate(q, k, g, sb, plan, s)}
+    fns["gate+intra" if s.use_gate_in_diag else "intra"] = lambda: cs.launch_intra(
         q, k, g, beta, sb, plan, s)
     fns["w/u"] = lambda: cs.launch_wy(q, k, v, beta, sb, plan, s)
     fns["walk+out"] = lambda: chunk_walk.launch_state(state, out, sb.walk, plan, config)

@@ -161,8 +161,7 @@ def kda_launches(with_prefill: bool) -> list[Launch]:
 
 def kda_staged_launches() -> list[Launch]:
     """The staged prefill's kernels (chunk_stages.py) at the shapes bench/kda_sweep.py tries."""
-    ptrs = dict.fromkeys(("q", "k", "v", "w", "u", "qg", "kd", "aqk", "beta", "o", "vn", "h"),
-                         "*bf16")
+    ptrs = dict.fromkeys(("q", "k", "v", "w", "u", "qg", "kd", "aqk", "beta"), "*bf16")
     ptrs.update(g="*fp32", g2="*fp32", rq="*fp32", rk="*fp32", gl="*fp32", state="*fp32",
                 meta="*i32", tinv="*bf16", tdiag="*fp32")
     shape = dict(H=64, K=128)
@@ -170,11 +169,11 @@ def kda_staged_launches() -> list[Launch]:
     for warps, bk in ((1, 16), (1, 32), (2, 64)):
         out.append(Launch(f"kda staged intra diagonal {warps}w BK{bk}",
                           intra.kda_intra_diag_kernel, ptrs,
-                          dict(shape, BK=bk, PREC="tf32", SOLVE="ieee", GATE=False), warps))
+                          dict(shape, BK=bk, PREC="tf32", SOLVE="ieee", USE_GATE=False), warps))
     for bk in (16, 32):
         out.append(Launch(f"kda staged gate + intra diagonal 1w BK{bk}",
                           intra.kda_intra_diag_kernel, ptrs,
-                          dict(shape, BK=bk, PREC="tf32", SOLVE="ieee", GATE=True), 1))
+                          dict(shape, BK=bk, PREC="tf32", SOLVE="ieee", USE_GATE=True), 1))
     for warps, bk in ((2, 32), (4, 32)):
         out.append(Launch(f"kda staged intra off-diagonal {warps}w BK{bk}",
                           intra.kda_intra_off_kernel, ptrs,

@@ -1,5 +1,6 @@
 """Values derived from a module's weights (a dequantised copy, an fp32 copy, a stacked
-filter), made once and kept while the weights they come from stay where they are."""
+filter), made once and kept while the weights they come from stay where they are. Keys are
+data pointers: a weight updated in place keeps its stale copy (inference weights are not)."""
 
 from __future__ import annotations
 

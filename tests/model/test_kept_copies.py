@@ -1,5 +1,6 @@
 """The copies modules derive from their weights (utils/derived.py): made once, made again when
-a source moves or changes, and equal to a fresh derivation."""
+a source is replaced or moves (its data pointer changes; updates in place are not seen), and
+equal to a fresh derivation."""
 
 from __future__ import annotations
 

@@ -132,11 +132,11 @@ def topk_count_kernel(lengths, hist, seg_hist, counts, k, seg_len, stride_sh, st
         p_hist = hist + i_r * (NUM_PASSES * NUM_BINS)
         p_seg = seg_hist + i_r.to(tl.int64) * stride_sh + i_s * (NUM_PASSES * NUM_BINS)
         o_b = tl.arange(0, NUM_BINS)
-        threshold, _ = _fixed_bytes(p_hist, k, NUM_PASSES)  # unsigned form
+        prefix, _ = _fixed_bytes(p_hist, k, NUM_PASSES)
         num_gt = tl.sum(tl.zeros([NUM_BINS], dtype=tl.int32), 0)
         num_eq = num_gt + 0
         for p in tl.static_range(NUM_PASSES):
-            digit = (threshold >> (24 - 8 * p)) & 0xFF
+            digit = (prefix >> (24 - 8 * p)) & 0xFF
             b_h = tl.load(p_seg + p * NUM_BINS + o_b)
             num_gt += tl.sum(tl.where(o_b > digit, b_h, 0), 0)
             if p == NUM_PASSES - 1:

@@ -1,9 +1,9 @@
-"""The intra-chunk stage of the staged KDA prefill (chunk_stages.py; README.md, "The staged
-form"): Aqk and T = (I + diag(beta) Akk)^-1 of each 64-token chunk from 16x16 blocks, in two
-kernels as fla-core splits it: the diagonal blocks in a program per (chunk, 16-row sub-chunk,
-head), then the blocks below them and the merge of the inverse in a program per (chunk, head)
-that reads each sub-chunk once per channel block. Each holds little, so both run with few
-warps and many programs per SM.
+"""The intra-chunk stage of the KDA prefill (chunk_stages.py; README.md, "The stages"): Aqk
+and T = (I + diag(beta) Akk)^-1 of each 64-token chunk from 16x16 blocks, in two kernels as
+fla-core splits it: the diagonal blocks in a program per (chunk, 16-row sub-chunk, head), then
+the blocks below them and the merge of the inverse in a program per (chunk, head) that reads
+each sub-chunk once per channel block. Each holds little, so both run with few warps and many
+programs per SM.
 """
 
 from __future__ import annotations
@@ -182,11 +182,11 @@ def _row(x, r):
 def kda_intra_diag_kernel(q, k, g, g2, rq, rk, beta, aqk, tinv, tdiag, meta, scale, stride_q,
                           stride_k, stride_g, stride_b, H: tl.constexpr, K: tl.constexpr,
                           BK: tl.constexpr, PREC: tl.constexpr, SOLVE: tl.constexpr,
-                          GATE: tl.constexpr):
+                          USE_GATE: tl.constexpr):
     """One (chunk, 16-row sub-chunk, head): the sub-chunk's diagonal block of Aqk (scaled,
     normalised, causal) and T_ii = (I + L_ii)^-1, stored in tinv and, fp32, in tdiag
-    `[T, H, 16]` for `kda_intra_off_kernel`. With GATE it first does the gate stage for its own
-    rows (StagedConfig.gate_in_diag): G from g (the earlier sub-chunks' rows summed here),
+    `[T, H, 16]` for `kda_intra_off_kernel`. With USE_GATE it first does the gate stage for its own
+    rows (StagedConfig.use_gate_in_diag): G from g (the earlier sub-chunks' rows summed here),
     scale / |q| and 1 / |k| (eps inside the root, as the reference), stored for the later
     stages; else it reads what `kda_gate_kernel` stored."""
     i_c, i_s, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -208,7 +208,7 @@ def kda_intra_diag_kernel(q, k, g, g2, rq, rk, beta, aqk, tinv, tdiag, meta, sca
     b_span = 0.0
     for i_k in range(tl.cdiv(K, BK)):
         c0 = i_k * BK
-        if GATE:
+        if USE_GATE:
             b_g = _gated_rows(g, g2, t0, r0, t_end, stride_g, c0, H, K, BK)
             b_q = _load_rows(q, r0, t_end, stride_q, c0, K, BK, 16)
             b_k = _load_rows(k, r0, t_end, stride_k, c0, K, BK, 16)
@@ -220,11 +220,12 @@ def kda_intra_diag_kernel(q, k, g, g2, rq, rk, beta, aqk, tinv, tdiag, meta, sca
                                             BK)
         b_a, b_akk = _diag_products(b_a, b_akk, b_q, b_k, b_g, b_f, b_l, m_r, PREC)
         b_span = tl.maximum(b_span, tl.max(b_f - b_l, 0))
-    if GATE:
-        tl.debug_barrier()  # the steep form reads back the G this program stored
+    if USE_GATE:
+        # NOTE: the steep form reads back the G this program's threads stored.
+        tl.debug_barrier()
     b_a, b_akk = _steep_diag(b_a, b_akk, b_span, q, k, g2, r0, t_end, stride_q, stride_k, H, K,
                              BK)
-    if GATE:
+    if USE_GATE:
         b_rq = tl.where(m_r, scale / tl.sqrt(b_nq + 1e-6), 0.0)
         b_rk = tl.where(m_r, 1.0 / tl.sqrt(b_nk + 1e-6), 0.0)
         p_n = (r0 + o_r).to(tl.int64) * H + i_h

@@ -41,9 +41,10 @@ class StagedConfig:
     """Launch shapes of the staged prefill (bench/kda_sweep.py passes its candidates)."""
 
     gate_warps: int = 4
-    gate_in_diag: bool = False
+    use_gate_in_diag: bool = False
     """The intra stage's diagonal kernel does the gate stage for its own rows
-    (`kda_gate_diag_kernel`), so that q, k and g are read once for both; else `kda_gate_kernel`
+    (`kda_intra_diag_kernel` with `USE_GATE`): q and k are read once for both stages and g
+    instead of G (each sub-chunk also sums the earlier sub-chunks' g); else `kda_gate_kernel`
     runs first and the diagonal kernel reads q, k and G again."""
     diag_warps: int = 1
     diag_key_block: int = 32
@@ -143,6 +144,7 @@ def kda_wy_kernel(q, k, v, g2, rq, rk, beta, tinv, w, u, qg, kd, gl, meta, strid
 
 def staged_buffers(q: torch.Tensor, v: torch.Tensor, num_chunks: int,
                    config: StagedConfig) -> StagedBuffers:
+    """Uninitialised buffers for every stage of one prefill (`config` picks T's dtype)."""
     num_tokens, heads, dk = q.shape
     dv = v.shape[2]
     dt = q.dtype if q.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
@@ -167,7 +169,7 @@ def _chunk_meta(plan: KdaPlan) -> torch.Tensor:
 
 def launch_gate(q, k, g, buf: StagedBuffers, plan: KdaPlan, config: StagedConfig) -> None:
     """The gate stage, unless the diagonal kernel does it (`launch_intra`)."""
-    if config.gate_in_diag:
+    if config.use_gate_in_diag:
         return
     heads, dk = q.shape[1], q.shape[2]
     kda_gate_kernel[(plan.num_chunks, heads)](
@@ -178,24 +180,27 @@ def launch_gate(q, k, g, buf: StagedBuffers, plan: KdaPlan, config: StagedConfig
 
 def launch_intra(q, k, g, beta, buf: StagedBuffers, plan: KdaPlan, config: StagedConfig
                  ) -> None:
+    """The intra stage: the diagonal blocks (with the gate stage when `use_gate_in_diag`),
+    then the blocks below them and T's merge."""
     heads, dk = q.shape[1], q.shape[2]
-    bk = min(config.off_key_block, triton.next_power_of_2(dk))
-    assert bk >= 16, "head dims below 16 do not fit tl.dot"
-    args = (q, k, buf.g2, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv)
-    strides = (q.stride(0), k.stride(0), beta.stride(0))
+    bk_diag = min(config.diag_key_block, triton.next_power_of_2(dk))
+    bk_off = min(config.off_key_block, triton.next_power_of_2(dk))
+    assert bk_diag >= 16 and bk_off >= 16, "channel steps below 16 do not fit tl.dot"
     shapes = dict(H=heads, K=dk, PREC=product_precision(q.dtype),
                   SOLVE="ieee" if q.dtype == torch.float32 else config.solve_precision)
     meta = _chunk_meta(plan)
-    bk_diag = min(config.diag_key_block, triton.next_power_of_2(dk))
     kda_intra_diag_kernel[(plan.num_chunks, CHUNK // 16, heads)](
-        q, k, g, *args[2:], buf.tdiag, meta, dk ** -0.5, q.stride(0), k.stride(0), g.stride(0),
-        beta.stride(0), BK=bk_diag, **shapes, GATE=config.gate_in_diag,
-        num_warps=config.diag_warps)
+        q, k, g, buf.g2, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv, buf.tdiag, meta,
+        q.shape[2] ** -0.5, q.stride(0), k.stride(0), g.stride(0), beta.stride(0), BK=bk_diag,
+        **shapes, USE_GATE=config.use_gate_in_diag, num_warps=config.diag_warps)
     kda_intra_off_kernel[(plan.num_chunks, heads)](
-        *args, buf.tdiag, meta, *strides, BK=bk, **shapes, num_warps=config.off_warps)
+        q, k, buf.g2, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv, buf.tdiag, meta,
+        q.stride(0), k.stride(0), beta.stride(0), BK=bk_off, **shapes,
+        num_warps=config.off_warps)
 
 
 def launch_wy(q, k, v, beta, buf: StagedBuffers, plan: KdaPlan, config: StagedConfig) -> None:
+    """w, u, kd, exp(G_last) and qg for the walk, from T."""
     heads, dk, dv = q.shape[1], q.shape[2], v.shape[2]
     bk = min(config.wy_block, triton.next_power_of_2(dk))
     bv = min(config.wy_block, triton.next_power_of_2(dv))
