@@ -173,6 +173,21 @@ def _gated_rows(g, g2, t0, r0, t_end, stride_g, c0, H: tl.constexpr, K: tl.const
 
 
 @jit
+def _store_inverse_norms(rq, rk, b_nq, b_nk, scale, r0, t_end, i_h, H: tl.constexpr,
+                        BR: tl.constexpr):
+    """scale / |q| and 1 / |k| of rows r0.. of head i_h from their squared norms (eps inside
+    the root, as the reference), stored at `[row, i_h]` and returned, zero past t_end."""
+    o_t = r0 + tl.arange(0, BR)
+    m_t = o_t < t_end
+    b_rq = tl.where(m_t, scale / tl.sqrt(b_nq + 1e-6), 0.0)
+    b_rk = tl.where(m_t, 1.0 / tl.sqrt(b_nk + 1e-6), 0.0)
+    p = o_t.to(tl.int64) * H + i_h
+    tl.store(rq + p, b_rq, mask=m_t)
+    tl.store(rk + p, b_rk, mask=m_t)
+    return b_rq, b_rk
+
+
+@jit
 def _row(x, r):
     """Row r of a `[16, N]` register tile, as a vector over its columns."""
     return tl.sum(tl.where(tl.arange(0, 16)[:, None] == r, x, 0.0), 0)
@@ -226,11 +241,7 @@ def kda_intra_diag_kernel(q, k, g, g2, rq, rk, beta, aqk, tinv, tdiag, meta, sca
     b_a, b_akk = _steep_diag(b_a, b_akk, b_span, q, k, g2, r0, t_end, stride_q, stride_k, H, K,
                              BK)
     if USE_GATE:
-        b_rq = tl.where(m_r, scale / tl.sqrt(b_nq + 1e-6), 0.0)
-        b_rk = tl.where(m_r, 1.0 / tl.sqrt(b_nk + 1e-6), 0.0)
-        p_n = (r0 + o_r).to(tl.int64) * H + i_h
-        tl.store(rq + p_n, b_rq, mask=m_r)
-        tl.store(rk + p_n, b_rk, mask=m_r)
+        b_rq, b_rk = _store_inverse_norms(rq, rk, b_nq, b_nk, scale, r0, t_end, i_h, H, 16)
     else:
         b_rq = _row_vec(rq + i_h, r0, t_end, H)
         b_rk = _row_vec(rk + i_h, r0, t_end, H)

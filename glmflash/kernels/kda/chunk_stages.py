@@ -19,6 +19,7 @@ except ImportError:  # the package must import without triton; the launchers nee
 
 from glmflash.kernels.kda.chunk_intra import (
     _g_row,
+    _store_inverse_norms,
     kda_intra_diag_kernel,
     kda_intra_off_kernel,
 )
@@ -95,10 +96,7 @@ def kda_gate_kernel(q, k, g, g2, rq, rk, meta, scale, stride_q, stride_k, stride
         b_k = _load_rows(k + i_h * K, t0, t_end, stride_k, c0, K, BK, 64)
         b_nq += tl.sum(b_q * b_q, 1)
         b_nk += tl.sum(b_k * b_k, 1)
-    o_t = t0 + tl.arange(0, 64)
-    p = o_t.to(tl.int64) * H + i_h
-    tl.store(rq + p, scale / tl.sqrt(b_nq + 1e-6), mask=o_t < t_end)
-    tl.store(rk + p, 1.0 / tl.sqrt(b_nk + 1e-6), mask=o_t < t_end)
+    _store_inverse_norms(rq, rk, b_nq, b_nk, scale, t0, t_end, i_h, H, 64)
 
 
 @jit
@@ -191,7 +189,7 @@ def launch_intra(q, k, g, beta, buf: StagedBuffers, plan: KdaPlan, config: Stage
     meta = _chunk_meta(plan)
     kda_intra_diag_kernel[(plan.num_chunks, CHUNK // 16, heads)](
         q, k, g, buf.g2, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv, buf.tdiag, meta,
-        q.shape[2] ** -0.5, q.stride(0), k.stride(0), g.stride(0), beta.stride(0), BK=bk_diag,
+        dk ** -0.5, q.stride(0), k.stride(0), g.stride(0), beta.stride(0), BK=bk_diag,
         **shapes, USE_GATE=config.use_gate_in_diag, num_warps=config.diag_warps)
     kda_intra_off_kernel[(plan.num_chunks, heads)](
         q, k, buf.g2, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv, buf.tdiag, meta,
