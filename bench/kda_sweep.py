@@ -158,7 +158,8 @@ def sweep_kda(sizes: list[int], names: list[str] | None = None) -> None:
 
 
 def profile_kda(n: int, names: list[str]) -> None:
-    """GPU ms of each kernel of fla's safe-gate prefill and of each candidate's, at n tokens."""
+    """GPU ms of each kernel of fla's safe-gate prefill and of each candidate's, at n tokens
+    (each run advances a scratch state of its own, so no copy shows among the kernels)."""
     q, k, v, g, beta, state = _kda_inputs(n)
     inputs = (q, k, v, g, beta)
     chunk_kda, _ = _fla()
@@ -167,11 +168,12 @@ def profile_kda(n: int, names: list[str]) -> None:
         from bench.kda_prefill import _fla_runner
 
         run = _fla_runner(chunk_kda, inputs, n, True)
-        runs["fla safe gate"] = lambda: run(state.clone())
+        s_fla = state.clone()
+        runs["fla safe gate"] = lambda: run(s_fla)
     for name in names:
-        config = CANDIDATES[name]
-        runs[name] = lambda c=config: ti.kda(*inputs, state.clone(), [0, n], [0], [False],
-                                             config=c)
+        config, scratch = CANDIDATES[name], state.clone()
+        runs[name] = lambda c=config, s=scratch: ti.kda(*inputs, s, [0, n], [0], [False],
+                                                         config=c)
     for label, fn in runs.items():
         times = kernel_ms(fn)
         parts = ", ".join(f"{kernel[:48]} {ms:.3f}" for kernel, ms in times.items()
