@@ -19,12 +19,14 @@ if not torch.cuda.is_available():
 
 from glmflash.kernels.kda.chunk_stages import StagedConfig  # noqa: E402
 from glmflash.kernels.kda.triton_impl import KdaConfig  # noqa: E402
-from tests.kernels.kda_cases import against_fla, kda_inputs, rel_err, run_kda  # noqa: E402
-from tests.kernels.test_kda_prefill import (  # noqa: E402
-    BF16_REL,
-    PREFILL_CASES,
-    _assert_fp32_close,
+from tests.kernels.kda_cases import (  # noqa: E402
+    against_fla,
+    assert_bf16_close,
+    kda_inputs,
+    rel_err,
+    run_kda,
 )
+from tests.kernels.test_kda_prefill import PREFILL_CASES, _assert_fp32_close  # noqa: E402
 
 # 16 channels a step, so that dim 16 runs one step and dim 24 two (the second masked).
 SMALL = StagedConfig(diag_key_block=16, off_key_block=16, wy_block=16)
@@ -85,11 +87,8 @@ def test_staged_decays(decay, form, nan_empty):
 
 
 def test_staged_bf16_inputs(nan_empty):
-    got, want, s_got, s_ref = run_kda([70, 1, 9], heads=1, dim=32, dtype=torch.bfloat16,
-                                      config=FORMS["use_gate_in_diag"])
-    assert got.dtype == torch.bfloat16
-    assert rel_err(got, want) < BF16_REL
-    assert rel_err(s_got, s_ref) < BF16_REL
+    assert_bf16_close(*run_kda([70, 1, 9], heads=1, dim=32, dtype=torch.bfloat16,
+                                      config=FORMS["use_gate_in_diag"]))
 
 
 # Release launch shapes: bench/kda_sweep.py's candidates of the same names (its TEST_FORMS,
@@ -103,10 +102,8 @@ GPU_FORMS = {"staged_solve_tf32": KdaConfig(staged=StagedConfig(solve_precision=
 @pytest.mark.parametrize("form", GPU_FORMS.values(), ids=GPU_FORMS.keys())
 @pytest.mark.parametrize("lens", [[4096], RELEASE_ODD], ids=["prefill4k", "odd_lengths"])
 def test_staged_release_shape_gpu(lens, form, nan_empty):
-    got, want, s_got, s_ref = run_kda(lens, heads=64, dim=128, dtype=torch.bfloat16,
-                                      config=form)
-    assert rel_err(got, want) < BF16_REL
-    assert rel_err(s_got, s_ref) < BF16_REL
+    assert_bf16_close(*run_kda(lens, heads=64, dim=128, dtype=torch.bfloat16,
+                                      config=form))
 
 
 @pytest.mark.gpu
@@ -121,16 +118,12 @@ def test_use_gate_in_diag_release_shape_fp32_gpu():
 @pytest.mark.gpu
 def test_use_gate_in_diag_matches_fla_gpu():
     """Against fla's chunk_kda on its safe-gate path (our gate's lower bound is -5)."""
-    got, o_fla, s_got, s_fla = against_fla(GPU_FORMS["use_gate_in_diag"])
-    assert rel_err(got, o_fla) < BF16_REL
-    assert rel_err(s_got, s_fla) < BF16_REL
+    assert_bf16_close(*against_fla(GPU_FORMS["use_gate_in_diag"]))
 
 
 @pytest.mark.gpu
 def test_use_gate_in_diag_steep_decay_gpu():
     # Steep channels make the diagonal kernel read back, after a barrier, the G its own threads
     # stored (the interpreter runs a program's threads as one, so only a GPU can show a race).
-    got, want, s_got, s_ref = run_kda([200, 1, 70], heads=64, dim=128, dtype=torch.bfloat16,
-                                      decay=2.0, config=GPU_FORMS["use_gate_in_diag"])
-    assert rel_err(got, want) < BF16_REL
-    assert rel_err(s_got, s_ref) < BF16_REL
+    assert_bf16_close(*run_kda([200, 1, 70], heads=64, dim=128, dtype=torch.bfloat16,
+                                      decay=2.0, config=GPU_FORMS["use_gate_in_diag"]))
