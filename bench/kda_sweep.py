@@ -39,6 +39,10 @@ CANDIDATES = {
     "staged gate in diag": ti.KdaConfig(staged=dataclasses.replace(_STAGED, use_gate_in_diag=True)),
     "staged gate in diag k16": ti.KdaConfig(staged=dataclasses.replace(
         _STAGED, use_gate_in_diag=True, diag_key_block=16)),
+    "staged diag s1": ti.KdaConfig(staged=dataclasses.replace(_STAGED, diag_stages=1)),
+    "staged diag s2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, diag_stages=2)),
+    "staged gate in diag s1": ti.KdaConfig(staged=dataclasses.replace(
+        _STAGED, use_gate_in_diag=True, diag_stages=1)),
     "staged off w4": ti.KdaConfig(staged=dataclasses.replace(_STAGED, off_warps=4)),
     "staged solve tf32": ti.KdaConfig(staged=dataclasses.replace(
         _STAGED, solve_precision="tf32")),
@@ -48,10 +52,10 @@ CANDIDATES = {
     "staged walk v32": ti.KdaConfig(staged=_STAGED, state_value_block=32),
 }
 
-# The defaults, the gate stage done by the diagonal kernel (not yet timed), and the launch
-# shapes next to the defaults that came closest.
+# The defaults, the gate stage done by the diagonal kernel and the diagonal kernel's pipelining
+# depths (not yet timed), and the launch shape next to the defaults that came closest.
 SWEEP_DEFAULT = ("staged", "staged gate in diag", "staged gate in diag k16", "staged diag k16",
-                 "staged off w4")
+                 "staged diag s1", "staged diag s2", "staged gate in diag s1")
 # (candidate, dtype) of every prefill the KDA GPU tests run (tests/kernels/test_kda_prefill.py,
 # test_kda_chunk_stages.py).
 TEST_FORMS = tuple((name, "bfloat16") for name in (

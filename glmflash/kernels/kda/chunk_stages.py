@@ -50,6 +50,8 @@ class StagedConfig:
     diag_warps: int = 1
     diag_key_block: int = 32
     """Channels per step of the intra stage's diagonal kernel (`kda_intra_diag_kernel`)."""
+    diag_stages: int = 3
+    """`num_stages` of the diagonal kernel (its channel loop's software pipelining depth)."""
     off_warps: int = 2
     off_key_block: int = 32
     """Channels per step of the intra stage's kernel for the blocks below the diagonal."""
@@ -190,7 +192,8 @@ def launch_intra(q, k, g, beta, buf: StagedBuffers, plan: KdaPlan, config: Stage
     kda_intra_diag_kernel[(plan.num_chunks, CHUNK // 16, heads)](
         q, k, g, buf.g2, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv, buf.tdiag, meta,
         dk ** -0.5, q.stride(0), k.stride(0), g.stride(0), beta.stride(0), BK=bk_diag,
-        **shapes, USE_GATE=config.use_gate_in_diag, num_warps=config.diag_warps)
+        **shapes, USE_GATE=config.use_gate_in_diag, num_warps=config.diag_warps,
+        num_stages=config.diag_stages)
     kda_intra_off_kernel[(plan.num_chunks, heads)](
         q, k, buf.g2, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv, buf.tdiag, meta,
         q.stride(0), k.stride(0), beta.stride(0), BK=bk_off, **shapes,
