@@ -50,12 +50,17 @@ CANDIDATES = {
     "staged wy k64 w4": ti.KdaConfig(staged=dataclasses.replace(_STAGED, wy_block=64,
                                                                 wy_warps=4)),
     "staged walk v32": ti.KdaConfig(staged=_STAGED, state_value_block=32),
+    "gate in diag walk v128 w8": ti.KdaConfig(staged=dataclasses.replace(
+        _STAGED, use_gate_in_diag=True), state_value_block=128, state_warps=8),
+    "gate in diag walk v128 w4": ti.KdaConfig(staged=dataclasses.replace(
+        _STAGED, use_gate_in_diag=True), state_value_block=128, state_warps=4),
 }
 
-# The defaults, the gate stage done by the diagonal kernel and the diagonal kernel's pipelining
-# depths (not yet timed), and the launch shape next to the defaults that came closest.
-SWEEP_DEFAULT = ("staged", "staged gate in diag", "staged gate in diag k16", "staged diag k16",
-                 "staged diag s1", "staged diag s2", "staged gate in diag s1")
+# The defaults, the gate stage done by the diagonal kernel (0.95x fla against 0.90x at 32K at
+# 039101e), and with it the walk at 128 value columns (one program per head: the two value
+# blocks' programs each load w, qg and kd).
+SWEEP_DEFAULT = ("staged", "staged gate in diag", "gate in diag walk v128 w8",
+                 "gate in diag walk v128 w4")
 # (candidate, dtype) of every prefill the KDA GPU tests run (tests/kernels/test_kda_prefill.py,
 # test_kda_chunk_stages.py).
 TEST_FORMS = tuple((name, "bfloat16") for name in (
