@@ -38,7 +38,6 @@ from glmflash.kernels.hyper import triton_impl as hyper  # noqa: E402
 from glmflash.kernels.indexer import topk_triton as indexer_topk  # noqa: E402
 from glmflash.kernels.indexer import triton_impl as indexer  # noqa: E402
 from glmflash.kernels.indexer import write_triton as indexer_write  # noqa: E402
-from glmflash.kernels.kda import chunk_diag  # noqa: E402
 from glmflash.kernels.kda import chunk_intra as intra  # noqa: E402
 from glmflash.kernels.kda import chunk_stages as stages  # noqa: E402
 from glmflash.kernels.kda import chunk_walk as walk_kernels  # noqa: E402
@@ -175,10 +174,6 @@ def kda_staged_launches() -> list[Launch]:
         out.append(Launch(f"kda staged gate + intra diagonal 1w BK{bk}",
                           intra.kda_intra_diag_kernel, ptrs,
                           dict(shape, BK=bk, PREC="tf32", SOLVE="ieee", USE_GATE=True), 1))
-    for warps, bk in ((4, 16), (4, 32), (4, 64), (8, 32)):
-        out.append(Launch(f"kda staged chunk gate + diagonal {warps}w BK{bk}",
-                          chunk_diag.kda_chunk_diag_kernel, ptrs,
-                          dict(shape, BK=bk, PREC="tf32", SOLVE="ieee"), warps))
     for warps, bk in ((2, 32), (4, 32)):
         out.append(Launch(f"kda staged intra off-diagonal {warps}w BK{bk}",
                           intra.kda_intra_off_kernel, ptrs,

@@ -31,8 +31,7 @@ from tests.kernels.test_kda_prefill import PREFILL_CASES, _assert_fp32_close  # 
 # 16 channels a step, so that dim 16 runs one step and dim 24 two (the second masked).
 SMALL = StagedConfig(diag_key_block=16, off_key_block=16, wy_block=16)
 FORMS = {"small_steps": KdaConfig(staged=SMALL),
-         "use_gate_in_diag": KdaConfig(staged=dataclasses.replace(SMALL, use_gate_in_diag=True)),
-         "chunk_diag": KdaConfig(staged=dataclasses.replace(SMALL, diag_form="chunk"))}
+         "use_gate_in_diag": KdaConfig(staged=dataclasses.replace(SMALL, use_gate_in_diag=True))}
 
 
 @pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
@@ -96,10 +95,7 @@ def test_staged_bf16_inputs(nan_empty):
 # which `python -m bench.kda_sweep --warm` compiles ahead of these tests).
 GPU_FORMS = {"staged_solve_tf32": KdaConfig(staged=StagedConfig(solve_precision="tf32")),
              "staged_t_fp32": KdaConfig(staged=StagedConfig(inverse_bf16=False)),
-             "use_gate_in_diag": KdaConfig(staged=StagedConfig(use_gate_in_diag=True)),
-             "chunk_diag": KdaConfig(staged=StagedConfig(diag_form="chunk"))}
-# The forms whose diagonal kernel does the gate stage.
-GATE_FORMS = ("use_gate_in_diag", "chunk_diag")
+             "use_gate_in_diag": KdaConfig(staged=StagedConfig(use_gate_in_diag=True))}
 
 
 @pytest.mark.gpu
@@ -111,9 +107,8 @@ def test_staged_release_shape_gpu(lens, form, nan_empty):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", GATE_FORMS)
-def test_gate_in_diag_release_shape_fp32_gpu(name):
-    form = GPU_FORMS[name]
+def test_use_gate_in_diag_release_shape_fp32_gpu():
+    form = GPU_FORMS["use_gate_in_diag"]
     got, want, s_got, s_ref = run_kda([300, 1, 77], heads=64, dim=128, dtype=torch.float32,
                                       config=form)
     assert rel_err(got, want) < 1e-5
@@ -121,16 +116,14 @@ def test_gate_in_diag_release_shape_fp32_gpu(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", GATE_FORMS)
-def test_gate_in_diag_matches_fla_gpu(name):
+def test_use_gate_in_diag_matches_fla_gpu():
     """Against fla's chunk_kda on its safe-gate path (our gate's lower bound is -5)."""
-    assert_bf16_close(*against_fla(GPU_FORMS[name]))
+    assert_bf16_close(*against_fla(GPU_FORMS["use_gate_in_diag"]))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", GATE_FORMS)
-def test_gate_in_diag_steep_decay_gpu(name):
+def test_use_gate_in_diag_steep_decay_gpu():
     # Steep channels make the diagonal kernel read back, after a barrier, the G its own threads
     # stored (the interpreter runs a program's threads as one, so only a GPU can show a race).
     assert_bf16_close(*run_kda([200, 1, 70], heads=64, dim=128, dtype=torch.bfloat16,
-                                      decay=2.0, config=GPU_FORMS[name]))
+                                      decay=2.0, config=GPU_FORMS["use_gate_in_diag"]))

@@ -33,10 +33,11 @@ def _merge_level(b_t, b_u, o_r, o_c, SIZE: tl.constexpr, SOLVE: tl.constexpr):
 
 
 @jit
-def _unit_upper_inverse(b_u, o_r, o_c, SOLVE: tl.constexpr):
-    """(I + U)^-1 of a strictly upper-triangular 16x16 U (or a batch `[B, 16, 16]` of them)
-    by recursive block inversion: the 2x2 diagonal blocks invert to I - U, then three merges
-    of two blocks each. o_r, o_c: row and column indices broadcastable against U."""
+def _unit_upper_inverse(b_u, SOLVE: tl.constexpr):
+    """(I + U)^-1 of a strictly upper-triangular 16x16 U by recursive block inversion: the
+    2x2 diagonal blocks invert to I - U, then three merges of two blocks each."""
+    o_i = tl.arange(0, 16)
+    o_r, o_c = o_i[:, None], o_i[None, :]
     b_t = tl.where(o_r == o_c, 1.0, 0.0) - tl.where(o_r // 2 == o_c // 2, b_u, 0.0)
     b_t = _merge_level(b_t, b_u, o_r, o_c, 4, SOLVE)
     b_t = _merge_level(b_t, b_u, o_r, o_c, 8, SOLVE)
@@ -153,8 +154,7 @@ def _l_block(b_akk, b_row, b_rk, DIAG: tl.constexpr):
 def _diag_inverse(b_akk, b_row, b_rk, SOLVE: tl.constexpr):
     """(I + L_ii)^-1 of a diagonal block, through the upper-triangular recursive inverse."""
     b_u = tl.trans(_l_block(b_akk, b_row, b_rk, True))
-    o_i = tl.arange(0, 16)
-    return tl.trans(_unit_upper_inverse(b_u, o_i[:, None], o_i[None, :], SOLVE))
+    return tl.trans(_unit_upper_inverse(b_u, SOLVE))
 
 
 @jit

@@ -17,7 +17,6 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
-from glmflash.kernels.kda.chunk_diag import kda_chunk_diag_kernel
 from glmflash.kernels.kda.chunk_intra import (
     _g_row,
     _store_inverse_norms,
@@ -53,11 +52,6 @@ class StagedConfig:
     """Channels per step of the intra stage's diagonal kernel (`kda_intra_diag_kernel`)."""
     diag_stages: int = 3
     """`num_stages` of the diagonal kernel (its channel loop's software pipelining depth)."""
-    diag_form: str = "sub_chunk"
-    """"sub_chunk": the diagonal kernel runs a program per (chunk, 16-row sub-chunk, head);
-    "chunk": `kda_chunk_diag_kernel`, a program per (chunk, head) doing the gate stage and the
-    four sub-chunks as a batch, at `chunk_diag_warps`."""
-    chunk_diag_warps: int = 4
     off_warps: int = 2
     off_key_block: int = 32
     """Channels per step of the intra stage's kernel for the blocks below the diagonal."""
@@ -175,7 +169,7 @@ def _chunk_meta(plan: KdaPlan) -> torch.Tensor:
 
 def launch_gate(q, k, g, buf: StagedBuffers, plan: KdaPlan, config: StagedConfig) -> None:
     """The gate stage, unless the diagonal kernel does it (`launch_intra`)."""
-    if config.use_gate_in_diag or config.diag_form == "chunk":
+    if config.use_gate_in_diag:
         return
     heads, dk = q.shape[1], q.shape[2]
     kda_gate_kernel[(plan.num_chunks, heads)](
@@ -195,15 +189,11 @@ def launch_intra(q, k, g, beta, buf: StagedBuffers, plan: KdaPlan, config: Stage
     shapes = dict(H=heads, K=dk, PREC=product_precision(q.dtype),
                   SOLVE="ieee" if q.dtype == torch.float32 else config.solve_precision)
     meta = _chunk_meta(plan)
-    args = (q, k, g, buf.g2, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv, buf.tdiag, meta,
-            dk ** -0.5, q.stride(0), k.stride(0), g.stride(0), beta.stride(0))
-    if config.diag_form == "chunk":
-        kda_chunk_diag_kernel[(plan.num_chunks, heads)](
-            *args, BK=bk_diag, **shapes, num_warps=config.chunk_diag_warps)
-    else:
-        kda_intra_diag_kernel[(plan.num_chunks, CHUNK // 16, heads)](
-            *args, BK=bk_diag, **shapes, USE_GATE=config.use_gate_in_diag,
-            num_warps=config.diag_warps, num_stages=config.diag_stages)
+    kda_intra_diag_kernel[(plan.num_chunks, CHUNK // 16, heads)](
+        q, k, g, buf.g2, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv, buf.tdiag, meta,
+        dk ** -0.5, q.stride(0), k.stride(0), g.stride(0), beta.stride(0), BK=bk_diag,
+        **shapes, USE_GATE=config.use_gate_in_diag, num_warps=config.diag_warps,
+        num_stages=config.diag_stages)
     kda_intra_off_kernel[(plan.num_chunks, heads)](
         q, k, buf.g2, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv, buf.tdiag, meta,
         q.stride(0), k.stride(0), beta.stride(0), BK=bk_off, **shapes,
