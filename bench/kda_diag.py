@@ -44,7 +44,7 @@ def _inputs(decay: float, seed: int = 0):
 
 
 def _stages(inputs):
-    """The walk's buffers after the gate, intra and w/u stages."""
+    """The walk's buffers after the gate with intra, and w/u stages."""
     from glmflash.kernels.kda import chunk_stages as cs
     from glmflash.kernels.kda import triton_impl as ti
 
@@ -54,7 +54,6 @@ def _stages(inputs):
     buf = cs.staged_buffers(q, v, plan.num_chunks, config)
     for t in buf.walk:
         t.fill_(float("nan"))
-    cs.launch_gate(q, k, g, buf, plan, config)
     cs.launch_intra(q, k, g, beta, buf, plan, config)
     cs.launch_wy(q, k, v, beta, buf, plan, config)
     torch.cuda.synchronize()

@@ -36,13 +36,7 @@ CANDIDATES = {
     "staged": ti.KdaConfig(staged=_STAGED),
     "staged diag w2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, diag_warps=2)),
     "staged diag k16": ti.KdaConfig(staged=dataclasses.replace(_STAGED, diag_key_block=16)),
-    "staged gate in diag": ti.KdaConfig(staged=dataclasses.replace(_STAGED, use_gate_in_diag=True)),
-    "staged gate in diag k16": ti.KdaConfig(staged=dataclasses.replace(
-        _STAGED, use_gate_in_diag=True, diag_key_block=16)),
     "staged diag s1": ti.KdaConfig(staged=dataclasses.replace(_STAGED, diag_stages=1)),
-    "staged diag s2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, diag_stages=2)),
-    "staged gate in diag s1": ti.KdaConfig(staged=dataclasses.replace(
-        _STAGED, use_gate_in_diag=True, diag_stages=1)),
     "staged off w4": ti.KdaConfig(staged=dataclasses.replace(_STAGED, off_warps=4)),
     "staged solve tf32": ti.KdaConfig(staged=dataclasses.replace(
         _STAGED, solve_precision="tf32")),
@@ -50,22 +44,15 @@ CANDIDATES = {
     "staged wy k64 w4": ti.KdaConfig(staged=dataclasses.replace(_STAGED, wy_block=64,
                                                                 wy_warps=4)),
     "staged walk v32": ti.KdaConfig(staged=_STAGED, state_value_block=32),
-    "gate in diag walk v128 w8": ti.KdaConfig(staged=dataclasses.replace(
-        _STAGED, use_gate_in_diag=True), state_value_block=128, state_warps=8),
-    "gate in diag walk v128 w4": ti.KdaConfig(staged=dataclasses.replace(
-        _STAGED, use_gate_in_diag=True), state_value_block=128, state_warps=4),
+    "staged walk v128 w4": ti.KdaConfig(staged=_STAGED, state_value_block=128, state_warps=4),
 }
 
-# The defaults, the gate stage done by the diagonal kernel (0.95x fla against 0.90x at 32K at
-# 039101e), and with it the walk at 128 value columns (one program per head: the two value
-# blocks' programs each load w, qg and kd).
-SWEEP_DEFAULT = ("staged", "staged gate in diag", "gate in diag walk v128 w8",
-                 "gate in diag walk v128 w4")
+# The defaults and the launch shapes next to them that came closest.
+SWEEP_DEFAULT = ("staged", "staged diag s1", "staged diag k16")
 # (candidate, dtype) of every prefill the KDA GPU tests run (tests/kernels/test_kda_prefill.py,
 # test_kda_chunk_stages.py).
 TEST_FORMS = tuple((name, "bfloat16") for name in (
-    "staged", "staged solve tf32", "staged T fp32", "staged gate in diag")) + (
-    ("staged", "float32"), ("staged gate in diag", "float32"))
+    "staged", "staged solve tf32", "staged T fp32")) + (("staged", "float32"),)
 
 
 def _stages(inputs, state, plan, config: ti.KdaConfig) -> dict:
@@ -74,9 +61,7 @@ def _stages(inputs, state, plan, config: ti.KdaConfig) -> dict:
     out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
     s = config.staged
     sb = cs.staged_buffers(q, v, plan.num_chunks, s)
-    fns = {} if s.use_gate_in_diag else {"gate": lambda: cs.launch_gate(q, k, g, sb, plan, s)}
-    fns["gate+intra" if s.use_gate_in_diag else "intra"] = lambda: cs.launch_intra(
-        q, k, g, beta, sb, plan, s)
+    fns = {"gate+intra": lambda: cs.launch_intra(q, k, g, beta, sb, plan, s)}
     fns["w/u"] = lambda: cs.launch_wy(q, k, v, beta, sb, plan, s)
     fns["walk+out"] = lambda: chunk_walk.launch_state(state, out, sb.walk, plan, config)
     return fns

@@ -165,15 +165,11 @@ def kda_staged_launches() -> list[Launch]:
     ptrs.update(g="*fp32", g2="*fp32", rq="*fp32", rk="*fp32", gl="*fp32", state="*fp32",
                 meta="*i32", tinv="*bf16", tdiag="*fp32")
     shape = dict(H=64, K=128)
-    out = [Launch("kda staged gate", stages.kda_gate_kernel, ptrs, dict(shape, BK=128), 4)]
-    for warps, bk in ((1, 16), (1, 32), (2, 64)):
-        out.append(Launch(f"kda staged intra diagonal {warps}w BK{bk}",
+    out = []
+    for warps, bk in ((1, 16), (1, 32), (2, 32)):
+        out.append(Launch(f"kda staged gate + intra diagonal {warps}w BK{bk}",
                           intra.kda_intra_diag_kernel, ptrs,
-                          dict(shape, BK=bk, PREC="tf32", SOLVE="ieee", USE_GATE=False), warps))
-    for bk in (16, 32):
-        out.append(Launch(f"kda staged gate + intra diagonal 1w BK{bk}",
-                          intra.kda_intra_diag_kernel, ptrs,
-                          dict(shape, BK=bk, PREC="tf32", SOLVE="ieee", USE_GATE=True), 1))
+                          dict(shape, BK=bk, PREC="tf32", SOLVE="ieee"), warps))
     for warps, bk in ((2, 32), (4, 32)):
         out.append(Launch(f"kda staged intra off-diagonal {warps}w BK{bk}",
                           intra.kda_intra_off_kernel, ptrs,

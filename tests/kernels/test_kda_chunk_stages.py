@@ -1,6 +1,5 @@
 """The KDA prefill's stages (chunk_stages.py, chunk_intra.py) at launch shapes other than the
-defaults (test_kda_prefill.py has those) against kda/ref.py, and with the gate stage done by the
-diagonal-block kernel.
+defaults (test_kda_prefill.py has those) against kda/ref.py.
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 on one or two small heads; with CUDA the
 `gpu` tests add the release shape (64 heads x 128, bf16) and fla's chunk_kda where installed.
@@ -20,10 +19,8 @@ if not torch.cuda.is_available():
 from glmflash.kernels.kda.chunk_stages import StagedConfig  # noqa: E402
 from glmflash.kernels.kda.triton_impl import KdaConfig  # noqa: E402
 from tests.kernels.kda_cases import (  # noqa: E402
-    against_fla,
     assert_bf16_close,
     kda_inputs,
-    rel_err,
     run_kda,
 )
 from tests.kernels.test_kda_prefill import PREFILL_CASES, _assert_fp32_close  # noqa: E402
@@ -31,7 +28,7 @@ from tests.kernels.test_kda_prefill import PREFILL_CASES, _assert_fp32_close  # 
 # 16 channels a step, so that dim 16 runs one step and dim 24 two (the second masked).
 SMALL = StagedConfig(diag_key_block=16, off_key_block=16, wy_block=16)
 FORMS = {"small_steps": KdaConfig(staged=SMALL),
-         "use_gate_in_diag": KdaConfig(staged=dataclasses.replace(SMALL, use_gate_in_diag=True))}
+         "two_warps": KdaConfig(staged=dataclasses.replace(SMALL, diag_warps=2, off_warps=4))}
 
 
 @pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
@@ -88,14 +85,13 @@ def test_staged_decays(decay, form, nan_empty):
 
 def test_staged_bf16_inputs(nan_empty):
     assert_bf16_close(*run_kda([70, 1, 9], heads=1, dim=32, dtype=torch.bfloat16,
-                                      config=FORMS["use_gate_in_diag"]))
+                                      config=FORMS["small_steps"]))
 
 
 # Release launch shapes: bench/kda_sweep.py's candidates of the same names (its TEST_FORMS,
 # which `python -m bench.kda_sweep --warm` compiles ahead of these tests).
 GPU_FORMS = {"staged_solve_tf32": KdaConfig(staged=StagedConfig(solve_precision="tf32")),
-             "staged_t_fp32": KdaConfig(staged=StagedConfig(inverse_bf16=False)),
-             "use_gate_in_diag": KdaConfig(staged=StagedConfig(use_gate_in_diag=True))}
+             "staged_t_fp32": KdaConfig(staged=StagedConfig(inverse_bf16=False))}
 
 
 @pytest.mark.gpu
@@ -104,26 +100,3 @@ GPU_FORMS = {"staged_solve_tf32": KdaConfig(staged=StagedConfig(solve_precision=
 def test_staged_release_shape_gpu(lens, form, nan_empty):
     assert_bf16_close(*run_kda(lens, heads=64, dim=128, dtype=torch.bfloat16,
                                       config=form))
-
-
-@pytest.mark.gpu
-def test_use_gate_in_diag_release_shape_fp32_gpu():
-    form = GPU_FORMS["use_gate_in_diag"]
-    got, want, s_got, s_ref = run_kda([300, 1, 77], heads=64, dim=128, dtype=torch.float32,
-                                      config=form)
-    assert rel_err(got, want) < 1e-5
-    assert rel_err(s_got, s_ref) < 1e-5
-
-
-@pytest.mark.gpu
-def test_use_gate_in_diag_matches_fla_gpu():
-    """Against fla's chunk_kda on its safe-gate path (our gate's lower bound is -5)."""
-    assert_bf16_close(*against_fla(GPU_FORMS["use_gate_in_diag"]))
-
-
-@pytest.mark.gpu
-def test_use_gate_in_diag_steep_decay_gpu():
-    # Steep channels make the diagonal kernel read back, after a barrier, the G its own threads
-    # stored (the interpreter runs a program's threads as one, so only a GPU can show a race).
-    assert_bf16_close(*run_kda([200, 1, 70], heads=64, dim=128, dtype=torch.bfloat16,
-                                      decay=2.0, config=GPU_FORMS["use_gate_in_diag"]))

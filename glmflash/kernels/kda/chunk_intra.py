@@ -1,8 +1,9 @@
-"""The intra-chunk stage of the KDA prefill (chunk_stages.py; README.md, "The stages"): Aqk
-and T = (I + diag(beta) Akk)^-1 of each 64-token chunk from 16x16 blocks, in two kernels as
-fla-core splits it: the diagonal blocks in a program per (chunk, 16-row sub-chunk, head), then
-the blocks below them and the merge of the inverse in a program per (chunk, head) that reads
-each sub-chunk once per channel block. Each holds little, so both run with few warps and many
+"""The gate and intra-chunk stages of the KDA prefill (chunk_stages.py; README.md, "The
+stages"): the decay's cumulative sum and the norms, then Aqk and T = (I + diag(beta) Akk)^-1 of
+each 64-token chunk from 16x16 blocks, in two kernels as fla-core splits the intra stage: the
+gate stage and the diagonal blocks in a program per (chunk, 16-row sub-chunk, head), then the
+blocks below them and the merge of the inverse in a program per (chunk, head) that reads each
+sub-chunk once per channel block. Each holds little, so both run with few warps and many
 programs per SM.
 """
 
@@ -13,9 +14,10 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     tl = None
 
-from glmflash.kernels.kda.chunk_walk import RCP_LN2, _load_rows, _store_rows
+from glmflash.kernels.kda.chunk_walk import _load_rows, _store_rows
 from glmflash.kernels.triton_utils import constexpr, jit
 
+RCP_LN2 = constexpr(1.4426950408889634)  # g is in natural-log units; G is kept in log2 units
 # Largest decay across a sub-chunk (log2 units, per channel) whose diagonal block is factored
 # around its middle: both factors then stay within 2^+-64. Steeper channels take the exact
 # form. The release gate (g > -5 per token) spans at most 16 * 5 / ln 2 = 115.4.
@@ -163,11 +165,15 @@ def _gated_rows(g, g2, t0, r0, t_end, stride_g, c0, H: tl.constexpr, K: tl.const
     """G of rows r0.. (channels c0..) from the chunk start, in log2 units, stored to g2: the
     earlier sub-chunks' decay summed, plus this one's cumulative sum. Rows past t_end add
     nothing, so they repeat the last row's G (as _g_row's clamp does)."""
+    # The three sub-chunks that can precede r0, each masked to rows before it: independent
+    # loads that go out together (a loop up to r0 waits for each in turn); masked-off rows
+    # read nothing.
     b_start = tl.zeros([BK], dtype=tl.float32)
-    for r in range(t0, r0, 16):
-        b_start += tl.sum(_load_rows(g, r, t_end, stride_g, c0, K, BK, 16), 0) * RCP_LN2
-    b_g = b_start[None, :] + tl.cumsum(_load_rows(g, r0, t_end, stride_g, c0, K, BK, 16)
-                                       * RCP_LN2, 0)
+    for j in tl.static_range(3):
+        b_start += tl.sum(_load_rows(g, t0 + 16 * j, tl.minimum(r0, t_end), stride_g, c0, K, BK,
+                                     16), 0)
+    b_g = (b_start[None, :] + tl.cumsum(_load_rows(g, r0, t_end, stride_g, c0, K, BK, 16), 0)
+           ) * RCP_LN2
     _store_rows(g2, b_g, r0, t_end, H * K, c0, K, BK, 16)
     return b_g
 
@@ -196,14 +202,12 @@ def _row(x, r):
 @jit
 def kda_intra_diag_kernel(q, k, g, g2, rq, rk, beta, aqk, tinv, tdiag, meta, scale, stride_q,
                           stride_k, stride_g, stride_b, H: tl.constexpr, K: tl.constexpr,
-                          BK: tl.constexpr, PREC: tl.constexpr, SOLVE: tl.constexpr,
-                          USE_GATE: tl.constexpr):
-    """One (chunk, 16-row sub-chunk, head): the sub-chunk's diagonal block of Aqk (scaled,
-    normalised, causal) and T_ii = (I + L_ii)^-1, stored in tinv and, fp32, in tdiag
-    `[T, H, 16]` for `kda_intra_off_kernel`. With USE_GATE it first does the gate stage for its own
-    rows (StagedConfig.use_gate_in_diag): G from g (the earlier sub-chunks' rows summed here),
-    scale / |q| and 1 / |k| (eps inside the root, as the reference), stored for the later
-    stages; else it reads what `kda_gate_kernel` stored."""
+                          BK: tl.constexpr, PREC: tl.constexpr, SOLVE: tl.constexpr):
+    """One (chunk, 16-row sub-chunk, head): the gate stage for its own rows (G from g, the
+    earlier sub-chunks' rows summed here, stored to g2; scale / |q| and 1 / |k|, eps inside the
+    root as the reference), then the sub-chunk's diagonal block of Aqk (scaled, normalised,
+    causal) and T_ii = (I + L_ii)^-1, stored in tinv and, fp32, in tdiag `[T, H, 16]` for
+    `kda_intra_off_kernel`."""
     i_c, i_s, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0 = tl.load(meta + i_c * 3)
     t_end = tl.load(meta + i_c * 3 + 1)
@@ -223,28 +227,19 @@ def kda_intra_diag_kernel(q, k, g, g2, rq, rk, beta, aqk, tinv, tdiag, meta, sca
     b_span = 0.0
     for i_k in range(tl.cdiv(K, BK)):
         c0 = i_k * BK
-        if USE_GATE:
-            b_g = _gated_rows(g, g2, t0, r0, t_end, stride_g, c0, H, K, BK)
-            b_q = _load_rows(q, r0, t_end, stride_q, c0, K, BK, 16)
-            b_k = _load_rows(k, r0, t_end, stride_k, c0, K, BK, 16)
-            b_nq += tl.sum(b_q * b_q, 1)
-            b_nk += tl.sum(b_k * b_k, 1)
-            b_f, b_l = _row(b_g, 0), _row(b_g, 15)
-        else:
-            b_q, b_k, b_g, b_f, b_l = _rows(q, k, g2, r0, t_end, stride_q, stride_k, c0, H, K,
-                                            BK)
+        b_g = _gated_rows(g, g2, t0, r0, t_end, stride_g, c0, H, K, BK)
+        b_q = _load_rows(q, r0, t_end, stride_q, c0, K, BK, 16)
+        b_k = _load_rows(k, r0, t_end, stride_k, c0, K, BK, 16)
+        b_nq += tl.sum(b_q * b_q, 1)
+        b_nk += tl.sum(b_k * b_k, 1)
+        b_f, b_l = _row(b_g, 0), _row(b_g, 15)
         b_a, b_akk = _diag_products(b_a, b_akk, b_q, b_k, b_g, b_f, b_l, m_r, PREC)
         b_span = tl.maximum(b_span, tl.max(b_f - b_l, 0))
-    if USE_GATE:
-        # NOTE: the steep form reads back the G this program's threads stored.
-        tl.debug_barrier()
+    # NOTE: the steep form reads back the G this program's threads stored.
+    tl.debug_barrier()
     b_a, b_akk = _steep_diag(b_a, b_akk, b_span, q, k, g2, r0, t_end, stride_q, stride_k, H, K,
                              BK)
-    if USE_GATE:
-        b_rq, b_rk = _store_inverse_norms(rq, rk, b_nq, b_nk, scale, r0, t_end, i_h, H, 16)
-    else:
-        b_rq = _row_vec(rq + i_h, r0, t_end, H)
-        b_rk = _row_vec(rk + i_h, r0, t_end, H)
+    b_rq, b_rk = _store_inverse_norms(rq, rk, b_nq, b_nk, scale, r0, t_end, i_h, H, 16)
     _store_aqk(aqk + i_h * 64, b_a, b_rq, b_rk, r0, i_s * 16, t_end, H, True)
     b_row = _row_vec(beta + i_h, r0, t_end, stride_b) * b_rk
     b_t = _diag_inverse(b_akk, b_row, b_rk, SOLVE)

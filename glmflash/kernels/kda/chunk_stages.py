@@ -1,6 +1,6 @@
-"""Triton KDA chunked prefill in fla's stages (README.md, "The stages"): gate cumsum and norms,
-intra-chunk products and inverse (chunk_intra.py), w/u, then the state walk with the output
-(chunk_walk.py). Each stage is one kernel with its own launch shape (`StagedConfig`), so the
+"""Triton KDA chunked prefill in fla's stages (README.md, "The stages"): gate cumsum and norms
+with the intra-chunk products and inverse (chunk_intra.py), w/u, then the state walk with the
+output (chunk_walk.py). Each stage is one kernel with its own launch shape (`StagedConfig`), so the
 stages are timed one by one.
 """
 
@@ -19,13 +19,11 @@ except ImportError:  # the package must import without triton; the launchers nee
 
 from glmflash.kernels.kda.chunk_intra import (
     _g_row,
-    _store_inverse_norms,
     kda_intra_diag_kernel,
     kda_intra_off_kernel,
 )
 from glmflash.kernels.kda.chunk_walk import (
     CHUNK,
-    RCP_LN2,
     PrefillBuffers,
     _load_rows,
     _store_rows,
@@ -41,17 +39,11 @@ if TYPE_CHECKING:
 class StagedConfig:
     """Launch shapes of the staged prefill (bench/kda_sweep.py passes its candidates)."""
 
-    gate_warps: int = 4
-    use_gate_in_diag: bool = False
-    """The intra stage's diagonal kernel does the gate stage for its own rows
-    (`kda_intra_diag_kernel` with `USE_GATE`): q and k are read once for both stages and g
-    instead of G (each sub-chunk also sums the earlier sub-chunks' g); else `kda_gate_kernel`
-    runs first and the diagonal kernel reads q, k and G again."""
     diag_warps: int = 1
     diag_key_block: int = 32
-    """Channels per step of the intra stage's diagonal kernel (`kda_intra_diag_kernel`)."""
+    """Channels per step of the gate stage with the diagonal blocks (`kda_intra_diag_kernel`)."""
     diag_stages: int = 3
-    """`num_stages` of the diagonal kernel (its channel loop's software pipelining depth)."""
+    """`num_stages` of the diagonal kernel (software pipelining of its channel loop's loads)."""
     off_warps: int = 2
     off_key_block: int = 32
     """Channels per step of the intra stage's kernel for the blocks below the diagonal."""
@@ -78,27 +70,6 @@ class StagedBuffers(NamedTuple):
     tdiag: torch.Tensor
     """The diagonal 16x16 blocks of T in fp32 `[T, H, 16]` (the intra stage's kernels')."""
     walk: PrefillBuffers
-
-
-@jit
-def kda_gate_kernel(q, k, g, g2, rq, rk, meta, scale, stride_q, stride_k, stride_g,
-                    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
-    """One (chunk, head): the decay's cumulative sum from the chunk start in log2 units, and
-    scale / |q| and 1 / |k| per row (eps inside the root, as the reference)."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0 = tl.load(meta + i_c * 3)
-    t_end = tl.load(meta + i_c * 3 + 1)
-    b_nq = tl.zeros([64], dtype=tl.float32)
-    b_nk = b_nq
-    for i_k in range(tl.cdiv(K, BK)):
-        c0 = i_k * BK
-        b_g = _load_rows(g + i_h * K, t0, t_end, stride_g, c0, K, BK, 64) * RCP_LN2
-        _store_rows(g2 + i_h * K, tl.cumsum(b_g, 0), t0, t_end, H * K, c0, K, BK, 64)
-        b_q = _load_rows(q + i_h * K, t0, t_end, stride_q, c0, K, BK, 64)
-        b_k = _load_rows(k + i_h * K, t0, t_end, stride_k, c0, K, BK, 64)
-        b_nq += tl.sum(b_q * b_q, 1)
-        b_nk += tl.sum(b_k * b_k, 1)
-    _store_inverse_norms(rq, rk, b_nq, b_nk, scale, t0, t_end, i_h, H, 64)
 
 
 @jit
@@ -167,21 +138,9 @@ def _chunk_meta(plan: KdaPlan) -> torch.Tensor:
     return plan.meta[plan.num_decode * 3 + plan.num_prefill * 5:]
 
 
-def launch_gate(q, k, g, buf: StagedBuffers, plan: KdaPlan, config: StagedConfig) -> None:
-    """The gate stage, unless the diagonal kernel does it (`launch_intra`)."""
-    if config.use_gate_in_diag:
-        return
-    heads, dk = q.shape[1], q.shape[2]
-    kda_gate_kernel[(plan.num_chunks, heads)](
-        q, k, g, buf.g2, buf.rq, buf.rk, _chunk_meta(plan), dk ** -0.5, q.stride(0),
-        k.stride(0), g.stride(0), H=heads, K=dk, BK=triton.next_power_of_2(dk),
-        num_warps=config.gate_warps)
-
-
 def launch_intra(q, k, g, beta, buf: StagedBuffers, plan: KdaPlan, config: StagedConfig
                  ) -> None:
-    """The intra stage: the diagonal blocks (with the gate stage when `use_gate_in_diag`),
-    then the blocks below them and T's merge."""
+    """The gate stage with the diagonal blocks, then the blocks below them and T's merge."""
     heads, dk = q.shape[1], q.shape[2]
     bk_diag = min(config.diag_key_block, triton.next_power_of_2(dk))
     bk_off = min(config.off_key_block, triton.next_power_of_2(dk))
@@ -192,8 +151,7 @@ def launch_intra(q, k, g, beta, buf: StagedBuffers, plan: KdaPlan, config: Stage
     kda_intra_diag_kernel[(plan.num_chunks, CHUNK // 16, heads)](
         q, k, g, buf.g2, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv, buf.tdiag, meta,
         dk ** -0.5, q.stride(0), k.stride(0), g.stride(0), beta.stride(0), BK=bk_diag,
-        **shapes, USE_GATE=config.use_gate_in_diag, num_warps=config.diag_warps,
-        num_stages=config.diag_stages)
+        **shapes, num_warps=config.diag_warps, num_stages=config.diag_stages)
     kda_intra_off_kernel[(plan.num_chunks, heads)](
         q, k, buf.g2, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv, buf.tdiag, meta,
         q.stride(0), k.stride(0), beta.stride(0), BK=bk_off, **shapes,
@@ -218,7 +176,6 @@ def prefill(q, k, v, g, beta, state, out, plan: KdaPlan, config: KdaConfig) -> N
     """Chunked prefill of the plan's sequences longer than one token, stage by stage."""
     staged = config.staged
     buf = staged_buffers(q, v, plan.num_chunks, staged)
-    launch_gate(q, k, g, buf, plan, staged)
     launch_intra(q, k, g, beta, buf, plan, staged)
     launch_wy(q, k, v, beta, buf, plan, staged)
     launch_state(state, out, buf.walk, plan, config)

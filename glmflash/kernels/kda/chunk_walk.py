@@ -15,14 +15,13 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
-from glmflash.kernels.triton_utils import constexpr, dot_operand_type, jit, product_precision
+from glmflash.kernels.triton_utils import dot_operand_type, jit, product_precision
 
 if TYPE_CHECKING:
     from glmflash.kernels.kda.triton_impl import KdaConfig, KdaPlan
 
 # Tokens per chunk; the intra stage splits a chunk into four 16-row sub-chunks.
 CHUNK = 64
-RCP_LN2 = constexpr(1.4426950408889634)
 
 
 @jit
