@@ -165,15 +165,11 @@ def _gated_rows(g, g2, t0, r0, t_end, stride_g, c0, H: tl.constexpr, K: tl.const
     """G of rows r0.. (channels c0..) from the chunk start, in log2 units, stored to g2: the
     earlier sub-chunks' decay summed, plus this one's cumulative sum. Rows past t_end add
     nothing, so they repeat the last row's G (as _g_row's clamp does)."""
-    # The three sub-chunks that can precede r0, each masked to rows before it: independent
-    # loads that go out together (a loop up to r0 waits for each in turn); masked-off rows
-    # read nothing.
     b_start = tl.zeros([BK], dtype=tl.float32)
-    for j in tl.static_range(3):
-        b_start += tl.sum(_load_rows(g, t0 + 16 * j, tl.minimum(r0, t_end), stride_g, c0, K, BK,
-                                     16), 0)
-    b_g = (b_start[None, :] + tl.cumsum(_load_rows(g, r0, t_end, stride_g, c0, K, BK, 16), 0)
-           ) * RCP_LN2
+    for r in range(t0, r0, 16):
+        b_start += tl.sum(_load_rows(g, r, t_end, stride_g, c0, K, BK, 16), 0) * RCP_LN2
+    b_g = b_start[None, :] + tl.cumsum(_load_rows(g, r0, t_end, stride_g, c0, K, BK, 16)
+                                       * RCP_LN2, 0)
     _store_rows(g2, b_g, r0, t_end, H * K, c0, K, BK, 16)
     return b_g
 

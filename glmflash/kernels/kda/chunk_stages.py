@@ -42,8 +42,6 @@ class StagedConfig:
     diag_warps: int = 1
     diag_key_block: int = 32
     """Channels per step of the gate stage with the diagonal blocks (`kda_intra_diag_kernel`)."""
-    diag_stages: int = 3
-    """`num_stages` of the diagonal kernel (software pipelining of its channel loop's loads)."""
     off_warps: int = 2
     off_key_block: int = 32
     """Channels per step of the intra stage's kernel for the blocks below the diagonal."""
@@ -151,7 +149,7 @@ def launch_intra(q, k, g, beta, buf: StagedBuffers, plan: KdaPlan, config: Stage
     kda_intra_diag_kernel[(plan.num_chunks, CHUNK // 16, heads)](
         q, k, g, buf.g2, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv, buf.tdiag, meta,
         dk ** -0.5, q.stride(0), k.stride(0), g.stride(0), beta.stride(0), BK=bk_diag,
-        **shapes, num_warps=config.diag_warps, num_stages=config.diag_stages)
+        **shapes, num_warps=config.diag_warps)
     kda_intra_off_kernel[(plan.num_chunks, heads)](
         q, k, buf.g2, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv, buf.tdiag, meta,
         q.stride(0), k.stride(0), beta.stride(0), BK=bk_off, **shapes,
