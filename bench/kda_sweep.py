@@ -37,6 +37,7 @@ CANDIDATES = {
     "staged diag w2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, diag_warps=2)),
     "staged diag k16": ti.KdaConfig(staged=dataclasses.replace(_STAGED, diag_key_block=16)),
     "staged off w4": ti.KdaConfig(staged=dataclasses.replace(_STAGED, off_warps=4)),
+    "staged heads first": ti.KdaConfig(staged=dataclasses.replace(_STAGED, heads_first=True)),
     "staged solve tf32": ti.KdaConfig(staged=dataclasses.replace(
         _STAGED, solve_precision="tf32")),
     "staged T fp32": ti.KdaConfig(staged=dataclasses.replace(_STAGED, inverse_bf16=False)),
@@ -46,12 +47,14 @@ CANDIDATES = {
     "staged walk v128 w4": ti.KdaConfig(staged=_STAGED, state_value_block=128, state_warps=4),
 }
 
-# The defaults and the launch shapes next to them that came closest.
-SWEEP_DEFAULT = ("staged", "staged diag k16", "staged off w4")
+# The defaults, the per-chunk stages launched heads first (not yet timed), and the launch shape
+# next to the defaults that came closest.
+SWEEP_DEFAULT = ("staged", "staged heads first", "staged off w4")
 # (candidate, dtype) of every prefill the KDA GPU tests run (tests/kernels/test_kda_prefill.py,
 # test_kda_chunk_stages.py).
 TEST_FORMS = tuple((name, "bfloat16") for name in (
-    "staged", "staged solve tf32", "staged T fp32")) + (("staged", "float32"),)
+    "staged", "staged solve tf32", "staged T fp32", "staged heads first")) + (
+    ("staged", "float32"),)
 
 
 def _stages(inputs, state, plan, config: ti.KdaConfig) -> dict:

@@ -1,6 +1,6 @@
 """Shared memory, registers and spills of every Triton kernel at the release launch shapes.
 
-    python tools/smem_check.py [--arch 89 90 120] [--skip-prefill] [--check]
+    python tools/smem_check.py [--arch 89 90 120] [--skip-prefill] [--only NAME] [--check]
 
 Compiles ahead of time (Triton's own ptxas; no GPU needed) for sm_89 (RTX 40xx), sm_90 (H100 /
 H200) and sm_120 (RTX 50xx). Each launch's shared memory is printed against the architecture's
@@ -164,7 +164,7 @@ def kda_staged_launches() -> list[Launch]:
     ptrs = dict.fromkeys(("q", "k", "v", "w", "u", "qg", "kd", "aqk", "beta"), "*bf16")
     ptrs.update(g="*fp32", g2="*fp32", rq="*fp32", rk="*fp32", gl="*fp32", state="*fp32",
                 meta="*i32", tinv="*bf16", tdiag="*fp32")
-    shape = dict(H=64, K=128)
+    shape = dict(H=64, K=128, HEADS_FIRST=False)
     out = []
     for warps, bk in ((1, 16), (1, 32), (2, 32)):
         out.append(Launch(f"kda staged gate + intra diagonal {warps}w BK{bk}",
@@ -180,6 +180,13 @@ def kda_staged_launches() -> list[Launch]:
             out.append(Launch(f"kda staged w/u T {name} {block} {warps}w", stages.kda_wy_kernel,
                               wy, dict(shape, V=128, BK=block, BV=block, DOT=dot, PREC="tf32"),
                               warps))
+    first = dict(shape, HEADS_FIRST=True, BK=32, PREC="tf32")
+    out += [Launch("kda staged heads first, gate + intra diagonal 1w BK32",
+                   intra.kda_intra_diag_kernel, ptrs, dict(first, SOLVE="ieee"), 1),
+            Launch("kda staged heads first, intra off-diagonal 2w BK32",
+                   intra.kda_intra_off_kernel, ptrs, dict(first, SOLVE="ieee"), 2),
+            Launch("kda staged heads first, w/u T bf16 128 8w", stages.kda_wy_kernel, ptrs,
+                   dict(first, V=128, BK=128, BV=128, DOT=tl.bfloat16), 8)]
     return out
 
 
@@ -337,11 +344,14 @@ def main() -> None:
     parser.add_argument("--arch", type=int, nargs="+", default=[89, 90, 120])
     parser.add_argument("--skip-prefill", action="store_true",
                         help="skip the KDA prefill's stages (their compiles take minutes)")
+    parser.add_argument("--only", default=None,
+                        help="compile only the launches whose name starts with this")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 when a launch cannot run on one of the architectures")
     args = parser.parse_args()
     launches = (sparse_mla_launches() + kda_launches(not args.skip_prefill) + fp8_launches()
                 + fused_moe_launches() + indexer_launches() + hyper_launches())
+    launches = [launch for launch in launches if launch.name.startswith(args.only or "")]
     print(f"Triton {triton.__version__}; per launch: KB of shared memory per block (limit in the "
           "header) / registers per thread / stack bytes per thread (spills)")
     print("| kernel | " + " | ".join(f"sm_{a} (<= {BLOCK_LIMIT[a] // 1024})" for a in args.arch)

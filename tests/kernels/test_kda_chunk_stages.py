@@ -28,7 +28,8 @@ from tests.kernels.test_kda_prefill import PREFILL_CASES, _assert_fp32_close  # 
 # 16 channels a step, so that dim 16 runs one step and dim 24 two (the second masked).
 SMALL = StagedConfig(diag_key_block=16, off_key_block=16, wy_block=16)
 FORMS = {"small_steps": KdaConfig(staged=SMALL),
-         "two_warps": KdaConfig(staged=dataclasses.replace(SMALL, diag_warps=2, off_warps=4))}
+         "two_warps": KdaConfig(staged=dataclasses.replace(SMALL, diag_warps=2, off_warps=4)),
+         "heads_first": KdaConfig(staged=dataclasses.replace(SMALL, heads_first=True))}
 
 
 @pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
@@ -91,7 +92,8 @@ def test_staged_bf16_inputs(nan_empty):
 # Release launch shapes: bench/kda_sweep.py's candidates of the same names (its TEST_FORMS,
 # which `python -m bench.kda_sweep --warm` compiles ahead of these tests).
 GPU_FORMS = {"staged_solve_tf32": KdaConfig(staged=StagedConfig(solve_precision="tf32")),
-             "staged_t_fp32": KdaConfig(staged=StagedConfig(inverse_bf16=False))}
+             "staged_t_fp32": KdaConfig(staged=StagedConfig(inverse_bf16=False)),
+             "staged_heads_first": KdaConfig(staged=StagedConfig(heads_first=True))}
 
 
 @pytest.mark.gpu

@@ -14,7 +14,7 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     tl = None
 
-from glmflash.kernels.kda.chunk_walk import _load_rows, _store_rows
+from glmflash.kernels.kda.chunk_walk import _chunk_ids, _load_rows, _store_rows
 from glmflash.kernels.triton_utils import constexpr, jit
 
 RCP_LN2 = constexpr(1.4426950408889634)  # g is in natural-log units; G is kept in log2 units
@@ -198,13 +198,14 @@ def _row(x, r):
 @jit
 def kda_intra_diag_kernel(q, k, g, g2, rq, rk, beta, aqk, tinv, tdiag, meta, scale, stride_q,
                           stride_k, stride_g, stride_b, H: tl.constexpr, K: tl.constexpr,
-                          BK: tl.constexpr, PREC: tl.constexpr, SOLVE: tl.constexpr):
+                          BK: tl.constexpr, PREC: tl.constexpr, SOLVE: tl.constexpr,
+                          HEADS_FIRST: tl.constexpr):
     """One (chunk, 16-row sub-chunk, head): the gate stage for its own rows (G from g, the
     earlier sub-chunks' rows summed here, stored to g2; scale / |q| and 1 / |k|, eps inside the
     root as the reference), then the sub-chunk's diagonal block of Aqk (scaled, normalised,
     causal) and T_ii = (I + L_ii)^-1, stored in tinv and, fp32, in tdiag `[T, H, 16]` for
     `kda_intra_off_kernel`."""
-    i_c, i_s, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_c, i_s, i_h = _chunk_ids(H, 4, HEADS_FIRST)
     t0 = tl.load(meta + i_c * 3)
     t_end = tl.load(meta + i_c * 3 + 1)
     r0 = t0 + i_s * 16
@@ -273,11 +274,11 @@ def _load_t(tdiag, r0, t_end, H: tl.constexpr):
 @jit
 def kda_intra_off_kernel(q, k, g2, rq, rk, beta, aqk, tinv, tdiag, meta, stride_q, stride_k,
                          stride_b, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                         PREC: tl.constexpr, SOLVE: tl.constexpr):
+                         PREC: tl.constexpr, SOLVE: tl.constexpr, HEADS_FIRST: tl.constexpr):
     """One (chunk, head): the six blocks below the diagonal of Aqk and Akk (rows anchored at
     their sub-chunk's first decay, so every factor is <= 1), then T's blocks below the
     diagonal from the diagonal ones, T_ij = -T_ii sum_{j <= m < i} L_im T_mj."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_c, _sub, i_h = _chunk_ids(H, 1, HEADS_FIRST)  # one program per (chunk, head)
     t0 = tl.load(meta + i_c * 3)
     t_end = tl.load(meta + i_c * 3 + 1)
     if t_end - t0 <= 16:

@@ -25,8 +25,10 @@ from glmflash.kernels.kda.chunk_intra import (
 from glmflash.kernels.kda.chunk_walk import (
     CHUNK,
     PrefillBuffers,
+    _chunk_ids,
     _load_rows,
     _store_rows,
+    chunk_grid,
     launch_state,
 )
 from glmflash.kernels.triton_utils import dot_operand_type, jit, product_precision
@@ -54,6 +56,10 @@ class StagedConfig:
     wy_warps: int = 8
     wy_block: int = 128
     """Channels (and value columns) per step of the w/u kernel."""
+    heads_first: bool = False
+    """Launch the per-chunk stages (diagonal, below the diagonal, w/u) with the heads as the
+    fastest grid index (`chunk_walk.chunk_grid`), so that programs running together read the
+    same rows of all heads; else the chunks are."""
 
 
 class StagedBuffers(NamedTuple):
@@ -73,10 +79,11 @@ class StagedBuffers(NamedTuple):
 @jit
 def kda_wy_kernel(q, k, v, g2, rq, rk, beta, tinv, w, u, qg, kd, gl, meta, stride_q, stride_k,
                   stride_v, stride_b, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+                  BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                  HEADS_FIRST: tl.constexpr):
     """One (chunk, head): w = T (beta k exp(G)), u = T (beta v), kd = k exp(G_last - G),
     exp(G_last) and qg = q exp(G) for the walk (k, q normalised, q scaled)."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_c, _sub, i_h = _chunk_ids(H, 1, HEADS_FIRST)  # one program per (chunk, head)
     t0 = tl.load(meta + i_c * 3)
     t_end = tl.load(meta + i_c * 3 + 1)
     o_t = tl.arange(0, 64)
@@ -145,12 +152,13 @@ def launch_intra(q, k, g, beta, buf: StagedBuffers, plan: KdaPlan, config: Stage
     assert bk_diag >= 16 and bk_off >= 16, "channel steps below 16 do not fit tl.dot"
     shapes = dict(H=heads, K=dk, PREC=product_precision(q.dtype),
                   SOLVE="ieee" if q.dtype == torch.float32 else config.solve_precision)
+    shapes["HEADS_FIRST"] = config.heads_first
     meta = _chunk_meta(plan)
-    kda_intra_diag_kernel[(plan.num_chunks, CHUNK // 16, heads)](
+    kda_intra_diag_kernel[chunk_grid(plan.num_chunks, CHUNK // 16, heads, config.heads_first)](
         q, k, g, buf.g2, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv, buf.tdiag, meta,
         dk ** -0.5, q.stride(0), k.stride(0), g.stride(0), beta.stride(0), BK=bk_diag,
         **shapes, num_warps=config.diag_warps)
-    kda_intra_off_kernel[(plan.num_chunks, heads)](
+    kda_intra_off_kernel[chunk_grid(plan.num_chunks, 1, heads, config.heads_first)](
         q, k, buf.g2, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv, buf.tdiag, meta,
         q.stride(0), k.stride(0), beta.stride(0), BK=bk_off, **shapes,
         num_warps=config.off_warps)
@@ -162,11 +170,11 @@ def launch_wy(q, k, v, beta, buf: StagedBuffers, plan: KdaPlan, config: StagedCo
     bk = min(config.wy_block, triton.next_power_of_2(dk))
     bv = min(config.wy_block, triton.next_power_of_2(dv))
     wb = buf.walk
-    kda_wy_kernel[(plan.num_chunks, heads)](
+    kda_wy_kernel[chunk_grid(plan.num_chunks, 1, heads, config.heads_first)](
         q, k, v, buf.g2, buf.rq, buf.rk, beta, buf.tinv, wb.w, wb.u, wb.qg, wb.kd, wb.gl,
         _chunk_meta(plan), q.stride(0), k.stride(0), v.stride(0), beta.stride(0), H=heads,
         K=dk, V=dv, BK=bk, BV=bv, DOT=dot_operand_type(buf.tinv.dtype),
-        PREC=product_precision(q.dtype),
+        PREC=product_precision(q.dtype), HEADS_FIRST=config.heads_first,
         num_warps=config.wy_warps)
 
 
