@@ -38,6 +38,8 @@ CANDIDATES = {
     "staged diag k16": ti.KdaConfig(staged=dataclasses.replace(_STAGED, diag_key_block=16)),
     "staged off w4": ti.KdaConfig(staged=dataclasses.replace(_STAGED, off_warps=4)),
     "staged heads first": ti.KdaConfig(staged=dataclasses.replace(_STAGED, heads_first=True)),
+    "staged diag regs 128": ti.KdaConfig(staged=dataclasses.replace(_STAGED,
+                                                                   diag_max_registers=128)),
     "staged solve tf32": ti.KdaConfig(staged=dataclasses.replace(
         _STAGED, solve_precision="tf32")),
     "staged T fp32": ti.KdaConfig(staged=dataclasses.replace(_STAGED, inverse_bf16=False)),
@@ -47,9 +49,9 @@ CANDIDATES = {
     "staged walk v128 w4": ti.KdaConfig(staged=_STAGED, state_value_block=128, state_warps=4),
 }
 
-# The defaults, the per-chunk stages launched heads first (not yet timed), and the launch shape
-# next to the defaults that came closest.
-SWEEP_DEFAULT = ("staged", "staged heads first", "staged off w4")
+# The defaults, the per-chunk stages launched heads first and the diagonal kernel held to 128
+# registers (neither timed yet), and the launch shape next to the defaults that came closest.
+SWEEP_DEFAULT = ("staged", "staged heads first", "staged diag regs 128", "staged off w4")
 # (candidate, dtype) of every prefill the KDA GPU tests run (tests/kernels/test_kda_prefill.py,
 # test_kda_chunk_stages.py).
 TEST_FORMS = tuple((name, "bfloat16") for name in (

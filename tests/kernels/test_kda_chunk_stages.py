@@ -29,7 +29,8 @@ from tests.kernels.test_kda_prefill import PREFILL_CASES, _assert_fp32_close  # 
 SMALL = StagedConfig(diag_key_block=16, off_key_block=16, wy_block=16)
 FORMS = {"small_steps": KdaConfig(staged=SMALL),
          "two_warps": KdaConfig(staged=dataclasses.replace(SMALL, diag_warps=2, off_warps=4)),
-         "heads_first": KdaConfig(staged=dataclasses.replace(SMALL, heads_first=True))}
+         "heads_first": KdaConfig(staged=dataclasses.replace(SMALL, heads_first=True)),
+         "register_cap": KdaConfig(staged=dataclasses.replace(SMALL, diag_max_registers=128))}
 
 
 @pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())

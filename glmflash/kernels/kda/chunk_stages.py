@@ -44,6 +44,9 @@ class StagedConfig:
     diag_warps: int = 1
     diag_key_block: int = 32
     """Channels per step of the gate stage with the diagonal blocks (`kda_intra_diag_kernel`)."""
+    diag_max_registers: int | None = None
+    """A register cap for the diagonal kernel (`maxnreg`): more programs per SM for a
+    latency-bound kernel, at the cost of spills (128 on sm_90: 24 B a thread)."""
     off_warps: int = 2
     off_key_block: int = 32
     """Channels per step of the intra stage's kernel for the blocks below the diagonal."""
@@ -157,11 +160,15 @@ def launch_intra(q, k, g, beta, buf: StagedBuffers, plan: KdaPlan, config: Stage
     kda_intra_diag_kernel[chunk_grid(plan.num_chunks, CHUNK // 16, heads, config.heads_first)](
         q, k, g, buf.g2, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv, buf.tdiag, meta,
         dk ** -0.5, q.stride(0), k.stride(0), g.stride(0), beta.stride(0), BK=bk_diag,
-        **shapes, num_warps=config.diag_warps)
+        **shapes, num_warps=config.diag_warps, **_register_cap(config.diag_max_registers))
     kda_intra_off_kernel[chunk_grid(plan.num_chunks, 1, heads, config.heads_first)](
         q, k, buf.g2, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv, buf.tdiag, meta,
         q.stride(0), k.stride(0), beta.stride(0), BK=bk_off, **shapes,
         num_warps=config.off_warps)
+
+
+def _register_cap(max_registers: int | None) -> dict:
+    return {} if max_registers is None else {"maxnreg": max_registers}
 
 
 def launch_wy(q, k, v, beta, buf: StagedBuffers, plan: KdaPlan, config: StagedConfig) -> None:
