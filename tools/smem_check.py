@@ -162,14 +162,20 @@ def kda_launches(with_prefill: bool) -> list[Launch]:
 def kda_staged_launches() -> list[Launch]:
     """The staged prefill's kernels (chunk_stages.py) at the shapes bench/kda_sweep.py tries."""
     ptrs = dict.fromkeys(("q", "k", "v", "w", "u", "qg", "kd", "aqk", "beta"), "*bf16")
-    ptrs.update(g="*fp32", g2="*fp32", rq="*fp32", rk="*fp32", gl="*fp32", state="*fp32",
-                meta="*i32", tinv="*bf16", tdiag="*fp32")
+    ptrs.update(g="*fp32", g2="*fp32", starts="*fp32", rq="*fp32", rk="*fp32", gl="*fp32",
+                state="*fp32", meta="*i32", tinv="*bf16", tdiag="*fp32")
     shape = dict(H=64, K=128, HEADS_FIRST=False)
     out = []
     for warps, bk in ((1, 16), (1, 32), (2, 32)):
         out.append(Launch(f"kda staged gate + intra diagonal {warps}w BK{bk}",
                           intra.kda_intra_diag_kernel, ptrs,
-                          dict(shape, BK=bk, PREC="tf32", SOLVE="ieee"), warps))
+                          dict(shape, BK=bk, PREC="tf32", SOLVE="ieee", USE_STARTS=False),
+                          warps))
+    out.append(Launch("kda staged sub-chunk starts 4w BK128", intra.kda_sub_chunk_starts_kernel,
+                      ptrs, dict(shape, BK=128), 4))
+    out.append(Launch("kda staged gate + intra diagonal from starts 1w BK32",
+                      intra.kda_intra_diag_kernel, ptrs,
+                      dict(shape, BK=32, PREC="tf32", SOLVE="ieee", USE_STARTS=True), 1))
     for warps, bk in ((2, 32), (4, 32)):
         out.append(Launch(f"kda staged intra off-diagonal {warps}w BK{bk}",
                           intra.kda_intra_off_kernel, ptrs,
@@ -182,7 +188,8 @@ def kda_staged_launches() -> list[Launch]:
                               warps))
     first = dict(shape, HEADS_FIRST=True, BK=32, PREC="tf32")
     out += [Launch("kda staged heads first, gate + intra diagonal 1w BK32",
-                   intra.kda_intra_diag_kernel, ptrs, dict(first, SOLVE="ieee"), 1),
+                   intra.kda_intra_diag_kernel, ptrs,
+                   dict(first, SOLVE="ieee", USE_STARTS=False), 1),
             Launch("kda staged heads first, intra off-diagonal 2w BK32",
                    intra.kda_intra_off_kernel, ptrs, dict(first, SOLVE="ieee"), 2),
             Launch("kda staged heads first, w/u T bf16 128 8w", stages.kda_wy_kernel, ptrs,
