@@ -1,5 +1,6 @@
 """How close a run comes to a tie in its discrete choices: the indexer's pool top-k and the
-router's expert top-k, as the relative gap between the last score chosen and the first left out.
+router's group and expert top-k, as the relative gap between the last score chosen and the first
+left out.
 
 A random tiny model fed repetitive text scores equal-content pools equally, so the reference
 selects between scores that differ by fp32 rounding alone (relative gaps of 1e-7, measured); any
@@ -21,7 +22,7 @@ import glmflash.kernels.router.ref as router_ref
 
 def _gap(scores: torch.Tensor, k: int) -> float:
     """Smallest relative gap between the k-th and (k+1)-th score of a row (inf when a row has
-    at most k real candidates)."""
+    at most k real candidates: scores at -inf or the dtype's minimum are not)."""
     if scores.shape[1] <= k:
         return float("inf")
     top = scores.sort(dim=1, descending=True).values
@@ -42,7 +43,8 @@ def recorded_gaps() -> Iterator[list[float]]:
         return merge_best(best_scores, best_pools, scores, pools, k)
 
     def select(scores, bias, spec):
-        gaps.append(_gap(scores + bias, spec.top_k))
+        group_scores, choice = router_ref.grouped_choice(scores, bias, spec)
+        gaps.extend((_gap(group_scores, spec.topk_groups), _gap(choice, spec.top_k)))
         return select_ref(scores, bias, spec)
 
     indexer_ref.merge_best, router_ref.select_ref = merge, select

@@ -33,9 +33,12 @@ def scores_ref(x: torch.Tensor, weight: torch.Tensor, weight_fp32: torch.Tensor 
     return torch.sigmoid(x.float() @ w.t())
 
 
-def select_ref(scores: torch.Tensor, bias: torch.Tensor, spec: RouterSpec
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The choice and weights from the sigmoid scores `[T, E]`."""
+def grouped_choice(scores: torch.Tensor, bias: torch.Tensor, spec: RouterSpec
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two choices behind the routing of sigmoid scores `[T, E]`: each group's score (its
+    best two biased scores summed) `[T, G]`, of which the best `topk_groups` are kept, and the
+    biased scores with the other groups' set to -inf `[T, E]`, of which the best `top_k` are
+    the experts."""
     choice = scores + bias
     num_tokens = scores.shape[0]
     grouped = choice.view(num_tokens, spec.num_groups, -1)
@@ -43,6 +46,13 @@ def select_ref(scores: torch.Tensor, bias: torch.Tensor, spec: RouterSpec
     kept = group_scores.topk(spec.topk_groups, dim=-1, sorted=False).indices
     group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
     choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).view(num_tokens, -1)
+    return group_scores, choice
+
+
+def select_ref(scores: torch.Tensor, bias: torch.Tensor, spec: RouterSpec
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The choice and weights from the sigmoid scores `[T, E]`."""
+    _, choice = grouped_choice(scores, bias, spec)
     ids = choice.topk(spec.top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, ids)
     if spec.renormalize:
