@@ -165,8 +165,8 @@ def launch_intra(q, k, g, beta, buf: StagedBuffers, plan: KdaPlan, config: Stage
     bk_off = min(config.off_key_block, triton.next_power_of_2(dk))
     assert bk_diag >= 16 and bk_off >= 16, "channel steps below 16 do not fit tl.dot"
     shapes = dict(H=heads, K=dk, PREC=product_precision(q.dtype),
-                  SOLVE="ieee" if q.dtype == torch.float32 else config.solve_precision)
-    shapes["HEADS_FIRST"] = config.heads_first
+                  SOLVE="ieee" if q.dtype == torch.float32 else config.solve_precision,
+                  HEADS_FIRST=config.heads_first)
     meta = _chunk_meta(plan)
     if config.sub_chunk_starts:
         kda_sub_chunk_starts_kernel[chunk_grid(plan.num_chunks, 1, heads, config.heads_first)](
