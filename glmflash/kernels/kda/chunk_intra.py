@@ -183,9 +183,9 @@ def _gated_rows(g, g2, p_start, t0, r0, t_end, stride_g, c0, H: tl.constexpr, K:
 def kda_sub_chunk_starts_kernel(g, starts, meta, stride_g, H: tl.constexpr, K: tl.constexpr,
                                 BK: tl.constexpr, HEADS_FIRST: tl.constexpr):
     """One (chunk, head): starts[chunk, s, head] = the decay (log2 units) summed over the
-    chunk's rows before sub-chunk s (StagedConfig.sub_chunk_starts), in the order
-    `_gated_rows` sums it, so that each diagonal-block program loads one row instead of
-    waiting on a load per earlier sub-chunk."""
+    chunk's rows before sub-chunk s (StagedConfig.sub_chunk_starts), as `_gated_rows` sums it
+    (each sub-chunk's total scaled, then added in order), so that each diagonal-block program
+    loads one row instead of waiting on a load per earlier sub-chunk."""
     i_c, _sub, i_h = _chunk_ids(H, 1, HEADS_FIRST)  # one program per (chunk, head)
     t0 = tl.load(meta + i_c * 3)
     t_end = tl.load(meta + i_c * 3 + 1)
