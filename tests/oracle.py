@@ -39,24 +39,32 @@ def _read(files: dict[str, Path], name: str) -> torch.Tensor:
 
 def load_oracle(dequantized_dir: Path):
     """Glm5NextForConditionalGeneration in fp32 with eager attention and its torch KDA path."""
-    _hide_fla()
     from transformers import Glm5NextForConditionalGeneration
     from transformers.utils import logging as hf_logging
 
+    _use_torch_paths()
     hf_logging.set_verbosity_error()
     model = Glm5NextForConditionalGeneration.from_pretrained(
         str(dequantized_dir), dtype=torch.float32, attn_implementation="eager")
     return model.eval()
 
 
-def _hide_fla() -> None:
-    """The modeling file binds KDA to flash-linear-attention's Triton kernels when `fla` imports
-    (the GPU machine carries it for the benchmarks), and those reject the oracle's CPU tensors:
-    make the import fail unless it already happened, so the torch reference path is used."""
-    import sys
+# The modeling file's functions that it binds, at import, to flash-linear-attention's or
+# causal-conv1d's kernels when those packages import (the GPU machine carries fla for the
+# benchmarks). Those kernels reject the oracle's CPU tensors and are not the reference.
+_PACKAGE_BOUND = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention",
+                  "causal_conv1d_fn", "causal_conv1d_update")
 
-    if "transformers.models.glm5_next.modeling_glm5_next" not in sys.modules:
-        sys.modules.setdefault("fla", None)
+
+def _use_torch_paths() -> None:
+    """Point the modeling module's package-bound functions at the torch code they wrap, whatever
+    was imported first (hiding `fla` from the import only works before anyone imports it)."""
+    import inspect
+
+    from transformers.models.glm5_next import modeling_glm5_next as modeling
+
+    for name in _PACKAGE_BOUND:
+        setattr(modeling, name, inspect.unwrap(getattr(modeling, name)))
 
 
 @torch.no_grad()

@@ -108,3 +108,24 @@ def _capture_oracle(oracle, prompt) -> dict[int, list[set[int]]]:
     for h in hooks:
         h.remove()
     return captured
+
+
+def test_oracle_uses_torch_paths_when_a_kernel_package_was_bound(monkeypatch):
+    """A package imported before the oracle (fla, on the GPU machine) binds the modeling file's
+    KDA and conv functions to its kernels; loading the oracle points them back at torch code."""
+    import functools
+    import inspect
+
+    from transformers.models.glm5_next import modeling_glm5_next as modeling
+
+    from tests import oracle
+
+    torch_paths = {name: inspect.unwrap(getattr(modeling, name)) for name in oracle._PACKAGE_BOUND}
+    for name, torch_fn in torch_paths.items():
+        @functools.wraps(torch_fn)
+        def package_kernel(*args, **kwargs):
+            raise AssertionError("the package kernel ran")
+        monkeypatch.setattr(modeling, name, package_kernel)
+    oracle._use_torch_paths()
+    for name, torch_fn in torch_paths.items():
+        assert getattr(modeling, name) is torch_fn
