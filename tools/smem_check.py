@@ -59,6 +59,7 @@ class Launch(NamedTuple):
     warps: int
     stages: int | None = None
     aligned: tuple[str, ...] = ()  # int params that are multiples of 16 at release shapes
+    max_registers: int | None = None  # the launch's `maxnreg`
 
 
 def _divisibility(params: list[str], signature: dict[str, str], launch: Launch) -> dict:
@@ -86,6 +87,8 @@ def usage(launch: Launch, arch: int) -> Usage:
     options = {"num_warps": launch.warps}
     if launch.stages is not None:
         options["num_stages"] = launch.stages
+    if launch.max_registers is not None:
+        options["maxnreg"] = launch.max_registers
     src = ASTSource(fn=launch.kernel, signature=signature, constexprs=launch.constexprs,
                     attrs=_divisibility(params, signature, launch))
     kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
@@ -162,20 +165,17 @@ def kda_launches(with_prefill: bool) -> list[Launch]:
 def kda_staged_launches() -> list[Launch]:
     """The staged prefill's kernels (chunk_stages.py) at the shapes bench/kda_sweep.py tries."""
     ptrs = dict.fromkeys(("q", "k", "v", "w", "u", "qg", "kd", "aqk", "beta"), "*bf16")
-    ptrs.update(g="*fp32", g2="*fp32", starts="*fp32", rq="*fp32", rk="*fp32", gl="*fp32",
+    ptrs.update(g="*fp32", g2="*fp32", rq="*fp32", rk="*fp32", gl="*fp32",
                 state="*fp32", meta="*i32", tinv="*bf16", tdiag="*fp32")
-    shape = dict(H=64, K=128, HEADS_FIRST=False)
+    shape = dict(H=64, K=128)
     out = []
     for warps, bk in ((1, 16), (1, 32), (2, 32)):
         out.append(Launch(f"kda staged gate + intra diagonal {warps}w BK{bk}",
                           intra.kda_intra_diag_kernel, ptrs,
-                          dict(shape, BK=bk, PREC="tf32", SOLVE="ieee", USE_STARTS=False),
-                          warps))
-    out.append(Launch("kda staged sub-chunk starts 4w BK128", intra.kda_sub_chunk_starts_kernel,
-                      ptrs, dict(shape, BK=128), 4))
-    out.append(Launch("kda staged gate + intra diagonal from starts 1w BK32",
+                          dict(shape, BK=bk, PREC="tf32", SOLVE="ieee"), warps))
+    out.append(Launch("kda staged gate + intra diagonal 1w BK32 128 registers",
                       intra.kda_intra_diag_kernel, ptrs,
-                      dict(shape, BK=32, PREC="tf32", SOLVE="ieee", USE_STARTS=True), 1))
+                      dict(shape, BK=32, PREC="tf32", SOLVE="ieee"), 1, max_registers=128))
     for warps, bk in ((2, 32), (4, 32)):
         out.append(Launch(f"kda staged intra off-diagonal {warps}w BK{bk}",
                           intra.kda_intra_off_kernel, ptrs,
@@ -186,14 +186,6 @@ def kda_staged_launches() -> list[Launch]:
             out.append(Launch(f"kda staged w/u T {name} {block} {warps}w", stages.kda_wy_kernel,
                               wy, dict(shape, V=128, BK=block, BV=block, DOT=dot, PREC="tf32"),
                               warps))
-    first = dict(shape, HEADS_FIRST=True, BK=32, PREC="tf32")
-    out += [Launch("kda staged heads first, gate + intra diagonal 1w BK32",
-                   intra.kda_intra_diag_kernel, ptrs,
-                   dict(first, SOLVE="ieee", USE_STARTS=False), 1),
-            Launch("kda staged heads first, intra off-diagonal 2w BK32",
-                   intra.kda_intra_off_kernel, ptrs, dict(first, SOLVE="ieee"), 2),
-            Launch("kda staged heads first, w/u T bf16 128 8w", stages.kda_wy_kernel, ptrs,
-                   dict(first, V=128, BK=128, BV=128, DOT=tl.bfloat16), 8)]
     return out
 
 

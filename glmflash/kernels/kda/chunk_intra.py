@@ -160,48 +160,18 @@ def _diag_inverse(b_akk, b_row, b_rk, SOLVE: tl.constexpr):
 
 
 @jit
-def _gated_rows(g, g2, p_start, t0, r0, t_end, stride_g, c0, H: tl.constexpr, K: tl.constexpr,
-                BK: tl.constexpr, USE_STARTS: tl.constexpr):
+def _gated_rows(g, g2, t0, r0, t_end, stride_g, c0, H: tl.constexpr, K: tl.constexpr,
+                BK: tl.constexpr):
     """G of rows r0.. (channels c0..) from the chunk start, in log2 units, stored to g2: the
-    earlier sub-chunks' decay (read at p_start when USE_STARTS, else summed here), plus this
-    one's cumulative sum. Rows past t_end add nothing, so they repeat the last row's G (as
-    _g_row's clamp does)."""
-    if USE_STARTS:
-        o_k = c0 + tl.arange(0, BK)
-        b_start = tl.load(p_start + o_k, mask=o_k < K, other=0.0)
-    else:
-        b_start = tl.zeros([BK], dtype=tl.float32)
-        for r in range(t0, r0, 16):
-            b_start += tl.sum(_load_rows(g, r, t_end, stride_g, c0, K, BK, 16), 0) * RCP_LN2
+    earlier sub-chunks' decay summed here, plus this one's cumulative sum. Rows past t_end add
+    nothing, so they repeat the last row's G (as _g_row's clamp does)."""
+    b_start = tl.zeros([BK], dtype=tl.float32)
+    for r in range(t0, r0, 16):
+        b_start += tl.sum(_load_rows(g, r, t_end, stride_g, c0, K, BK, 16), 0) * RCP_LN2
     b_g = b_start[None, :] + tl.cumsum(_load_rows(g, r0, t_end, stride_g, c0, K, BK, 16)
                                        * RCP_LN2, 0)
     _store_rows(g2, b_g, r0, t_end, H * K, c0, K, BK, 16)
     return b_g
-
-
-@jit
-def kda_sub_chunk_starts_kernel(g, starts, meta, stride_g, H: tl.constexpr, K: tl.constexpr,
-                                BK: tl.constexpr, HEADS_FIRST: tl.constexpr):
-    """One (chunk, head): starts[chunk, s, head] = the decay (log2 units) summed over the
-    chunk's rows before sub-chunk s (StagedConfig.sub_chunk_starts), as `_gated_rows` sums it
-    (each sub-chunk's total scaled, then added in order), so that each diagonal-block program
-    loads one row instead of waiting on a load per earlier sub-chunk."""
-    i_c, _sub, i_h = _chunk_ids(H, 1, HEADS_FIRST)  # one program per (chunk, head)
-    t0 = tl.load(meta + i_c * 3)
-    t_end = tl.load(meta + i_c * 3 + 1)
-    o_s = tl.arange(0, 4)
-    rows = (t0 + o_s[:, None] * 16 + tl.arange(0, 16)[None, :]).to(tl.int64)  # [4, 16]
-    m_r = rows < t_end
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        p = g + i_h * K + rows[:, :, None] * stride_g + o_k[None, None, :]
-        b_g = tl.load(p, mask=m_r[:, :, None] & (o_k < K)[None, None, :], other=0.0)
-        b_sum = tl.sum(b_g.to(tl.float32), 1) * RCP_LN2  # [4, BK]: each sub-chunk's total
-        b_start = tl.zeros([BK], dtype=tl.float32)
-        for j in tl.static_range(4):
-            p_out = starts + ((i_c * 4 + j) * H + i_h).to(tl.int64) * K
-            tl.store(p_out + o_k, b_start, mask=o_k < K)
-            b_start += tl.sum(tl.where(o_s[:, None] == j, b_sum, 0.0), 0)
 
 
 @jit
@@ -226,17 +196,15 @@ def _row(x, r):
 
 
 @jit
-def kda_intra_diag_kernel(q, k, g, g2, starts, rq, rk, beta, aqk, tinv, tdiag, meta, scale,
-                          stride_q, stride_k, stride_g, stride_b, H: tl.constexpr, K: tl.constexpr,
-                          BK: tl.constexpr, PREC: tl.constexpr, SOLVE: tl.constexpr,
-                          HEADS_FIRST: tl.constexpr, USE_STARTS: tl.constexpr):
+def kda_intra_diag_kernel(q, k, g, g2, rq, rk, beta, aqk, tinv, tdiag, meta, scale, stride_q,
+                          stride_k, stride_g, stride_b, H: tl.constexpr, K: tl.constexpr,
+                          BK: tl.constexpr, PREC: tl.constexpr, SOLVE: tl.constexpr):
     """One (chunk, 16-row sub-chunk, head): the gate stage for its own rows (G from g, the
-    earlier sub-chunks' rows summed here or, with USE_STARTS, read from `starts`
-    (`kda_sub_chunk_starts_kernel`), stored to g2; scale / |q| and 1 / |k|, eps inside the
-    root as the reference), then the sub-chunk's diagonal block of Aqk (scaled, normalised,
+    earlier sub-chunks' rows summed here, stored to g2; scale / |q| and 1 / |k|, eps inside
+    the root as the reference), then the sub-chunk's diagonal block of Aqk (scaled, normalised,
     causal) and T_ii = (I + L_ii)^-1, stored in tinv and, fp32, in tdiag `[T, H, 16]` for
     `kda_intra_off_kernel`."""
-    i_c, i_s, i_h = _chunk_ids(H, 4, HEADS_FIRST)
+    i_c, i_s, i_h = _chunk_ids(H, 4)
     t0 = tl.load(meta + i_c * 3)
     t_end = tl.load(meta + i_c * 3 + 1)
     r0 = t0 + i_s * 16
@@ -246,7 +214,6 @@ def kda_intra_diag_kernel(q, k, g, g2, starts, rq, rk, beta, aqk, tinv, tdiag, m
     k += i_h * K
     g += i_h * K
     g2 += i_h * K
-    p_start = starts + ((i_c * 4 + i_s) * H + i_h).to(tl.int64) * K
     o_r = tl.arange(0, 16)
     m_r = r0 + o_r < t_end
     b_a = tl.zeros([16, 16], dtype=tl.float32)
@@ -256,7 +223,7 @@ def kda_intra_diag_kernel(q, k, g, g2, starts, rq, rk, beta, aqk, tinv, tdiag, m
     b_span = 0.0
     for i_k in range(tl.cdiv(K, BK)):
         c0 = i_k * BK
-        b_g = _gated_rows(g, g2, p_start, t0, r0, t_end, stride_g, c0, H, K, BK, USE_STARTS)
+        b_g = _gated_rows(g, g2, t0, r0, t_end, stride_g, c0, H, K, BK)
         b_q = _load_rows(q, r0, t_end, stride_q, c0, K, BK, 16)
         b_k = _load_rows(k, r0, t_end, stride_k, c0, K, BK, 16)
         b_nq += tl.sum(b_q * b_q, 1)
@@ -306,11 +273,11 @@ def _load_t(tdiag, r0, t_end, H: tl.constexpr):
 @jit
 def kda_intra_off_kernel(q, k, g2, rq, rk, beta, aqk, tinv, tdiag, meta, stride_q, stride_k,
                          stride_b, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                         PREC: tl.constexpr, SOLVE: tl.constexpr, HEADS_FIRST: tl.constexpr):
+                         PREC: tl.constexpr, SOLVE: tl.constexpr):
     """One (chunk, head): the six blocks below the diagonal of Aqk and Akk (rows anchored at
     their sub-chunk's first decay, so every factor is <= 1), then T's blocks below the
     diagonal from the diagonal ones, T_ij = -T_ii sum_{j <= m < i} L_im T_mj."""
-    i_c, _sub, i_h = _chunk_ids(H, 1, HEADS_FIRST)  # one program per (chunk, head)
+    i_c, _sub, i_h = _chunk_ids(H, 1)  # one program per (chunk, head)
     t0 = tl.load(meta + i_c * 3)
     t_end = tl.load(meta + i_c * 3 + 1)
     if t_end - t0 <= 16:

@@ -21,7 +21,6 @@ from glmflash.kernels.kda.chunk_intra import (
     _g_row,
     kda_intra_diag_kernel,
     kda_intra_off_kernel,
-    kda_sub_chunk_starts_kernel,
 )
 from glmflash.kernels.kda.chunk_walk import (
     CHUNK,
@@ -60,14 +59,6 @@ class StagedConfig:
     wy_warps: int = 8
     wy_block: int = 128
     """Channels (and value columns) per step of the w/u kernel."""
-    sub_chunk_starts: bool = False
-    """A pass (`kda_sub_chunk_starts_kernel`) stores each sub-chunk's decay from its chunk's
-    start, so the diagonal kernel loads one row for it instead of a row block per earlier
-    sub-chunk, each waited on in turn."""
-    heads_first: bool = False
-    """Launch the per-chunk stages (diagonal, below the diagonal, w/u) with the heads as the
-    fastest grid index (`chunk_walk.chunk_grid`), so that programs running together read the
-    same rows of all heads; else the chunks are."""
 
 
 class StagedBuffers(NamedTuple):
@@ -76,9 +67,6 @@ class StagedBuffers(NamedTuple):
     walk reads (chunk_walk.PrefillBuffers)."""
 
     g2: torch.Tensor
-    starts: torch.Tensor
-    """Each sub-chunk's decay from its chunk's start `[chunks, 4, H, K]` fp32 (empty unless
-    `StagedConfig.sub_chunk_starts`)."""
     rq: torch.Tensor
     rk: torch.Tensor
     tinv: torch.Tensor
@@ -90,11 +78,10 @@ class StagedBuffers(NamedTuple):
 @jit
 def kda_wy_kernel(q, k, v, g2, rq, rk, beta, tinv, w, u, qg, kd, gl, meta, stride_q, stride_k,
                   stride_v, stride_b, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                  HEADS_FIRST: tl.constexpr):
+                  BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
     """One (chunk, head): w = T (beta k exp(G)), u = T (beta v), kd = k exp(G_last - G),
     exp(G_last) and qg = q exp(G) for the walk (k, q normalised, q scaled)."""
-    i_c, _sub, i_h = _chunk_ids(H, 1, HEADS_FIRST)  # one program per (chunk, head)
+    i_c, _sub, i_h = _chunk_ids(H, 1)  # one program per (chunk, head)
     t0 = tl.load(meta + i_c * 3)
     t_end = tl.load(meta + i_c * 3 + 1)
     o_t = tl.arange(0, 64)
@@ -146,9 +133,7 @@ def staged_buffers(q: torch.Tensor, v: torch.Tensor, num_chunks: int,
                           torch.empty(num_chunks, heads, dk, dtype=torch.float32, device=dev))
     norms = torch.empty(2, num_tokens, heads, dtype=torch.float32, device=dev)
     tdiag = per_token(16, torch.float32)
-    starts = torch.empty((num_chunks, CHUNK // 16, heads, dk) if config.sub_chunk_starts else 0,
-                         dtype=torch.float32, device=dev)
-    return StagedBuffers(per_token(dk, torch.float32), starts, norms[0], norms[1],
+    return StagedBuffers(per_token(dk, torch.float32), norms[0], norms[1],
                          per_token(CHUNK, tinv_dt), tdiag, walk)
 
 
@@ -158,27 +143,20 @@ def _chunk_meta(plan: KdaPlan) -> torch.Tensor:
 
 def launch_intra(q, k, g, beta, buf: StagedBuffers, plan: KdaPlan, config: StagedConfig
                  ) -> None:
-    """The gate stage with the diagonal blocks (after the sub-chunk starts, when configured),
-    then the blocks below them and T's merge."""
+    """The gate stage with the diagonal blocks, then the blocks below them and T's merge."""
     heads, dk = q.shape[1], q.shape[2]
     bk_diag = min(config.diag_key_block, triton.next_power_of_2(dk))
     bk_off = min(config.off_key_block, triton.next_power_of_2(dk))
     assert bk_diag >= 16 and bk_off >= 16, "channel steps below 16 do not fit tl.dot"
     shapes = dict(H=heads, K=dk, PREC=product_precision(q.dtype),
-                  SOLVE="ieee" if q.dtype == torch.float32 else config.solve_precision,
-                  HEADS_FIRST=config.heads_first)
+                  SOLVE="ieee" if q.dtype == torch.float32 else config.solve_precision)
     meta = _chunk_meta(plan)
-    if config.sub_chunk_starts:
-        kda_sub_chunk_starts_kernel[chunk_grid(plan.num_chunks, 1, heads, config.heads_first)](
-            g, buf.starts, meta, g.stride(0), H=heads, K=dk,
-            BK=min(128, triton.next_power_of_2(dk)), HEADS_FIRST=config.heads_first,
-            num_warps=4)
-    kda_intra_diag_kernel[chunk_grid(plan.num_chunks, CHUNK // 16, heads, config.heads_first)](
-        q, k, g, buf.g2, buf.starts, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv, buf.tdiag,
+    kda_intra_diag_kernel[chunk_grid(plan.num_chunks, CHUNK // 16, heads)](
+        q, k, g, buf.g2, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv, buf.tdiag,
         meta, dk ** -0.5, q.stride(0), k.stride(0), g.stride(0), beta.stride(0), BK=bk_diag,
-        **shapes, USE_STARTS=config.sub_chunk_starts, num_warps=config.diag_warps,
+        **shapes, num_warps=config.diag_warps,
         **_register_cap(config.diag_max_registers))
-    kda_intra_off_kernel[chunk_grid(plan.num_chunks, 1, heads, config.heads_first)](
+    kda_intra_off_kernel[chunk_grid(plan.num_chunks, 1, heads)](
         q, k, buf.g2, buf.rq, buf.rk, beta, buf.walk.aqk, buf.tinv, buf.tdiag, meta,
         q.stride(0), k.stride(0), beta.stride(0), BK=bk_off, **shapes,
         num_warps=config.off_warps)
@@ -194,12 +172,11 @@ def launch_wy(q, k, v, beta, buf: StagedBuffers, plan: KdaPlan, config: StagedCo
     bk = min(config.wy_block, triton.next_power_of_2(dk))
     bv = min(config.wy_block, triton.next_power_of_2(dv))
     wb = buf.walk
-    kda_wy_kernel[chunk_grid(plan.num_chunks, 1, heads, config.heads_first)](
+    kda_wy_kernel[chunk_grid(plan.num_chunks, 1, heads)](
         q, k, v, buf.g2, buf.rq, buf.rk, beta, buf.tinv, wb.w, wb.u, wb.qg, wb.kd, wb.gl,
         _chunk_meta(plan), q.stride(0), k.stride(0), v.stride(0), beta.stride(0), H=heads,
         K=dk, V=dv, BK=bk, BV=bv, DOT=dot_operand_type(buf.tinv.dtype),
-        PREC=product_precision(q.dtype), HEADS_FIRST=config.heads_first,
-        num_warps=config.wy_warps)
+        PREC=product_precision(q.dtype), num_warps=config.wy_warps)
 
 
 def prefill(q, k, v, g, beta, state, out, plan: KdaPlan, config: KdaConfig) -> None:

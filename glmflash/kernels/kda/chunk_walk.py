@@ -49,29 +49,18 @@ def _store_rows(ptr, b_x, t0, t_end, stride_t, col0, NCOL: tl.constexpr, BCOL: t
 
 
 @jit
-def _chunk_ids(H: tl.constexpr, SUBS: tl.constexpr, HEADS_FIRST: tl.constexpr):
-    """(chunk, sub-chunk, head) of this program of a per-chunk stage (`chunk_grid`). With
-    HEADS_FIRST the grid is one axis ordered head, then sub-chunk, then chunk, so that the
-    programs resident together cover a few whole chunks (the same rows for every head:
-    contiguous memory) rather than one head's rows across many chunks."""
-    if HEADS_FIRST:
-        pid = tl.program_id(0)
-        i_h = pid % H
-        i_s = (pid // H) % SUBS
-        i_c = pid // (H * SUBS)
-    elif SUBS == 1:
-        i_c, i_s, i_h = tl.program_id(0), 0, tl.program_id(1)
-    else:
-        i_c, i_s, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    return i_c, i_s, i_h
+def _chunk_ids(H: tl.constexpr, SUBS: tl.constexpr):
+    """(chunk, sub-chunk, head) of this program of a per-chunk stage (`chunk_grid`). The grid
+    is one axis ordered head, then sub-chunk, then chunk, so that the programs resident
+    together cover a few whole chunks (the same rows for every head: contiguous memory) rather
+    than one head's rows across many chunks."""
+    pid = tl.program_id(0)
+    return pid // (H * SUBS), (pid // H) % SUBS, pid % H
 
 
-def chunk_grid(num_chunks: int, subs: int, heads: int, heads_first: bool) -> tuple[int, ...]:
-    """The launch grid `_chunk_ids` decodes: (chunks, subs, heads), (chunks, heads) when subs
-    is 1, or one axis of all of them with heads first."""
-    if heads_first:
-        return (num_chunks * subs * heads,)
-    return (num_chunks, subs, heads) if subs > 1 else (num_chunks, heads)
+def chunk_grid(num_chunks: int, subs: int, heads: int) -> tuple[int]:
+    """The launch grid `_chunk_ids` decodes: one axis over (chunk, sub-chunk, head)."""
+    return (num_chunks * subs * heads,)
 
 
 @jit
