@@ -2,10 +2,11 @@
 
     ncu --clock-control none -k regex:'kda_|sparse_mla_kernel|fp8_' \\
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \\
-        python3 bench/ncu_targets.py
+        python3 bench/ncu_targets.py [OP[:SIZE] ...]
 
-Each op runs once to compile and once more; only the shapes are chosen here, the launch
-parameters are the kernels' own defaults.
+OP is kda (SIZE tokens), mla (SIZE queries) or fp8 (SIZE rows); with none, kda, mla, fp8:1 and
+fp8:2048. Each op runs once to compile and once more; only the shapes are chosen here, the
+launch parameters are the kernels' own defaults.
 """
 
 from __future__ import annotations
@@ -45,12 +46,18 @@ def fp8_linear(m: int, k: int = 16384, n: int = 4096) -> None:
     ti.fp8_linear(torch.randn(m, k, device="cuda").bfloat16(), wq, ws)
 
 
-def main() -> None:
-    for op in (kda_prefill, sparse_mla, lambda: fp8_linear(1), lambda: fp8_linear(2048)):
+OPS = {"kda": kda_prefill, "mla": sparse_mla, "fp8": fp8_linear}
+DEFAULT_TARGETS = ("kda", "mla", "fp8:1", "fp8:2048")
+
+
+def main(targets: list[str]) -> None:
+    for target in targets or DEFAULT_TARGETS:
+        name, _, size = target.partition(":")
+        args = (int(size),) if size else ()
         for _ in range(2):
-            op()
+            OPS[name](*args)
         torch.cuda.synchronize()
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
