@@ -37,8 +37,8 @@ CANDIDATES = {
     "staged diag w2": ti.KdaConfig(staged=dataclasses.replace(_STAGED, diag_warps=2)),
     "staged diag k16": ti.KdaConfig(staged=dataclasses.replace(_STAGED, diag_key_block=16)),
     "staged off w4": ti.KdaConfig(staged=dataclasses.replace(_STAGED, off_warps=4)),
-    "staged diag regs 128": ti.KdaConfig(staged=dataclasses.replace(_STAGED,
-                                                                   diag_max_registers=128)),
+    "staged diag regs free": ti.KdaConfig(staged=dataclasses.replace(_STAGED,
+                                                                    diag_max_registers=None)),
     "staged solve tf32": ti.KdaConfig(staged=dataclasses.replace(
         _STAGED, solve_precision="tf32")),
     "staged T fp32": ti.KdaConfig(staged=dataclasses.replace(_STAGED, inverse_bf16=False)),
@@ -48,13 +48,11 @@ CANDIDATES = {
     "staged walk v128 w4": ti.KdaConfig(staged=_STAGED, state_value_block=128, state_warps=4),
 }
 
-# The defaults, then the diagonal kernel held to 128 registers (timed only with the chunks,
-# not the heads, as the fastest grid index).
-SWEEP_DEFAULT = ("staged", "staged diag regs 128")
+SWEEP_DEFAULT = ("staged", "staged diag regs free")
 # (candidate, dtype) of every prefill the KDA GPU tests run (tests/kernels/test_kda_prefill.py,
 # test_kda_chunk_stages.py).
 TEST_FORMS = tuple((name, "bfloat16") for name in (
-    "staged", "staged solve tf32", "staged T fp32", "staged diag regs 128")) + (
+    "staged", "staged solve tf32", "staged T fp32", "staged diag regs free")) + (
     ("staged", "float32"),)
 
 

@@ -172,10 +172,11 @@ def kda_staged_launches() -> list[Launch]:
     for warps, bk in ((1, 16), (1, 32), (2, 32)):
         out.append(Launch(f"kda staged gate + intra diagonal {warps}w BK{bk}",
                           intra.kda_intra_diag_kernel, ptrs,
-                          dict(shape, BK=bk, PREC="tf32", SOLVE="ieee"), warps))
-    out.append(Launch("kda staged gate + intra diagonal 1w BK32 128 registers",
+                          dict(shape, BK=bk, PREC="tf32", SOLVE="ieee"), warps,
+                          max_registers=128))
+    out.append(Launch("kda staged gate + intra diagonal 1w BK32 registers free",
                       intra.kda_intra_diag_kernel, ptrs,
-                      dict(shape, BK=32, PREC="tf32", SOLVE="ieee"), 1, max_registers=128))
+                      dict(shape, BK=32, PREC="tf32", SOLVE="ieee"), 1))
     for warps, bk in ((2, 32), (4, 32)):
         out.append(Launch(f"kda staged intra off-diagonal {warps}w BK{bk}",
                           intra.kda_intra_off_kernel, ptrs,

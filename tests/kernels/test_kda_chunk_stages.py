@@ -29,7 +29,8 @@ from tests.kernels.test_kda_prefill import PREFILL_CASES, _assert_fp32_close  # 
 SMALL = StagedConfig(diag_key_block=16, off_key_block=16, wy_block=16)
 FORMS = {"small_steps": KdaConfig(staged=SMALL),
          "two_warps": KdaConfig(staged=dataclasses.replace(SMALL, diag_warps=2, off_warps=4)),
-         "register_cap": KdaConfig(staged=dataclasses.replace(SMALL, diag_max_registers=128))}
+         "no_register_cap": KdaConfig(staged=dataclasses.replace(SMALL,
+                                                                  diag_max_registers=None))}
 
 
 @pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
@@ -93,7 +94,7 @@ def test_staged_bf16_inputs(nan_empty):
 # which `python -m bench.kda_sweep --warm` compiles ahead of these tests).
 GPU_FORMS = {"staged_solve_tf32": KdaConfig(staged=StagedConfig(solve_precision="tf32")),
              "staged_t_fp32": KdaConfig(staged=StagedConfig(inverse_bf16=False)),
-             "staged_diag_regs_128": KdaConfig(staged=StagedConfig(diag_max_registers=128))}
+             "staged_diag_regs_free": KdaConfig(staged=StagedConfig(diag_max_registers=None))}
 
 
 @pytest.mark.gpu

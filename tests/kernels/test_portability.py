@@ -34,4 +34,4 @@ def test_kda_prefill_compiles_for_sm90():
     proc = subprocess.run([sys.executable, str(TOOL), "--only", "kda staged", "--check",
                            "--arch", "90"], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
-    assert "| kda staged gate + intra diagonal 1w BK32 128 registers |" in proc.stdout
+    assert "| kda staged gate + intra diagonal 1w BK32 registers free |" in proc.stdout

@@ -44,9 +44,10 @@ class StagedConfig:
     diag_warps: int = 1
     diag_key_block: int = 32
     """Channels per step of the gate stage with the diagonal blocks (`kda_intra_diag_kernel`)."""
-    diag_max_registers: int | None = None
-    """A register cap for the diagonal kernel (`maxnreg`): more programs per SM for a
-    latency-bound kernel, at the cost of spills (128 on sm_90: 24 B a thread)."""
+    diag_max_registers: int | None = 128
+    """A register cap for the diagonal kernel (`maxnreg`; None: the compiler's choice, 163 on
+    sm_90): 16 one-warp programs per SM instead of 12 for a latency-bound kernel, for 16 B of
+    spills a thread."""
     off_warps: int = 2
     off_key_block: int = 32
     """Channels per step of the intra stage's kernel for the blocks below the diagonal."""
