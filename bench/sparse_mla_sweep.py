@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import bf16_peak_tflops, copy_bandwidth, table  # noqa: E402
+from bench.common import bf16_peak_tflops, copy_bandwidth, graph_ms, table  # noqa: E402
 from bench.sparse_mla import (  # noqa: E402
     DECODE_QUERIES,
     PREFILL_QUERIES,
@@ -63,6 +63,9 @@ def decode_candidates() -> dict[str, object]:
         "half a wave": decode(waves=0.5),
         "3 stages": decode(SparseMlaLaunch(64, 3, tail_slots=16)),
         "32-slot steps, 4 stages": decode(SparseMlaLaunch(32, 4, tail_slots=16)),
+        "unrolled combine": decode(combine_form="unrolled"),
+        "unrolled combine, 4K tiles": decode(combine_form="unrolled", combine_elements=4096),
+        "unrolled combine, 16K tiles": decode(combine_form="unrolled", combine_elements=16384),
     }
 
 
@@ -136,18 +139,38 @@ def sweep(parallel_compile: bool = True, names: tuple[str, ...] | None = None) -
         default_ms = None
         for name, config in candidates(queries, names).items():
             ms, err, how = time_config(q, latent, slot_sets, want, config)
+            merge_us = combine_us(q, latent, slot_sets[0], config) if ms else None
             default_ms = default_ms or ms
             rows.append([queries, name, how, f"{ms * 1e3:.1f}" if ms else "-",
                          f"{default_ms / ms:.2f}x" if ms else "-",
                          f"{4 * queries * q.shape[1] * slots.shape[1] * q.shape[2] / ms / 1e9:.0f}"
                          if ms else "-", f"{roof_ms * 1e3:.1f}",
-                         f"{100 * roof_ms / ms:.0f}%" if ms else "-", err])
+                         f"{100 * roof_ms / ms:.0f}%" if ms else "-", err,
+                         f"{merge_us:.1f}" if merge_us else "-"])
             print(rows[-1], f"({time.time() - start:.0f} s)", flush=True)
         del q, latent, slots, slot_sets, want
         torch.cuda.empty_cache()
     ti._FITTED.clear()  # fits found for the swept configurations
     return table(["queries", "candidate", "launch", "us (graph)", "vs default", "TFLOP/s",
-                  "roofline us", "% of roofline", "rel err vs fp32 ref"], rows)
+                  "roofline us", "% of roofline", "rel err vs fp32 ref", "combine us"], rows)
+
+
+def combine_us(q, latent, slots, config) -> float | None:
+    """The combine launch alone (CUDA-graph replays) on partials the attention launch just
+    wrote, as in a forward; None when the launch is not split."""
+    from glmflash.kernels.sparse_mla import triton_impl as ti
+    from glmflash.kernels.sparse_mla.combine_triton import combine
+    from glmflash.kernels.sparse_mla.plan import SparseMlaWorkspace
+    from glmflash.kernels.triton_utils import num_sms
+
+    workspace = SparseMlaWorkspace.create(q.shape[0], q.shape[1], q.shape[2], slots.shape[1],
+                                          q.device, num_sms(q.device), config, q.dtype)
+    out = ti.sparse_mla(q, latent, slots, scale=1 / 16, config=config,
+                        workspace=workspace)
+    splits = ti.launch_plan(q, slots, config, workspace)[1].num_splits
+    if splits == 1:
+        return None
+    return graph_ms([lambda: combine(workspace, out, splits, config)]) * 1e3
 
 
 if __name__ == "__main__":

@@ -47,6 +47,46 @@ def sparse_mla_combine_kernel(part_o, part_lse, o, H, R, NUM_SPLITS, stride_ot, 
              b_out.to(o.dtype.element_ty), mask=m_h[:, None] & m_c[None, :])
 
 
+@jit(do_not_specialize=("NUM_SPLITS", "lse_head_step"))
+def sparse_mla_combine_unrolled_kernel(part_o, part_lse, o, H, R, NUM_SPLITS, stride_ot,
+                                       stride_oh, lse_head_step, BH: tl.constexpr,
+                                       BC: tl.constexpr, SP: tl.constexpr):
+    """`sparse_mla_combine_kernel` with the splits as unrolled loops over `[BH, BC]` tiles, so
+    every thread sums its own elements' splits (no reduction across threads); the loads do not
+    depend on each other, so they can all be issued before the first is used.
+
+    Each split's log-sum-exp is loaded as a `[BH, BC]` tile of repeated addresses. Its head
+    stride `lse_head_step` (1) is a run-time value so that Triton does not see those addresses
+    as contiguous along the heads: it would then lay the load out heads-fastest, unlike the
+    partials, and move every split's weights between the two layouts through shared memory
+    (one barrier per split)."""
+    i_t, i_h, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    o_h = i_h * BH + tl.arange(0, BH)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_hc = (o_h < H)[:, None] & (o_c < R)[None, :]
+    zero = tl.zeros([BH, BC], dtype=tl.int32)
+    b_mx = tl.full([BH, BC], float("-inf"), dtype=tl.float32)
+    for s in tl.static_range(SP):
+        row = (i_t * NUM_SPLITS + s) * H + o_h[:, None] + zero  # [BH, BC]
+        b_lse = tl.load(part_lse + row * lse_head_step, mask=m_hc & (zero + s < NUM_SPLITS),
+                        other=float("-inf"))
+        b_mx = tl.maximum(b_mx, b_lse)
+    b_mx = tl.where(b_mx == float("-inf"), 0.0, b_mx)
+    b_den = tl.zeros([BH, BC], dtype=tl.float32)
+    b_out = tl.zeros([BH, BC], dtype=tl.float32)
+    for s in tl.static_range(SP):
+        m_s = m_hc & (zero + s < NUM_SPLITS)
+        row = (i_t * NUM_SPLITS + s) * H + o_h[:, None] + zero
+        b_w = tl.exp2(tl.load(part_lse + row * lse_head_step, mask=m_s, other=float("-inf")) - b_mx)
+        b_part = tl.load(part_o + row * R + o_c[None, :], mask=m_s, other=0.0,
+                         cache_modifier=".cg")
+        b_den += b_w
+        b_out += b_w * b_part.to(tl.float32)
+    b_out = b_out / tl.where(b_den > 0, b_den, 1.0)
+    tl.store(o + i_t * stride_ot + o_h[:, None] * stride_oh + o_c[None, :],
+             b_out.to(o.dtype.element_ty), mask=m_hc)
+
+
 def splits_block(num_splits: int) -> int:
     """The splits axis of a combine tile: a power of two >= num_splits."""
     return triton.next_power_of_2(num_splits)
@@ -61,10 +101,17 @@ def combine_columns(num_splits: int, heads_block: int, rank: int, config: Sparse
 
 def combine(workspace: SparseMlaWorkspace, out: torch.Tensor, num_splits: int,
             config: SparseMlaConfig) -> None:
-    """The combine kernel over (query, `config.combine_heads` heads, columns) programs."""
+    """The combine kernel (`config.combine_form`) over (query, `config.combine_heads` heads,
+    columns) programs."""
     num_queries, heads, rank = out.shape
     bh = head_block(heads, config.combine_heads)
     bc = combine_columns(num_splits, bh, rank, config)
-    sparse_mla_combine_kernel[(num_queries, triton.cdiv(heads, bh), triton.cdiv(rank, bc))](
-        workspace.partial_out, workspace.partial_lse, out, heads, rank, num_splits,
-        out.stride(0), out.stride(1), BH=bh, BC=bc, SP=splits_block(num_splits), num_warps=4)
+    grid = (num_queries, triton.cdiv(heads, bh), triton.cdiv(rank, bc))
+    args = (workspace.partial_out, workspace.partial_lse, out, heads, rank, num_splits,
+            out.stride(0), out.stride(1))
+    shapes = dict(BH=bh, BC=bc, SP=splits_block(num_splits), num_warps=4)
+    if config.combine_form == "unrolled":
+        sparse_mla_combine_unrolled_kernel[grid](*args, workspace.partial_lse.stride(1),
+                                                 **shapes)
+    else:
+        sparse_mla_combine_kernel[grid](*args, **shapes)
