@@ -62,10 +62,11 @@ def decode_candidates() -> dict[str, object]:
         "2-step splits": decode(min_split_steps=2),
         "half a wave": decode(waves=0.5),
         "3 stages": decode(SparseMlaLaunch(64, 3, tail_slots=16)),
-        "32-slot steps, 4 stages": decode(SparseMlaLaunch(32, 4, tail_slots=16)),
+        "32-slot steps 4 stages": decode(SparseMlaLaunch(32, 4, tail_slots=16)),
         "unrolled combine": decode(combine_form="unrolled"),
-        "unrolled combine, 4K tiles": decode(combine_form="unrolled", combine_elements=4096),
-        "unrolled combine, 16K tiles": decode(combine_form="unrolled", combine_elements=16384),
+        "unrolled combine 2K tiles": decode(combine_form="unrolled", combine_elements=2048),
+        "unrolled combine 4K tiles": decode(combine_form="unrolled", combine_elements=4096),
+        "unrolled combine 16K tiles": decode(combine_form="unrolled", combine_elements=16384),
     }
 
 
@@ -80,7 +81,7 @@ def prefill_candidates() -> dict[str, object]:
         "default": DEFAULT_CONFIG,
         "old default": old_default(),
         "2 stages": prefill(SparseMlaLaunch(64, 2, tail_slots=16)),
-        "32-slot steps, 5 stages": prefill(SparseMlaLaunch(32, 5, tail_slots=16)),
+        "32-slot steps 5 stages": prefill(SparseMlaLaunch(32, 5, tail_slots=16)),
     }
 
 
@@ -178,4 +179,8 @@ if __name__ == "__main__":
     parser.add_argument("--candidates", default=None,
                         help="candidate names, comma-separated (default: all)")
     args = parser.parse_args()
-    print(sweep(names=tuple(args.candidates.split(",")) if args.candidates else None))
+    wanted = tuple(args.candidates.split(",")) if args.candidates else None
+    unknown = set(wanted or ()) - set(decode_candidates()) - set(prefill_candidates())
+    if unknown:
+        parser.error(f"unknown candidates: {', '.join(sorted(unknown))}")
+    print(sweep(names=wanted))
