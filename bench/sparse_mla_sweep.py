@@ -67,6 +67,7 @@ def decode_candidates() -> dict[str, object]:
         "unrolled combine 2K tiles": decode(combine_form="unrolled", combine_elements=2048),
         "unrolled combine 4K tiles": decode(combine_form="unrolled", combine_elements=4096),
         "unrolled combine 16K tiles": decode(combine_form="unrolled", combine_elements=16384),
+        "unrolled combine half a wave": decode(combine_form="unrolled", waves=0.5),
     }
 
 
