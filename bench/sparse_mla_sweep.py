@@ -63,11 +63,8 @@ def decode_candidates() -> dict[str, object]:
         "half a wave": decode(waves=0.5),
         "3 stages": decode(SparseMlaLaunch(64, 3, tail_slots=16)),
         "32-slot steps 4 stages": decode(SparseMlaLaunch(32, 4, tail_slots=16)),
-        "unrolled combine": decode(combine_form="unrolled"),
-        "unrolled combine 2K tiles": decode(combine_form="unrolled", combine_elements=2048),
-        "unrolled combine 4K tiles": decode(combine_form="unrolled", combine_elements=4096),
-        "unrolled combine 16K tiles": decode(combine_form="unrolled", combine_elements=16384),
-        "unrolled combine half a wave": decode(combine_form="unrolled", waves=0.5),
+        "combine 2K tiles": decode(combine_elements=2048),
+        "combine 16K tiles": decode(combine_elements=16384),
     }
 
 

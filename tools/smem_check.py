@@ -119,10 +119,6 @@ def sparse_mla_launches() -> list[Launch]:
     out.append(Launch("sparse_mla_combine", mla_combine.sparse_mla_combine_kernel, combine,
                       dict(BH=bh, BC=mla_combine.combine_columns(32, bh, 512, config), SP=32),
                       4, aligned=("H", "R")))
-    out.append(Launch("sparse_mla_combine unrolled", mla_combine.sparse_mla_combine_unrolled_kernel,
-                      combine,
-                      dict(BH=bh, BC=mla_combine.combine_columns(32, bh, 512, config), SP=32),
-                      4, aligned=("H", "R")))
     return out
 
 

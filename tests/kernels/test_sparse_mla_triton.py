@@ -42,11 +42,6 @@ CONFIGS = {
     # 32-slot steps with 16-slot steps over the tail.
     "tail": SparseMlaConfig(prefill=(SparseMlaLaunch(32, 2, tail_slots=16),),
                             decode=(SparseMlaLaunch(32, 2, tail_slots=16),), waves=16),
-    # The combine as an unrolled loop over the splits, with one and several column blocks.
-    "unrolled_combine": SparseMlaConfig(prefill=(STEP,), decode=(STEP,), waves=16,
-                                        combine_form="unrolled"),
-    "unrolled_small_tiles": SparseMlaConfig(prefill=(STEP,), decode=(STEP,), waves=16,
-                                            combine_elements=256, combine_form="unrolled"),
     # fp32 partials whatever the output's dtype.
     "fp32_partials": SparseMlaConfig(prefill=(STEP,), decode=(STEP,), waves=16,
                                      partial_dtype=torch.float32),
@@ -89,8 +84,7 @@ WIDTHS = [1, 15, 16, 17, 47, 49]
 
 
 @pytest.mark.parametrize("width", WIDTHS, ids=lambda w: f"W{w}")
-@pytest.mark.parametrize("regime", ["whole", "split", "small_tiles", "tail", "unrolled_combine",
-                                    "unrolled_small_tiles"])
+@pytest.mark.parametrize("regime", ["whole", "split", "small_tiles", "tail"])
 def test_widths(regime, width, nan_empty):
     _check((6, 4, 32, width), CONFIGS[regime])
 
@@ -102,8 +96,6 @@ CASES = {
     "heads20_many_queries": ((40, 20, 16, 7), "whole"),
     "empty_width": ((3, 4, 32, 0), "split"),
     "two_head_blocks_rank32": ((2, 70, 32, 40), "small_tiles"),
-    "unrolled_rank48_heads3": ((5, 3, 48, 33), "unrolled_small_tiles"),
-    "unrolled_two_head_blocks": ((2, 70, 16, 40), "unrolled_combine"),
 }
 
 
@@ -113,7 +105,7 @@ def test_shapes(case, nan_empty):
     _check(shape, CONFIGS[regime])
 
 
-@pytest.mark.parametrize("regime", ["small_tiles", "fp32_partials", "unrolled_small_tiles"])
+@pytest.mark.parametrize("regime", ["small_tiles", "fp32_partials"])
 def test_bf16(regime, nan_empty):
     """bf16 launches: partials in bf16 (the default) and in fp32."""
     _check((6, 4, 64, 40), CONFIGS[regime], atol=BF16_ATOL, dtype=torch.bfloat16)
@@ -169,7 +161,6 @@ RELEASE_CONFIGS = {
                                decode=(SparseMlaLaunch(32, 2, tail_slots=16),)),
     "steps16": SparseMlaConfig(prefill=(SparseMlaLaunch(16, 2),), decode=(SparseMlaLaunch(16, 2),)),
     "fp32_partials": SparseMlaConfig(partial_dtype=torch.float32),
-    "unrolled_combine": SparseMlaConfig(combine_form="unrolled"),
 }
 
 

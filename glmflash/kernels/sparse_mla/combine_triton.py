@@ -1,9 +1,10 @@
 """Merging the splits of a split sparse MLA launch (triton_impl.py, README.md "Combining splits").
 
 Each split wrote its output normalised by its own softmax sum and its log2-sum-exp2;
-`out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)`, zeros where no split saw a slot. Every
-split of a tile is loaded at once (a `[splits, heads, columns]` tile), so a merge costs one
-round trip to L2 for the sums and one per column step, not one per split.
+`out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)`, zeros where no split saw a slot. A
+program merges one tile of heads x columns over every split, the splits' loads issued together,
+so a merge costs about two round trips to L2 (the sums for M, then the partials), not one per
+split.
 """
 
 from __future__ import annotations
@@ -20,46 +21,20 @@ from glmflash.kernels.sparse_mla.plan import SparseMlaConfig, SparseMlaWorkspace
 from glmflash.kernels.triton_utils import jit
 
 
-@jit(do_not_specialize=("NUM_SPLITS",))
+@jit(do_not_specialize=("NUM_SPLITS", "lse_elem_stride"))
 def sparse_mla_combine_kernel(part_o, part_lse, o, H, R, NUM_SPLITS, stride_ot, stride_oh,
-                              BH: tl.constexpr, BC: tl.constexpr, SP: tl.constexpr):
+                              lse_elem_stride, BH: tl.constexpr, BC: tl.constexpr,
+                              SP: tl.constexpr):
     """out[query, BH heads, BC columns] from the NUM_SPLITS (<= SP) partials that
-    `sparse_mla_kernel` wrote (each read once: the loads bypass L1)."""
-    i_t, i_h, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
-    o_h = i_h * BH + tl.arange(0, BH)
-    m_h = o_h < H
-    o_s = tl.arange(0, SP)
-    rows = (i_t * NUM_SPLITS + o_s)[:, None] * H + o_h[None, :]  # [SP, BH] rows of the partials
-    m_sh = (o_s < NUM_SPLITS)[:, None] & m_h[None, :]
-    b_lse = tl.load(part_lse + rows, mask=m_sh, other=float("-inf"), cache_modifier=".cg")
-    b_mx = tl.max(b_lse, 0)
-    b_mx = tl.where(b_mx == float("-inf"), 0.0, b_mx)
-    b_w = tl.exp2(b_lse - b_mx[None, :])  # [SP, BH]; 0 for splits without a slot
-    b_den = tl.sum(b_w, 0)
-    b_w = b_w / tl.where(b_den > 0, b_den, 1.0)[None, :]
-    o_c = i_c * BC + tl.arange(0, BC)
-    m_c = o_c < R
-    p_part = part_o + rows[:, :, None] * R + o_c[None, None, :]
-    b_part = tl.load(p_part, mask=m_sh[:, :, None] & m_c[None, None, :], other=0.0,
-                     cache_modifier=".cg").to(tl.float32)  # [SP, BH, BC]
-    b_out = tl.sum(b_w[:, :, None] * b_part, 0)
-    tl.store(o + i_t * stride_ot + o_h[:, None] * stride_oh + o_c[None, :],
-             b_out.to(o.dtype.element_ty), mask=m_h[:, None] & m_c[None, :])
+    `sparse_mla_kernel` wrote. The splits are unrolled loops over `[BH, BC]` tiles, so every
+    thread sums its own elements' splits (no reduction across threads, no shared memory); the
+    loads do not depend on each other, so they can all be issued before the first is used.
 
-
-@jit(do_not_specialize=("NUM_SPLITS", "lse_head_step"))
-def sparse_mla_combine_unrolled_kernel(part_o, part_lse, o, H, R, NUM_SPLITS, stride_ot,
-                                       stride_oh, lse_head_step, BH: tl.constexpr,
-                                       BC: tl.constexpr, SP: tl.constexpr):
-    """`sparse_mla_combine_kernel` with the splits as unrolled loops over `[BH, BC]` tiles, so
-    every thread sums its own elements' splits (no reduction across threads); the loads do not
-    depend on each other, so they can all be issued before the first is used.
-
-    Each split's log-sum-exp is loaded as a `[BH, BC]` tile of repeated addresses. Its head
-    stride `lse_head_step` (1) is a run-time value so that Triton does not see those addresses
-    as contiguous along the heads: it would then lay the load out heads-fastest, unlike the
-    partials, and move every split's weights between the two layouts through shared memory
-    (one barrier per split)."""
+    Each split's log-sum-exp is loaded as a `[BH, BC]` tile of repeated addresses, its flat
+    index times `lse_elem_stride` (1, the contiguous `[rows, H]` sums' element stride): a
+    run-time value, so that Triton does not see those addresses as contiguous along the heads.
+    It would then lay the load out heads-fastest, unlike the partials, and move every split's
+    weights between the two layouts through shared memory (one barrier per split)."""
     i_t, i_h, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     o_h = i_h * BH + tl.arange(0, BH)
     o_c = i_c * BC + tl.arange(0, BC)
@@ -68,7 +43,7 @@ def sparse_mla_combine_unrolled_kernel(part_o, part_lse, o, H, R, NUM_SPLITS, st
     b_mx = tl.full([BH, BC], float("-inf"), dtype=tl.float32)
     for s in tl.static_range(SP):
         row = (i_t * NUM_SPLITS + s) * H + o_h[:, None] + zero  # [BH, BC]
-        b_lse = tl.load(part_lse + row * lse_head_step, mask=m_hc & (zero + s < NUM_SPLITS),
+        b_lse = tl.load(part_lse + row * lse_elem_stride, mask=m_hc & (zero + s < NUM_SPLITS),
                         other=float("-inf"))
         b_mx = tl.maximum(b_mx, b_lse)
     b_mx = tl.where(b_mx == float("-inf"), 0.0, b_mx)
@@ -77,7 +52,8 @@ def sparse_mla_combine_unrolled_kernel(part_o, part_lse, o, H, R, NUM_SPLITS, st
     for s in tl.static_range(SP):
         m_s = m_hc & (zero + s < NUM_SPLITS)
         row = (i_t * NUM_SPLITS + s) * H + o_h[:, None] + zero
-        b_w = tl.exp2(tl.load(part_lse + row * lse_head_step, mask=m_s, other=float("-inf")) - b_mx)
+        b_lse = tl.load(part_lse + row * lse_elem_stride, mask=m_s, other=float("-inf"))
+        b_w = tl.exp2(b_lse - b_mx)
         b_part = tl.load(part_o + row * R + o_c[None, :], mask=m_s, other=0.0,
                          cache_modifier=".cg")
         b_den += b_w
@@ -93,7 +69,7 @@ def splits_block(num_splits: int) -> int:
 
 
 def combine_columns(num_splits: int, heads_block: int, rank: int, config: SparseMlaConfig) -> int:
-    """Columns per combine step: what `config.combine_elements` leaves after splits x heads
+    """Columns per combine program: what `config.combine_elements` leaves after splits x heads
     (a power of two, at least 1, at most the latent width)."""
     budget = config.combine_elements // (splits_block(num_splits) * heads_block)
     return max(1, min(triton.next_power_of_2(rank), 1 << max(budget, 1).bit_length() - 1))
@@ -101,17 +77,11 @@ def combine_columns(num_splits: int, heads_block: int, rank: int, config: Sparse
 
 def combine(workspace: SparseMlaWorkspace, out: torch.Tensor, num_splits: int,
             config: SparseMlaConfig) -> None:
-    """The combine kernel (`config.combine_form`) over (query, `config.combine_heads` heads,
-    columns) programs."""
+    """The combine kernel over (query, `config.combine_heads` heads, columns) programs."""
     num_queries, heads, rank = out.shape
     bh = head_block(heads, config.combine_heads)
     bc = combine_columns(num_splits, bh, rank, config)
-    grid = (num_queries, triton.cdiv(heads, bh), triton.cdiv(rank, bc))
-    args = (workspace.partial_out, workspace.partial_lse, out, heads, rank, num_splits,
-            out.stride(0), out.stride(1))
-    shapes = dict(BH=bh, BC=bc, SP=splits_block(num_splits), num_warps=4)
-    if config.combine_form == "unrolled":
-        sparse_mla_combine_unrolled_kernel[grid](*args, workspace.partial_lse.stride(1),
-                                                 **shapes)
-    else:
-        sparse_mla_combine_kernel[grid](*args, **shapes)
+    sparse_mla_combine_kernel[(num_queries, triton.cdiv(heads, bh), triton.cdiv(rank, bc))](
+        workspace.partial_out, workspace.partial_lse, out, heads, rank, num_splits,
+        out.stride(0), out.stride(1), workspace.partial_lse.stride(1), BH=bh, BC=bc,
+        SP=splits_block(num_splits), num_warps=4)

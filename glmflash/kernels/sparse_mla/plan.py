@@ -70,21 +70,15 @@ class SparseMlaConfig:
     bytes; the log-sum-exps stay fp32)."""
     combine_heads: int = 16
     """Heads per program of the combine kernel."""
-    combine_elements: int = 8192
-    """Partial elements (splits x heads x columns) a combine step loads at once: every split
-    of a tile is read in one round trip, the columns per step follow from this budget."""
-    combine_form: str = "tile"
-    """How a combine program sums the splits: "tile" (one `[splits, heads, columns]` load
-    reduced over its first axis) or "unrolled" (an unrolled loop of `[heads, columns]` loads
-    summed in each thread; combine_triton.py)."""
+    combine_elements: int = 4096
+    """Partial elements (splits x heads x columns) a combine program loads: the columns per
+    program follow from this budget."""
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
             raise ValueError("prefill and decode need at least one launch shape each")
         if self.waves <= 0 or self.min_split_steps < 1:
             raise ValueError("waves must be positive and min_split_steps >= 1")
-        if self.combine_form not in ("tile", "unrolled"):
-            raise ValueError(f"combine_form {self.combine_form!r}: 'tile' or 'unrolled'")
 
     def partials(self, out_dtype: torch.dtype) -> torch.dtype:
         """dtype of the workspace's partial outputs for launches that return `out_dtype`."""
