@@ -9,18 +9,25 @@ import numpy as np
 import pytest
 import torch
 
-from glmflash.config import ModelConfig
-from glmflash.model.forward_batch import (
+# Without CUDA, Triton kernels run in its interpreter. Triton picks that mode when a kernel is
+# decorated, so it is set before any glmflash module is imported: a test module that imports
+# kernels (tests/model/test_gpu.py) can otherwise compile them for a GPU that is not there,
+# ahead of a kernel test module that would set it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from glmflash.config import ModelConfig  # noqa: E402
+from glmflash.model.forward_batch import (  # noqa: E402
     build_forward_batch,
     decode_batch,
     pack_decode,
     token_slots_of,
 )
-from glmflash.model.glm import GlmForCausalLM
-from glmflash.model.state import ModelState
-from glmflash.model.weights import load_checkpoint
-from glmflash.tiny.checkpoint import make_tiny_checkpoint
-from tests.multimodal.fake_net import fake_net  # noqa: F401 - a fixture for media-fetch tests
+from glmflash.model.glm import GlmForCausalLM  # noqa: E402
+from glmflash.model.state import ModelState  # noqa: E402
+from glmflash.model.weights import load_checkpoint  # noqa: E402
+from glmflash.tiny.checkpoint import make_tiny_checkpoint  # noqa: E402
+from tests.multimodal.fake_net import fake_net  # noqa: E402, F401 - a fixture for media-fetch tests
 
 # Measured on the tiny models in fp32 (spec/model.md §9.3: 1e-5...1e-3 is the reference's own
 # cached-vs-uncached spread); see tests/model/README.md for the figures.
