@@ -114,6 +114,11 @@ def sparse_mla_launches() -> list[Launch]:
     out = [sparse_mla_launch(regime, shape)
            for regime, shapes in (("prefill", config.prefill), ("decode", config.decode))
            for shape in shapes]
+    # The slot-prefetch candidates (bench/sparse_mla_sweep.py), sm_90 only.
+    out += [sparse_mla_launch(regime, mla.SparseMlaLaunch(bn, stages, tail_slots=16,
+                                                          prefetch_slots=True))
+            for regime, bn, stages in (("decode", 64, 2), ("decode", 32, 3), ("decode", 32, 4),
+                                       ("prefill", 32, 4))]
     combine = {"part_o": _partial_type(), "part_lse": "*fp32", "o": "*bf16"}
     bh = config.combine_heads
     out.append(Launch("sparse_mla_combine", mla_combine.sparse_mla_combine_kernel, combine,
@@ -134,9 +139,10 @@ def sparse_mla_launch(regime: str, shape) -> Launch:
             "part_o": _partial_type(),
             "part_lse": "*fp32", "scale_log2": "fp32"}
     consts = dict(BH=64, BR=512, BN=shape.block_slots, TAIL_BN=shape.tail,
-                  NUM_STAGES=shape.num_stages, IS_SPLIT=split, DOT=tl.bfloat16, PREC="tf32")
+                  NUM_STAGES=shape.num_stages, IS_SPLIT=split,
+                  PREFETCH_SLOTS=shape.prefetch_slots, DOT=tl.bfloat16, PREC="tf32")
     name = (f"sparse_mla {regime} {shape.block_slots}/{shape.tail}/{shape.num_stages}"
-            f"/{shape.num_warps}w")
+            f"/{shape.num_warps}w{' prefetch' if shape.prefetch_slots else ''}")
     return Launch(name, mla.sparse_mla_kernel, ptrs, consts, shape.num_warps, aligned=("H", "R"))
 
 
