@@ -109,8 +109,15 @@ def sweep_fp8_one_row() -> None:
 
 
 # Weight-streaming launch shapes at 16 rows: (block_n, waves, min split blocks, warps, stages).
+# (block_n, waves, min split blocks, warps, stages[, finish group: 4 when left out]).
 STREAM_GRID = [(64, 4.0, 2, 4, 4), (64, 2.0, 2, 4, 6), (64, 4.0, 4, 4, 4), (64, 2.0, 4, 4, 6),
-               (64, 1.0, 2, 4, 6), (64, 8.0, 2, 4, 4), (64, 4.0, 1, 4, 4), (128, 2.0, 2, 8, 4)]
+               (64, 1.0, 2, 4, 6), (64, 8.0, 2, 4, 4), (64, 4.0, 1, 4, 4), (128, 2.0, 2, 8, 4),
+               (64, 4.0, 4, 4, 4, 8), (64, 2.0, 2, 4, 6, 8), (128, 2.0, 2, 8, 4, 8)]
+
+
+def _full(shape: tuple) -> tuple:
+    """A grid or rule shape with every StreamConfig field (the finish group defaults to 4)."""
+    return tuple(shape) + (4,) * (6 - len(shape))
 # Candidate rules over that grid: (min_k, max_k, max_n, shape) entries, first match wins, the
 # default shape otherwise.
 BIG = 1 << 30
@@ -141,7 +148,7 @@ def sweep_fp8_rules(m: int = 16) -> None:
         x = torch.randn(m, k, device="cuda").bfloat16()
         wqs = rotated(wq)
         base[k, n] = graph_ms([_scaled_mm(x.to(torch.float8_e4m3fn), w) for w in wqs])
-        for shape in STREAM_GRID:
+        for shape in map(_full, STREAM_GRID):
             cfg = StreamConfig(*shape)
             times[k, n, shape] = graph_ms(
                 [lambda x=x, w=w, ws=ws, c=cfg: fp8_linear_stream(x, w, ws, 128, c)
@@ -154,8 +161,8 @@ def sweep_fp8_rules(m: int = 16) -> None:
                                                        ("per-shape best", "best")]:
         cells = []
         for k, n in FP8_SHAPES:
-            shape = (min(STREAM_GRID, key=lambda s: times[k, n, s]) if entries == "best"
-                     else _rule_pick(entries, n, k))
+            shape = (min(map(_full, STREAM_GRID), key=lambda s: times[k, n, s])
+                     if entries == "best" else _full(_rule_pick(entries, n, k)))
             cells.append(f"{k}->{n} {base[k, n] / times[k, n, shape]:.2f}")
         worst = min(float(c.split()[-1]) for c in cells)
         print(f"fp8 M={m} rule [{name}]: {', '.join(cells)}; worst {worst:.2f}", flush=True)

@@ -70,6 +70,10 @@ def test_split_is_deterministic_and_leaves_counters_at_zero(nan_empty):
     assert norm_error(first, one_range) <= EMULATION_FP32_REL
     assert torch.equal(fp8_linear_stream(x, w, s, 128, StreamConfig(waves=64,
                                                                      min_split_blocks=1)), first)
+    # Nine ranges: the finish adding eight partials per round trip keeps the range order.
+    eight = StreamConfig(waves=64, min_split_blocks=1, finish_group=8)
+    assert torch.equal(fp8_linear_stream(x, w, s, 128, eight), first)
+    assert int(triton_common.ARRIVALS[x.device].count_nonzero()) == 0
 
 
 def test_rows_are_independent(nan_empty):

@@ -59,12 +59,20 @@ def quantize_rows(b_x, FP8: tl.constexpr):
 
 
 @jit
+def _load_partial(p_part, j, m_y, o_zero, SPLITS, R: tl.constexpr, C: tl.constexpr):
+    """Range j's partial, zeros when there is no range j (x + 0 == x)."""
+    return tl.load(p_part + j * (R * C), mask=m_y & (o_zero + j < SPLITS), other=0.0,
+                   cache_modifier=".cg")
+
+
+@jit
 def store_split(b_acc, y, o_y, m_y, part, arrivals, tile, i_s, SPLITS,
-                R: tl.constexpr, C: tl.constexpr):
+                R: tl.constexpr, C: tl.constexpr, GROUP: tl.constexpr = 4):
     """Write the fp32 tile `b_acc` [R, C] to `y + o_y` (mask `m_y`) in y's dtype. With
     SPLITS > 1 it is range `i_s` of output tile `tile`: the partial goes to `part`, and the
     range arriving last at `arrivals[tile]` adds all of them in range order, writes y and
-    resets the counter."""
+    resets the counter. It loads GROUP (4 or 8) partials before adding them: one L2 round
+    trip per GROUP ranges; the sum's order, hence its bits, does not depend on GROUP."""
     if SPLITS == 1:
         tl.store(y + o_y, b_acc.to(y.dtype.element_ty), mask=m_y)
     else:
@@ -76,19 +84,21 @@ def store_split(b_acc, y, o_y, m_y, part, arrivals, tile, i_s, SPLITS,
         arrived = tl.atomic_add(arrivals + tile, 1, sem="acq_rel")
         if arrived == SPLITS - 1:
             tl.debug_barrier()
-            # Four partials are loaded before they are added (in range order): one L2 round trip
-            # per four ranges; a missing range reads 0, and x + 0 == x.
             b_sum = tl.zeros([R, C], dtype=tl.float32)
             o_zero = tl.zeros([R, C], dtype=tl.int32)
-            for i in range(0, SPLITS, 4):
-                b_0 = tl.load(p_part + i * (R * C), mask=m_y, other=0.0, cache_modifier=".cg")
-                b_1 = tl.load(p_part + (i + 1) * (R * C), mask=m_y & (o_zero + i + 1 < SPLITS),
-                              other=0.0, cache_modifier=".cg")
-                b_2 = tl.load(p_part + (i + 2) * (R * C), mask=m_y & (o_zero + i + 2 < SPLITS),
-                              other=0.0, cache_modifier=".cg")
-                b_3 = tl.load(p_part + (i + 3) * (R * C), mask=m_y & (o_zero + i + 3 < SPLITS),
-                              other=0.0, cache_modifier=".cg")
+            for i in range(0, SPLITS, GROUP):
+                b_0 = _load_partial(p_part, i, m_y, o_zero, SPLITS, R, C)
+                b_1 = _load_partial(p_part, i + 1, m_y, o_zero, SPLITS, R, C)
+                b_2 = _load_partial(p_part, i + 2, m_y, o_zero, SPLITS, R, C)
+                b_3 = _load_partial(p_part, i + 3, m_y, o_zero, SPLITS, R, C)
+                if GROUP == 8:
+                    b_4 = _load_partial(p_part, i + 4, m_y, o_zero, SPLITS, R, C)
+                    b_5 = _load_partial(p_part, i + 5, m_y, o_zero, SPLITS, R, C)
+                    b_6 = _load_partial(p_part, i + 6, m_y, o_zero, SPLITS, R, C)
+                    b_7 = _load_partial(p_part, i + 7, m_y, o_zero, SPLITS, R, C)
                 b_sum = (((b_sum + b_0) + b_1) + b_2) + b_3
+                if GROUP == 8:
+                    b_sum = (((b_sum + b_4) + b_5) + b_6) + b_7
             tl.store(y + o_y, b_sum.to(y.dtype.element_ty), mask=m_y)
             tl.atomic_xchg(arrivals + tile, 0, sem="relaxed")
 

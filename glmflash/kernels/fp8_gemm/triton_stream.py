@@ -41,6 +41,13 @@ class StreamConfig:
     """Scale blocks per K range at least."""
     num_warps: int = 4
     num_stages: int = 4
+    finish_group: int = 4
+    """Partials the last K range loads at once before adding them (4 or 8: one L2 round trip
+    per group; `triton_common.store_split`)."""
+
+    def __post_init__(self) -> None:
+        if self.finish_group not in (4, 8):
+            raise ValueError(f"finish_group {self.finish_group}: 4 or 8")
 
 
 STREAM_CONFIG = StreamConfig()
@@ -89,7 +96,7 @@ H200_STREAM_RULE = StreamRule(
 @jit
 def fp8_stream_gemm_kernel(x, w, ws, y, part, arrivals, M, N, K, stride_xm, stride_wn,
                            stride_wsn, stride_ym, K_PER_SPLIT, SPLITS, BLOCK: tl.constexpr,
-                           BN: tl.constexpr, BM: tl.constexpr):
+                           BN: tl.constexpr, BM: tl.constexpr, GROUP: tl.constexpr):
     """y[rows, cols]^T = sum over the K blocks of one range of (W_kb xq_kb^T) * ws[col block, kb]
     * xs[row, kb]: weight rows as the product's M, activation rows (quantised here per block)
     as its N."""
@@ -116,7 +123,7 @@ def fp8_stream_gemm_kernel(x, w, ws, y, part, arrivals, M, N, K, stride_xm, stri
         b_acc += tl.dot(b_w, tl.trans(b_xq)) * (b_xs * b_ws)[None, :]
     o_y = o_m[None, :].to(tl.int64) * stride_ym + o_n[:, None]
     store_split(b_acc, y, o_y, m_n[:, None] & m_m[None, :], part, arrivals,
-                i_m * tl.num_programs(0) + i_n, i_s, SPLITS, BN, BM)
+                i_m * tl.num_programs(0) + i_n, i_s, SPLITS, BN, BM, GROUP)
 
 
 def fp8_linear_stream(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
@@ -137,7 +144,8 @@ def fp8_linear_stream(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.T
     fp8_stream_gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), splits)](
         x2, weight, scale_inv, out, part, out if arrivals is None else arrivals, m, n, k,
         x2.stride(0), weight.stride(0), scale_inv.stride(0), out.stride(0), k_per_split, splits,
-        BLOCK=block, BN=bn, BM=bm, num_warps=config.num_warps, num_stages=config.num_stages)
+        BLOCK=block, BN=bn, BM=bm, GROUP=config.finish_group, num_warps=config.num_warps,
+        num_stages=config.num_stages)
     return out
 
 
