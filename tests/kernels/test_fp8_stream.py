@@ -4,6 +4,7 @@ splits, release shapes with CUDA."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -137,3 +138,15 @@ def test_release_shapes_gpu(m, n, k):
     config = triton_impl.DEFAULT_CONFIG
     got = check(x, w, s, config=config.stream_rule.pick_for(n, k, x.device, config.stream))
     assert torch.equal(triton_impl.fp8_linear(x, w, s), got), "2..63 rows take this form"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(1536, 4096), (4096, 4096)])
+def test_finish_group_of_eight_gpu(n, k):
+    """The eight-partial finish (a sweep candidate) gives the default's bits at release shapes."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 products before SM89")
+    x, w, s = _case(16, n, k, torch.bfloat16)
+    four = H200_STREAM_RULE.pick(n, k)
+    eight = dataclasses.replace(four, finish_group=8)
+    assert torch.equal(check(x, w, s, config=eight), fp8_linear_stream(x, w, s, 128, four))
