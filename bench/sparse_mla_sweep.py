@@ -85,6 +85,7 @@ def prefill_candidates() -> dict[str, object]:
         "old default": old_default(),
         "2 stages": prefill(SparseMlaLaunch(64, 2, tail_slots=16)),
         "32-slot steps 5 stages": prefill(SparseMlaLaunch(32, 5, tail_slots=16)),
+        "prefetched slots": prefill(SparseMlaLaunch(64, 2, tail_slots=16, prefetch_slots=True)),
         "prefetched slots 32-slot steps 4 stages": prefill(
             SparseMlaLaunch(32, 4, tail_slots=16, prefetch_slots=True)),
     }

@@ -118,7 +118,7 @@ def sparse_mla_launches() -> list[Launch]:
     out += [sparse_mla_launch(regime, mla.SparseMlaLaunch(bn, stages, tail_slots=16,
                                                           prefetch_slots=True))
             for regime, bn, stages in (("decode", 64, 2), ("decode", 32, 3), ("decode", 32, 4),
-                                       ("prefill", 32, 4))]
+                                       ("prefill", 64, 2), ("prefill", 32, 4))]
     combine = {"part_o": _partial_type(), "part_lse": "*fp32", "o": "*bf16"}
     bh = config.combine_heads
     out.append(Launch("sparse_mla_combine", mla_combine.sparse_mla_combine_kernel, combine,
