@@ -1,11 +1,13 @@
 """Launch-shape sweeps of the decode-sized GPU kernels (prints only; pick defaults from these).
 
     PYTHONPATH=. python bench/sweeps.py
-        [--ops kda,kda_prefill,kda_profile,topk,mla,fp8,fp8row,fp8rules,moe]
+        [--ops kda,kda_prefill,kda_profile,topk,indexer_prefill,mla,fp8,fp8row,fp8rules,moe]
 
 `kda_profile`: each kernel's GPU time in fla's prefill and the candidates' (first length);
 `moe`: fused MoE prefill at 8192 tokens by parts: both sorts, the GEMMs (bench/fused_moe.py);
-`fp8rules`: FP8 linear at 16 rows, the streaming grid and the per-shape rules over it.
+`fp8rules`: FP8 linear at 16 rows, the streaming grid and the per-shape rules over it;
+`indexer_prefill`: the indexer's scoring of a prefill chunk at long context, by queries per
+scoring program (`indexer_select(score_queries=...)`).
 
 Every time is the median of CUDA-graph replays (bench/kernels.py `graph_ms`); kda_prefill
 (bench/kda_sweep.py) times whole prefills by events, next to fla's.
@@ -23,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import graph_ms, rotated  # noqa: E402
+from bench.common import bf16_peak_tflops, graph_ms, rotated  # noqa: E402
 from bench.kernels import FP8_SHAPES, D, _kda_inputs  # noqa: E402
 
 
@@ -207,6 +209,43 @@ def sweep_topk(k: int = 512) -> None:
                   f"warps={c.num_warps}: {us:.1f} us{'' if ok else ' WRONG SET'}", flush=True)
 
 
+# (context tokens, queries of one sequence at its end): a prefill chunk at long context.
+INDEXER_PREFILL_SHAPES = ((131072, 512), (1048576, 512))
+
+
+def sweep_indexer_prefill(per_program=(1, 2, 4, 8)) -> None:
+    """The scoring kernel over a chunk of one sequence's queries, at each number of queries per
+    program, against the bf16 tensor peak (the chunk's products) of the same run."""
+    peak = bf16_peak_tflops()
+    for ctx_len, chunk in INDEXER_PREFILL_SHAPES:
+        _indexer_prefill_case(ctx_len, chunk, per_program, peak)
+        torch.cuda.empty_cache()
+
+
+def _indexer_prefill_case(ctx_len: int, chunk: int, per_program, peak: float) -> None:
+    from glmflash.kernels.indexer import select_plan
+    from glmflash.kernels.indexer.triton_impl import score_pools
+
+    heads, dim, kpool, page = 32, 128, 4, 64
+    plan = select_plan([0, chunk], [ctx_len - chunk], [0], kpool, torch.device("cuda"))
+    pool_keys = torch.randn(ctx_len // kpool, dim, device="cuda").bfloat16()
+    table_ = torch.arange(ctx_len // page, device="cuda", dtype=torch.int32)[None]
+    q = torch.randn(chunk, heads, dim, device="cuda").bfloat16()
+    w = torch.randn(chunk, heads, device="cuda") * heads ** -0.5
+    scores = torch.empty(chunk, plan.max_pools, device="cuda")
+    lengths = torch.empty(chunk, dtype=torch.int32, device="cuda")
+    pools = sum((p + 1) // kpool for p in range(ctx_len - chunk, ctx_len))
+    flops = 2 * heads * dim * pools
+    base = None
+    for n in per_program:
+        us = graph_ms(lambda n=n: score_pools(q, w, pool_keys, table_, plan, scores, lengths, 0,
+                                              chunk, page, kpool, n)) * 1e3
+        base = base or us
+        print(f"indexer prefill ctx={ctx_len} chunk={chunk} queries/program={n}: {us:.0f} us "
+              f"({base / us:.2f}x of 1), {flops / us / 1e6:.0f} TFLOP/s "
+              f"(bf16 peak {peak:.0f})", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", default="kda,mla,fp8")
@@ -233,6 +272,8 @@ def main() -> None:
         profile_kda(int(args.kda_tokens.split(",")[0]), names)
     if "topk" in ops:
         sweep_topk()
+    if "indexer_prefill" in ops:
+        sweep_indexer_prefill()
     if "mla" in ops:
         sweep_sparse_mla()
     if "fp8" in ops:

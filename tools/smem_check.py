@@ -271,9 +271,13 @@ def indexer_launches() -> list[Launch]:
     ptrs = {"q": "*bf16", "weights": "*fp32", "pool_keys": "*bf16", "page_table": "*i32",
             "rows": "*i64", "positions": "*i64", "num_pools": "*i64", "scores": "*fp32",
             "lengths": "*i32"}
-    out = [Launch("indexer score", indexer.indexer_score_kernel, ptrs,
-                  dict(KPOOL=4, PAGE=64, BHQ=32, BD=128, BP=indexer.BLOCK_P, DOT=tl.bfloat16,
-                       PREC="tf32"), 4, aligned=("NH", "D"))]
+    score = dict(KPOOL=4, PAGE=64, BHQ=32, BD=128, BP=indexer.BLOCK_P, DOT=tl.bfloat16,
+                 PREC="tf32")
+    out = [Launch("indexer score", indexer.indexer_score_kernel, ptrs, score, 4,
+                  aligned=("NH", "D"))]
+    # Several queries of a prefill chunk per program (a sweep candidate).
+    out += [Launch(f"indexer score {bq} queries", indexer.indexer_score_tiled_kernel, ptrs,
+                   dict(score, BQ=bq), 4, aligned=("NH", "D")) for bq in (2, 4, 8)]
     topk = {"scores": "*fp32", "lengths": "*i32", "hist": "*i32", "seg_hist": "*i32",
             "counts": "*i32", "out": "*i32"}
     config = indexer_topk.DEFAULT_CONFIG

@@ -16,7 +16,7 @@ from glmflash.kernels.indexer import (  # noqa: E402
     indexer_select_ref,
     select_plan,
 )
-from glmflash.kernels.indexer.triton_impl import indexer_select  # noqa: E402
+from glmflash.kernels.indexer.triton_impl import indexer_select, score_pools  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -41,12 +41,13 @@ def _batch(new, prefix, heads, dim, kpool, dtype, seed=42):
     return tensors, plan
 
 
-def _check(new, prefix, *, heads=4, dim=32, kpool=4, topk=16, tail=True, dtype=torch.float32):
+def _check(new, prefix, *, heads=4, dim=32, kpool=4, topk=16, tail=True, dtype=torch.float32,
+           score_queries=1):
     (q, w, pk, table), plan = _batch(new, prefix, heads, dim, kpool, dtype)
     args = (q, w, pk, table, plan)
     kw = dict(page_size=PAGE, topk=topk, kpool=kpool, select_tail=tail)
     want = indexer_select_ref(*args, **kw)
-    got = indexer_select(*args, **kw)
+    got = indexer_select(*args, **kw, score_queries=score_queries)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
     return want
@@ -65,6 +66,31 @@ CASES = {
 @pytest.mark.parametrize("new,prefix", CASES.values(), ids=CASES.keys())
 def test_indexer_select_matches_ref(new, prefix):
     _check(new, prefix)
+
+
+# Several queries per scoring program: tiles inside one sequence, tiles across a sequence
+# boundary (scored query by query), a last tile with fewer queries, and decodes.
+@pytest.mark.parametrize("score_queries", [2, 4])
+@pytest.mark.parametrize("new,prefix", [([30, 1], [0, 60]), ([9, 0, 5], [7, 2, 50]),
+                                        ([1, 1, 1], [3, 100, 17]), ([13], [40])],
+                         ids=["prefill_then_decode", "empty_seq", "decode3", "odd_chunk"])
+def test_indexer_select_several_queries_per_program(new, prefix, score_queries):
+    _check(new, prefix, score_queries=score_queries)
+    # Odd heads and width (masked rows and columns of the product): the same candidate counts,
+    # and scores equal up to the order of the sum over heads.
+    (q, w, pk, table), plan = _batch(new, prefix, 3, 24, 4, torch.float32)
+    n = q.shape[0]
+    got = {}
+    for per_program in (1, score_queries):
+        scores = torch.full((n, max(plan.max_pools, 1)), float("nan"), device=DEVICE)
+        lengths = torch.full((n,), -1, dtype=torch.int32, device=DEVICE)
+        score_pools(q, w, pk, table, plan, scores, lengths, 0, n, PAGE, 4, per_program)
+        got[per_program] = scores, lengths
+    (one, one_len), (tiled, tiled_len) = got[1], got[score_queries]
+    assert torch.equal(one_len, tiled_len)
+    cand = torch.arange(one.shape[1], device=DEVICE)[None, :] < one_len[:, None]
+    assert torch.allclose(one[cand], tiled[cand], rtol=1e-6, atol=1e-6)
+    assert torch.isnan(tiled[~cand]).all(), "a score past a row's candidates was written"
 
 
 def test_indexer_select_follows_page_table():
@@ -125,6 +151,8 @@ def test_indexer_select_graph_replay_gpu():
 
 
 @pytest.mark.gpu
-def test_indexer_select_release_shape_gpu():
+@pytest.mark.parametrize("score_queries", [1, 4, 8])
+def test_indexer_select_release_shape_gpu(score_queries):
     # 32 heads x 128, kpool 4, top-2048: a 6000-token context makes the selection sparse.
-    _check([1, 1, 300], [6000, 2100, 5000], heads=32, dim=128, topk=2048, dtype=torch.float32)
+    _check([1, 1, 300], [6000, 2100, 5000], heads=32, dim=128, topk=2048, dtype=torch.float32,
+           score_queries=score_queries)

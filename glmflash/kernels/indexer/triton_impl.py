@@ -39,23 +39,22 @@ def _slot_of(page_table, row, pos, stride_pt, PAGE: tl.constexpr, mask):
     return page * PAGE + pos % PAGE
 
 
-@jit(do_not_specialize=("t_begin", "stride_st"))
-def indexer_score_kernel(q, weights, pool_keys, page_table, rows, positions, num_pools, scores,
-                         lengths, t_begin, scale, stride_qt, stride_qh, stride_wt, stride_pk,
-                         stride_pt, stride_st, NH, D, KPOOL: tl.constexpr, PAGE: tl.constexpr,
-                         BHQ: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr,
-                         DOT: tl.constexpr, PREC: tl.constexpr):
-    """scores[t, p] = sum_h w[t, h] relu(q[t, h] . K_p * scale) for t's candidate pools
-    p < lengths[t] (complete and ending at or before t's position); nothing is written past a
-    row's candidates (the top-k reads only them)."""
-    i_t = tl.program_id(0) + t_begin
-    i_p = tl.program_id(1)
-    row = tl.load(rows + i_t)
+@jit
+def _candidates(num_pools, positions, i_t, KPOOL: tl.constexpr):
+    """Query i_t's candidate pools: complete ones ending at or before its position."""
     pos = tl.load(positions + i_t)
-    length = tl.minimum(tl.load(num_pools + i_t), (pos + 1) // KPOOL).to(tl.int32)
-    if i_p == 0:
-        tl.store(lengths + i_t - t_begin, length)
+    return tl.minimum(tl.load(num_pools + i_t), (pos + 1) // KPOOL).to(tl.int32)
+
+
+@jit
+def _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions, scores, i_t,
+                 t_begin, i_p, scale, stride_qt, stride_qh, stride_wt, stride_pk, stride_pt,
+                 stride_st, NH, D, KPOOL: tl.constexpr, PAGE: tl.constexpr, BHQ: tl.constexpr,
+                 BD: tl.constexpr, BP: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """Scores of query i_t over its candidate pools of block i_p (none past its candidates)."""
+    length = _candidates(num_pools, positions, i_t, KPOOL)
     if i_p * BP < length:
+        row = tl.load(rows + i_t)
         o_p = i_p * BP + tl.arange(0, BP)
         is_cand = o_p < length
         o_h = tl.arange(0, BHQ)
@@ -72,6 +71,79 @@ def indexer_score_kernel(q, weights, pool_keys, page_table, rows, positions, num
         b_s = tl.sum(tl.maximum(b_s, 0.0) * b_w[:, None], 0)
         p_s = scores + (i_t - t_begin).to(tl.int64) * stride_st + o_p
         tl.store(p_s, b_s, mask=is_cand)
+
+
+@jit(do_not_specialize=("t_begin", "stride_st"))
+def indexer_score_kernel(q, weights, pool_keys, page_table, rows, positions, num_pools, scores,
+                         lengths, t_begin, scale, stride_qt, stride_qh, stride_wt, stride_pk,
+                         stride_pt, stride_st, NH, D, KPOOL: tl.constexpr, PAGE: tl.constexpr,
+                         BHQ: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr,
+                         DOT: tl.constexpr, PREC: tl.constexpr):
+    """scores[t, p] = sum_h w[t, h] relu(q[t, h] . K_p * scale) for t's candidate pools
+    p < lengths[t] (complete and ending at or before t's position); nothing is written past a
+    row's candidates (the top-k reads only them)."""
+    i_t = tl.program_id(0) + t_begin
+    i_p = tl.program_id(1)
+    if i_p == 0:
+        tl.store(lengths + i_t - t_begin, _candidates(num_pools, positions, i_t, KPOOL))
+    _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions, scores, i_t,
+                 t_begin, i_p, scale, stride_qt, stride_qh, stride_wt, stride_pk, stride_pt,
+                 stride_st, NH, D, KPOOL, PAGE, BHQ, BD, BP, DOT, PREC)
+
+
+@jit(do_not_specialize=("t_begin", "stride_st"))
+def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, positions, num_pools,
+                               scores, lengths, t_begin, num_tokens, scale, stride_qt,
+                               stride_qh, stride_wt, stride_pk, stride_pt, stride_st, NH, D,
+                               KPOOL: tl.constexpr, PAGE: tl.constexpr, BQ: tl.constexpr,
+                               BHQ: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr,
+                               DOT: tl.constexpr, PREC: tl.constexpr):
+    """`indexer_score_kernel` for BQ consecutive queries per program: the queries' heads are
+    the M of one product (BQ x BHQ rows), so a block of pooled keys is loaded once for them all.
+    The keys are the first query's sequence's; a query of another sequence (a tile across a
+    sequence boundary) is scored alone, as `indexer_score_kernel` scores it."""
+    i_q = tl.program_id(0)
+    i_p = tl.program_id(1)
+    o_t = t_begin + i_q * BQ + tl.arange(0, BQ)
+    m_t = o_t < t_begin + num_tokens
+    row = tl.load(rows + o_t, mask=m_t, other=-1)
+    pos = tl.load(positions + o_t, mask=m_t, other=0)
+    length = tl.where(m_t, tl.minimum(tl.load(num_pools + o_t, mask=m_t, other=0),
+                                      (pos + 1) // KPOOL), 0).to(tl.int32)
+    if i_p == 0:
+        tl.store(lengths + o_t - t_begin, length, mask=m_t)
+    row0 = tl.max(tl.where(o_t == t_begin + i_q * BQ, row, -1), 0)
+    shared = tl.max(tl.where(m_t & (row != row0), 1, 0), 0) == 0
+    if i_p * BP < tl.max(length, 0):
+        o_p = i_p * BP + tl.arange(0, BP)
+        o_d = tl.arange(0, BD)
+        m_d = o_d < D
+        if shared:
+            # Rows r = (query r // BHQ, head r % BHQ) of one product over the key block.
+            o_r = tl.arange(0, BQ * BHQ)
+            o_rt = (t_begin + i_q * BQ + o_r // BHQ).to(tl.int64)
+            o_rh = o_r % BHQ
+            m_r = (o_rt < t_begin + num_tokens) & (o_rh < NH)
+            b_q = tl.load(q + o_rt[:, None] * stride_qt + o_rh[:, None] * stride_qh
+                          + o_d[None, :], mask=m_r[:, None] & m_d[None, :], other=0.0).to(DOT)
+            b_w = tl.load(weights + o_rt * stride_wt + o_rh, mask=m_r, other=0.0)
+            is_key = o_p < tl.max(length, 0)
+            slot = _slot_of(page_table, row0, o_p.to(tl.int64) * KPOOL, stride_pt, PAGE, is_key)
+            p_k = pool_keys + (slot // KPOOL)[:, None] * stride_pk + o_d[None, :]
+            b_k = tl.load(p_k, mask=is_key[:, None] & m_d[None, :], other=0.0).to(DOT)
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale  # [BQ*BHQ, BP]
+            b_s = tl.maximum(b_s, 0.0) * b_w.to(tl.float32)[:, None]
+            b_s = tl.sum(tl.reshape(b_s, [BQ, BHQ, BP]), 1)  # [BQ, BP]
+            p_s = scores + (o_t - t_begin).to(tl.int64)[:, None] * stride_st + o_p[None, :]
+            tl.store(p_s, b_s, mask=m_t[:, None] & (o_p[None, :] < length[:, None]))
+        else:
+            for j in range(BQ):
+                i_t = t_begin + i_q * BQ + j
+                if i_t < t_begin + num_tokens:
+                    _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions,
+                                 scores, i_t, t_begin, i_p, scale, stride_qt, stride_qh,
+                                 stride_wt, stride_pk, stride_pt, stride_st, NH, D, KPOOL, PAGE,
+                                 BHQ, BD, BP, DOT, PREC)
 
 
 @jit(do_not_specialize=("t_begin", "num_sel", "stride_pot"))
@@ -104,9 +176,11 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
                    page_table: torch.Tensor, plan: SelectPlan, *, page_size: int, topk: int,
                    kpool: int, select_tail: bool,
                    topk_config: TopkConfig = DEFAULT_CONFIG,
-                   tiling: SelectTiling | None = None) -> torch.Tensor:
+                   tiling: SelectTiling | None = None, score_queries: int = 1) -> torch.Tensor:
     """Triton `indexer_select_ref`: token slots `[T, topk + kpool - 1]` (or `[T, topk]`), -1
-    padded. q `[T, H, D]`, weights `[T, H]` fp32, pool_keys `[N / kpool, D]`."""
+    padded. q `[T, H, D]`, weights `[T, H]` fp32, pool_keys `[N / kpool, D]`.
+    `score_queries` (a power of two): consecutive queries per scoring program, which then read
+    each block of pooled keys once for all of them (`indexer_score_tiled_kernel`)."""
     num_tokens, heads, dim = q.shape
     width = topk + (kpool - 1 if select_tail else 0)
     out = torch.empty(num_tokens, width, dtype=torch.long, device=q.device)
@@ -116,7 +190,6 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
     assert page_table.stride(1) == 1 and plan.rows.numel() == num_tokens
     max_pools = plan.max_pools
     num_sel = min(topk // kpool, max_pools)
-    bhq = max(16, triton.next_power_of_2(heads))
     per_token = (plan.rows, plan.positions)
     rows = max(1, (tiling or TILING).max_score_elems // max(max_pools, 1))
     for t0 in range(0, num_tokens, rows):
@@ -125,19 +198,36 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
         if num_sel:
             scores = torch.empty(n, max_pools, dtype=torch.float32, device=q.device)
             lengths = torch.empty(n, dtype=torch.int32, device=q.device)
-            indexer_score_kernel[(n, triton.cdiv(max_pools, BLOCK_P))](
-                q, weights, pool_keys, page_table, *per_token, plan.num_pools, scores, lengths,
-                t0, dim ** -0.5, q.stride(0), q.stride(1), weights.stride(0),
-                pool_keys.stride(0), page_table.stride(0), scores.stride(0), heads, dim,
-                KPOOL=kpool,
-                PAGE=page_size, BHQ=bhq, BD=max(16, triton.next_power_of_2(dim)), BP=BLOCK_P,
-                DOT=dot_operand_type(q.dtype), PREC=product_precision(q.dtype), num_warps=4)
+            score_pools(q, weights, pool_keys, page_table, plan, scores, lengths, t0, n,
+                        page_size, kpool, score_queries)
             pools = topk_indices(scores, lengths, num_sel, config=topk_config)
         indexer_expand_kernel[(n,)](
             pools, page_table, *per_token, out, t0, num_sel, width, page_table.stride(0),
             max(pools.stride(0), 1), out.stride(0), KPOOL=kpool, PAGE=page_size,
             SELECT_TAIL=select_tail, BW=triton.next_power_of_2(width), num_warps=4)
     return out
+
+
+def score_pools(q, weights, pool_keys, page_table, plan: SelectPlan, scores, lengths, t0: int,
+                n: int, page_size: int, kpool: int, score_queries: int = 1) -> None:
+    """Scores of query rows [t0, t0 + n) over their candidate pools into `scores` `[n, >=
+    max_pools]` (nothing past a row's candidates), their counts into `lengths` `[n]`: one
+    program per (query, pool block), or per (score_queries queries, pool block)."""
+    heads, dim = q.shape[1], q.shape[2]
+    assert score_queries >= 1 and score_queries & (score_queries - 1) == 0, score_queries
+    strides = (q.stride(0), q.stride(1), weights.stride(0), pool_keys.stride(0),
+               page_table.stride(0), scores.stride(0), heads, dim)
+    shapes = dict(KPOOL=kpool, PAGE=page_size, BHQ=max(16, triton.next_power_of_2(heads)),
+                  BD=max(16, triton.next_power_of_2(dim)), BP=BLOCK_P,
+                  DOT=dot_operand_type(q.dtype), PREC=product_precision(q.dtype), num_warps=4)
+    per_query = (q, weights, pool_keys, page_table, plan.rows, plan.positions, plan.num_pools,
+                 scores, lengths, t0)
+    pool_blocks = triton.cdiv(plan.max_pools, BLOCK_P)
+    if score_queries == 1:
+        indexer_score_kernel[(n, pool_blocks)](*per_query, dim ** -0.5, *strides, **shapes)
+    else:
+        indexer_score_tiled_kernel[(triton.cdiv(n, score_queries), pool_blocks)](
+            *per_query, n, dim ** -0.5, *strides, BQ=score_queries, **shapes)
 
 
 indexer_write = indexer_write_ref
