@@ -60,6 +60,7 @@ class Launch(NamedTuple):
     stages: int | None = None
     aligned: tuple[str, ...] = ()  # int params that are multiples of 16 at release shapes
     max_registers: int | None = None  # the launch's `maxnreg`
+    archs: tuple[int, ...] | None = None  # the architectures it is for (None: every one)
 
 
 def _divisibility(params: list[str], signature: dict[str, str], launch: Launch) -> dict:
@@ -116,7 +117,7 @@ def sparse_mla_launches() -> list[Launch]:
            for shape in shapes]
     # The slot-prefetch candidates (bench/sparse_mla_sweep.py), sm_90 only.
     out += [sparse_mla_launch(regime, mla.SparseMlaLaunch(bn, stages, tail_slots=16,
-                                                          prefetch_slots=True))
+                                                          prefetch_slots=True))._replace(archs=(90,))
             for regime, bn, stages in (("decode", 64, 2), ("decode", 32, 3), ("decode", 32, 4),
                                        ("prefill", 64, 2), ("prefill", 32, 4))]
     combine = {"part_o": _partial_type(), "part_lse": "*fp32", "o": "*bf16"}
@@ -350,6 +351,12 @@ def problems(used: dict[str, dict[int, int]]) -> list[str]:
     return found
 
 
+def _cell(u: Usage, arch: int) -> str:
+    """Shared KB (flagged when over the block limit) / registers / spill bytes."""
+    too_big = "" if u.shared <= BLOCK_LIMIT[arch] else " **too big**"
+    return f"{u.shared / 1024:.0f}{too_big} / {u.registers} / {u.stack}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[89, 90, 120])
@@ -370,10 +377,12 @@ def main() -> None:
     print("|---|" + "---|" * len(args.arch))
     used: dict[str, dict[int, int]] = {}
     for launch in launches:
-        per_arch = {arch: usage(launch, arch) for arch in args.arch}
+        per_arch = {arch: usage(launch, arch) for arch in args.arch
+                    if launch.archs is None or arch in launch.archs}
+        if not per_arch:
+            continue
         used[launch.name] = {arch: u.shared for arch, u in per_arch.items()}
-        cells = [f"{u.shared / 1024:.0f}{'' if u.shared <= BLOCK_LIMIT[arch] else ' **too big**'}"
-                 f" / {u.registers} / {u.stack}" for arch, u in per_arch.items()]
+        cells = [_cell(per_arch[arch], arch) if arch in per_arch else "-" for arch in args.arch]
         print(f"| {launch.name} | " + " | ".join(cells) + " |", flush=True)
     found = problems(used)
     for line in found:
