@@ -4,15 +4,11 @@ with CUDA both paths at release shapes)."""
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from glmflash.kernels.fp8_gemm import (  # noqa: E402
+from glmflash.kernels.fp8_gemm import (
     fp8_linear_ref,
     quantize_block_fp8,
     triton_common,

@@ -3,17 +3,12 @@ the release shapes), and the sorted block layout it dispatches with."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from glmflash.kernels.fp8_gemm import dequantize_block_fp8, quantize_block_fp8  # noqa: E402
-from glmflash.kernels.fused_moe import fused_moe, fused_moe_ref, triton_impl  # noqa: E402
-from glmflash.kernels.fused_moe.triton_impl import FusedMoeConfig  # noqa: E402
+from glmflash.kernels.fp8_gemm import dequantize_block_fp8, quantize_block_fp8
+from glmflash.kernels.fused_moe import fused_moe, fused_moe_ref, triton_impl
+from glmflash.kernels.fused_moe.triton_impl import FusedMoeConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32 products on both sides; only the summation order differs (measured ~1e-6 relative).

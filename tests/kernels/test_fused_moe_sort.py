@@ -3,16 +3,11 @@ bit for bit, on odd sizes (interpreter on CPU; with CUDA also a release-size che
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from glmflash.kernels.fused_moe import triton_impl  # noqa: E402
-from glmflash.kernels.fused_moe.triton_sort import SortConfig  # noqa: E402
+from glmflash.kernels.fused_moe import triton_impl
+from glmflash.kernels.fused_moe.triton_sort import SortConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ONE_LAUNCH = SortConfig(scan_min_pairs=1 << 62)

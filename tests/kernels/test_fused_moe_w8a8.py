@@ -4,28 +4,23 @@ own error), in the interpreter on CPU on odd shapes; with CUDA also at release s
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from glmflash.kernels.fused_moe import fused_moe, fused_moe_ref, triton_impl  # noqa: E402
-from glmflash.kernels.fused_moe.triton_impl import (  # noqa: E402
+from glmflash.kernels.fused_moe import fused_moe, fused_moe_ref, triton_impl
+from glmflash.kernels.fused_moe.triton_impl import (
     PREFILL_CONFIG,
     W8A8MoeConfig,
     default_config,
 )
-from tests.kernels.test_fused_moe import (  # noqa: E402
+from tests.kernels.test_fused_moe import (
     SHAPES,
     _release_case,
     make_routing,
     make_weights,
     norm_error,
 )
-from tests.kernels.w8a8_emulation import w8a8_moe_emulated  # noqa: E402
+from tests.kernels.w8a8_emulation import w8a8_moe_emulated
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Against the emulation: fp32 x gives fp32 outputs, only the summation order differs (measured

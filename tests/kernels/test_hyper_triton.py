@@ -7,12 +7,9 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from glmflash.kernels import hyper  # noqa: E402
-from glmflash.kernels.hyper import hyper_post_ref, hyper_pre_ref, triton_impl  # noqa: E402
-from glmflash.kernels.hyper.triton_impl import (  # noqa: E402
+from glmflash.kernels import hyper
+from glmflash.kernels.hyper import hyper_post_ref, hyper_pre_ref, triton_impl
+from glmflash.kernels.hyper.triton_impl import (
     HyperPostConfig,
     HyperPreConfig,
     hyper_post,

@@ -4,17 +4,12 @@ size (the top k of a union is the top k of each part's top k), in the reference 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from glmflash.kernels.indexer import SelectTiling, indexer_select_ref  # noqa: E402
-from glmflash.kernels.indexer.triton_impl import indexer_select  # noqa: E402
-from tests.kernels.test_indexer_triton import _batch  # noqa: E402
+from glmflash.kernels.indexer import SelectTiling, indexer_select_ref
+from glmflash.kernels.indexer.triton_impl import indexer_select
+from tests.kernels.test_indexer_triton import _batch
 
 PAGE = 16
 # Enough heads that no two pools tie (a pool scores exactly 0 when every head's relu is 0, and

@@ -3,15 +3,10 @@ on CPU with small blocks, so short rows cross blocks and segments; release width
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from glmflash.kernels.indexer.topk_triton import TopkConfig, topk_indices  # noqa: E402
+from glmflash.kernels.indexer.topk_triton import TopkConfig, topk_indices
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Eight keys a block, sixteen a segment: a 65-key row spans 5 segments of 2 blocks.

@@ -3,20 +3,15 @@ differ). Interpreter on CPU, compiled with CUDA."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from glmflash.kernels.indexer import (  # noqa: E402
+from glmflash.kernels.indexer import (
     decode_select_plan,
     indexer_select_ref,
     select_plan,
 )
-from glmflash.kernels.indexer.triton_impl import indexer_select, score_pools  # noqa: E402
+from glmflash.kernels.indexer.triton_impl import indexer_select, score_pools
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

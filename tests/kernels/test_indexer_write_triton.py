@@ -3,16 +3,11 @@ and tails it writes. Interpreter on the CPU, compiled with CUDA."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from glmflash.kernels.indexer.ref import indexer_write_decode as write_ref  # noqa: E402
-from glmflash.kernels.indexer.write_triton import indexer_write_decode  # noqa: E402
+from glmflash.kernels.indexer.ref import indexer_write_decode as write_ref
+from glmflash.kernels.indexer.write_triton import indexer_write_decode
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

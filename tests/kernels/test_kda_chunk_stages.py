@@ -8,22 +8,18 @@ Without CUDA the kernels run under TRITON_INTERPRET=1 on one or two small heads;
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from glmflash.kernels.kda.chunk_stages import StagedConfig  # noqa: E402
-from glmflash.kernels.kda.triton_impl import KdaConfig  # noqa: E402
-from tests.kernels.kda_cases import (  # noqa: E402
+from glmflash.kernels.kda.chunk_stages import StagedConfig
+from glmflash.kernels.kda.triton_impl import KdaConfig
+from tests.kernels.kda_cases import (
     assert_bf16_close,
     kda_inputs,
     run_kda,
 )
-from tests.kernels.test_kda_prefill import PREFILL_CASES, _assert_fp32_close  # noqa: E402
+from tests.kernels.test_kda_prefill import PREFILL_CASES, _assert_fp32_close
 
 # 16 channels a step, so that dim 16 runs one step and dim 24 two (the second masked).
 SMALL = StagedConfig(diag_key_block=16, off_key_block=16, wy_block=16)

@@ -3,16 +3,11 @@ interpreter on CPU, compiled with CUDA."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from glmflash.kernels.kda import gated_rms_norm_ref, kda_gates_ref  # noqa: E402
-from glmflash.kernels.kda.gates_triton import gated_rms_norm, kda_gates  # noqa: E402
+from glmflash.kernels.kda import gated_rms_norm_ref, kda_gates_ref
+from glmflash.kernels.kda.gates_triton import gated_rms_norm, kda_gates
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

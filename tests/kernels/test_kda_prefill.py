@@ -9,19 +9,13 @@ release shape (64 heads x 128, bf16) and fla's chunk_kda where it is installed.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from glmflash.kernels.kda import chunk_intra  # noqa: E402
-from tests.kernels.kda_cases import (  # noqa: E402
+from glmflash.kernels.kda import chunk_intra
+from tests.kernels.kda_cases import (
     DEVICE,
     against_fla,
     assert_bf16_close,

@@ -7,17 +7,12 @@ and the `gpu` tests add release shapes (64 heads x 128, bf16).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from glmflash.kernels.kda import causal_conv1d_ref, kda_ref  # noqa: E402
-from glmflash.kernels.kda.triton_impl import causal_conv1d, kda  # noqa: E402
-from tests.kernels.kda_cases import (  # noqa: E402
+from glmflash.kernels.kda import causal_conv1d_ref, kda_ref
+from glmflash.kernels.kda.triton_impl import causal_conv1d, kda
+from tests.kernels.kda_cases import (
     DEVICE,
     assert_bf16_close,
     cu_seqlens,

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from glmflash.kernels.rms_norm import rms_norm_ref  # noqa: E402
-from glmflash.kernels.rms_norm.triton_impl import RmsNormConfig, rms_norm  # noqa: E402
+from glmflash.kernels.rms_norm import rms_norm_ref
+from glmflash.kernels.rms_norm.triton_impl import RmsNormConfig, rms_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -3,16 +3,11 @@ within a token may differ). Interpreter on the CPU, compiled with CUDA."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from glmflash.kernels.router import RouterSpec, route_ref  # noqa: E402
-from glmflash.kernels.router.triton_impl import SCORE_TOKENS, ScoreConfig, route  # noqa: E402
+from glmflash.kernels.router import RouterSpec, route_ref
+from glmflash.kernels.router.triton_impl import SCORE_TOKENS, ScoreConfig, route
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -3,16 +3,11 @@ Interpreter on the CPU, compiled with CUDA."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from glmflash.kernels.row_copy import copy_rows_ref  # noqa: E402
-from glmflash.kernels.row_copy.triton_impl import copy_rows  # noqa: E402
+from glmflash.kernels.row_copy import copy_rows_ref
+from glmflash.kernels.row_copy.triton_impl import copy_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
