@@ -104,30 +104,31 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
     sequence boundary) is scored alone, as `indexer_score_kernel` scores it."""
     i_q = tl.program_id(0)
     i_p = tl.program_id(1)
-    o_t = t_begin + i_q * BQ + tl.arange(0, BQ)
+    t_first = t_begin + i_q * BQ
+    o_t = t_first + tl.arange(0, BQ)
     m_t = o_t < t_begin + num_tokens
-    row = tl.load(rows + o_t, mask=m_t, other=-1)
-    pos = tl.load(positions + o_t, mask=m_t, other=0)
-    length = tl.where(m_t, tl.minimum(tl.load(num_pools + o_t, mask=m_t, other=0),
-                                      (pos + 1) // KPOOL), 0).to(tl.int32)
+    # Past the last query (a partial tile) the loads repeat the last query, which is in the tile.
+    o_tc = tl.minimum(o_t, t_begin + num_tokens - 1)
+    length = tl.where(m_t, _candidates(num_pools, positions, o_tc, KPOOL), 0)
     if i_p == 0:
         tl.store(lengths + o_t - t_begin, length, mask=m_t)
-    row0 = tl.max(tl.where(o_t == t_begin + i_q * BQ, row, -1), 0)
-    shared = tl.max(tl.where(m_t & (row != row0), 1, 0), 0) == 0
-    if i_p * BP < tl.max(length, 0):
+    row0 = tl.load(rows + t_first)
+    shared = tl.max(tl.where(tl.load(rows + o_tc) != row0, 1, 0), 0) == 0
+    longest = tl.max(length, 0)
+    if i_p * BP < longest:
         o_p = i_p * BP + tl.arange(0, BP)
         o_d = tl.arange(0, BD)
         m_d = o_d < D
         if shared:
             # Rows r = (query r // BHQ, head r % BHQ) of one product over the key block.
             o_r = tl.arange(0, BQ * BHQ)
-            o_rt = (t_begin + i_q * BQ + o_r // BHQ).to(tl.int64)
+            o_rt = (t_first + o_r // BHQ).to(tl.int64)
             o_rh = o_r % BHQ
             m_r = (o_rt < t_begin + num_tokens) & (o_rh < NH)
             b_q = tl.load(q + o_rt[:, None] * stride_qt + o_rh[:, None] * stride_qh
                           + o_d[None, :], mask=m_r[:, None] & m_d[None, :], other=0.0).to(DOT)
             b_w = tl.load(weights + o_rt * stride_wt + o_rh, mask=m_r, other=0.0)
-            is_key = o_p < tl.max(length, 0)
+            is_key = o_p < longest
             slot = _slot_of(page_table, row0, o_p.to(tl.int64) * KPOOL, stride_pt, PAGE, is_key)
             p_k = pool_keys + (slot // KPOOL)[:, None] * stride_pk + o_d[None, :]
             b_k = tl.load(p_k, mask=is_key[:, None] & m_d[None, :], other=0.0).to(DOT)
@@ -138,7 +139,7 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
             tl.store(p_s, b_s, mask=m_t[:, None] & (o_p[None, :] < length[:, None]))
         else:
             for j in range(BQ):
-                i_t = t_begin + i_q * BQ + j
+                i_t = t_first + j
                 if i_t < t_begin + num_tokens:
                     _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions,
                                  scores, i_t, t_begin, i_p, scale, stride_qt, stride_qh,
