@@ -111,15 +111,17 @@ def sweep_fp8_one_row() -> None:
 
 
 # Weight-streaming launch shapes at 16 rows: (block_n, waves, min split blocks, warps, stages).
-# (block_n, waves, min split blocks, warps, stages[, finish group: 4 when left out]).
 STREAM_GRID = [(64, 4.0, 2, 4, 4), (64, 2.0, 2, 4, 6), (64, 4.0, 4, 4, 4), (64, 2.0, 4, 4, 6),
-               (64, 1.0, 2, 4, 6), (64, 8.0, 2, 4, 4), (64, 4.0, 1, 4, 4), (128, 2.0, 2, 8, 4),
-               (64, 4.0, 4, 4, 4, 8), (64, 2.0, 2, 4, 6, 8), (128, 2.0, 2, 8, 4, 8)]
+               (64, 1.0, 2, 4, 6), (64, 8.0, 2, 4, 4), (64, 4.0, 1, 4, 4), (128, 2.0, 2, 8, 4)]
 
 
 def _full(shape: tuple) -> tuple:
-    """A grid or rule shape with every StreamConfig field (the finish group defaults to 4)."""
-    return tuple(shape) + (4,) * (6 - len(shape))
+    """A grid or rule shape with every StreamConfig field (the rest at their defaults)."""
+    from glmflash.kernels.fp8_gemm.triton_stream import StreamConfig
+
+    return dataclasses.astuple(StreamConfig(*shape))
+
+
 # Candidate rules over that grid: (min_k, max_k, max_n, shape) entries, first match wins, the
 # default shape otherwise.
 BIG = 1 << 30

@@ -213,7 +213,7 @@ def fp8_launches() -> list[Launch]:
                    fp8_stream.fp8_stream_gemm_kernel, dict(wdq, x="*bf16"),
                    dict(BLOCK=128, BN=stream.block_n, BM=bm, GROUP=group), stream.num_warps,
                    stream.num_stages, aligned=("N", "K", "K_PER_SPLIT"))
-            for bm, group in ((16, stream.finish_group), (64, stream.finish_group), (16, 8))]
+            for bm in (16, 64) for group in [stream.finish_group(stream.block_n, bm)]]
     bm, bn, warps, stages = fp8.DEFAULT_CONFIG.w8a8_tile
     w8a8 = {"xq": "*fp8e4nv", "xs": "*fp32", "w": "*fp8e4nv", "ws": "*fp32", "y": "*bf16"}
     out.append(Launch(f"fp8 w8a8 {bm}x{bn}", fp8.fp8_gemm_kernel, w8a8,

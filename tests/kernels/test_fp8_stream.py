@@ -67,9 +67,11 @@ def test_split_is_deterministic_and_leaves_counters_at_zero(nan_empty):
     assert norm_error(first, one_range) <= EMULATION_FP32_REL
     assert torch.equal(fp8_linear_stream(x, w, s, 128, StreamConfig(waves=64,
                                                                      min_split_blocks=1)), first)
-    # Nine ranges: the finish adding eight partials per round trip keeps the range order.
-    eight = StreamConfig(waves=64, min_split_blocks=1, finish_group=8)
-    assert torch.equal(fp8_linear_stream(x, w, s, 128, eight), first)
+    # Nine ranges: the finish adding four partials per round trip (instead of the default's
+    # eight at 16 rows) keeps the range order, hence the bits.
+    four = StreamConfig(waves=64, min_split_blocks=1, finish_registers=32)
+    assert four.finish_group(64, 16) == 4 and StreamConfig().finish_group(64, 16) == 8
+    assert torch.equal(fp8_linear_stream(x, w, s, 128, four), first)
     assert int(triton_common.ARRIVALS[x.device].count_nonzero()) == 0
 
 
@@ -139,10 +141,11 @@ def test_release_shapes_gpu(m, n, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(1536, 4096), (4096, 4096)])
 def test_finish_group_of_eight_gpu(n, k):
-    """The eight-partial finish (a sweep candidate) gives the default's bits at release shapes."""
+    """The eight-partial finish (the default at 16 rows) gives the bits of the four-partial one
+    at release shapes."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 products before SM89")
     x, w, s = _case(16, n, k, torch.bfloat16)
-    four = H200_STREAM_RULE.pick(n, k)
-    eight = dataclasses.replace(four, finish_group=8)
+    eight = H200_STREAM_RULE.pick(n, k)
+    four = dataclasses.replace(eight, finish_registers=0)
     assert torch.equal(check(x, w, s, config=eight), fp8_linear_stream(x, w, s, 128, four))

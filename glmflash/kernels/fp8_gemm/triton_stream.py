@@ -41,13 +41,15 @@ class StreamConfig:
     """Scale blocks per K range at least."""
     num_warps: int = 4
     num_stages: int = 4
-    finish_group: int = 4
-    """Partials the last K range loads at once before adding them (4 or 8: one L2 round trip
-    per group; `triton_common.store_split`)."""
+    finish_registers: int = 64
+    """fp32 registers a thread of the last K range may fill with partials per L2 round trip:
+    the finish loads 8 ranges' partials at once when they fit, 4 otherwise
+    (`triton_common.store_split`; the sum's order, hence its bits, is the same)."""
 
-    def __post_init__(self) -> None:
-        if self.finish_group not in (4, 8):
-            raise ValueError(f"finish_group {self.finish_group}: 4 or 8")
+    def finish_group(self, rows: int, cols: int) -> int:
+        """Partials loaded per round trip for a [rows, cols] tile."""
+        per_partial = rows * cols // (32 * self.num_warps)
+        return 8 if 8 * per_partial <= self.finish_registers else 4
 
 
 STREAM_CONFIG = StreamConfig()
@@ -144,7 +146,7 @@ def fp8_linear_stream(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.T
     fp8_stream_gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), splits)](
         x2, weight, scale_inv, out, part, out if arrivals is None else arrivals, m, n, k,
         x2.stride(0), weight.stride(0), scale_inv.stride(0), out.stride(0), k_per_split, splits,
-        BLOCK=block, BN=bn, BM=bm, GROUP=config.finish_group, num_warps=config.num_warps,
+        BLOCK=block, BN=bn, BM=bm, GROUP=config.finish_group(bn, bm), num_warps=config.num_warps,
         num_stages=config.num_stages)
     return out
 
