@@ -11,6 +11,7 @@ from glmflash.kernels.indexer import (
     indexer_select_ref,
     select_plan,
 )
+from glmflash.kernels.indexer import triton_impl
 from glmflash.kernels.indexer.triton_impl import indexer_select, score_pools
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -86,6 +87,27 @@ def test_indexer_select_several_queries_per_program(new, prefix, score_queries):
     cand = torch.arange(one.shape[1], device=DEVICE)[None, :] < one_len[:, None]
     assert torch.allclose(one[cand], tiled[cand], rtol=1e-6, atol=1e-6)
     assert torch.isnan(tiled[~cand]).all(), "a score past a row's candidates was written"
+
+
+def test_indexer_select_tiles_only_chunks(monkeypatch):
+    """By default a plan with a chunk of at least CHUNK_SCORE_QUERIES queries scores that many
+    per program; a batch of decodes (or only shorter chunks) one per program."""
+    seen = []
+    score = triton_impl.score_pools
+    monkeypatch.setattr(triton_impl, "score_pools",
+                        lambda *a: seen.append(a[-1]) or score(*a))
+    tiled = triton_impl.CHUNK_SCORE_QUERIES
+    for new, prefix, want in (([1, 1, 1], [3, 100, 17], 1), ([30, 1], [0, 60], tiled),
+                              ([tiled - 1, 1], [40, 9], 1)):
+        # 8 heads: a pool whose heads all score below zero scores exactly 0, and with 4 heads
+        # such ties decide the last place here (their order is free).
+        (q, w, pk, table), plan = _batch(new, prefix, 8, 32, 4, torch.float32)
+        got = triton_impl.indexer_select(q, w, pk, table, plan, page_size=PAGE, topk=16,
+                                         kpool=4, select_tail=True)
+        want_slots = indexer_select_ref(q, w, pk, table, plan, page_size=PAGE, topk=16,
+                                        kpool=4, select_tail=True)
+        assert torch.equal(got.sort(dim=1).values, want_slots.sort(dim=1).values)
+        assert seen.pop() == want, (new, prefix)
 
 
 def test_indexer_select_follows_page_table():

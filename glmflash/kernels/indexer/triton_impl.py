@@ -30,6 +30,9 @@ BLOCK_P = 64
 # fp32 scores held at once (512 MiB): rows of queries are scored together over every pool of
 # their longest sequence, as many rows as fit; the workspace is bounded whatever the context.
 TILING = SelectTiling(max_score_elems=1 << 27, pool_tile=1 << 62)
+# Queries of one prefill chunk scored per program (README: 1.47x one per program at a 512-query
+# chunk, 128K and 1M context, on the H200; 8 was slower than 4).
+CHUNK_SCORE_QUERIES = 4
 
 
 @jit
@@ -177,11 +180,14 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
                    page_table: torch.Tensor, plan: SelectPlan, *, page_size: int, topk: int,
                    kpool: int, select_tail: bool,
                    topk_config: TopkConfig = DEFAULT_CONFIG,
-                   tiling: SelectTiling | None = None, score_queries: int = 1) -> torch.Tensor:
+                   tiling: SelectTiling | None = None,
+                   score_queries: int = CHUNK_SCORE_QUERIES) -> torch.Tensor:
     """Triton `indexer_select_ref`: token slots `[T, topk + kpool - 1]` (or `[T, topk]`), -1
     padded. q `[T, H, D]`, weights `[T, H]` fp32, pool_keys `[N / kpool, D]`.
-    `score_queries` (a power of two): consecutive queries per scoring program, which then read
-    each block of pooled keys once for all of them (`indexer_score_tiled_kernel`)."""
+    `score_queries` (a power of two): consecutive queries per scoring program when the plan has
+    a chunk of at least that many queries of one sequence; they then read each block of pooled
+    keys once for all of them (`indexer_score_tiled_kernel`). Batches of decodes score one query
+    per program."""
     num_tokens, heads, dim = q.shape
     width = topk + (kpool - 1 if select_tail else 0)
     out = torch.empty(num_tokens, width, dtype=torch.long, device=q.device)
@@ -192,6 +198,8 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
     max_pools = plan.max_pools
     num_sel = min(topk // kpool, max_pools)
     per_token = (plan.rows, plan.positions)
+    longest_chunk = max((g.idx.numel() for g in plan.groups if g.shared), default=1)
+    per_program = score_queries if longest_chunk >= score_queries else 1
     rows = max(1, (tiling or TILING).max_score_elems // max(max_pools, 1))
     for t0 in range(0, num_tokens, rows):
         n = min(rows, num_tokens - t0)
@@ -200,7 +208,7 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
             scores = torch.empty(n, max_pools, dtype=torch.float32, device=q.device)
             lengths = torch.empty(n, dtype=torch.int32, device=q.device)
             score_pools(q, weights, pool_keys, page_table, plan, scores, lengths, t0, n,
-                        page_size, kpool, score_queries)
+                        page_size, kpool, per_program)
             pools = topk_indices(scores, lengths, num_sel, config=topk_config)
         indexer_expand_kernel[(n,)](
             pools, page_table, *per_token, out, t0, num_sel, width, page_table.stride(0),
