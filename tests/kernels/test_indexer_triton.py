@@ -10,8 +10,8 @@ from glmflash.kernels.indexer import (
     decode_select_plan,
     indexer_select_ref,
     select_plan,
+    triton_impl,
 )
-from glmflash.kernels.indexer import triton_impl
 from glmflash.kernels.indexer.triton_impl import indexer_select, score_pools
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
