@@ -63,11 +63,6 @@ def decode_candidates() -> dict[str, object]:
         "half a wave": decode(waves=0.5),
         "3 stages": decode(SparseMlaLaunch(64, 3, tail_slots=16)),
         "32-slot steps 4 stages": decode(SparseMlaLaunch(32, 4, tail_slots=16)),
-        "prefetched slots": decode(SparseMlaLaunch(64, 2, tail_slots=16, prefetch_slots=True)),
-        "prefetched slots 32-slot steps 3 stages": decode(
-            SparseMlaLaunch(32, 3, tail_slots=16, prefetch_slots=True)),
-        "prefetched slots 32-slot steps 4 stages": decode(
-            SparseMlaLaunch(32, 4, tail_slots=16, prefetch_slots=True)),
         "combine 2K tiles": decode(combine_elements=2048),
         "combine 16K tiles": decode(combine_elements=16384),
     }
@@ -85,9 +80,6 @@ def prefill_candidates() -> dict[str, object]:
         "old default": old_default(),
         "2 stages": prefill(SparseMlaLaunch(64, 2, tail_slots=16)),
         "32-slot steps 5 stages": prefill(SparseMlaLaunch(32, 5, tail_slots=16)),
-        "prefetched slots": prefill(SparseMlaLaunch(64, 2, tail_slots=16, prefetch_slots=True)),
-        "prefetched slots 32-slot steps 4 stages": prefill(
-            SparseMlaLaunch(32, 4, tail_slots=16, prefetch_slots=True)),
     }
 
 

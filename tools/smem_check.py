@@ -60,7 +60,6 @@ class Launch(NamedTuple):
     stages: int | None = None
     aligned: tuple[str, ...] = ()  # int params that are multiples of 16 at release shapes
     max_registers: int | None = None  # the launch's `maxnreg`
-    archs: tuple[int, ...] | None = None  # the architectures it is for (None: every one)
 
 
 def _divisibility(params: list[str], signature: dict[str, str], launch: Launch) -> dict:
@@ -115,11 +114,6 @@ def sparse_mla_launches() -> list[Launch]:
     out = [sparse_mla_launch(regime, shape)
            for regime, shapes in (("prefill", config.prefill), ("decode", config.decode))
            for shape in shapes]
-    # The slot-prefetch candidates (bench/sparse_mla_sweep.py), sm_90 only.
-    out += [sparse_mla_launch(regime, mla.SparseMlaLaunch(bn, stages, tail_slots=16,
-                                                          prefetch_slots=True))._replace(archs=(90,))
-            for regime, bn, stages in (("decode", 64, 2), ("decode", 32, 3), ("decode", 32, 4),
-                                       ("prefill", 64, 2), ("prefill", 32, 4))]
     combine = {"part_o": _partial_type(), "part_lse": "*fp32", "o": "*bf16"}
     bh = config.combine_heads
     out.append(Launch("sparse_mla_combine", mla_combine.sparse_mla_combine_kernel, combine,
@@ -140,10 +134,9 @@ def sparse_mla_launch(regime: str, shape) -> Launch:
             "part_o": _partial_type(),
             "part_lse": "*fp32", "scale_log2": "fp32"}
     consts = dict(BH=64, BR=512, BN=shape.block_slots, TAIL_BN=shape.tail,
-                  NUM_STAGES=shape.num_stages, IS_SPLIT=split,
-                  PREFETCH_SLOTS=shape.prefetch_slots, DOT=tl.bfloat16, PREC="tf32")
+                  NUM_STAGES=shape.num_stages, IS_SPLIT=split, DOT=tl.bfloat16, PREC="tf32")
     name = (f"sparse_mla {regime} {shape.block_slots}/{shape.tail}/{shape.num_stages}"
-            f"/{shape.num_warps}w{' prefetch' if shape.prefetch_slots else ''}")
+            f"/{shape.num_warps}w")
     return Launch(name, mla.sparse_mla_kernel, ptrs, consts, shape.num_warps, aligned=("H", "R"))
 
 
@@ -377,12 +370,9 @@ def main() -> None:
     print("|---|" + "---|" * len(args.arch))
     used: dict[str, dict[int, int]] = {}
     for launch in launches:
-        per_arch = {arch: usage(launch, arch) for arch in args.arch
-                    if launch.archs is None or arch in launch.archs}
-        if not per_arch:
-            continue
+        per_arch = {arch: usage(launch, arch) for arch in args.arch}
         used[launch.name] = {arch: u.shared for arch, u in per_arch.items()}
-        cells = [_cell(per_arch[arch], arch) if arch in per_arch else "-" for arch in args.arch]
+        cells = [_cell(u, arch) for arch, u in per_arch.items()]
         print(f"| {launch.name} | " + " | ".join(cells) + " |", flush=True)
     found = problems(used)
     for line in found:

@@ -26,7 +26,6 @@ BF16_ATOL = 3e-2
 
 # Interpreter shapes: 16-slot steps, so widths 15/16/17 sit on a step boundary.
 STEP = SparseMlaLaunch(16, 2)
-PREFETCH_STEP = SparseMlaLaunch(16, 3, prefetch_slots=True)
 CONFIGS = {
     # One program per query and head block: the whole selection.
     "whole": SparseMlaConfig(prefill=(STEP,), decode=(STEP,), waves=0.25),
@@ -38,13 +37,6 @@ CONFIGS = {
     # 32-slot steps with 16-slot steps over the tail.
     "tail": SparseMlaConfig(prefill=(SparseMlaLaunch(32, 2, tail_slots=16),),
                             decode=(SparseMlaLaunch(32, 2, tail_slots=16),), waves=16),
-    # Slot indices loaded a step ahead (three gather buffers), split and whole.
-    "prefetch": SparseMlaConfig(prefill=(PREFETCH_STEP,), decode=(PREFETCH_STEP,), waves=16),
-    "prefetch_whole": SparseMlaConfig(prefill=(PREFETCH_STEP,), decode=(PREFETCH_STEP,),
-                                      waves=0.25),
-    "prefetch_tail": SparseMlaConfig(
-        prefill=(SparseMlaLaunch(32, 3, tail_slots=16, prefetch_slots=True),),
-        decode=(SparseMlaLaunch(32, 3, tail_slots=16, prefetch_slots=True),), waves=16),
     # fp32 partials whatever the output's dtype.
     "fp32_partials": SparseMlaConfig(prefill=(STEP,), decode=(STEP,), waves=16,
                                      partial_dtype=torch.float32),
@@ -87,8 +79,7 @@ WIDTHS = [1, 15, 16, 17, 47, 49]
 
 
 @pytest.mark.parametrize("width", WIDTHS, ids=lambda w: f"W{w}")
-@pytest.mark.parametrize("regime", ["whole", "split", "small_tiles", "tail", "prefetch",
-                                    "prefetch_whole"])
+@pytest.mark.parametrize("regime", ["whole", "split", "small_tiles", "tail"])
 def test_widths(regime, width, nan_empty):
     _check((6, 4, 32, width), CONFIGS[regime])
 
@@ -100,9 +91,6 @@ CASES = {
     "heads20_many_queries": ((40, 20, 16, 7), "whole"),
     "empty_width": ((3, 4, 32, 0), "split"),
     "two_head_blocks_rank32": ((2, 70, 32, 40), "small_tiles"),
-    "one_query_prefetch_tail": ((1, 4, 64, 70), "prefetch_tail"),
-    "prefetch_two_head_blocks": ((2, 70, 16, 40), "prefetch"),
-    "prefetch_empty_width": ((3, 4, 32, 0), "prefetch"),
 }
 
 
@@ -112,7 +100,7 @@ def test_shapes(case, nan_empty):
     _check(shape, CONFIGS[regime])
 
 
-@pytest.mark.parametrize("regime", ["small_tiles", "fp32_partials", "prefetch"])
+@pytest.mark.parametrize("regime", ["small_tiles", "fp32_partials"])
 def test_bf16(regime, nan_empty):
     """bf16 launches: partials in bf16 (the default) and in fp32."""
     _check((6, 4, 64, 40), CONFIGS[regime], atol=BF16_ATOL, dtype=torch.bfloat16)
@@ -168,10 +156,6 @@ RELEASE_CONFIGS = {
                                decode=(SparseMlaLaunch(32, 2, tail_slots=16),)),
     "steps16": SparseMlaConfig(prefill=(SparseMlaLaunch(16, 2),), decode=(SparseMlaLaunch(16, 2),)),
     "fp32_partials": SparseMlaConfig(partial_dtype=torch.float32),
-    # Slot indices a step ahead: 32-slot steps with four gather buffers (sm_90 only).
-    "prefetch_steps32": SparseMlaConfig(
-        prefill=(SparseMlaLaunch(32, 4, tail_slots=16, prefetch_slots=True),),
-        decode=(SparseMlaLaunch(32, 4, tail_slots=16, prefetch_slots=True),)),
 }
 
 

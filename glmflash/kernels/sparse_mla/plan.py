@@ -28,9 +28,6 @@ class SparseMlaLaunch:
     num_warps: int = 8
     tail_slots: int | None = None
     """Slots per step past the last whole `block_slots` step (None: `block_slots`)."""
-    prefetch_slots: bool = False
-    """Load each step's slot indices one step ahead, so that the gathers get `num_stages`
-    shared-memory buffers instead of two (README.md, "Pipelining")."""
 
     def __post_init__(self) -> None:
         tail = self.tail

@@ -86,19 +86,13 @@ def sparse_mla_kernel(q, latent, slots, o, part_o, part_lse, scale_log2, H, W, R
                       stride_qh, stride_l, stride_s, stride_ot, stride_oh, NUM_SPLITS, STEPS_PER,
                       EXTRA_STEPS, FULL_W, BH: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
                       TAIL_BN: tl.constexpr, NUM_STAGES: tl.constexpr, IS_SPLIT: tl.constexpr,
-                      PREFETCH_SLOTS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+                      DOT: tl.constexpr, PREC: tl.constexpr):
     """Online-softmax attention of q[t, head block] over latent[slots[t, split's range]].
 
     Split s attends whole BN steps (STEPS_PER of them, one more for s < EXTRA_STEPS); the last
     split also attends the tail [FULL_W, W), in TAIL_BN steps. Unsplit: out directly; split:
     the normalised partial output and log2-sum-exp2 per (query, split, head), merged by the
     combine kernel (combine_triton.py).
-
-    PREFETCH_SLOTS: each step loads the next step's slots (int32, in registers) while its
-    gather uses the ones loaded a step before. A gather whose addresses come from a load of the
-    same iteration gets two shared-memory buffers from Triton's pipeliner whatever NUM_STAGES
-    is; one whose addresses are carried from the last iteration gets NUM_STAGES (README.md,
-    "Pipelining").
     """
     i_t, i_hb, i_s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     o_h = i_hb * BH + tl.arange(0, BH)
@@ -116,18 +110,10 @@ def sparse_mla_kernel(q, latent, slots, o, part_o, part_lse, scale_log2, H, W, R
     if TAIL_BN == BN:
         # The last split's loop runs on into the tail, its final step masked.
         w_end = tl.where(is_last, W, w_end)
-    if PREFETCH_SLOTS:
-        idx_next = _step_slots(p_slot, w_begin, w_end, BN).to(tl.int32)
-        for w0 in tl.range(w_begin, w_end, BN, num_stages=NUM_STAGES):
-            idx = idx_next
-            idx_next = _step_slots(p_slot, w0 + BN, w_end, BN).to(tl.int32)
-            b_m, b_l, b_acc = _attend_step(b_q, latent, p_slot, idx, w0, b_m, b_l, b_acc, o_r,
-                                           m_r, stride_l, scale_log2, BN, DOT, PREC)
-    else:
-        for w0 in tl.range(w_begin, w_end, BN, num_stages=NUM_STAGES):
-            idx = _step_slots(p_slot, w0, w_end, BN)
-            b_m, b_l, b_acc = _attend_step(b_q, latent, p_slot, idx, w0, b_m, b_l, b_acc, o_r,
-                                           m_r, stride_l, scale_log2, BN, DOT, PREC)
+    for w0 in tl.range(w_begin, w_end, BN, num_stages=NUM_STAGES):
+        idx = _step_slots(p_slot, w0, w_end, BN)
+        b_m, b_l, b_acc = _attend_step(b_q, latent, p_slot, idx, w0, b_m, b_l, b_acc, o_r, m_r,
+                                       stride_l, scale_log2, BN, DOT, PREC)
     if TAIL_BN < BN:
         # Narrower steps over the tail: the last split's only (an empty range for the others).
         for w0 in tl.range(tl.where(is_last, FULL_W, W), W, TAIL_BN, num_stages=NUM_STAGES):
@@ -236,7 +222,7 @@ def _attend(q_lat, latent, slots, out, scale: float, shape: SparseMlaLaunch, pla
         out.stride(1), plan.num_splits, plan.steps_per_split, plan.extra_steps,
         plan.full_steps * shape.block_slots, BH=bh, BR=max(16, triton.next_power_of_2(rank)),
         BN=shape.block_slots, TAIL_BN=shape.tail, NUM_STAGES=shape.num_stages,
-        IS_SPLIT=workspace is not None, PREFETCH_SLOTS=shape.prefetch_slots,
+        IS_SPLIT=workspace is not None,
         DOT=dot_operand_type(q_lat.dtype),
         PREC=product_precision(q_lat.dtype), num_warps=shape.num_warps)
 
