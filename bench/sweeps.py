@@ -254,7 +254,7 @@ WS_GRID = [(128, 128, 4, 3, True), (128, 128, 4, 4, True), (128, 256, 4, 3, True
            (128, 128, 4, 4, False), (128, 128, 8, 4, False)]
 
 
-def sweep_fp8_ws(rows=(2048, 8192)) -> None:
+def sweep_fp8_ws(rows=(8192, 2048)) -> None:
     """GEMM alone on quantised activations at the release shapes: the warp-specialised TMA
     kernel (fp8_gemm/triton_ws.py) at each WS_GRID shape against the current Triton W8A8 GEMM,
     blockwise and per-tensor `_scaled_mm`; error against the current GEMM's output."""
@@ -283,25 +283,25 @@ def _fp8_ws_case(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> None:
             ws.stride(0), ref.stride(0), BLOCK=128, BM=bm, BN=bn, GROUP_M=8,
             num_warps=warps, num_stages=stages)
 
-    times = {"current triton": graph_ms(current),
-             "blockwise _scaled_mm": graph_ms(lambda: torch._scaled_mm(
-                 xq_t, wq.t(), scale_a=xs_t, scale_b=ws.t(), out_dtype=torch.bfloat16)),
-             "per-tensor _scaled_mm": graph_ms(lambda: torch._scaled_mm(
-                 xq, wq.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))}
-    current()
+    def show(name, ms):
+        print(f"fp8 ws {k}->{n} M={m} {name}: {ms * 1e3:.1f} us "
+              f"{2 * m * n * k / ms / 1e9:.0f} TFLOP/s", flush=True)
+
+    show("current triton", graph_ms(current))
+    show("blockwise _scaled_mm", graph_ms(lambda: torch._scaled_mm(
+        xq_t, wq.t(), scale_a=xs_t, scale_b=ws.t(), out_dtype=torch.bfloat16)))
+    show("per-tensor _scaled_mm", graph_ms(lambda: torch._scaled_mm(
+        xq, wq.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)))
     for shape in WS_GRID:
         cfg = WsGemmConfig(*shape)
         try:
             got = fp8_gemm_ws(xq, xs, wq, ws, torch.bfloat16, 128, cfg)
             err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-            times[f"ws {shape} err {err:.1e}"] = graph_ms(
-                lambda c=cfg: fp8_gemm_ws(xq, xs, wq, ws, torch.bfloat16, 128, c))
+            show(f"ws {shape} err {err:.1e}", graph_ms(
+                lambda c=cfg: fp8_gemm_ws(xq, xs, wq, ws, torch.bfloat16, 128, c)))
         except Exception as e:  # a shape the compiler refuses: say so, go on
             print(f"fp8 ws {k}->{n} M={m} {shape}: {type(e).__name__} "
                   f"{str(e).splitlines()[0][:120] if str(e) else ''}", flush=True)
-    for name, ms in times.items():
-        print(f"fp8 ws {k}->{n} M={m} {name}: {ms * 1e3:.1f} us "
-              f"{2 * m * n * k / ms / 1e9:.0f} TFLOP/s", flush=True)
 
 
 def main() -> None:
