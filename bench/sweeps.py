@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -249,61 +248,6 @@ def _indexer_prefill_case(ctx_len: int, chunk: int, per_program, peak: float) ->
               f"(bf16 peak {peak:.0f})", flush=True)
 
 
-# Warp-specialised W8A8 GEMM shapes: (block_m, block_n, warps, stages, warp_specialize).
-WS_GRID = [(128, 128, 4, 3, True), (128, 128, 4, 4, True), (128, 256, 4, 3, True),
-           (128, 128, 4, 4, False), (128, 128, 8, 4, False)]
-
-
-def sweep_fp8_ws(rows=(8192, 2048)) -> None:
-    """GEMM alone on quantised activations at the release shapes: the warp-specialised TMA
-    kernel (fp8_gemm/triton_ws.py) at each WS_GRID shape against the current Triton W8A8 GEMM,
-    blockwise and per-tensor `_scaled_mm`; error against the current GEMM's output."""
-    from glmflash.kernels.fp8_gemm import quantize_block_fp8
-
-    for k, n in FP8_SHAPES:
-        wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda"))
-        for m in rows:
-            _fp8_ws_case(torch.randn(m, k, device="cuda").bfloat16(), wq, ws)
-
-
-def _fp8_ws_case(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> None:
-    from glmflash.kernels.fp8_gemm import triton_impl as ti
-    from glmflash.kernels.fp8_gemm.triton_ws import WsGemmConfig, fp8_gemm_ws
-
-    (m, k), n = x.shape, wq.shape[0]
-    one = torch.ones((), device="cuda")
-    xq, xs = ti.quantize_activations(x, wq.dtype, 128)
-    xq_t, xs_t = ti.quantize_activations(x, wq.dtype, 128, scales_m_major=True)
-    bm, bn, warps, stages = ti.DEFAULT_CONFIG.w8a8_tile
-    ref = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-
-    def current():
-        ti.fp8_gemm_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
-            xq, xs, wq, ws, ref, m, n, k, xq.stride(0), xs.stride(0), wq.stride(0),
-            ws.stride(0), ref.stride(0), BLOCK=128, BM=bm, BN=bn, GROUP_M=8,
-            num_warps=warps, num_stages=stages)
-
-    def show(name, ms):
-        print(f"fp8 ws {k}->{n} M={m} {name}: {ms * 1e3:.1f} us "
-              f"{2 * m * n * k / ms / 1e9:.0f} TFLOP/s", flush=True)
-
-    show("current triton", graph_ms(current))
-    show("blockwise _scaled_mm", graph_ms(lambda: torch._scaled_mm(
-        xq_t, wq.t(), scale_a=xs_t, scale_b=ws.t(), out_dtype=torch.bfloat16)))
-    show("per-tensor _scaled_mm", graph_ms(lambda: torch._scaled_mm(
-        xq, wq.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)))
-    for shape in WS_GRID:
-        cfg = WsGemmConfig(*shape)
-        try:
-            got = fp8_gemm_ws(xq, xs, wq, ws, torch.bfloat16, 128, cfg)
-            err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-            show(f"ws {shape} err {err:.1e}", graph_ms(
-                lambda c=cfg: fp8_gemm_ws(xq, xs, wq, ws, torch.bfloat16, 128, c)))
-        except Exception as e:  # a shape the compiler refuses: say so, go on
-            print(f"fp8 ws {k}->{n} M={m} {shape}: {type(e).__name__} "
-                  f"{str(e).splitlines()[0][:120] if str(e) else ''}", flush=True)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", default="kda,mla,fp8")
@@ -340,8 +284,6 @@ def main() -> None:
         sweep_fp8_one_row()
     if "fp8rules" in ops:
         sweep_fp8_rules()
-    if "fp8ws" in ops:
-        sweep_fp8_ws()
     if "moe" in ops:
         from bench.fused_moe import parts_table
 
