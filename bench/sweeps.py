@@ -6,8 +6,8 @@
 `kda_profile`: each kernel's GPU time in fla's prefill and the candidates' (first length);
 `moe`: fused MoE prefill at 8192 tokens by parts: both sorts, the GEMMs (bench/fused_moe.py);
 `fp8rules`: FP8 linear at 16 rows, the streaming grid and the per-shape rules over it;
-`indexer_prefill`: the indexer's scoring of a prefill chunk at long context, by queries per
-scoring program (`indexer_select(score_queries=...)`).
+`indexer_prefill`: the indexer's scoring of a prefill chunk at long context, by launch shape
+(`indexer.triton_impl.ScoreLaunch`: queries and pool blocks per program, stages).
 
 Every time is the median of CUDA-graph replays (bench/kernels.py `graph_ms`); kda_prefill
 (bench/kda_sweep.py) times whole prefills by events, next to fla's.
@@ -215,18 +215,24 @@ def sweep_topk(k: int = 512) -> None:
 INDEXER_PREFILL_SHAPES = ((131072, 512), (1048576, 512))
 
 
-def sweep_indexer_prefill(per_program=(1, 2, 4, 8)) -> None:
-    """The scoring kernel over a chunk of one sequence's queries, at each number of queries per
-    program, against the bf16 tensor peak (the chunk's products) of the same run."""
+# Scoring launches for a prefill chunk: (queries, pool blocks per program, stages); first the
+# one-query kernel, then the default.
+INDEXER_CHUNK_GRID = [(1, 1, 1), (4, 1, 1), (4, 4, 2), (4, 8, 2), (4, 16, 2), (4, 16, 3),
+                      (4, 32, 3), (8, 8, 2), (2, 16, 3)]
+
+
+def sweep_indexer_prefill() -> None:
+    """The scoring kernel over a chunk of one sequence's queries at each launch shape, against
+    the bf16 tensor peak (the chunk's products) of the same run."""
     peak = bf16_peak_tflops()
     for ctx_len, chunk in INDEXER_PREFILL_SHAPES:
-        _indexer_prefill_case(ctx_len, chunk, per_program, peak)
+        _indexer_prefill_case(ctx_len, chunk, peak)
         torch.cuda.empty_cache()
 
 
-def _indexer_prefill_case(ctx_len: int, chunk: int, per_program, peak: float) -> None:
+def _indexer_prefill_case(ctx_len: int, chunk: int, peak: float) -> None:
     from glmflash.kernels.indexer import select_plan
-    from glmflash.kernels.indexer.triton_impl import score_pools
+    from glmflash.kernels.indexer.triton_impl import ScoreLaunch, score_pools
 
     heads, dim, kpool, page = 32, 128, 4, 64
     plan = select_plan([0, chunk], [ctx_len - chunk], [0], kpool, torch.device("cuda"))
@@ -234,18 +240,22 @@ def _indexer_prefill_case(ctx_len: int, chunk: int, per_program, peak: float) ->
     table_ = torch.arange(ctx_len // page, device="cuda", dtype=torch.int32)[None]
     q = torch.randn(chunk, heads, dim, device="cuda").bfloat16()
     w = torch.randn(chunk, heads, device="cuda") * heads ** -0.5
-    scores = torch.empty(chunk, plan.max_pools, device="cuda")
     lengths = torch.empty(chunk, dtype=torch.int32, device="cuda")
     pools = sum((p + 1) // kpool for p in range(ctx_len - chunk, ctx_len))
     flops = 2 * heads * dim * pools
-    base = None
-    for n in per_program:
-        us = graph_ms(lambda n=n: score_pools(q, w, pool_keys, table_, plan, scores, lengths, 0,
-                                              chunk, page, kpool, n)) * 1e3
+    base, first = None, None
+    for shape in INDEXER_CHUNK_GRID:
+        launch = ScoreLaunch(*shape)
+        scores = torch.full((chunk, plan.max_pools), float("nan"), device="cuda")
+        us = graph_ms(lambda s=scores, c=launch: score_pools(
+            q, w, pool_keys, table_, plan, s, lengths, 0, chunk, page, kpool, c)) * 1e3
+        first = scores if first is None else first
+        cand = ~torch.isnan(first)
+        same = torch.allclose(scores[cand], first[cand], rtol=1e-3, atol=1e-3)
         base = base or us
-        print(f"indexer prefill ctx={ctx_len} chunk={chunk} queries/program={n}: {us:.0f} us "
-              f"({base / us:.2f}x of 1), {flops / us / 1e6:.0f} TFLOP/s "
-              f"(bf16 peak {peak:.0f})", flush=True)
+        print(f"indexer prefill ctx={ctx_len} chunk={chunk} {shape}: {us:.0f} us "
+              f"({base / us:.2f}x of one query), {flops / us / 1e6:.0f} TFLOP/s "
+              f"(bf16 peak {peak:.0f}), same scores {same}", flush=True)
 
 
 def main() -> None:

@@ -269,9 +269,13 @@ def indexer_launches() -> list[Launch]:
                  PREC="tf32")
     out = [Launch("indexer score", indexer.indexer_score_kernel, ptrs, score, 4,
                   aligned=("NH", "D"))]
-    # Several queries of a prefill chunk per program (a sweep candidate).
-    out += [Launch(f"indexer score {bq} queries", indexer.indexer_score_tiled_kernel, ptrs,
-                   dict(score, BQ=bq), 4, aligned=("NH", "D")) for bq in (2, 4, 8)]
+    # Several queries of a prefill chunk per program: the default and the sweep's shapes.
+    shapes = [indexer.CHUNK_SCORE] + [indexer.ScoreLaunch(*s) for s in
+                                      ((4, 1, 1), (4, 8, 2), (4, 16, 3), (8, 8, 2), (2, 8, 2))]
+    out += [Launch(f"indexer score {s.queries} queries x {s.pool_blocks} blocks "
+                   f"/{s.num_stages}", indexer.indexer_score_tiled_kernel, ptrs,
+                   dict(score, BQ=s.queries, POOL_BLOCKS=s.pool_blocks, NUM_STAGES=s.num_stages),
+                   4, s.num_stages, aligned=("NH", "D")) for s in dict.fromkeys(shapes)]
     topk = {"scores": "*fp32", "lengths": "*i32", "hist": "*i32", "seg_hist": "*i32",
             "counts": "*i32", "out": "*i32"}
     config = indexer_topk.DEFAULT_CONFIG

@@ -12,7 +12,12 @@ from glmflash.kernels.indexer import (
     select_plan,
     triton_impl,
 )
-from glmflash.kernels.indexer.triton_impl import indexer_select, score_pools
+from glmflash.kernels.indexer.triton_impl import (
+    ONE_QUERY,
+    ScoreLaunch,
+    indexer_select,
+    score_pools,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -38,12 +43,12 @@ def _batch(new, prefix, heads, dim, kpool, dtype, seed=42):
 
 
 def _check(new, prefix, *, heads=4, dim=32, kpool=4, topk=16, tail=True, dtype=torch.float32,
-           score_queries=1):
+           score=ONE_QUERY):
     (q, w, pk, table), plan = _batch(new, prefix, heads, dim, kpool, dtype)
     args = (q, w, pk, table, plan)
     kw = dict(page_size=PAGE, topk=topk, kpool=kpool, select_tail=tail)
     want = indexer_select_ref(*args, **kw)
-    got = indexer_select(*args, **kw, score_queries=score_queries)
+    got = indexer_select(*args, **kw, score=score)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
     return want
@@ -65,24 +70,30 @@ def test_indexer_select_matches_ref(new, prefix):
 
 
 # Several queries per scoring program: tiles inside one sequence, tiles across a sequence
-# boundary (scored query by query), a last tile with fewer queries, and decodes.
-@pytest.mark.parametrize("score_queries", [2, 4])
+# boundary (scored query by query), a last tile with fewer queries, and decodes; one or several
+# pool blocks per program (here 16 pools a block: 40-60 pools at these prefixes).
+TILED = {"2q": ScoreLaunch(2), "4q": ScoreLaunch(4), "4q_3_blocks": ScoreLaunch(4, 3, 2),
+         "2q_2_blocks": ScoreLaunch(2, 2, 1)}
+
+
+@pytest.mark.parametrize("score", TILED.values(), ids=TILED.keys())
 @pytest.mark.parametrize("new,prefix", [([30, 1], [0, 60]), ([9, 0, 5], [7, 2, 50]),
-                                        ([1, 1, 1], [3, 100, 17]), ([13], [40])],
+                                        ([1, 1, 1], [3, 100, 17]), ([13], [200])],
                          ids=["prefill_then_decode", "empty_seq", "decode3", "odd_chunk"])
-def test_indexer_select_several_queries_per_program(new, prefix, score_queries):
-    _check(new, prefix, score_queries=score_queries)
+def test_indexer_select_several_queries_per_program(new, prefix, score, monkeypatch):
+    monkeypatch.setattr(triton_impl, "BLOCK_P", 16)
+    _check(new, prefix, score=score)
     # Odd heads and width (masked rows and columns of the product): the same candidate counts,
     # and scores equal up to the order of the sum over heads.
     (q, w, pk, table), plan = _batch(new, prefix, 3, 24, 4, torch.float32)
     n = q.shape[0]
     got = {}
-    for per_program in (1, score_queries):
+    for launch in (ONE_QUERY, score):
         scores = torch.full((n, max(plan.max_pools, 1)), float("nan"), device=DEVICE)
         lengths = torch.full((n,), -1, dtype=torch.int32, device=DEVICE)
-        score_pools(q, w, pk, table, plan, scores, lengths, 0, n, PAGE, 4, per_program)
-        got[per_program] = scores, lengths
-    (one, one_len), (tiled, tiled_len) = got[1], got[score_queries]
+        score_pools(q, w, pk, table, plan, scores, lengths, 0, n, PAGE, 4, launch)
+        got[launch] = scores, lengths
+    (one, one_len), (tiled, tiled_len) = got[ONE_QUERY], got[score]
     assert torch.equal(one_len, tiled_len)
     cand = torch.arange(one.shape[1], device=DEVICE)[None, :] < one_len[:, None]
     assert torch.allclose(one[cand], tiled[cand], rtol=1e-6, atol=1e-6)
@@ -90,15 +101,15 @@ def test_indexer_select_several_queries_per_program(new, prefix, score_queries):
 
 
 def test_indexer_select_tiles_only_chunks(monkeypatch):
-    """By default a plan with a chunk of at least CHUNK_SCORE_QUERIES queries scores that many
+    """By default a plan with a chunk of at least CHUNK_SCORE.queries queries scores that many
     per program; a batch of decodes (or only shorter chunks) one per program."""
     seen = []
     score = triton_impl.score_pools
     monkeypatch.setattr(triton_impl, "score_pools",
                         lambda *a: seen.append(a[-1]) or score(*a))
-    tiled = triton_impl.CHUNK_SCORE_QUERIES
-    for new, prefix, want in (([1, 1, 1], [3, 100, 17], 1), ([30, 1], [0, 60], tiled),
-                              ([tiled - 1, 1], [40, 9], 1)):
+    tiled = triton_impl.CHUNK_SCORE
+    for new, prefix, want in (([1, 1, 1], [3, 100, 17], ONE_QUERY), ([30, 1], [0, 60], tiled),
+                              ([tiled.queries - 1, 1], [40, 9], ONE_QUERY)):
         # 8 heads: a pool whose heads all score below zero scores exactly 0, and with 4 heads
         # such ties decide the last place here (their order is free).
         (q, w, pk, table), plan = _batch(new, prefix, 8, 32, 4, torch.float32)
@@ -168,8 +179,10 @@ def test_indexer_select_graph_replay_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("score_queries", [1, 4, 8])
-def test_indexer_select_release_shape_gpu(score_queries):
+@pytest.mark.parametrize("score", [ONE_QUERY, ScoreLaunch(4), ScoreLaunch(8),
+                                   triton_impl.CHUNK_SCORE, ScoreLaunch(4, 16, 3)],
+                         ids=["one", "4q", "8q", "default", "4q_16_blocks"])
+def test_indexer_select_release_shape_gpu(score):
     # 32 heads x 128, kpool 4, top-2048: a 6000-token context makes the selection sparse.
     _check([1, 1, 300], [6000, 2100, 5000], heads=32, dim=128, topk=2048, dtype=torch.float32,
-           score_queries=score_queries)
+           score=score)

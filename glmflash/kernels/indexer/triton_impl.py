@@ -12,6 +12,8 @@ the pools that exist. Ties may choose and order differently from the reference.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from glmflash.kernels.indexer.ref import SelectPlan, SelectTiling, indexer_write_ref
@@ -30,9 +32,30 @@ BLOCK_P = 64
 # fp32 scores held at once (512 MiB): rows of queries are scored together over every pool of
 # their longest sequence, as many rows as fit; the workspace is bounded whatever the context.
 TILING = SelectTiling(max_score_elems=1 << 27, pool_tile=1 << 62)
-# Queries of one prefill chunk scored per program (README: 1.47x one per program at a 512-query
-# chunk, 128K and 1M context, on the H200; 8 was slower than 4).
-CHUNK_SCORE_QUERIES = 4
+
+
+@dataclass(frozen=True)
+class ScoreLaunch:
+    """Launch shape of the scoring of a prefill chunk (`indexer_score_tiled_kernel`)."""
+
+    queries: int = 4
+    """Consecutive queries per program (a power of two; 1: the one-query kernel, as decodes)."""
+    pool_blocks: int = 1
+    """Blocks of BLOCK_P pools each program scores in turn, its queries loaded once."""
+    num_stages: int = 1
+    """Software pipeline depth of that loop (gathers of the next blocks in flight)."""
+
+    def __post_init__(self) -> None:
+        if self.queries < 1 or self.queries & (self.queries - 1):
+            raise ValueError(f"queries {self.queries}: a power of two")
+        if self.pool_blocks < 1 or (self.queries == 1 and self.pool_blocks != 1):
+            raise ValueError(f"pool_blocks {self.pool_blocks}: >= 1, 1 with one query")
+
+
+# Prefill chunks (README: 4 queries per program 1.47x one at a 512-query chunk, 128K and 1M
+# context, on the H200; 8 was slower than 4); decodes keep one query per program.
+CHUNK_SCORE = ScoreLaunch()
+ONE_QUERY = ScoreLaunch(queries=1)
 
 
 @jit
@@ -100,52 +123,60 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
                                stride_qh, stride_wt, stride_pk, stride_pt, stride_st, NH, D,
                                KPOOL: tl.constexpr, PAGE: tl.constexpr, BQ: tl.constexpr,
                                BHQ: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr,
+                               POOL_BLOCKS: tl.constexpr, NUM_STAGES: tl.constexpr,
                                DOT: tl.constexpr, PREC: tl.constexpr):
-    """`indexer_score_kernel` for BQ consecutive queries per program: the queries' heads are
-    the M of one product (BQ x BHQ rows), so a block of pooled keys is loaded once for them all.
-    The keys are the first query's sequence's; a query of another sequence (a tile across a
-    sequence boundary) is scored alone, as `indexer_score_kernel` scores it."""
+    """`indexer_score_kernel` for BQ consecutive queries and POOL_BLOCKS blocks of BP pools per
+    program: the queries' heads are the M of one product (BQ x BHQ rows), so a block of pooled
+    keys is loaded once for them all, and the queries once for all the blocks. The keys are the
+    first query's sequence's; a query of another sequence (a tile across a sequence boundary)
+    is scored alone, as `indexer_score_kernel` scores it."""
     i_q = tl.program_id(0)
-    i_p = tl.program_id(1)
+    i_pb = tl.program_id(1)
     t_first = t_begin + i_q * BQ
     o_t = t_first + tl.arange(0, BQ)
     m_t = o_t < t_begin + num_tokens
     # Past the last query (a partial tile) the loads repeat the last query, which is in the tile.
     o_tc = tl.minimum(o_t, t_begin + num_tokens - 1)
     length = tl.where(m_t, _candidates(num_pools, positions, o_tc, KPOOL), 0)
-    if i_p == 0:
+    if i_pb == 0:
         tl.store(lengths + o_t - t_begin, length, mask=m_t)
     row0 = tl.load(rows + t_first)
     shared = tl.max(tl.where(tl.load(rows + o_tc) != row0, 1, 0), 0) == 0
     longest = tl.max(length, 0)
-    if i_p * BP < longest:
-        o_p = i_p * BP + tl.arange(0, BP)
-        o_d = tl.arange(0, BD)
-        m_d = o_d < D
-        if shared:
-            # Rows r = (query r // BHQ, head r % BHQ) of one product over the key block.
+    p_begin = i_pb * (POOL_BLOCKS * BP)
+    p_end = tl.minimum(p_begin + POOL_BLOCKS * BP, longest)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    if shared:
+        if p_begin < longest:
+            # Rows r = (query r // BHQ, head r % BHQ) of one product over each key block.
             o_r = tl.arange(0, BQ * BHQ)
             o_rt = (t_first + o_r // BHQ).to(tl.int64)
             o_rh = o_r % BHQ
             m_r = (o_rt < t_begin + num_tokens) & (o_rh < NH)
             b_q = tl.load(q + o_rt[:, None] * stride_qt + o_rh[:, None] * stride_qh
                           + o_d[None, :], mask=m_r[:, None] & m_d[None, :], other=0.0).to(DOT)
-            b_w = tl.load(weights + o_rt * stride_wt + o_rh, mask=m_r, other=0.0)
-            is_key = o_p < longest
-            slot = _slot_of(page_table, row0, o_p.to(tl.int64) * KPOOL, stride_pt, PAGE, is_key)
-            p_k = pool_keys + (slot // KPOOL)[:, None] * stride_pk + o_d[None, :]
-            b_k = tl.load(p_k, mask=is_key[:, None] & m_d[None, :], other=0.0).to(DOT)
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale  # [BQ*BHQ, BP]
-            b_s = tl.maximum(b_s, 0.0) * b_w.to(tl.float32)[:, None]
-            b_s = tl.sum(tl.reshape(b_s, [BQ, BHQ, BP]), 1)  # [BQ, BP]
-            p_s = scores + (o_t - t_begin).to(tl.int64)[:, None] * stride_st + o_p[None, :]
-            tl.store(p_s, b_s, mask=m_t[:, None] & (o_p[None, :] < length[:, None]))
-        else:
+            b_w = tl.load(weights + o_rt * stride_wt + o_rh, mask=m_r, other=0.0).to(tl.float32)
+            p_s = scores + (o_t - t_begin).to(tl.int64)[:, None] * stride_st
+            for p0 in tl.range(p_begin, p_end, BP, num_stages=NUM_STAGES):
+                o_p = p0 + tl.arange(0, BP)
+                is_key = o_p < longest
+                slot = _slot_of(page_table, row0, o_p.to(tl.int64) * KPOOL, stride_pt, PAGE,
+                                is_key)
+                p_k = pool_keys + (slot // KPOOL)[:, None] * stride_pk + o_d[None, :]
+                b_k = tl.load(p_k, mask=is_key[:, None] & m_d[None, :], other=0.0).to(DOT)
+                b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale  # [BQ*BHQ, BP]
+                b_s = tl.maximum(b_s, 0.0) * b_w[:, None]
+                b_s = tl.sum(tl.reshape(b_s, [BQ, BHQ, BP]), 1)  # [BQ, BP]
+                tl.store(p_s + o_p[None, :], b_s,
+                         mask=m_t[:, None] & (o_p[None, :] < length[:, None]))
+    else:
+        for p0 in range(p_begin, p_end, BP):
             for j in range(BQ):
                 i_t = t_first + j
                 if i_t < t_begin + num_tokens:
                     _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions,
-                                 scores, i_t, t_begin, i_p, scale, stride_qt, stride_qh,
+                                 scores, i_t, t_begin, p0 // BP, scale, stride_qt, stride_qh,
                                  stride_wt, stride_pk, stride_pt, stride_st, NH, D, KPOOL, PAGE,
                                  BHQ, BD, BP, DOT, PREC)
 
@@ -181,13 +212,12 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
                    kpool: int, select_tail: bool,
                    topk_config: TopkConfig = DEFAULT_CONFIG,
                    tiling: SelectTiling | None = None,
-                   score_queries: int = CHUNK_SCORE_QUERIES) -> torch.Tensor:
+                   score: ScoreLaunch = CHUNK_SCORE) -> torch.Tensor:
     """Triton `indexer_select_ref`: token slots `[T, topk + kpool - 1]` (or `[T, topk]`), -1
     padded. q `[T, H, D]`, weights `[T, H]` fp32, pool_keys `[N / kpool, D]`.
-    `score_queries` (a power of two): consecutive queries per scoring program when the plan has
-    a chunk of at least that many queries of one sequence; they then read each block of pooled
-    keys once for all of them (`indexer_score_tiled_kernel`). Batches of decodes score one query
-    per program."""
+    `score`: the scoring launch when the plan has a chunk of at least `score.queries` queries
+    of one sequence; they then read each block of pooled keys once for all of them
+    (`indexer_score_tiled_kernel`). Otherwise (batches of decodes) one query per program."""
     num_tokens, heads, dim = q.shape
     width = topk + (kpool - 1 if select_tail else 0)
     out = torch.empty(num_tokens, width, dtype=torch.long, device=q.device)
@@ -199,7 +229,7 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
     num_sel = min(topk // kpool, max_pools)
     per_token = (plan.rows, plan.positions)
     longest_chunk = max((g.idx.numel() for g in plan.groups if g.shared), default=1)
-    per_program = score_queries if longest_chunk >= score_queries else 1
+    launch = score if longest_chunk >= score.queries else ONE_QUERY
     rows = max(1, (tiling or TILING).max_score_elems // max(max_pools, 1))
     for t0 in range(0, num_tokens, rows):
         n = min(rows, num_tokens - t0)
@@ -208,7 +238,7 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
             scores = torch.empty(n, max_pools, dtype=torch.float32, device=q.device)
             lengths = torch.empty(n, dtype=torch.int32, device=q.device)
             score_pools(q, weights, pool_keys, page_table, plan, scores, lengths, t0, n,
-                        page_size, kpool, per_program)
+                        page_size, kpool, launch)
             pools = topk_indices(scores, lengths, num_sel, config=topk_config)
         indexer_expand_kernel[(n,)](
             pools, page_table, *per_token, out, t0, num_sel, width, page_table.stride(0),
@@ -218,12 +248,12 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
 
 
 def score_pools(q, weights, pool_keys, page_table, plan: SelectPlan, scores, lengths, t0: int,
-                n: int, page_size: int, kpool: int, score_queries: int = 1) -> None:
+                n: int, page_size: int, kpool: int, launch: ScoreLaunch = ONE_QUERY) -> None:
     """Scores of query rows [t0, t0 + n) over their candidate pools into `scores` `[n, >=
     max_pools]` (nothing past a row's candidates), their counts into `lengths` `[n]`: one
-    program per (query, pool block), or per (score_queries queries, pool block)."""
+    program per (query, pool block), or per (`launch.queries` queries, `launch.pool_blocks`
+    pool blocks)."""
     heads, dim = q.shape[1], q.shape[2]
-    assert score_queries >= 1 and score_queries & (score_queries - 1) == 0, score_queries
     strides = (q.stride(0), q.stride(1), weights.stride(0), pool_keys.stride(0),
                page_table.stride(0), scores.stride(0), heads, dim)
     shapes = dict(KPOOL=kpool, PAGE=page_size, BHQ=max(16, triton.next_power_of_2(heads)),
@@ -232,13 +262,15 @@ def score_pools(q, weights, pool_keys, page_table, plan: SelectPlan, scores, len
     per_query = (q, weights, pool_keys, page_table, plan.rows, plan.positions, plan.num_pools,
                  scores, lengths, t0)
     pool_blocks = triton.cdiv(plan.max_pools, BLOCK_P)
-    if score_queries == 1:
+    if launch.queries == 1:
         indexer_score_kernel[(n, pool_blocks)](*per_query, dim ** -0.5, *strides, **shapes)
     else:
-        indexer_score_tiled_kernel[(triton.cdiv(n, score_queries), pool_blocks)](
-            *per_query, n, dim ** -0.5, *strides, BQ=score_queries, **shapes)
+        grid = (triton.cdiv(n, launch.queries), triton.cdiv(pool_blocks, launch.pool_blocks))
+        indexer_score_tiled_kernel[grid](
+            *per_query, n, dim ** -0.5, *strides, BQ=launch.queries,
+            POOL_BLOCKS=launch.pool_blocks, NUM_STAGES=launch.num_stages, **shapes)
 
 
 indexer_write = indexer_write_ref
 
-__all__ = ["indexer_select", "indexer_write"]
+__all__ = ["CHUNK_SCORE", "ONE_QUERY", "ScoreLaunch", "indexer_select", "indexer_write"]
