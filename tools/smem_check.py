@@ -265,17 +265,15 @@ def indexer_launches() -> list[Launch]:
     ptrs = {"q": "*bf16", "weights": "*fp32", "pool_keys": "*bf16", "page_table": "*i32",
             "rows": "*i64", "positions": "*i64", "num_pools": "*i64", "scores": "*fp32",
             "lengths": "*i32"}
-    score = dict(KPOOL=4, PAGE=64, BHQ=32, BD=128, BP=indexer.BLOCK_P, DOT=tl.bfloat16,
-                 PREC="tf32")
-    out = [Launch("indexer score", indexer.indexer_score_kernel, ptrs, score, 4,
-                  aligned=("NH", "D"))]
-    # Several queries of a prefill chunk per program: the default and the sweep's shapes.
-    shapes = [indexer.CHUNK_SCORE] + [indexer.ScoreLaunch(*s) for s in
-                                      ((4, 1, 1), (4, 8, 2), (4, 16, 3), (8, 8, 2), (2, 8, 2))]
-    out += [Launch(f"indexer score {s.queries} queries x {s.pool_blocks} blocks "
-                   f"/{s.num_stages}", indexer.indexer_score_tiled_kernel, ptrs,
-                   dict(score, BQ=s.queries, POOL_BLOCKS=s.pool_blocks, NUM_STAGES=s.num_stages),
-                   4, s.num_stages, aligned=("NH", "D")) for s in dict.fromkeys(shapes)]
+    one, chunk = indexer.ONE_QUERY, indexer.CHUNK_SCORE
+    score = dict(KPOOL=4, PAGE=64, BHQ=32, BD=128, DOT=tl.bfloat16, PREC="tf32")
+    out = [Launch("indexer score", indexer.indexer_score_kernel, ptrs,
+                  dict(score, BP=one.block_pools), 4, aligned=("NH", "D")),
+           Launch(f"indexer score {chunk.queries} queries x {chunk.pool_blocks} blocks",
+                  indexer.indexer_score_tiled_kernel, ptrs,
+                  dict(score, BP=chunk.block_pools, BQ=chunk.queries,
+                       POOL_BLOCKS=chunk.pool_blocks, NUM_STAGES=chunk.num_stages),
+                  4, chunk.num_stages, aligned=("NH", "D"))]
     topk = {"scores": "*fp32", "lengths": "*i32", "hist": "*i32", "seg_hist": "*i32",
             "counts": "*i32", "out": "*i32"}
     config = indexer_topk.DEFAULT_CONFIG

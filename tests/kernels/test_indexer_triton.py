@@ -71,17 +71,16 @@ def test_indexer_select_matches_ref(new, prefix):
 
 # Several queries per scoring program: tiles inside one sequence, tiles across a sequence
 # boundary (scored query by query), a last tile with fewer queries, and decodes; one or several
-# pool blocks per program (here 16 pools a block: 40-60 pools at these prefixes).
-TILED = {"2q": ScoreLaunch(2), "4q": ScoreLaunch(4), "4q_3_blocks": ScoreLaunch(4, 3, 2),
-         "2q_2_blocks": ScoreLaunch(2, 2, 1)}
+# pool blocks per program (16 pools a block: 50 pools in the odd chunk).
+TILED = {"2q": ScoreLaunch(2), "4q": ScoreLaunch(4), "4q_3_blocks": ScoreLaunch(4, 3, 2, 16),
+         "2q_2_blocks": ScoreLaunch(2, 2, 1, 16)}
 
 
 @pytest.mark.parametrize("score", TILED.values(), ids=TILED.keys())
 @pytest.mark.parametrize("new,prefix", [([30, 1], [0, 60]), ([9, 0, 5], [7, 2, 50]),
                                         ([1, 1, 1], [3, 100, 17]), ([13], [200])],
                          ids=["prefill_then_decode", "empty_seq", "decode3", "odd_chunk"])
-def test_indexer_select_several_queries_per_program(new, prefix, score, monkeypatch):
-    monkeypatch.setattr(triton_impl, "BLOCK_P", 16)
+def test_indexer_select_several_queries_per_program(new, prefix, score):
     _check(new, prefix, score=score)
     # Odd heads and width (masked rows and columns of the product): the same candidate counts,
     # and scores equal up to the order of the sum over heads.

@@ -27,8 +27,6 @@ except ImportError:  # the package must import without triton; the launchers nee
 
 from glmflash.kernels.triton_utils import dot_operand_type, jit, product_precision
 
-# Pools per scoring program, and the most score elements materialised at once (fp32).
-BLOCK_P = 64
 # fp32 scores held at once (512 MiB): rows of queries are scored together over every pool of
 # their longest sequence, as many rows as fit; the workspace is bounded whatever the context.
 TILING = SelectTiling(max_score_elems=1 << 27, pool_tile=1 << 62)
@@ -36,20 +34,25 @@ TILING = SelectTiling(max_score_elems=1 << 27, pool_tile=1 << 62)
 
 @dataclass(frozen=True)
 class ScoreLaunch:
-    """Launch shape of the scoring of a prefill chunk (`indexer_score_tiled_kernel`)."""
+    """Launch shape of the scoring: one query per program (`indexer_score_kernel`, decodes) or
+    a prefill chunk's queries several at a time (`indexer_score_tiled_kernel`)."""
 
     queries: int = 4
     """Consecutive queries per program (a power of two; 1: the one-query kernel, as decodes)."""
     pool_blocks: int = 1
-    """Blocks of BLOCK_P pools each program scores in turn, its queries loaded once."""
+    """Blocks of `block_pools` pools each program scores in turn, its queries loaded once."""
     num_stages: int = 1
     """Software pipeline depth of that loop (gathers of the next blocks in flight)."""
+    block_pools: int = 64
+    """Pools per block: the N of each product (a power of two, at least 16)."""
 
     def __post_init__(self) -> None:
         if self.queries < 1 or self.queries & (self.queries - 1):
             raise ValueError(f"queries {self.queries}: a power of two")
         if self.pool_blocks < 1 or (self.queries == 1 and self.pool_blocks != 1):
             raise ValueError(f"pool_blocks {self.pool_blocks}: >= 1, 1 with one query")
+        if self.block_pools < 16 or self.block_pools & (self.block_pools - 1):
+            raise ValueError(f"block_pools {self.block_pools}: a power of two >= 16")
 
 
 # Prefill chunks: 4 queries and 16 pool blocks per program, two stages (README: 2.05-2.13x one
@@ -258,11 +261,11 @@ def score_pools(q, weights, pool_keys, page_table, plan: SelectPlan, scores, len
     strides = (q.stride(0), q.stride(1), weights.stride(0), pool_keys.stride(0),
                page_table.stride(0), scores.stride(0), heads, dim)
     shapes = dict(KPOOL=kpool, PAGE=page_size, BHQ=max(16, triton.next_power_of_2(heads)),
-                  BD=max(16, triton.next_power_of_2(dim)), BP=BLOCK_P,
+                  BD=max(16, triton.next_power_of_2(dim)), BP=launch.block_pools,
                   DOT=dot_operand_type(q.dtype), PREC=product_precision(q.dtype), num_warps=4)
     per_query = (q, weights, pool_keys, page_table, plan.rows, plan.positions, plan.num_pools,
                  scores, lengths, t0)
-    pool_blocks = triton.cdiv(plan.max_pools, BLOCK_P)
+    pool_blocks = triton.cdiv(plan.max_pools, launch.block_pools)
     if launch.queries == 1:
         indexer_score_kernel[(n, pool_blocks)](*per_query, dim ** -0.5, *strides, **shapes)
     else:
