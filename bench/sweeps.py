@@ -1,13 +1,15 @@
 """Launch-shape sweeps of the decode-sized GPU kernels (prints only; pick defaults from these).
 
     PYTHONPATH=. python bench/sweeps.py
-        [--ops kda,kda_prefill,kda_profile,topk,indexer_prefill,mla,fp8,fp8row,fp8rules,moe]
+        [--ops kda,kda_prefill,kda_profile,topk,indexer_prefill,indexer_decode,mla,fp8,fp8row,
+               fp8rules,moe]
 
 `kda_profile`: each kernel's GPU time in fla's prefill and the candidates' (first length);
 `moe`: fused MoE prefill at 8192 tokens by parts: both sorts, the GEMMs (bench/fused_moe.py);
 `fp8rules`: FP8 linear at 16 rows, the streaming grid and the per-shape rules over it;
 `indexer_prefill`: the indexer's scoring of a prefill chunk at long context, by launch shape
-(`indexer.triton_impl.ScoreLaunch`: queries and pool blocks per program, stages).
+(`indexer.triton_impl.ScoreLaunch`: queries and pool blocks per program, stages);
+`indexer_decode`: the same for decodes (one query per sequence) at 128K and 1M.
 
 Every time is the median of CUDA-graph replays (bench/kernels.py `graph_ms`); kda_prefill
 (bench/kda_sweep.py) times whole prefills by events, next to fla's.
@@ -25,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import bf16_peak_tflops, graph_ms, rotated  # noqa: E402
+from bench.common import bf16_peak_tflops, copy_bandwidth, graph_ms, rotated  # noqa: E402
 from bench.kernels import FP8_SHAPES, D, _kda_inputs  # noqa: E402
 
 
@@ -258,6 +260,47 @@ def _indexer_prefill_case(ctx_len: int, chunk: int, peak: float) -> None:
               f"(bf16 peak {peak:.0f}), same scores {same}", flush=True)
 
 
+# Scoring launches for decodes: (queries, pool blocks per program, stages); the default first.
+INDEXER_DECODE_GRID = [(1, 1, 1), (1, 4, 2), (1, 8, 2), (1, 16, 2), (1, 16, 3)]
+# (context, sequences): one query at 128K, 32 sequences at 1M (the issue's decode shapes).
+INDEXER_DECODE_SHAPES = ((131072, 1), (1048576, 32))
+
+
+def sweep_indexer_decode() -> None:
+    """The scoring of decodes (one query per sequence) at each launch shape, against reading
+    the pooled keys once at the copy bandwidth of the same run."""
+    copy = copy_bandwidth()
+    for ctx_len, b in INDEXER_DECODE_SHAPES:
+        _indexer_decode_case(ctx_len, b, copy)
+        torch.cuda.empty_cache()
+
+
+def _indexer_decode_case(ctx_len: int, b: int, copy_gbs: float) -> None:
+    from glmflash.kernels.indexer import decode_select_plan
+    from glmflash.kernels.indexer.triton_impl import ScoreLaunch, score_pools
+
+    heads, dim, kpool, page = 32, 128, 4, 64
+    pools = ctx_len // kpool
+    pool_keys = torch.randn(b * pools, dim, device="cuda").bfloat16()
+    table_ = torch.arange(b * ctx_len // page, device="cuda", dtype=torch.int32).view(b, -1)
+    plan = decode_select_plan(torch.arange(b, device="cuda"),
+                              torch.full((b,), ctx_len - 1, device="cuda"), kpool, pools)
+    q = torch.randn(b, heads, dim, device="cuda").bfloat16()
+    w = torch.randn(b, heads, device="cuda") * heads ** -0.5
+    lengths = torch.empty(b, dtype=torch.int32, device="cuda")
+    floor_us = pool_keys.numel() * 2 / copy_gbs / 1e3
+    first = None
+    for shape in INDEXER_DECODE_GRID:
+        scores = torch.full((b, pools), float("nan"), device="cuda")
+        launch = ScoreLaunch(*shape)
+        us = graph_ms(lambda s=scores, c=launch: score_pools(
+            q, w, pool_keys, table_, plan, s, lengths, 0, b, page, kpool, c)) * 1e3
+        first = scores if first is None else first
+        same = torch.allclose(scores, first, rtol=1e-3, atol=1e-3)
+        print(f"indexer decode scoring ctx={ctx_len} queries={b} {shape}: {us:.0f} us "
+              f"(key read at copy bandwidth {floor_us:.0f} us), same scores {same}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", default="kda,mla,fp8")
@@ -286,6 +329,8 @@ def main() -> None:
         sweep_topk()
     if "indexer_prefill" in ops:
         sweep_indexer_prefill()
+    if "indexer_decode" in ops:
+        sweep_indexer_decode()
     if "mla" in ops:
         sweep_sparse_mla()
     if "fp8" in ops:

@@ -73,7 +73,7 @@ def test_indexer_select_matches_ref(new, prefix):
 # boundary (scored query by query), a last tile with fewer queries, and decodes; one or several
 # pool blocks per program (16 pools a block: 50 pools in the odd chunk).
 TILED = {"2q": ScoreLaunch(2), "4q": ScoreLaunch(4), "4q_3_blocks": ScoreLaunch(4, 3, 2, 16),
-         "2q_2_blocks": ScoreLaunch(2, 2, 1, 16)}
+         "2q_2_blocks": ScoreLaunch(2, 2, 1, 16), "1q_3_blocks": ScoreLaunch(1, 3, 2, 16)}
 
 
 @pytest.mark.parametrize("score", TILED.values(), ids=TILED.keys())
@@ -179,8 +179,9 @@ def test_indexer_select_graph_replay_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("score", [ONE_QUERY, ScoreLaunch(4), ScoreLaunch(8),
-                                   triton_impl.CHUNK_SCORE, ScoreLaunch(4, 16, 3)],
-                         ids=["one", "4q", "8q", "default", "4q_16_blocks"])
+                                   triton_impl.CHUNK_SCORE, ScoreLaunch(4, 16, 3),
+                                   ScoreLaunch(1, 16, 2)],
+                         ids=["one", "4q", "8q", "default", "4q_16_blocks", "1q_16_blocks"])
 def test_indexer_select_release_shape_gpu(score):
     # 32 heads x 128, kpool 4, top-2048: a 6000-token context makes the selection sparse.
     _check([1, 1, 300], [6000, 2100, 5000], heads=32, dim=128, topk=2048, dtype=torch.float32,

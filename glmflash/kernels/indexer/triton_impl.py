@@ -38,7 +38,8 @@ class ScoreLaunch:
     a prefill chunk's queries several at a time (`indexer_score_tiled_kernel`)."""
 
     queries: int = 4
-    """Consecutive queries per program (a power of two; 1: the one-query kernel, as decodes)."""
+    """Consecutive queries per program (a power of two). One query and one pool block: the
+    one-query kernel (`indexer_score_kernel`), as decodes run by default."""
     pool_blocks: int = 1
     """Blocks of `block_pools` pools each program scores in turn, its queries loaded once."""
     num_stages: int = 1
@@ -49,8 +50,8 @@ class ScoreLaunch:
     def __post_init__(self) -> None:
         if self.queries < 1 or self.queries & (self.queries - 1):
             raise ValueError(f"queries {self.queries}: a power of two")
-        if self.pool_blocks < 1 or (self.queries == 1 and self.pool_blocks != 1):
-            raise ValueError(f"pool_blocks {self.pool_blocks}: >= 1, 1 with one query")
+        if self.pool_blocks < 1:
+            raise ValueError(f"pool_blocks {self.pool_blocks}: at least 1")
         if self.block_pools < 16 or self.block_pools & (self.block_pools - 1):
             raise ValueError(f"block_pools {self.block_pools}: a power of two >= 16")
 
@@ -266,7 +267,7 @@ def score_pools(q, weights, pool_keys, page_table, plan: SelectPlan, scores, len
     per_query = (q, weights, pool_keys, page_table, plan.rows, plan.positions, plan.num_pools,
                  scores, lengths, t0)
     pool_blocks = triton.cdiv(plan.max_pools, launch.block_pools)
-    if launch.queries == 1:
+    if launch.queries == 1 and launch.pool_blocks == 1:
         indexer_score_kernel[(n, pool_blocks)](*per_query, dim ** -0.5, *strides, **shapes)
     else:
         grid = (triton.cdiv(n, launch.queries), triton.cdiv(pool_blocks, launch.pool_blocks))
