@@ -2,11 +2,19 @@
 
     ncu --clock-control none -k regex:'kda_|sparse_mla_kernel|fp8_' \\
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \\
-        python3 bench/ncu_targets.py [OP[:SIZE] ...]
+        python3 bench/ncu_targets.py [OP[:SIZE[:SIZE...]] ...]
 
-OP is kda (SIZE tokens), mla (SIZE queries) or fp8 (SIZE rows); with none, kda, mla, fp8:1 and
-fp8:2048. Each op runs once to compile and once more; only the shapes are chosen here, the
-launch parameters are the kernels' own defaults.
+bench/ncu_profile.py runs ncu over these targets and prints one summary row per kernel.
+
+OP and its sizes:
+    kda:TOKENS          KDA chunked prefill of one sequence
+    mla:QUERIES         sparse MLA over 2051 slots of 128K-token caches
+    fp8:M[:K:N]         `fp8_linear` (what the model calls; 16384->4096 by default)
+    smm:M:K:N           per-tensor `torch._scaled_mm` of FP8 operands (the cuBLAS reference)
+    moe:TOKENS          the fused MoE at release shapes, uniform routing
+    idx:CONTEXT:QUERIES indexer select, one decode query per sequence
+With none: kda, mla, fp8:1 and fp8:2048. Each op runs twice (the first compiles); only the
+shapes are chosen here, the launch parameters are the kernels' own defaults.
 """
 
 from __future__ import annotations
@@ -21,41 +29,78 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.kernels import _kda_inputs  # noqa: E402
 
 
-def kda_prefill(num_tokens: int = 4096) -> None:
+def kda_prefill(num_tokens: int = 4096):
     from glmflash.kernels.kda import triton_impl as ti
 
     q, k, v, g, beta, state = _kda_inputs(num_tokens)
-    ti.kda(q, k, v, g, beta, state, [0, num_tokens], [0], [False])
+    return lambda: ti.kda(q, k, v, g, beta, state, [0, num_tokens], [0], [False])
 
 
-def sparse_mla(queries: int = 32, context: int = 131072, width: int = 2051) -> None:
+def sparse_mla(queries: int = 32, context: int = 131072, width: int = 2051):
     from glmflash.kernels.sparse_mla import triton_impl as ti
 
     latent = torch.randn(queries * context, 512, device="cuda").bfloat16()
     q = torch.randn(queries, 64, 512, device="cuda").bfloat16()
     slots = torch.randint(0, context, (queries, width), device="cuda") \
         + torch.arange(queries, device="cuda")[:, None] * context
-    ti.sparse_mla(q, latent, slots, scale=1 / 16)
+    return lambda: ti.sparse_mla(q, latent, slots, scale=1 / 16)
 
 
-def fp8_linear(m: int, k: int = 16384, n: int = 4096) -> None:
+def fp8_linear(m: int, k: int = 16384, n: int = 4096):
     from glmflash.kernels.fp8_gemm import quantize_block_fp8
     from glmflash.kernels.fp8_gemm import triton_impl as ti
 
     wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda"))
-    ti.fp8_linear(torch.randn(m, k, device="cuda").bfloat16(), wq, ws)
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    return lambda: ti.fp8_linear(x, wq, ws)
 
 
-OPS = {"kda": kda_prefill, "mla": sparse_mla, "fp8": fp8_linear}
+def scaled_mm(m: int, k: int, n: int):
+    from bench.kernels import _scaled_mm
+
+    xq = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+    wq = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+    return _scaled_mm(xq, wq)
+
+
+def moe(num_tokens: int):
+    from bench.fused_moe import LIMIT, expert_weights, routing
+    from glmflash.kernels.fused_moe.triton_impl import fused_moe
+
+    w = expert_weights()
+    ids, weights = routing(num_tokens, skewed=False)
+    x = torch.randn(num_tokens, 4096, device="cuda").bfloat16()
+    return lambda: fused_moe(x, ids, weights, *w, limit=LIMIT)
+
+
+def indexer(context: int, queries: int):
+    from glmflash.kernels.indexer import decode_select_plan
+    from glmflash.kernels.indexer import triton_impl as ti
+
+    heads, dim, kpool, topk, page = 32, 128, 4, 2048, 64
+    pools = context // kpool
+    keys = torch.randn(queries * pools, dim, device="cuda").bfloat16()
+    table = torch.arange(queries * context // page, device="cuda",
+                         dtype=torch.int32).view(queries, -1)
+    plan = decode_select_plan(torch.arange(queries, device="cuda"),
+                              torch.full((queries,), context - 1, device="cuda"), kpool, pools)
+    q = torch.randn(queries, heads, dim, device="cuda").bfloat16()
+    w = torch.randn(queries, heads, device="cuda") * heads ** -0.5
+    return lambda: ti.indexer_select(q, w, keys, table, plan, page_size=page, topk=topk,
+                                     kpool=kpool, select_tail=True)
+
+
+OPS = {"kda": kda_prefill, "mla": sparse_mla, "fp8": fp8_linear, "smm": scaled_mm, "moe": moe,
+       "idx": indexer}
 DEFAULT_TARGETS = ("kda", "mla", "fp8:1", "fp8:2048")
 
 
 def main(targets: list[str]) -> None:
     for target in targets or DEFAULT_TARGETS:
-        name, _, size = target.partition(":")
-        args = (int(size),) if size else ()
+        name, *sizes = target.split(":")
+        call = OPS[name](*(int(s) for s in sizes))
         for _ in range(2):
-            OPS[name](*args)
+            call()
         torch.cuda.synchronize()
 
 
