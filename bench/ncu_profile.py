@@ -25,10 +25,10 @@ SECTIONS = ("SpeedOfLight", "Occupancy", "WarpStateStats", "LaunchStats",
             "ComputeWorkloadAnalysis", "SchedulerStats")
 DEFAULT_TARGETS = (
     "mla:8=sparse_mla=2", "mla:32=sparse_mla=2", "mla:4096=sparse_mla_kernel",
-    "fp8:16:4096:4096=fp8_stream", "smm:16:4096:4096=gemm|xmma|cutlass",
-    "fp8:16:1536:16384=fp8_stream", "smm:16:1536:16384=gemm|xmma|cutlass",
-    "fp8:2048:4096:1536=fp8_act_quant|gemm|xmma|cutlass=2",
-    "smm:2048:4096:1536=gemm|xmma|cutlass",
+    "fp8:16:4096:4096=fp8_stream", "smm:16:4096:4096=nvjet|gemm|xmma|cutlass",
+    "fp8:16:1536:16384=fp8_stream", "smm:16:1536:16384=nvjet|gemm|xmma|cutlass",
+    "fp8:2048:4096:1536=fp8_act_quant|nvjet|gemm|xmma|cutlass=2",
+    "smm:2048:4096:1536=nvjet|gemm|xmma|cutlass",
     "moe:8192=fused_moe_w8a8=2", "idx:1048576:32=indexer_score|topk=6",
 )
 STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio")
@@ -69,7 +69,8 @@ def number(text: str) -> float:
 
 def summary(target: str, row: dict[str, str]) -> list[str]:
     time, unit = value(row, "gpu__time_duration.sum")
-    us = number(time) * {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(unit, 1.0)
+    us = number(time) * {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0,
+                                "msecond": 1e3, "ms": 1e3}.get(unit, 1.0)
     stalls = sorted(((number(v), STALL.match(k.split(" [")[0]).group(1))
                      for k, v in row.items() if STALL.match(k.split(" [")[0])), reverse=True)
     tensor = max(((number(v), k.split(" [")[0]) for k, v in row.items()

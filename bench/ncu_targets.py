@@ -8,7 +8,8 @@ bench/ncu_profile.py runs ncu over these targets and prints one summary row per 
 
 OP and its sizes:
     kda:TOKENS          KDA chunked prefill of one sequence
-    mla:QUERIES         sparse MLA over 2051 slots of 128K-token caches
+    mla:QUERIES         sparse MLA over 2051 slots of 128K-token caches (one per query up to
+                        64 queries, one shared by a prefill's queries)
     fp8:M[:K:N]         `fp8_linear` (what the model calls; 16384->4096 by default)
     smm:M:K:N           per-tensor `torch._scaled_mm` of FP8 operands (the cuBLAS reference)
     moe:TOKENS          the fused MoE at release shapes, uniform routing
@@ -39,10 +40,13 @@ def kda_prefill(num_tokens: int = 4096):
 def sparse_mla(queries: int = 32, context: int = 131072, width: int = 2051):
     from glmflash.kernels.sparse_mla import triton_impl as ti
 
-    latent = torch.randn(queries * context, 512, device="cuda").bfloat16()
+    # Decodes (up to 64 queries) each read a cache of their own; a prefill's queries share one.
+    caches = queries if queries <= 64 else 1
+    latent = torch.randn(caches * context, 512, device="cuda").bfloat16()
     q = torch.randn(queries, 64, 512, device="cuda").bfloat16()
-    slots = torch.randint(0, context, (queries, width), device="cuda") \
-        + torch.arange(queries, device="cuda")[:, None] * context
+    slots = torch.randint(0, context, (queries, width), device="cuda")
+    if caches > 1:
+        slots += torch.arange(queries, device="cuda")[:, None] * context
     return lambda: ti.sparse_mla(q, latent, slots, scale=1 / 16)
 
 

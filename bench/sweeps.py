@@ -260,10 +260,13 @@ def _indexer_prefill_case(ctx_len: int, chunk: int, peak: float) -> None:
               f"(bf16 peak {peak:.0f}), same scores {same}", flush=True)
 
 
-# Scoring launches for decodes: (queries, pool blocks per program, stages); the default first.
+# Scoring launches for decodes: (queries, pool blocks per program, stages); one query and one
+# block per program first.
 INDEXER_DECODE_GRID = [(1, 1, 1), (1, 4, 2), (1, 8, 2), (1, 16, 2), (1, 16, 3)]
-# (context, sequences): one query at 128K, 32 sequences at 1M (the decode shapes).
-INDEXER_DECODE_SHAPES = ((131072, 1), (1048576, 32))
+# (context, sequences): one query at 128K and 32 sequences at 1M (the decode shapes),
+# and the sizes between, where DECODE_SCORE's program floor decides.
+INDEXER_DECODE_SHAPES = ((131072, 1), (131072, 8), (131072, 32), (1048576, 1), (1048576, 4),
+                         (1048576, 32))
 
 
 def sweep_indexer_decode() -> None:
@@ -277,7 +280,8 @@ def sweep_indexer_decode() -> None:
 
 def _indexer_decode_case(ctx_len: int, b: int, copy_gbs: float) -> None:
     from glmflash.kernels.indexer import decode_select_plan
-    from glmflash.kernels.indexer.triton_impl import ScoreLaunch, score_pools
+    from glmflash.kernels.indexer.triton_impl import DECODE_SCORE, ScoreLaunch, score_pools
+    from glmflash.kernels.triton_utils import num_sms
 
     heads, dim, kpool, page = 32, 128, 4, 64
     pools = ctx_len // kpool
@@ -289,6 +293,9 @@ def _indexer_decode_case(ctx_len: int, b: int, copy_gbs: float) -> None:
     w = torch.randn(b, heads, device="cuda") * heads ** -0.5
     lengths = torch.empty(b, dtype=torch.int32, device="cuda")
     floor_us = pool_keys.numel() * 2 / copy_gbs / 1e3
+    picked = DECODE_SCORE.pick(b, pools, num_sms(q.device))
+    print(f"indexer decode scoring ctx={ctx_len} queries={b}: DECODE_SCORE picks "
+          f"{(picked.queries, picked.pool_blocks, picked.num_stages)}", flush=True)
     first = None
     for shape in INDEXER_DECODE_GRID:
         scores = torch.full((b, pools), float("nan"), device="cuda")

@@ -43,12 +43,12 @@ def _batch(new, prefix, heads, dim, kpool, dtype, seed=42):
 
 
 def _check(new, prefix, *, heads=4, dim=32, kpool=4, topk=16, tail=True, dtype=torch.float32,
-           score=ONE_QUERY):
+           score=ONE_QUERY, decode=triton_impl.DECODE_SCORE):
     (q, w, pk, table), plan = _batch(new, prefix, heads, dim, kpool, dtype)
     args = (q, w, pk, table, plan)
     kw = dict(page_size=PAGE, topk=topk, kpool=kpool, select_tail=tail)
     want = indexer_select_ref(*args, **kw)
-    got = indexer_select(*args, **kw, score=score)
+    got = indexer_select(*args, **kw, score=score, decode=decode)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
     return want
@@ -118,6 +118,27 @@ def test_indexer_select_tiles_only_chunks(monkeypatch):
                                         kpool=4, select_tail=True)
         assert torch.equal(got.sort(dim=1).values, want_slots.sort(dim=1).values)
         assert seen.pop() == want, (new, prefix)
+
+
+def test_decode_rule_tiles_only_when_every_sm_keeps_programs(monkeypatch):
+    """Decodes take the rule's tiled launch while its grid leaves `min_programs_per_sm`
+    programs per SM (counted in whole pool-block groups), one query per program otherwise;
+    either way the selection is the reference's."""
+    tiled = ScoreLaunch(1, 3, 2, 16)
+    rule = triton_impl.DecodeScoreRule(tiled, min_programs_per_sm=2)
+    assert rule.pick(8, 48, 4) == tiled  # 8 queries x 1 group of 3 blocks = 8 programs
+    assert rule.pick(7, 48, 4) == ONE_QUERY
+    assert rule.pick(2, 16 * 3 * 3 + 1, 4) == tiled  # 10 blocks: 4 groups each
+    assert rule.pick(2, 16 * 3 * 3, 4) == ONE_QUERY
+    seen = []
+    score = triton_impl.score_pools
+    monkeypatch.setattr(triton_impl, "score_pools", lambda *a: seen.append(a[-1]) or score(*a))
+    # Four decodes, the longest of 400 tokens (100 pools, 7 blocks of 16, 3 groups of 3): a
+    # grid of 12 programs over the interpreter's 4 SMs, at a floor of 3 per SM, not at 4.
+    for floor, want in ((3, tiled), (4, ONE_QUERY)):
+        _check([1, 1, 1, 1], [150, 399, 260, 201], score=triton_impl.CHUNK_SCORE,
+               decode=triton_impl.DecodeScoreRule(tiled, min_programs_per_sm=floor))
+        assert seen.pop() == want
 
 
 def test_indexer_select_follows_page_table():

@@ -25,7 +25,7 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
-from glmflash.kernels.triton_utils import dot_operand_type, jit, product_precision
+from glmflash.kernels.triton_utils import dot_operand_type, jit, num_sms, product_precision
 
 # fp32 scores held at once (512 MiB): rows of queries are scored together over every pool of
 # their longest sequence, as many rows as fit; the workspace is bounded whatever the context.
@@ -57,10 +57,28 @@ class ScoreLaunch:
 
 
 # Prefill chunks: 4 queries and 16 pool blocks per program, two stages (README: 2.05-2.13x one
-# query per program at a 512-query chunk, 128K and 1M context, on the H200); decodes keep one
-# query per program.
+# query per program at a 512-query chunk, 128K and 1M context, on the H200).
 CHUNK_SCORE = ScoreLaunch(queries=4, pool_blocks=16, num_stages=2)
 ONE_QUERY = ScoreLaunch(queries=1)
+
+
+@dataclass(frozen=True)
+class DecodeScoreRule:
+    """The scoring of batches of decodes (no chunk of `CHUNK_SCORE.queries` queries of one
+    sequence): `tiled` while its grid still gives every SM `min_programs_per_sm` programs (long
+    contexts, many sequences: a program's query is loaded once for its pool blocks), one query
+    and one pool block per program otherwise (short work needs every program it can get)."""
+
+    tiled: ScoreLaunch = ScoreLaunch(queries=1, pool_blocks=16, num_stages=2)
+    min_programs_per_sm: int = 8
+
+    def pick(self, queries: int, max_pools: int, sms: int) -> ScoreLaunch:
+        blocks = -(-max_pools // self.tiled.block_pools)
+        programs = queries * -(-blocks // self.tiled.pool_blocks)
+        return self.tiled if programs >= self.min_programs_per_sm * sms else ONE_QUERY
+
+
+DECODE_SCORE = DecodeScoreRule()
 
 
 @jit
@@ -217,12 +235,13 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
                    kpool: int, select_tail: bool,
                    topk_config: TopkConfig = DEFAULT_CONFIG,
                    tiling: SelectTiling | None = None,
-                   score: ScoreLaunch = CHUNK_SCORE) -> torch.Tensor:
+                   score: ScoreLaunch = CHUNK_SCORE,
+                   decode: DecodeScoreRule = DECODE_SCORE) -> torch.Tensor:
     """Triton `indexer_select_ref`: token slots `[T, topk + kpool - 1]` (or `[T, topk]`), -1
     padded. q `[T, H, D]`, weights `[T, H]` fp32, pool_keys `[N / kpool, D]`.
     `score`: the scoring launch when the plan has a chunk of at least `score.queries` queries
     of one sequence; they then read each block of pooled keys once for all of them
-    (`indexer_score_tiled_kernel`). Otherwise (batches of decodes) one query per program."""
+    (`indexer_score_tiled_kernel`). Otherwise (batches of decodes) `decode` picks the launch."""
     num_tokens, heads, dim = q.shape
     width = topk + (kpool - 1 if select_tail else 0)
     out = torch.empty(num_tokens, width, dtype=torch.long, device=q.device)
@@ -234,10 +253,11 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
     num_sel = min(topk // kpool, max_pools)
     per_token = (plan.rows, plan.positions)
     longest_chunk = max((g.idx.numel() for g in plan.groups if g.shared), default=1)
-    launch = score if longest_chunk >= score.queries else ONE_QUERY
     rows = max(1, (tiling or TILING).max_score_elems // max(max_pools, 1))
     for t0 in range(0, num_tokens, rows):
         n = min(rows, num_tokens - t0)
+        launch = score if longest_chunk >= score.queries else \
+            decode.pick(n, max_pools, num_sms(q.device))
         pools = torch.empty(n, 0, dtype=torch.int32, device=q.device)
         if num_sel:
             scores = torch.empty(n, max_pools, dtype=torch.float32, device=q.device)
@@ -278,4 +298,5 @@ def score_pools(q, weights, pool_keys, page_table, plan: SelectPlan, scores, len
 
 indexer_write = indexer_write_ref
 
-__all__ = ["CHUNK_SCORE", "ONE_QUERY", "ScoreLaunch", "indexer_select", "indexer_write"]
+__all__ = ["CHUNK_SCORE", "DECODE_SCORE", "ONE_QUERY", "DecodeScoreRule", "ScoreLaunch",
+           "indexer_select", "indexer_write"]
