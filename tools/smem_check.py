@@ -268,12 +268,13 @@ def indexer_launches() -> list[Launch]:
     one, chunk = indexer.ONE_QUERY, indexer.CHUNK_SCORE
     score = dict(KPOOL=4, PAGE=64, BHQ=32, BD=128, DOT=tl.bfloat16, PREC="tf32")
     out = [Launch("indexer score", indexer.indexer_score_kernel, ptrs,
-                  dict(score, BP=one.block_pools), 4, aligned=("NH", "D")),
-           Launch(f"indexer score {chunk.queries} queries x {chunk.pool_blocks} blocks",
-                  indexer.indexer_score_tiled_kernel, ptrs,
-                  dict(score, BP=chunk.block_pools, BQ=chunk.queries,
-                       POOL_BLOCKS=chunk.pool_blocks, NUM_STAGES=chunk.num_stages),
-                  4, chunk.num_stages, aligned=("NH", "D"))]
+                  dict(score, BP=one.block_pools), 4, aligned=("NH", "D"))]
+    out += [Launch(f"indexer score {tiled.queries} queries x {tiled.pool_blocks} blocks",
+                   indexer.indexer_score_tiled_kernel, ptrs,
+                   dict(score, BP=tiled.block_pools, BQ=tiled.queries,
+                        POOL_BLOCKS=tiled.pool_blocks, NUM_STAGES=tiled.num_stages),
+                   4, tiled.num_stages, aligned=("NH", "D"))
+            for tiled in (chunk, *indexer.DECODE_SCORE.tiled)]
     topk = {"scores": "*fp32", "lengths": "*i32", "hist": "*i32", "seg_hist": "*i32",
             "counts": "*i32", "out": "*i32"}
     config = indexer_topk.DEFAULT_CONFIG

@@ -121,23 +121,24 @@ def test_indexer_select_tiles_only_chunks(monkeypatch):
 
 
 def test_decode_rule_tiles_only_when_every_sm_keeps_programs(monkeypatch):
-    """Decodes take the rule's tiled launch while its grid leaves `min_programs_per_sm`
-    programs per SM (counted in whole pool-block groups), one query per program otherwise;
-    either way the selection is the reference's."""
-    tiled = ScoreLaunch(1, 3, 2, 16)
-    rule = triton_impl.DecodeScoreRule(tiled, min_programs_per_sm=2)
-    assert rule.pick(8, 48, 4) == tiled  # 8 queries x 1 group of 3 blocks = 8 programs
-    assert rule.pick(7, 48, 4) == ONE_QUERY
-    assert rule.pick(2, 16 * 3 * 3 + 1, 4) == tiled  # 10 blocks: 4 groups each
-    assert rule.pick(2, 16 * 3 * 3, 4) == ONE_QUERY
+    """Decodes take the first of the rule's tiled launches whose grid leaves
+    `min_programs_per_sm` programs per SM (counted in whole pool-block groups), one query per
+    program when none does; either way the selection is the reference's."""
+    wide, narrow = ScoreLaunch(1, 3, 2, 16), ScoreLaunch(1, 2, 1, 16)
+    rule = triton_impl.DecodeScoreRule((wide, narrow), min_programs_per_sm=2)
+    assert rule.pick(8, 48, 4) == wide  # 8 queries x 1 group of 3 blocks = 8 programs
+    assert rule.pick(3, 16 * 6, 4) == narrow  # 6 blocks: 3 x 2 groups of 3 < 8, 3 x 3 of 2
+    assert rule.pick(3, 48, 4) == ONE_QUERY  # 3 x 1 group of 3, 3 x 2 groups of 2
+    assert rule.pick(2, 16 * 3 * 3 + 1, 4) == wide  # 10 blocks: 4 groups of 3 each
+    assert rule.pick(2, 16 * 3 * 3, 4) == narrow  # 9 blocks: 3 groups of 3, 5 of 2
     seen = []
     score = triton_impl.score_pools
     monkeypatch.setattr(triton_impl, "score_pools", lambda *a: seen.append(a[-1]) or score(*a))
-    # Four decodes, the longest of 400 tokens (100 pools, 7 blocks of 16, 3 groups of 3): a
-    # grid of 12 programs over the interpreter's 4 SMs, at a floor of 3 per SM, not at 4.
-    for floor, want in ((3, tiled), (4, ONE_QUERY)):
+    # Four decodes, the longest of 400 tokens (100 pools, 7 blocks of 16: 3 groups of 3, 4 of
+    # 2): a grid of 12 or 16 programs over the interpreter's 4 SMs.
+    for floor, want in ((3, wide), (4, narrow), (5, ONE_QUERY)):
         _check([1, 1, 1, 1], [150, 399, 260, 201], score=triton_impl.CHUNK_SCORE,
-               decode=triton_impl.DecodeScoreRule(tiled, min_programs_per_sm=floor))
+               decode=triton_impl.DecodeScoreRule((wide, narrow), min_programs_per_sm=floor))
         assert seen.pop() == want
 
 

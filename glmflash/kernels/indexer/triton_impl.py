@@ -65,17 +65,21 @@ ONE_QUERY = ScoreLaunch(queries=1)
 @dataclass(frozen=True)
 class DecodeScoreRule:
     """The scoring of batches of decodes (no chunk of `CHUNK_SCORE.queries` queries of one
-    sequence): `tiled` while its grid still gives every SM `min_programs_per_sm` programs (long
-    contexts, many sequences: a program's query is loaded once for its pool blocks), one query
-    and one pool block per program otherwise (short work needs every program it can get)."""
+    sequence): the first of `tiled` whose grid still gives every SM `min_programs_per_sm`
+    programs (long contexts, many sequences: a program's query is loaded once for its pool
+    blocks, whose gathers are pipelined), else one query and one pool block per program
+    (short work needs every program it can get). README.md has the measurements."""
 
-    tiled: ScoreLaunch = ScoreLaunch(queries=1, pool_blocks=16, num_stages=2)
+    tiled: tuple[ScoreLaunch, ...] = (ScoreLaunch(queries=1, pool_blocks=16, num_stages=2),
+                                      ScoreLaunch(queries=1, pool_blocks=4, num_stages=2))
     min_programs_per_sm: int = 8
 
     def pick(self, queries: int, max_pools: int, sms: int) -> ScoreLaunch:
-        blocks = -(-max_pools // self.tiled.block_pools)
-        programs = queries * -(-blocks // self.tiled.pool_blocks)
-        return self.tiled if programs >= self.min_programs_per_sm * sms else ONE_QUERY
+        for launch in self.tiled:
+            blocks = -(-max_pools // launch.block_pools)
+            if queries * -(-blocks // launch.pool_blocks) >= self.min_programs_per_sm * sms:
+                return launch
+        return ONE_QUERY
 
 
 DECODE_SCORE = DecodeScoreRule()
