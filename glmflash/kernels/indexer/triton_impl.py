@@ -34,12 +34,12 @@ TILING = SelectTiling(max_score_elems=1 << 27, pool_tile=1 << 62)
 
 @dataclass(frozen=True)
 class ScoreLaunch:
-    """Launch shape of the scoring: one query per program (`indexer_score_kernel`, decodes) or
-    a prefill chunk's queries several at a time (`indexer_score_tiled_kernel`)."""
+    """Launch shape of the scoring: one query and one pool block per program
+    (`indexer_score_kernel`), or several of either (`indexer_score_tiled_kernel`)."""
 
     queries: int = 4
     """Consecutive queries per program (a power of two). One query and one pool block: the
-    one-query kernel (`indexer_score_kernel`), as decodes run by default."""
+    one-query kernel (`indexer_score_kernel`)."""
     pool_blocks: int = 1
     """Blocks of `block_pools` pools each program scores in turn, its queries loaded once."""
     num_stages: int = 1
