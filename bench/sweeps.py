@@ -198,10 +198,9 @@ def sweep_topk(k: int = 512) -> None:
     """The radix top-k (indexer/topk_triton.py) at each launch shape against torch.topk."""
     from glmflash.kernels.indexer.topk_triton import DEFAULT_CONFIG, TopkConfig, topk_indices
 
-    # The default with 8- and 4-bit digits, then 4-bit digits at other launch shapes.
     grid = [DEFAULT_CONFIG] + [
-        TopkConfig(block=b, min_segment=b, programs_per_sm=p, num_warps=4, digit_bits=4)
-        for p, b in itertools.product((8, 4, 16), (1024, 2048))]
+        TopkConfig(block=b, min_segment=b, programs_per_sm=p, num_warps=w)
+        for p, b, w in itertools.product((4, 8, 16), (1024, 2048), (4, 8))]
     for rows, width in TOPK_SHAPES:
         scores = torch.randn(rows, width, device="cuda")
         lengths = torch.full((rows,), width, dtype=torch.int32, device="cuda")
@@ -211,9 +210,8 @@ def sweep_topk(k: int = 512) -> None:
         for c in grid:
             ok = torch.equal(topk_indices(scores, lengths, k, config=c).sort(1).values, want)
             us = graph_ms(lambda c=c, s=scores, n=lengths: topk_indices(s, n, k, config=c)) * 1e3
-            print(f"topk rows={rows} width={width} digit={c.digit_bits} block={c.block} "
-                  f"per_sm={c.programs_per_sm} warps={c.num_warps}: {us:.1f} us"
-                  f"{'' if ok else ' WRONG SET'}", flush=True)
+            print(f"topk rows={rows} width={width} block={c.block} per_sm={c.programs_per_sm} "
+                  f"warps={c.num_warps}: {us:.1f} us{'' if ok else ' WRONG SET'}", flush=True)
 
 
 # (context tokens, queries of one sequence at its end): a prefill chunk at long context.

@@ -277,16 +277,14 @@ def indexer_launches() -> list[Launch]:
             for tiled in (chunk, *indexer.DECODE_SCORE.tiled)]
     topk = {"scores": "*fp32", "lengths": "*i32", "hist": "*i32", "seg_hist": "*i32",
             "counts": "*i32", "out": "*i32"}
-    for config in (indexer_topk.DEFAULT_CONFIG, indexer_topk.LONG_ROWS_CONFIG):
-        digits = dict(DIGIT=config.digit_bits, BINS=config.bins)
-        consts = dict(digits, BLOCK=config.block)
-        name = f"indexer top-k ({config.digit_bits}-bit digits)"
-        out += [Launch(f"{name} histogram pass {p}", indexer_topk.topk_histogram_kernel, topk,
-                       dict(consts, PASS=p), config.num_warps) for p in range(config.passes)]
-        out += [Launch(f"{name} count", indexer_topk.topk_count_kernel, topk, digits,
-                       config.num_warps),
-                Launch(f"{name} write", indexer_topk.topk_write_kernel, topk, consts,
-                       config.num_warps)]
+    config = indexer_topk.DEFAULT_CONFIG
+    consts = dict(BLOCK=config.block)
+    out += [Launch(f"indexer top-k histogram pass {p}", indexer_topk.topk_histogram_kernel, topk,
+                   dict(consts, PASS=p), config.num_warps) for p in range(4)]
+    out += [Launch("indexer top-k count", indexer_topk.topk_count_kernel, topk, {},
+                   config.num_warps),
+            Launch("indexer top-k write", indexer_topk.topk_write_kernel, topk, consts,
+                   config.num_warps)]
     write = {"keys": "*bf16", "gates": "*bf16", "ape": "*bf16", "pool_keys": "*bf16",
              "tail": "*bf16", "page_table": "*i32", "slots": "*i64", "positions": "*i64",
              "token_rows": "*i64"}

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from glmflash.kernels.indexer.ref import SelectPlan, SelectTiling, indexer_write_ref
-from glmflash.kernels.indexer.topk_triton import TopkConfig, topk_indices
+from glmflash.kernels.indexer.topk_triton import DEFAULT_CONFIG, TopkConfig, topk_indices
 
 try:
     import triton
@@ -237,7 +237,7 @@ def indexer_expand_kernel(pools, page_table, rows, positions, out, t_begin, num_
 def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor,
                    page_table: torch.Tensor, plan: SelectPlan, *, page_size: int, topk: int,
                    kpool: int, select_tail: bool,
-                   topk_config: TopkConfig | None = None,
+                   topk_config: TopkConfig = DEFAULT_CONFIG,
                    tiling: SelectTiling | None = None,
                    score: ScoreLaunch = CHUNK_SCORE,
                    decode: DecodeScoreRule = DECODE_SCORE) -> torch.Tensor:
