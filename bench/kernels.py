@@ -105,22 +105,44 @@ def bench_indexer(shapes: list[tuple[int, int]], copy_gbs: float) -> str:
                   "same set as ref"], rows)
 
 
+# Indexer release shapes: heads, head dim, tokens per pool, page size; tokens selected.
+INDEXER_SHAPE = (32, 128, 4, 64)
+INDEXER_TOPK = 2048
+
+
+def indexer_inputs(queries: int, sequences: int, ctx_len: int) -> tuple:
+    """Random pooled keys of `sequences` caches of `ctx_len` tokens (page table rows in order)
+    and `queries` queries: (pool_keys, page_table, q, weights)."""
+    heads, dim, kpool, page = INDEXER_SHAPE
+    pool_keys = torch.randn(sequences * ctx_len // kpool, dim, device="cuda").bfloat16()
+    table = torch.arange(sequences * ctx_len // page, device="cuda",
+                         dtype=torch.int32).view(sequences, -1)
+    q = torch.randn(queries, heads, dim, device="cuda").bfloat16()
+    w = torch.randn(queries, heads, device="cuda") * heads ** -0.5
+    return pool_keys, table, q, w
+
+
+def indexer_decode_plan(ctx_len: int, b: int):
+    """The select plan of `b` decodes, sequence i at the last position of its cache i."""
+    from glmflash.kernels.indexer import decode_select_plan
+
+    kpool = INDEXER_SHAPE[2]
+    return decode_select_plan(torch.arange(b, device="cuda"),
+                              torch.full((b,), ctx_len - 1, device="cuda"), kpool,
+                              ctx_len // kpool)
+
+
 def _indexer_row(ctx_len: int, b: int, copy_gbs: float) -> list:
     """Decodes of `b` sequences of `ctx_len` tokens each, as a CUDA graph runs them."""
-    from glmflash.kernels.indexer import decode_select_plan, indexer_select_ref
+    from glmflash.kernels.indexer import indexer_select_ref
     from glmflash.kernels.indexer import triton_impl as ti
     from glmflash.kernels.indexer.topk_triton import topk_indices
 
-    heads, dim, kpool, topk, page = 32, 128, 4, 2048, 64
+    _, _, kpool, page = INDEXER_SHAPE
+    topk = INDEXER_TOPK
     pools = ctx_len // kpool
-    pool_keys = torch.randn(b * pools, dim, device="cuda").bfloat16()
-    table_ = torch.arange(b * ctx_len // page, device="cuda", dtype=torch.int32).view(b, -1)
-    rows = torch.arange(b, device="cuda")
-    positions = torch.full((b,), ctx_len - 1, device="cuda")
-    plan = decode_select_plan(rows, positions, kpool, pools)
-    q = torch.randn(b, heads, dim, device="cuda").bfloat16()
-    w = torch.randn(b, heads, device="cuda") * heads ** -0.5
-    args = (q, w, pool_keys, table_, plan)
+    pool_keys, table_, q, w = indexer_inputs(b, b, ctx_len)
+    args = (q, w, pool_keys, table_, indexer_decode_plan(ctx_len, b))
     kw = dict(page_size=page, topk=topk, kpool=kpool, select_tail=True)
     ms = graph_ms(lambda: ti.indexer_select(*args, **kw))
     scores = torch.randn(b, pools, device="cuda")

@@ -71,15 +71,15 @@ def summary(target: str, row: dict[str, str]) -> list[str]:
     time, unit = value(row, "gpu__time_duration.sum")
     us = number(time) * {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0,
                                 "msecond": 1e3, "ms": 1e3}.get(unit, 1.0)
-    stalls = sorted(((number(v), STALL.match(k.split(" [")[0]).group(1))
-                     for k, v in row.items() if STALL.match(k.split(" [")[0])), reverse=True)
-    tensor = max(((number(v), k.split(" [")[0]) for k, v in row.items()
-                  if TENSOR.match(k.split(" [")[0])), default=(0.0, "-"))
+    by_name = {key.split(" [")[0]: v for key, v in row.items()}  # units dropped
+    stalls = sorted(((number(v), match.group(1)) for name, v in by_name.items()
+                     if (match := STALL.match(name))), reverse=True)
+    tensor = max((number(v) for name, v in by_name.items() if TENSOR.match(name)), default=0.0)
     top = ", ".join(f"{name} {v:.1f}" for v, name in stalls[:4])
     return [target, row.get("Kernel Name", "?")[:40], f"{us:.1f}",
             value(row, "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed")[0],
             value(row, "sm__throughput.avg.pct_of_peak_sustained_elapsed")[0],
-            f"{tensor[0]:.1f}", value(row, "launch__registers_per_thread")[0],
+            f"{tensor:.1f}", value(row, "launch__registers_per_thread")[0],
             value(row, "launch__grid_size")[0],
             value(row, "sm__warps_active.avg.pct_of_peak_sustained_active")[0],
             value(row, "smsp__average_warp_latency_per_inst_issued.ratio")[0], top]

@@ -78,20 +78,14 @@ def moe(num_tokens: int):
 
 
 def indexer(context: int, queries: int):
-    from glmflash.kernels.indexer import decode_select_plan
+    from bench.kernels import INDEXER_SHAPE, INDEXER_TOPK, indexer_decode_plan, indexer_inputs
     from glmflash.kernels.indexer import triton_impl as ti
 
-    heads, dim, kpool, topk, page = 32, 128, 4, 2048, 64
-    pools = context // kpool
-    keys = torch.randn(queries * pools, dim, device="cuda").bfloat16()
-    table = torch.arange(queries * context // page, device="cuda",
-                         dtype=torch.int32).view(queries, -1)
-    plan = decode_select_plan(torch.arange(queries, device="cuda"),
-                              torch.full((queries,), context - 1, device="cuda"), kpool, pools)
-    q = torch.randn(queries, heads, dim, device="cuda").bfloat16()
-    w = torch.randn(queries, heads, device="cuda") * heads ** -0.5
-    return lambda: ti.indexer_select(q, w, keys, table, plan, page_size=page, topk=topk,
-                                     kpool=kpool, select_tail=True)
+    _, _, kpool, page = INDEXER_SHAPE
+    keys, table, q, w = indexer_inputs(queries, queries, context)
+    plan = indexer_decode_plan(context, queries)
+    return lambda: ti.indexer_select(q, w, keys, table, plan, page_size=page,
+                                     topk=INDEXER_TOPK, kpool=kpool, select_tail=True)
 
 
 OPS = {"kda": kda_prefill, "mla": sparse_mla, "fp8": fp8_linear, "smm": scaled_mm, "moe": moe,

@@ -28,7 +28,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import bf16_peak_tflops, copy_bandwidth, graph_ms, rotated  # noqa: E402
-from bench.kernels import FP8_SHAPES, D, _kda_inputs  # noqa: E402
+from bench.kernels import (  # noqa: E402
+    FP8_SHAPES,
+    INDEXER_SHAPE,
+    D,
+    _kda_inputs,
+    indexer_decode_plan,
+    indexer_inputs,
+)
 
 
 def sweep_kda_decode() -> None:
@@ -224,22 +231,6 @@ INDEXER_CHUNK_GRID = [(1, 1, 1), (4, 1, 1), (4, 4, 2), (4, 8, 2), (4, 16, 2), (4
                       (4, 32, 3), (8, 8, 2), (2, 16, 3)]
 
 
-# Indexer release shapes: heads, head dim, tokens per pool, page size.
-INDEXER_SHAPE = (32, 128, 4, 64)
-
-
-def _indexer_inputs(queries: int, sequences: int, ctx_len: int) -> tuple:
-    """Random pooled keys of `sequences` caches of `ctx_len` tokens (page table rows in order)
-    and `queries` queries: (pool_keys, page_table, q, weights, lengths buffer)."""
-    heads, dim, kpool, page = INDEXER_SHAPE
-    pool_keys = torch.randn(sequences * ctx_len // kpool, dim, device="cuda").bfloat16()
-    table = torch.arange(sequences * ctx_len // page, device="cuda",
-                         dtype=torch.int32).view(sequences, -1)
-    q = torch.randn(queries, heads, dim, device="cuda").bfloat16()
-    w = torch.randn(queries, heads, device="cuda") * heads ** -0.5
-    return pool_keys, table, q, w, torch.empty(queries, dtype=torch.int32, device="cuda")
-
-
 def sweep_indexer_prefill() -> None:
     """The scoring kernel over a chunk of one sequence's queries at each launch shape, against
     the bf16 tensor peak (the chunk's products) of the same run."""
@@ -255,7 +246,8 @@ def _indexer_prefill_case(ctx_len: int, chunk: int, peak: float) -> None:
 
     heads, dim, kpool, page = INDEXER_SHAPE
     plan = select_plan([0, chunk], [ctx_len - chunk], [0], kpool, torch.device("cuda"))
-    pool_keys, table_, q, w, lengths = _indexer_inputs(chunk, 1, ctx_len)
+    pool_keys, table_, q, w = indexer_inputs(chunk, 1, ctx_len)
+    lengths = torch.empty(chunk, dtype=torch.int32, device="cuda")
     pools = sum((p + 1) // kpool for p in range(ctx_len - chunk, ctx_len))
     flops = 2 * heads * dim * pools
     base, first = None, None
@@ -292,15 +284,14 @@ def sweep_indexer_decode() -> None:
 
 
 def _indexer_decode_case(ctx_len: int, b: int, copy_gbs: float) -> None:
-    from glmflash.kernels.indexer import decode_select_plan
     from glmflash.kernels.indexer.triton_impl import DECODE_SCORE, ScoreLaunch, score_pools
     from glmflash.kernels.triton_utils import num_sms
 
     _, _, kpool, page = INDEXER_SHAPE
     pools = ctx_len // kpool
-    pool_keys, table_, q, w, lengths = _indexer_inputs(b, b, ctx_len)
-    plan = decode_select_plan(torch.arange(b, device="cuda"),
-                              torch.full((b,), ctx_len - 1, device="cuda"), kpool, pools)
+    pool_keys, table_, q, w = indexer_inputs(b, b, ctx_len)
+    lengths = torch.empty(b, dtype=torch.int32, device="cuda")
+    plan = indexer_decode_plan(ctx_len, b)
     floor_us = pool_keys.numel() * 2 / copy_gbs / 1e3
     picked = DECODE_SCORE.pick(b, pools, num_sms(q.device))
     print(f"indexer decode scoring ctx={ctx_len} queries={b}: DECODE_SCORE picks "

@@ -47,6 +47,12 @@ class ScoreLaunch:
     block_pools: int = 64
     """Pools per block: the N of each product (a power of two, at least 16)."""
 
+    def grid(self, num_queries: int, max_pools: int) -> tuple[int, int]:
+        """Programs along the queries and along the pools for `num_queries` rows scoring up
+        to `max_pools` pools each."""
+        blocks = -(-max_pools // self.block_pools)
+        return -(-num_queries // self.queries), -(-blocks // self.pool_blocks)
+
     def __post_init__(self) -> None:
         if self.queries < 1 or self.queries & (self.queries - 1):
             raise ValueError(f"queries {self.queries}: a power of two")
@@ -76,8 +82,8 @@ class DecodeScoreRule:
 
     def pick(self, queries: int, max_pools: int, sms: int) -> ScoreLaunch:
         for launch in self.tiled:
-            blocks = -(-max_pools // launch.block_pools)
-            if queries * -(-blocks // launch.pool_blocks) >= self.min_programs_per_sm * sms:
+            along_queries, along_pools = launch.grid(queries, max_pools)
+            if along_queries * along_pools >= self.min_programs_per_sm * sms:
                 return launch
         return ONE_QUERY
 
@@ -290,11 +296,10 @@ def score_pools(q, weights, pool_keys, page_table, plan: SelectPlan, scores, len
                   DOT=dot_operand_type(q.dtype), PREC=product_precision(q.dtype), num_warps=4)
     per_query = (q, weights, pool_keys, page_table, plan.rows, plan.positions, plan.num_pools,
                  scores, lengths, t0)
-    pool_blocks = triton.cdiv(plan.max_pools, launch.block_pools)
+    grid = launch.grid(n, plan.max_pools)
     if launch.queries == 1 and launch.pool_blocks == 1:
-        indexer_score_kernel[(n, pool_blocks)](*per_query, dim ** -0.5, *strides, **shapes)
+        indexer_score_kernel[grid](*per_query, dim ** -0.5, *strides, **shapes)
     else:
-        grid = (triton.cdiv(n, launch.queries), triton.cdiv(pool_blocks, launch.pool_blocks))
         indexer_score_tiled_kernel[grid](
             *per_query, n, dim ** -0.5, *strides, BQ=launch.queries,
             POOL_BLOCKS=launch.pool_blocks, NUM_STAGES=launch.num_stages, **shapes)
