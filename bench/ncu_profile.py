@@ -78,6 +78,7 @@ def summary(target: str, row: dict[str, str]) -> list[str]:
     top = ", ".join(f"{name} {v:.1f}" for v, name in stalls[:4])
     return [target, row.get("Kernel Name", "?")[:40], f"{us:.1f}",
             value(row, "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed")[0],
+            value(row, "lts__throughput.avg.pct_of_peak_sustained_elapsed")[0],
             value(row, "sm__throughput.avg.pct_of_peak_sustained_elapsed")[0],
             f"{tensor:.1f}", value(row, "launch__registers_per_thread")[0],
             value(row, "launch__grid_size")[0],
@@ -92,9 +93,9 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print("| target | kernel | us | DRAM % | SM % | tensor pipe % | regs | grid | occupancy % "
-          "| cycles per issue | top stalls (cycles per issue) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| target | kernel | us | DRAM % | L2 % | SM % | tensor pipe % | regs | grid "
+          "| occupancy % | cycles per issue | top stalls (cycles per issue) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     with open(out / "ncu_raw.csv", "w", newline="") as raw:
         for spec in args.targets:
             target, regex, *count = spec.split("=")

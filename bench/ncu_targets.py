@@ -12,6 +12,8 @@ OP and its sizes:
                         64 queries, one shared by a prefill's queries)
     fp8:M[:K:N]         `fp8_linear` (what the model calls; 16384->4096 by default)
     smm:M:K:N           per-tensor `torch._scaled_mm` of FP8 operands (the cuBLAS reference)
+    bsm:M:K:N           block-scaled `torch._scaled_mm` (1x128 / 128x128 scales) of FP8 operands
+    glu:M:K:N           the Gluon block-scaled GEMM (fp8_gemm/gluon_sm90.py) of the same operands
     moe:TOKENS          the fused MoE at release shapes, uniform routing
     idx:CONTEXT:QUERIES indexer select, one decode query per sequence
 With none: kda, mla, fp8:1 and fp8:2048. Each op runs twice (the first compiles); only the
@@ -67,6 +69,29 @@ def scaled_mm(m: int, k: int, n: int):
     return _scaled_mm(xq, wq)
 
 
+def _block_scaled_operands(m: int, k: int, n: int):
+    from glmflash.kernels.fp8_gemm import quantize_block_fp8
+    from glmflash.kernels.fp8_gemm.triton_impl import quantize_activations
+
+    wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda") * 0.05)
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    xq, xs = quantize_activations(x, wq.dtype, 128, scales_m_major=True)
+    return xq, xs, wq, ws
+
+
+def block_scaled_mm(m: int, k: int, n: int):
+    xq, xs, wq, ws = _block_scaled_operands(m, k, n)
+    return lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(),
+                                    out_dtype=torch.bfloat16)
+
+
+def gluon_gemm(m: int, k: int, n: int):
+    from glmflash.kernels.fp8_gemm import gluon_sm90
+
+    xq, xs, wq, ws = _block_scaled_operands(m, k, n)
+    return lambda: gluon_sm90.gemm(xq, xs, wq, ws, torch.bfloat16)
+
+
 def moe(num_tokens: int):
     from bench.fused_moe import LIMIT, expert_weights, routing
     from glmflash.kernels.fused_moe.triton_impl import fused_moe
@@ -88,8 +113,8 @@ def indexer(context: int, queries: int):
                                      topk=INDEXER_TOPK, kpool=kpool, select_tail=True)
 
 
-OPS = {"kda": kda_prefill, "mla": sparse_mla, "fp8": fp8_linear, "smm": scaled_mm, "moe": moe,
-       "idx": indexer}
+OPS = {"kda": kda_prefill, "mla": sparse_mla, "fp8": fp8_linear, "smm": scaled_mm,
+       "bsm": block_scaled_mm, "glu": gluon_gemm, "moe": moe, "idx": indexer}
 DEFAULT_TARGETS = ("kda", "mla", "fp8:1", "fp8:2048")
 
 

@@ -125,7 +125,8 @@ def test_release_shapes_gpu(num_tokens):
     auto = fused_moe(x, ids, weights, *experts, limit=10.0)
     got = triton_impl.fused_moe(x, ids, weights, *experts, limit=10.0,
                                 config=triton_impl.DEFAULT_DISPATCH.w8a8)
-    assert torch.equal(auto, got), "prefill with FP8 weights takes the W8A8 form"
+    # The Gluon form (SM90) computes each row as the Triton one does: the same bits.
+    assert torch.equal(auto, got), "prefill with FP8 weights takes the W8A8 numerics"
     assert not got.isnan().any()
     emulated = w8a8_moe_emulated(x, ids, weights, *experts, limit=10.0)
     assert norm_error(got, emulated) <= EMULATION_BF16_REL

@@ -1,0 +1,368 @@
+"""Block-scaled FP8 GEMM for SM90 in Gluon, warp-specialised: `out = (A * a_s) (B * b_s)^T` with
+A `[R, K]` e4m3 and one fp32 scale per (row, 128 columns), B `[N, K]` e4m3 with one scale per
+128 x 128 block, fp32 accumulation (DeepSeek's W8A8 numerics, as the Triton W8A8 kernels).
+
+Why Gluon: each 128-wide K block's product must be scaled before it joins the accumulator (the
+"promotion"), and Triton's pipeliner waits for every wgmma there, so its W8A8 loops run at about
+half the FP8 rate (README.md); its automatic warp specialisation hangs under Triton 3.6. Here
+the partitions are written out (DeepGEMM's structure):
+- a one-warp producer streams tiles into a ring of STAGES shared-memory slots by TMA: A as two
+  64-row tiles, one per consumer, and one [128, 128] tile of B;
+- two consumer warpgroups (the default partition and a 4-warp worker) each own 64 rows of the
+  128-row tile. A consumer waits for its product, frees the slot and promotes; the other
+  consumer's product keeps the tensor cores busy meanwhile, as the two are not in lockstep.
+
+Rows may be grouped (the fused MoE's sorted layout): row block i belongs to expert
+`block_expert[i]` (-1: unused) and B is the stacked `[E * N, K]` weights. Three epilogues:
+- STORE_ROWS: bf16 rows at their own index (a dense GEMM);
+- SCATTER_ROWS: row r goes to `row_map[r]` (the MoE down projection: one row per pair), rows
+  whose pair is `num_valid` or more are dropped;
+- GATED: two passes over K through the same ring, gate then up (B0, B1); the gate tile waits
+  in shared memory; h = silu(min(gate, L)) * clip(up, -L, L) is quantised to e4m3 per row over
+  the tile's 128 columns (its scale is the down projection's activation scale), the scales
+  stored K-block-major.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # older Triton, or none: the Triton kernels serve every call
+    gluon = None
+
+STORE_ROWS, SCATTER_ROWS, GATED = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class GluonGemmConfig:
+    """Launch shape: a [128, 128] output tile per program over 128-wide K steps (one scale
+    block each way), so only the ring, the tile order and the registers are free."""
+
+    stages: int = 6
+    """Ring slots of A and B tiles (32 KB each)."""
+    gated_stages: int = 4
+    """Slots in the gated form, whose gate tiles take 64 KB more."""
+    group_m: int = 8
+    """Row blocks that walk the column tiles together (weights and rows stay in L2)."""
+    consumer_regs: int = 240
+    producer_regs: int = 24
+    max_regs: int = 168
+    """Registers a thread at launch: 12 warps (two consumer warpgroups and the producer's)
+    share the 64K; each warpgroup then takes its own count (240 + 240 + 24 = 3 x 168)."""
+
+
+GLUON_CONFIG = GluonGemmConfig()
+BLOCK_M = BLOCK_N = BLOCK_K = 128
+
+
+def available(device: torch.device) -> bool:
+    """Whether the Gluon kernel runs here: Gluon imported and the device is an SM90 GPU."""
+    return (gluon is not None and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] == 9)
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _tile_of(pid, num_row_blocks, num_col_blocks, GROUP_M: gl.constexpr):
+        """Program -> (row block, column block), GROUP_M row blocks walking the columns together."""
+        width = GROUP_M * num_col_blocks
+        first = (pid // width) * GROUP_M
+        size = gl.minimum(num_row_blocks - first, GROUP_M)
+        return first + (pid % width) % size, (pid % width) // size
+
+    @gluon.jit
+    def _producer(a_desc, b0_desc, b1_desc, a_bufs, b_bufs, ready, empty, a_row, b0_row, b1_row,
+                  k_steps, PASSES: gl.constexpr):
+        """TMA loads of A and B into the ring: B0 rows b0_row.. over K, then (PASSES == 2) B1
+        rows b1_row.. over K; a slot is refilled once both consumers have released it."""
+        STAGES: gl.constexpr = b_bufs.type.shape[0]
+        BK: gl.constexpr = a_desc.block_type.shape[1]
+        nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b0_desc.block_type.nbytes
+        for i in range(k_steps * PASSES):
+            s = i % STAGES
+            # A fresh barrier counts as completed phase 1, so the first lap does not wait.
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), nbytes)
+            k = (i % k_steps) * BK
+            # A as two 64-row tiles, one per consumer warpgroup.
+            tma.async_copy_global_to_shared(a_desc, [a_row, k], ready.index(s),
+                                            a_bufs.index(2 * s))
+            tma.async_copy_global_to_shared(a_desc, [a_row + 64, k], ready.index(s),
+                                            a_bufs.index(2 * s + 1))
+            if i < k_steps:
+                tma.async_copy_global_to_shared(b0_desc, [b0_row, k], ready.index(s),
+                                                b_bufs.index(s))
+            else:
+                tma.async_copy_global_to_shared(b1_desc, [b1_row, k], ready.index(s),
+                                                b_bufs.index(s))
+
+    @gluon.jit
+    def _product(a_bufs, b_bufs, s, spare, WG: gl.constexpr):
+        """Start this warpgroup's wgmma of slot s: its 64 rows of A times B^T, into the
+        registers of `spare` (the last product, already promoted: use_acc=False ignores its
+        values, and reusing it keeps a constant zero tile out of the registers)."""
+        a = a_bufs.index(2 * s + WG)
+        b = b_bufs.index(s).permute((1, 0))
+        return warpgroup_mma(a, b, spare, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _scales(p_as, m_rows, stride_as, p_bs, k, k_steps):
+        """a_s[:, k] * b_s[k]: the rows' scales of K block k times B's (zeros from k_steps)."""
+        m_k = k < k_steps
+        return (gl.load(p_as + k * stride_as, mask=m_rows & m_k, other=0.0)
+                * gl.load(p_bs + k, mask=m_k, other=0.0))
+
+    @gluon.jit
+    def _k_loop(a_bufs, b_bufs, ready, empty, p_as, m_rows, stride_as, p_bs, i0, k_steps,
+                WG: gl.constexpr, acc_layout: gl.constexpr):
+        """sum over k of (A_k B_k^T) * a_s[:, k] * b_s[k] over ring steps i0 ..
+        i0 + k_steps - 1. p_as: the rows' scales of K block 0 (K blocks `stride_as` apart),
+        p_bs: B's scale of K block 0 (contiguous in k).
+
+        Each product is waited for before its promotion; the other warpgroup's product runs
+        on the tensor cores meanwhile. (Keeping this warpgroup's next product in flight needs
+        two product registers sets that alternate, and the copies between them make ptxas
+        serialise every wgmma: its warning C7515.)"""
+        STAGES: gl.constexpr = b_bufs.type.shape[0]
+        BN: gl.constexpr = b_bufs.type.shape[1]
+        acc = gl.zeros([64, BN], gl.float32, acc_layout)
+        part = gl.zeros([64, BN], gl.float32, acc_layout)
+        # Each step's scales are loaded a step ahead, out of the way of the product.
+        scale = _scales(p_as, m_rows, stride_as, p_bs, 0, k_steps)
+        for k in range(k_steps):
+            i = i0 + k
+            s = i % STAGES
+            next_scale = _scales(p_as, m_rows, stride_as, p_bs, k + 1, k_steps)
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            part = warpgroup_mma_wait(0, deps=(_product(a_bufs, b_bufs, s, part, WG),))
+            mbarrier.arrive(empty.index(s), count=1)
+            acc = acc + part * gl.expand_dims(scale, 1)
+            scale = next_scale
+        return acc
+
+    @gluon.jit
+    def _store_tile(y, out, row_map, o_r, o_n, R, N, num_valid, stride_om, SCATTER: gl.constexpr):
+        """Rows o_r (or, SCATTER, their row_map entries below num_valid) x columns o_n of out."""
+        m_r = o_r < R
+        if SCATTER:
+            dest = gl.load(row_map + o_r, mask=m_r, other=num_valid)
+            m_r = dest < num_valid
+            o_r = gl.where(m_r, dest, 0)
+        p_o = out + gl.expand_dims(o_r.to(gl.int64) * stride_om, 1) + gl.expand_dims(o_n, 0)
+        gl.store(p_o, y, mask=gl.expand_dims(m_r, 1) & gl.expand_dims(o_n < N, 0))
+
+    @gluon.jit
+    def _gated_epilogue(gate, up, out, out_scale, o_r, o_n, m_r, i_block, R, N, limit, stride_om,
+                        stride_osk):
+        """h = silu(gate) * clip(up, -limit, limit) (gate already clamped above), quantised per
+        row over these 128 columns: e4m3 codes into out, the row scales into block i_block of
+        out_scale (K-block-major, as the down projection reads them)."""
+        up = gl.minimum(gl.maximum(up, -limit), limit)
+        h = gate / (1.0 + gl.exp(-gate)) * up
+        # Columns past N (the next expert's rows of B) must not reach the row's amax.
+        h = gl.where(gl.expand_dims(o_n < N, 0), h, 0.0)
+        scale = gl.maximum(gl.max(gl.abs(h), axis=1), 1e-12) / 448.0
+        codes = (h / gl.expand_dims(scale, 1)).to(out.dtype.element_ty)
+        _store_tile(codes, out, out, o_r, o_n, R, N, R, stride_om, False)
+        gl.store(out_scale + i_block * stride_osk + o_r, scale, mask=m_r)
+
+    @gluon.jit
+    def _consumer(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale, b1_scale, out,
+                  out_scale, row_map, row0, col0, bs_row, k_steps, N, R, num_valid, limit,
+                  stride_as, stride_bsn, stride_om, stride_osk, MODE: gl.constexpr,
+                  WG: gl.constexpr):
+        """One consumer warpgroup: rows row0 + 64 WG .. of the tile; the K loop (two when
+        GATED), then the epilogue of MODE."""
+        BN: gl.constexpr = b_bufs.type.shape[1]
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+        o_r = row0 + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
+        m_r = o_r < R
+        p_as = a_scale + o_r
+        i_block = col0 // BN
+        acc = _k_loop(a_bufs, b_bufs, ready, empty, p_as, m_r, stride_as,
+                      b0_scale + bs_row + i_block * stride_bsn, 0, k_steps, WG, acc_layout)
+        if MODE == 2:
+            gate_buf.index(WG).store(gl.minimum(acc, limit))
+            up = _k_loop(a_bufs, b_bufs, ready, empty, p_as, m_r, stride_as,
+                         b1_scale + bs_row + i_block * stride_bsn, k_steps, k_steps, WG,
+                         acc_layout)
+            gate = gate_buf.index(WG).load(acc_layout)
+            # The columns' indices are made after the K loops: 32 a thread would stay live.
+            o_n = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+            _gated_epilogue(gate, up, out, out_scale, o_r, o_n, m_r, i_block, R, N, limit,
+                            stride_om, stride_osk)
+        else:
+            o_n = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+            _store_tile(acc.to(out.dtype.element_ty), out, row_map, o_r, o_n, R, N, num_valid,
+                        stride_om, MODE == 1)
+
+    @gluon.jit
+    def _consumer_wg0(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale, b1_scale,
+                      out, out_scale, row_map, row0, col0, bs_row, k_steps, N, R, num_valid,
+                      limit, stride_as, stride_bsn, stride_om, stride_osk, MODE: gl.constexpr):
+        # NOTE: a partition's warpgroup index must reach `_consumer` as a constexpr; passed
+        # through warp_specialize's argument tuple it became a runtime value, every branch of
+        # the epilogue was compiled, and one that could not lower crashed the compiler.
+        _consumer(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale, b1_scale, out,
+                  out_scale, row_map, row0, col0, bs_row, k_steps, N, R, num_valid, limit,
+                  stride_as, stride_bsn, stride_om, stride_osk, MODE, 0)
+
+    @gluon.jit
+    def _consumer_wg1(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale, b1_scale,
+                      out, out_scale, row_map, row0, col0, bs_row, k_steps, N, R, num_valid,
+                      limit, stride_as, stride_bsn, stride_om, stride_osk, MODE: gl.constexpr):
+        _consumer(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale, b1_scale, out,
+                  out_scale, row_map, row0, col0, bs_row, k_steps, N, R, num_valid, limit,
+                  stride_as, stride_bsn, stride_om, stride_osk, MODE, 1)
+
+    @gluon.jit
+    def block_fp8_gemm_kernel(a_desc, b0_desc, b1_desc, a_scale, b0_scale, b1_scale, out,
+                              out_scale, row_map, block_expert, R, N, K, num_row_blocks,
+                              num_valid, limit, stride_as, stride_bse, stride_bsn, stride_om,
+                              stride_osk, MODE: gl.constexpr, GROUPED: gl.constexpr,
+                              STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+        """One [128, 128] output tile: see the module docstring. a_scale `[K/128, R]` (row
+        stride `stride_as`), b*_scale `[E, N/128, K/128]`; out_scale (GATED) `[N/128, R]`."""
+        BM: gl.constexpr = 2 * a_desc.block_type.shape[0]
+        BN: gl.constexpr = b0_desc.block_type.shape[0]
+        i_m, i_n = _tile_of(gl.program_id(0), num_row_blocks, gl.cdiv(N, BN), GROUP_M)
+        expert = 0
+        if GROUPED:
+            expert = gl.load(block_expert + i_m)
+        if expert >= 0:
+            row0 = i_m * BM
+            col0 = i_n * BN
+            k_steps = gl.cdiv(K, a_desc.block_type.shape[1])
+            a_bufs = gl.allocate_shared_memory(a_desc.dtype,
+                                               [2 * STAGES] + a_desc.block_type.shape,
+                                               a_desc.layout)
+            b_bufs = gl.allocate_shared_memory(b0_desc.dtype,
+                                               [STAGES] + b0_desc.block_type.shape,
+                                               b0_desc.layout)
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for s in gl.static_range(STAGES):
+                mbarrier.init(ready.index(s), count=1)
+                mbarrier.init(empty.index(s), count=2)  # one arrive per consumer warpgroup
+            # The gated form's gate tiles wait here for the up pass.
+            stash_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+            if MODE == 2:
+                gate_buf = gl.allocate_shared_memory(gl.float32, [2, 64, BN], stash_layout)
+            else:
+                gate_buf = gl.allocate_shared_memory(gl.float32, [2, 1, 1], stash_layout)
+            fence_async_shared()
+            bs_row = expert * stride_bse
+            gl.warp_specialize([
+                (_consumer_wg0, (a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale,
+                                 b1_scale, out, out_scale, row_map, row0, col0, bs_row,
+                                 k_steps, N, R, num_valid, limit, stride_as, stride_bsn,
+                                 stride_om, stride_osk, MODE)),
+                (_consumer_wg1, (a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale,
+                                 b1_scale, out, out_scale, row_map, row0, col0, bs_row,
+                                 k_steps, N, R, num_valid, limit, stride_as, stride_bsn,
+                                 stride_om, stride_osk, MODE)),
+                (_producer, (a_desc, b0_desc, b1_desc, a_bufs, b_bufs, ready, empty, row0,
+                             expert * N + col0, expert * N + col0, k_steps,
+                             2 if MODE == 2 else 1)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
+    return TensorDescriptor.from_tensor(t, block, layout)
+
+
+def _check_k(k: int) -> None:
+    assert k % 16 == 0, "TMA reads rows whose byte length is a multiple of 16"
+
+
+def _launch(a, a_scale, b0, s0, b1, s1, out, out_scale, row_map, block_expert, *, rows: int,
+            n: int, k: int, num_row_blocks: int, num_valid: int, limit: float, mode: int,
+            config: GluonGemmConfig) -> None:
+    a_desc = _descriptor(a, [BLOCK_M // 2, BLOCK_K])
+    b0_desc = _descriptor(b0.reshape(-1, k), [BLOCK_N, BLOCK_K])
+    b1_desc = b0_desc if b1 is None else _descriptor(b1.reshape(-1, k), [BLOCK_N, BLOCK_K])
+    s1 = s0 if s1 is None else s1
+    grouped = block_expert is not None
+    grid = (num_row_blocks * triton.cdiv(n, BLOCK_N),)
+    block_fp8_gemm_kernel[grid](
+        a_desc, b0_desc, b1_desc, a_scale, s0, s1, out, out_scale, row_map, block_expert,
+        rows, n, k, num_row_blocks, num_valid, float(limit), a_scale.stride(1),
+        s0.stride(0) if grouped else 0, s0.stride(-2), out.stride(0),
+        out_scale.stride(0) if out_scale is not None else 0, MODE=mode, GROUPED=grouped,
+        STAGES=config.gated_stages if mode == GATED else config.stages, GROUP_M=config.group_m,
+        CONSUMER_REGS=config.consumer_regs, PRODUCER_REGS=config.producer_regs, num_warps=4,
+        maxnreg=config.max_regs)
+
+
+def gemm(aq: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+         out_dtype: torch.dtype, config: GluonGemmConfig = GLUON_CONFIG) -> torch.Tensor:
+    """Dense `[M, K] x [N, K]^T`: aq e4m3 with scales `a_scale` `[M, K/128]` whose row stride
+    is 1 (quantize_activations(scales_m_major=True)), weight e4m3 `[N, K]` with `scale`
+    `[N/128, K/128]`."""
+    m, k = aq.shape
+    n = weight.shape[0]
+    _check_k(k)
+    assert a_scale.stride(0) == 1, "row scales must be M-major"
+    out = torch.empty(m, n, dtype=out_dtype, device=aq.device)
+    _launch(aq, a_scale, weight, scale.float().contiguous(), None, None, out, None, None, None,
+            rows=m, n=n, k=k, num_row_blocks=triton.cdiv(m, BLOCK_M), num_valid=m, limit=0.0,
+            mode=STORE_ROWS, config=config)
+    return out
+
+
+def grouped_gate_up(aq: torch.Tensor, a_scale: torch.Tensor, block_expert: torch.Tensor,
+                    w_gate: torch.Tensor, s_gate: torch.Tensor, w_up: torch.Tensor,
+                    s_up: torch.Tensor, *, limit: float,
+                    config: GluonGemmConfig = GLUON_CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
+    """h of every sorted row: aq `[R, D]` e4m3 rows in the sorted layout (128-row blocks, block
+    i of expert block_expert[i]) with scales `[R, D/128]` M-major -> (h e4m3 `[R, I]`, its
+    scales `[R, I/128]`, M-major)."""
+    rows, hidden = aq.shape
+    inter = w_gate.shape[1]
+    _check_k(hidden)
+    assert rows == block_expert.numel() * BLOCK_M and a_scale.stride(0) == 1
+    hq = torch.empty(rows, inter, dtype=w_gate.dtype, device=aq.device)
+    hs = torch.empty(triton.cdiv(inter, BLOCK_N), rows, dtype=torch.float32,
+                     device=aq.device).t()
+    _launch(aq, a_scale, w_gate, s_gate, w_up, s_up, hq, hs.t(), None, block_expert, rows=rows,
+            n=inter, k=hidden, num_row_blocks=block_expert.numel(), num_valid=rows,
+            limit=limit, mode=GATED, config=config)
+    return hq, hs
+
+
+def grouped_down(hq: torch.Tensor, hs: torch.Tensor, block_expert: torch.Tensor,
+                 sorted_pairs: torch.Tensor, w_down: torch.Tensor, s_down: torch.Tensor,
+                 num_pairs: int, out_dtype: torch.dtype,
+                 config: GluonGemmConfig = GLUON_CONFIG) -> torch.Tensor:
+    """y `[num_pairs, D]`: each sorted row's h W_down^T into its pair's row (padding rows
+    dropped; rows of skipped pairs unwritten)."""
+    rows, inter = hq.shape
+    hidden = w_down.shape[1]
+    _check_k(inter)
+    y = torch.empty(num_pairs, hidden, dtype=out_dtype, device=hq.device)
+    _launch(hq, hs, w_down, s_down, None, None, y, None, sorted_pairs, block_expert, rows=rows,
+            n=hidden, k=inter, num_row_blocks=block_expert.numel(), num_valid=num_pairs,
+            limit=0.0, mode=SCATTER_ROWS, config=config)
+    return y
+
+
+__all__ = ["GLUON_CONFIG", "GluonGemmConfig", "available", "gemm", "grouped_down",
+           "grouped_gate_up"]

@@ -1,0 +1,124 @@
+"""The warp-specialised Gluon FP8 GEMM (fp8_gemm/gluon_sm90.py) and the MoE form built on it
+(fused_moe/gluon_w8a8.py): on an SM90 GPU against the PyTorch emulation of the W8A8 numerics
+and the fp32 references; the row gather it needs also in the interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glmflash.kernels.fp8_gemm import gluon_sm90, quantize_block_fp8
+from glmflash.kernels.fused_moe import fused_moe_ref, triton_impl
+from glmflash.kernels.fused_moe.gluon_w8a8 import GLUON_W8A8_CONFIG, gather_rows, gluon_fits
+from glmflash.kernels.fused_moe.triton_impl import sort_pairs
+from tests.kernels.test_fused_moe import _release_case, make_routing, norm_error
+from tests.kernels.test_fused_moe_w8a8 import (
+    EMULATION_BF16_REL,
+    W8A8_CLAMPED_REL,
+    W8A8_REL,
+)
+from tests.kernels.w8a8_emulation import w8a8_linear_emulated, w8a8_moe_emulated
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+GLUON = GLUON_W8A8_CONFIG
+# Dense GEMM against the emulation (fp32 products of the dequantised operands): only the
+# summation order and the bf16 output differ.
+GEMM_BF16_REL = 1e-2
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and gluon_sm90.available(torch.device("cuda"))
+
+
+needs_sm90 = pytest.mark.skipif(not _sm90(), reason="the Gluon kernel needs an SM90 GPU")
+
+
+def test_gluon_only_where_it_fits():
+    """Never on the CPU or the interpreter; 16-bit x and whole 128-wide scale blocks only."""
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    assert not gluon_fits(x, 256, 256, 128)
+    if _sm90():
+        x = x.cuda()
+        assert gluon_fits(x, 4096, 2048, 128)
+        assert not gluon_fits(x.float(), 4096, 2048, 128)
+        assert not gluon_fits(x, 4096, 2048 + 64, 128)
+        assert not gluon_fits(x, 4096, 2048, 64)
+
+
+def test_gather_rows_copies_each_pairs_token(seeded):
+    """Sorted rows get their token's codes and scales (scales K-block-major); padding rows get
+    zeros."""
+    gen = torch.Generator().manual_seed(0)
+    num_tokens, top_k, num_experts, hidden = 7, 3, 5, 384
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    xq = x.to(torch.float8_e4m3fn).to(DEVICE)
+    xs = torch.rand(num_tokens, hidden // 128, generator=gen).to(DEVICE)
+    ids, _ = make_routing(num_tokens, top_k, num_experts, gen)
+    sorted_pairs, block_expert = sort_pairs(ids.to(DEVICE), num_experts, 128)
+    # Rows of unused blocks hold whatever was in memory: here pairs past the end.
+    used = (block_expert >= 0).repeat_interleave(128)
+    sorted_pairs[~used] = -7
+    aq, a_s = gather_rows(xq, xs, sorted_pairs, block_expert, top_k)
+    assert a_s.stride(0) == 1
+    pairs = sorted_pairs.long().cpu()
+    valid = (pairs >= 0) & (pairs < num_tokens * top_k)
+    tokens = pairs[valid] // top_k
+    assert torch.equal(aq.cpu()[valid].float(), xq.cpu()[tokens].float())
+    assert torch.equal(a_s.cpu()[valid], xs.cpu()[tokens])
+    padding = used.cpu() & ~valid
+    assert not aq.cpu()[padding].float().any() and not a_s.cpu()[padding].any()
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("m,k,n", [(2048, 4096, 1536), (300, 1536, 640), (129, 512, 256)])
+def test_dense_gemm_matches_emulation(m, k, n):
+    """Full and partial row tiles; K of 4 to 32 blocks."""
+    from glmflash.kernels.fp8_gemm.triton_impl import quantize_activations
+
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda") * 0.05)
+    xq, xs = quantize_activations(x, wq.dtype, 128, scales_m_major=True)
+    got = gluon_sm90.gemm(xq, xs, wq, ws, torch.bfloat16)
+    want = w8a8_linear_emulated(x, wq, ws)
+    assert norm_error(got.float(), want) <= GEMM_BF16_REL
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("num_tokens,num_experts", [(8192, 288), (512, 16), (37, 16)])
+def test_moe_matches_emulation_and_ref(num_tokens, num_experts):
+    """Release width; many tokens per expert, a few, and experts with no token."""
+    x, ids, weights, experts = _release_case(num_tokens, num_experts=num_experts)
+    got = triton_impl.fused_moe(x, ids, weights, *experts, limit=10.0, config=GLUON)
+    assert not got.isnan().any()
+    emulated = w8a8_moe_emulated(x, ids, weights, *experts, limit=10.0)
+    assert norm_error(got, emulated) <= EMULATION_BF16_REL
+    want = fused_moe_ref(x, ids, weights, *experts, limit=10.0)
+    assert norm_error(got, want) <= W8A8_REL
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_moe_same_bits_as_triton_w8a8_and_the_default_on_sm90():
+    """Each row's products, promotions and h quantisation are the Triton W8A8 form's: the
+    outputs are equal; prefill on SM90 takes the Gluon form."""
+    x, ids, weights, experts = _release_case(2048, num_experts=64)
+    got = triton_impl.fused_moe(x, ids, weights, *experts, limit=10.0, config=GLUON)
+    triton_w8a8 = triton_impl.fused_moe(x, ids, weights, *experts, limit=10.0,
+                                        config=triton_impl.DEFAULT_DISPATCH.w8a8)
+    assert torch.equal(got, triton_w8a8)
+    assert triton_impl.default_config(ids.numel(), 64, x, True, 128, hidden=4096,
+                                      inter=2048) == GLUON
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_moe_clamps_bind_and_pairs_skipped():
+    x, ids, weights, experts = _release_case(300, num_experts=16)
+    ids[::5, 1] = -1
+    got = triton_impl.fused_moe(x, ids, weights, *experts, limit=0.3, config=GLUON)
+    emulated = w8a8_moe_emulated(x, ids, weights, *experts, limit=0.3)
+    assert norm_error(got, emulated) <= EMULATION_BF16_REL
+    want = fused_moe_ref(x, ids, weights, *experts, limit=0.3)
+    assert norm_error(got, want) <= W8A8_CLAMPED_REL
