@@ -4,6 +4,10 @@ and the fp32 references; the row gather it needs also in the interpreter."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -27,6 +31,17 @@ def _sm90() -> bool:
 
 
 needs_sm90 = pytest.mark.skipif(not _sm90(), reason="the Gluon kernel needs an SM90 GPU")
+
+
+@pytest.mark.skipif(gluon_sm90.gluon is None, reason="this Triton has no Gluon")
+def test_compiles_for_sm90_without_spills_or_serialised_wgmma():
+    """tools/gluon_check.py in its own process (it installs a stand-in driver): every
+    epilogue form compiles for sm_90 with the installed Triton, ptxas spills nothing and
+    leaves the wgmma asynchronous."""
+    tool = Path(__file__).resolve().parents[2] / "tools" / "gluon_check.py"
+    done = subprocess.run([sys.executable, str(tool)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
 
 
 def test_gluon_only_where_it_fits():

@@ -41,6 +41,9 @@ try:
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    # Triton 3.6 (the H200's) names the TMA load async_copy_global_to_shared; later versions
+    # renamed it async_load and made the old name raise.
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 except ImportError:  # older Triton, or none: the Triton kernels serve every call
     gluon = None
 
@@ -100,15 +103,15 @@ if gluon is not None:
             mbarrier.expect(ready.index(s), nbytes)
             k = (i % k_steps) * BK
             # A as two 64-row tiles, one per consumer warpgroup.
-            tma.async_copy_global_to_shared(a_desc, [a_row, k], ready.index(s),
+            tma_load(a_desc, [a_row, k], ready.index(s),
                                             a_bufs.index(2 * s))
-            tma.async_copy_global_to_shared(a_desc, [a_row + 64, k], ready.index(s),
+            tma_load(a_desc, [a_row + 64, k], ready.index(s),
                                             a_bufs.index(2 * s + 1))
             if i < k_steps:
-                tma.async_copy_global_to_shared(b0_desc, [b0_row, k], ready.index(s),
+                tma_load(b0_desc, [b0_row, k], ready.index(s),
                                                 b_bufs.index(s))
             else:
-                tma.async_copy_global_to_shared(b1_desc, [b1_row, k], ready.index(s),
+                tma_load(b1_desc, [b1_row, k], ready.index(s),
                                                 b_bufs.index(s))
 
     @gluon.jit
@@ -121,11 +124,9 @@ if gluon is not None:
         return warpgroup_mma(a, b, spare, use_acc=False, is_async=True)
 
     @gluon.jit
-    def _scales(p_as, m_rows, stride_as, p_bs, k, k_steps):
-        """a_s[:, k] * b_s[k]: the rows' scales of K block k times B's (zeros from k_steps)."""
-        m_k = k < k_steps
-        return (gl.load(p_as + k * stride_as, mask=m_rows & m_k, other=0.0)
-                * gl.load(p_bs + k, mask=m_k, other=0.0))
+    def _scales(p_as, m_rows, stride_as, p_bs, k):
+        """a_s[:, k] * b_s[k]: the rows' scales of K block k times B's."""
+        return gl.load(p_as + k * stride_as, mask=m_rows, other=0.0) * gl.load(p_bs + k)
 
     @gluon.jit
     def _k_loop(a_bufs, b_bufs, ready, empty, p_as, m_rows, stride_as, p_bs, i0, k_steps,
@@ -142,17 +143,14 @@ if gluon is not None:
         BN: gl.constexpr = b_bufs.type.shape[1]
         acc = gl.zeros([64, BN], gl.float32, acc_layout)
         part = gl.zeros([64, BN], gl.float32, acc_layout)
-        # Each step's scales are loaded a step ahead, out of the way of the product.
-        scale = _scales(p_as, m_rows, stride_as, p_bs, 0, k_steps)
         for k in range(k_steps):
             i = i0 + k
             s = i % STAGES
-            next_scale = _scales(p_as, m_rows, stride_as, p_bs, k + 1, k_steps)
+            scale = gl.expand_dims(_scales(p_as, m_rows, stride_as, p_bs, k), 1)
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
             part = warpgroup_mma_wait(0, deps=(_product(a_bufs, b_bufs, s, part, WG),))
             mbarrier.arrive(empty.index(s), count=1)
-            acc = acc + part * gl.expand_dims(scale, 1)
-            scale = next_scale
+            acc = acc + part * scale
         return acc
 
     @gluon.jit

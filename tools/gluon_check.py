@@ -1,0 +1,103 @@
+"""Compile the Gluon FP8 GEMM (glmflash/kernels/fp8_gemm/gluon_sm90.py) for sm_90 without a GPU
+and check what ptxas says of it: no spills, and no serialised wgmma (ptxas's C7515: a
+non-wgmma instruction writing the registers of a wgmma in flight makes it wait for every
+wgmma, which cost a quarter of the kernel's rate when it happened).
+
+    python tools/gluon_check.py
+
+Prints one line per epilogue form; exits 1 if a form spills or serialises. The installed
+Triton compiles (the device's Triton 3.6 and this machine's newer one both build it). Triton's
+JIT asks its driver for the target, so a stand-in driver that names sm_90 is installed for the
+duration (run it in its own process: tests/kernels/test_gluon_sm90.py does).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+
+from glmflash.kernels.fp8_gemm import gluon_sm90 as g  # noqa: E402
+
+
+class Sm90Driver:
+    """Just enough of a CUDA driver for `JITFunction.warmup`: the target and a device."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def compile_form(mode: int) -> str:
+    """PTX of the kernel for one epilogue form at release-like shapes (CPU tensors stand in)."""
+    rows, n, k, experts = 1024, 2048, 4096, 4
+    grouped = mode != g.STORE_ROWS
+    a = torch.empty(rows, k, dtype=torch.float8_e4m3fn)
+    a_s = torch.empty(k // 128, rows).t()
+    b = torch.empty(experts * n, k, dtype=torch.float8_e4m3fn)
+    b_s = torch.empty(experts, n // 128, k // 128)
+    out = torch.empty(rows, n, dtype=torch.float8_e4m3fn if mode == g.GATED else torch.bfloat16)
+    out_s = torch.empty(n // 128, rows)
+    rows_i = torch.empty(rows, dtype=torch.int32)
+    blocks = torch.empty(rows // 128, dtype=torch.int32)
+    cfg = g.GLUON_CONFIG
+    a_desc = g._descriptor(a, [g.BLOCK_M // 2, g.BLOCK_K])
+    b_desc = g._descriptor(b, [g.BLOCK_N, g.BLOCK_K])
+    kernel = g.block_fp8_gemm_kernel.warmup(
+        a_desc, b_desc, b_desc, a_s, b_s, b_s, out, out_s, rows_i, blocks, rows, n, k,
+        rows // 128, rows, 7.0, a_s.stride(1), b_s.stride(0), b_s.stride(1), out.stride(0),
+        out_s.stride(0), MODE=mode, GROUPED=grouped,
+        STAGES=cfg.gated_stages if mode == g.GATED else cfg.stages, GROUP_M=cfg.group_m,
+        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4,
+        maxnreg=cfg.max_regs, grid=(1,))
+    return kernel.asm["ptx"]
+
+
+def ptxas_report(ptx: str, workdir: Path) -> list[str]:
+    """ptxas -v's lines on spills and serialised wgmma."""
+    source = workdir / "kernel.ptx"
+    source.write_text(ptx)
+    done = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(source), "-o",
+                           str(workdir / "kernel.cubin")], capture_output=True, text=True,
+                          check=True)
+    return [line for line in done.stderr.splitlines() if "spill" in line or "C7515" in line]
+
+
+def main() -> int:
+    import tempfile
+
+    if g.gluon is None:
+        print("this Triton has no Gluon")
+        return 1
+    driver.set_active(Sm90Driver())
+    bad = False
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode, name in ((g.STORE_ROWS, "rows"), (g.SCATTER_ROWS, "scatter"),
+                           (g.GATED, "gated")):
+            report = ptxas_report(compile_form(mode), Path(tmp))
+            serialised = any("C7515" in line for line in report)
+            spills = any("spill" in line and not line.strip().endswith(
+                "0 bytes spill stores, 0 bytes spill loads") for line in report)
+            bad |= serialised or spills
+            print(f"{name}: {'SERIALISED ' if serialised else ''}"
+                  f"{'; '.join(line.split(': ', 1)[-1].strip() for line in report)}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
