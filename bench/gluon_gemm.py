@@ -26,29 +26,36 @@ from bench.common import graph_ms, rel, table  # noqa: E402
 SHAPES = [(4096, 1536), (1536, 16384), (16384, 4096), (4096, 4096), (4096, 24576)]
 
 
+def block_scaled_operands(m: int, k: int, n: int) -> tuple:
+    """Random block-FP8 operands of an `[m, k] x [n, k]^T` GEMM: (activations e4m3, their
+    1x128 scales M-major, weights e4m3, their 128x128 scales), as `fp8_linear` quantises."""
+    from glmflash.kernels.fp8_gemm import quantize_block_fp8
+    from glmflash.kernels.fp8_gemm.triton_impl import quantize_activations
+
+    wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda") * 0.05)
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    xq, xs = quantize_activations(x, wq.dtype, 128, scales_m_major=True)
+    return xq, xs, wq, ws
+
+
 def _dequant_product(xq, xs, wq, ws) -> torch.Tensor:
     """fp32 (xq * xs) (wq * ws)^T with xs `[M, K/128]`, ws `[N/128, K/128]`."""
+    from glmflash.kernels.fp8_gemm import dequantize_block_fp8
+
     a = xq.float() * xs.repeat_interleave(128, dim=1)[:, :xq.shape[1]]
-    b = wq.float() * ws.repeat_interleave(128, 0).repeat_interleave(128, 1)[:wq.shape[0],
-                                                                              :wq.shape[1]]
-    return a @ b.t()
+    return a @ dequantize_block_fp8(wq, ws).t()
 
 
 def dense_row(m: int, k: int, n: int) -> list:
     """One shape: times (TFLOP/s) of the four GEMMs and the errors of Gluon and cuBLAS."""
     import triton
 
-    from glmflash.kernels.fp8_gemm import gluon_sm90, quantize_block_fp8
-    from glmflash.kernels.fp8_gemm.triton_impl import (
-        DEFAULT_CONFIG,
-        fp8_gemm_kernel,
-        quantize_activations,
-    )
+    from glmflash.kernels.fp8_gemm import gluon_sm90
+    from glmflash.kernels.fp8_gemm.triton_impl import DEFAULT_CONFIG, fp8_gemm_kernel
 
-    x = torch.randn(m, k, device="cuda").bfloat16()
-    wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda") * 0.05)
-    xq, xs = quantize_activations(x, wq.dtype, 128, scales_m_major=True)
-    xq_r, xs_r = quantize_activations(x, wq.dtype, 128)
+    xq, xs, wq, ws = block_scaled_operands(m, k, n)
+    # The Triton W8A8 GEMM reads the same scales row-major.
+    xs_r = xs.contiguous()
     ref = _dequant_product(xq, xs, wq, ws)
     out = gluon_sm90.gemm(xq, xs, wq, ws, torch.bfloat16)
     torch.cuda.synchronize()
@@ -66,7 +73,7 @@ def dense_row(m: int, k: int, n: int) -> list:
 
     def triton_w8a8():
         fp8_gemm_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
-            xq_r, xs_r, wq, ws, y, m, n, k, xq_r.stride(0), xs_r.stride(0), wq.stride(0),
+            xq, xs_r, wq, ws, y, m, n, k, xq.stride(0), xs_r.stride(0), wq.stride(0),
             ws.stride(0), y.stride(0), BLOCK=128, BM=bm, BN=bn, GROUP_M=8,
             num_warps=warps, num_stages=stages)
 

@@ -69,26 +69,19 @@ def scaled_mm(m: int, k: int, n: int):
     return _scaled_mm(xq, wq)
 
 
-def _block_scaled_operands(m: int, k: int, n: int):
-    from glmflash.kernels.fp8_gemm import quantize_block_fp8
-    from glmflash.kernels.fp8_gemm.triton_impl import quantize_activations
-
-    wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda") * 0.05)
-    x = torch.randn(m, k, device="cuda").bfloat16()
-    xq, xs = quantize_activations(x, wq.dtype, 128, scales_m_major=True)
-    return xq, xs, wq, ws
-
-
 def block_scaled_mm(m: int, k: int, n: int):
-    xq, xs, wq, ws = _block_scaled_operands(m, k, n)
+    from bench.gluon_gemm import block_scaled_operands
+
+    xq, xs, wq, ws = block_scaled_operands(m, k, n)
     return lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(),
                                     out_dtype=torch.bfloat16)
 
 
 def gluon_gemm(m: int, k: int, n: int):
+    from bench.gluon_gemm import block_scaled_operands
     from glmflash.kernels.fp8_gemm import gluon_sm90
 
-    xq, xs, wq, ws = _block_scaled_operands(m, k, n)
+    xq, xs, wq, ws = block_scaled_operands(m, k, n)
     return lambda: gluon_sm90.gemm(xq, xs, wq, ws, torch.bfloat16)
 
 

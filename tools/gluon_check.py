@@ -13,10 +13,14 @@ duration (run it in its own process: tests/kernels/test_gluon_sm90.py does).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+# A compile for a real target: under the interpreter (the CPU tests set it) the Triton helpers
+# the kernel calls would be interpreted functions, which Gluon cannot call.
+os.environ["TRITON_INTERPRET"] = "0"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
@@ -43,29 +47,24 @@ class Sm90Driver:
         return torch.device("cpu")
 
 
-def compile_form(mode: int) -> str:
-    """PTX of the kernel for one epilogue form at release-like shapes (CPU tensors stand in)."""
+def compile_form(mode) -> str:
+    """PTX of the kernel for one epilogue form at release-like shapes (CPU tensors stand in),
+    with the arguments `gluon_sm90.kernel_call` gives the launch."""
     rows, n, k, experts = 1024, 2048, 4096, 4
-    grouped = mode != g.STORE_ROWS
+    gated = mode == g.GATED
     a = torch.empty(rows, k, dtype=torch.float8_e4m3fn)
     a_s = torch.empty(k // 128, rows).t()
-    b = torch.empty(experts * n, k, dtype=torch.float8_e4m3fn)
+    b = torch.empty(experts, n, k, dtype=torch.float8_e4m3fn)
     b_s = torch.empty(experts, n // 128, k // 128)
-    out = torch.empty(rows, n, dtype=torch.float8_e4m3fn if mode == g.GATED else torch.bfloat16)
-    out_s = torch.empty(n // 128, rows)
-    rows_i = torch.empty(rows, dtype=torch.int32)
-    blocks = torch.empty(rows // 128, dtype=torch.int32)
-    cfg = g.GLUON_CONFIG
-    a_desc = g._descriptor(a, [g.BLOCK_M // 2, g.BLOCK_K])
-    b_desc = g._descriptor(b, [g.BLOCK_N, g.BLOCK_K])
-    kernel = g.block_fp8_gemm_kernel.warmup(
-        a_desc, b_desc, b_desc, a_s, b_s, b_s, out, out_s, rows_i, blocks, rows, n, k,
-        rows // 128, rows, 7.0, a_s.stride(1), b_s.stride(0), b_s.stride(1), out.stride(0),
-        out_s.stride(0), MODE=mode, GROUPED=grouped,
-        STAGES=cfg.gated_stages if mode == g.GATED else cfg.stages, GROUP_M=cfg.group_m,
-        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4,
-        maxnreg=cfg.max_regs, grid=(1,))
-    return kernel.asm["ptx"]
+    out = torch.empty(rows, n, dtype=torch.float8_e4m3fn if gated else torch.bfloat16)
+    out_s = torch.empty(n // 128, rows) if gated else None
+    row_map = torch.empty(rows, dtype=torch.int32) if mode == g.SCATTER_ROWS else None
+    blocks = torch.empty(rows // 128, dtype=torch.int32) if mode != g.STORE_ROWS else None
+    grid, args, kwargs = g.kernel_call(
+        a, a_s, b, b_s, b if gated else None, b_s if gated else None, out, out_s, row_map,
+        blocks, rows=rows, n=n, k=k, num_row_blocks=rows // 128, num_valid=rows, limit=7.0,
+        mode=mode, config=g.GLUON_CONFIG)
+    return g.block_fp8_gemm_kernel.warmup(*args, grid=grid, **kwargs).asm["ptx"]
 
 
 def ptxas_report(ptx: str, workdir: Path) -> list[str]:

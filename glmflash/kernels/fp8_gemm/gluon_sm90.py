@@ -29,6 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
+from glmflash.kernels.fp8_gemm.triton_common import FP8_MAX
+from glmflash.kernels.triton_utils import constexpr, grouped_tile
+
 try:
     import triton
     from triton.experimental import gluon
@@ -47,7 +50,8 @@ try:
 except ImportError:  # older Triton, or none: the Triton kernels serve every call
     gluon = None
 
-STORE_ROWS, SCATTER_ROWS, GATED = 0, 1, 2
+# The epilogues (module docstring); constexprs, so that the kernels read them.
+STORE_ROWS, SCATTER_ROWS, GATED = constexpr(0), constexpr(1), constexpr(2)
 
 
 @dataclass(frozen=True)
@@ -81,14 +85,6 @@ def available(device: torch.device) -> bool:
 if gluon is not None:
 
     @gluon.jit
-    def _tile_of(pid, num_row_blocks, num_col_blocks, GROUP_M: gl.constexpr):
-        """Program -> (row block, column block), GROUP_M row blocks walking the columns together."""
-        width = GROUP_M * num_col_blocks
-        first = (pid // width) * GROUP_M
-        size = gl.minimum(num_row_blocks - first, GROUP_M)
-        return first + (pid % width) % size, (pid % width) // size
-
-    @gluon.jit
     def _producer(a_desc, b0_desc, b1_desc, a_bufs, b_bufs, ready, empty, a_row, b0_row, b1_row,
                   k_steps, PASSES: gl.constexpr):
         """TMA loads of A and B into the ring: B0 rows b0_row.. over K, then (PASSES == 2) B1
@@ -103,16 +99,12 @@ if gluon is not None:
             mbarrier.expect(ready.index(s), nbytes)
             k = (i % k_steps) * BK
             # A as two 64-row tiles, one per consumer warpgroup.
-            tma_load(a_desc, [a_row, k], ready.index(s),
-                                            a_bufs.index(2 * s))
-            tma_load(a_desc, [a_row + 64, k], ready.index(s),
-                                            a_bufs.index(2 * s + 1))
+            tma_load(a_desc, [a_row, k], ready.index(s), a_bufs.index(2 * s))
+            tma_load(a_desc, [a_row + 64, k], ready.index(s), a_bufs.index(2 * s + 1))
             if i < k_steps:
-                tma_load(b0_desc, [b0_row, k], ready.index(s),
-                                                b_bufs.index(s))
+                tma_load(b0_desc, [b0_row, k], ready.index(s), b_bufs.index(s))
             else:
-                tma_load(b1_desc, [b1_row, k], ready.index(s),
-                                                b_bufs.index(s))
+                tma_load(b1_desc, [b1_row, k], ready.index(s), b_bufs.index(s))
 
     @gluon.jit
     def _product(a_bufs, b_bufs, s, spare, WG: gl.constexpr):
@@ -174,7 +166,7 @@ if gluon is not None:
         h = gate / (1.0 + gl.exp(-gate)) * up
         # Columns past N (the next expert's rows of B) must not reach the row's amax.
         h = gl.where(gl.expand_dims(o_n < N, 0), h, 0.0)
-        scale = gl.maximum(gl.max(gl.abs(h), axis=1), 1e-12) / 448.0
+        scale = gl.maximum(gl.max(gl.abs(h), axis=1), 1e-12) / FP8_MAX
         codes = (h / gl.expand_dims(scale, 1)).to(out.dtype.element_ty)
         _store_tile(codes, out, out, o_r, o_n, R, N, R, stride_om, False)
         gl.store(out_scale + i_block * stride_osk + o_r, scale, mask=m_r)
@@ -195,7 +187,7 @@ if gluon is not None:
         i_block = col0 // BN
         acc = _k_loop(a_bufs, b_bufs, ready, empty, p_as, m_r, stride_as,
                       b0_scale + bs_row + i_block * stride_bsn, 0, k_steps, WG, acc_layout)
-        if MODE == 2:
+        if MODE == GATED:
             gate_buf.index(WG).store(gl.minimum(acc, limit))
             up = _k_loop(a_bufs, b_bufs, ready, empty, p_as, m_r, stride_as,
                          b1_scale + bs_row + i_block * stride_bsn, k_steps, k_steps, WG,
@@ -208,7 +200,7 @@ if gluon is not None:
         else:
             o_n = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
             _store_tile(acc.to(out.dtype.element_ty), out, row_map, o_r, o_n, R, N, num_valid,
-                        stride_om, MODE == 1)
+                        stride_om, MODE == SCATTER_ROWS)
 
     @gluon.jit
     def _consumer_wg0(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale, b1_scale,
@@ -240,7 +232,7 @@ if gluon is not None:
         stride `stride_as`), b*_scale `[E, N/128, K/128]`; out_scale (GATED) `[N/128, R]`."""
         BM: gl.constexpr = 2 * a_desc.block_type.shape[0]
         BN: gl.constexpr = b0_desc.block_type.shape[0]
-        i_m, i_n = _tile_of(gl.program_id(0), num_row_blocks, gl.cdiv(N, BN), GROUP_M)
+        i_m, i_n = grouped_tile(gl.program_id(0), num_row_blocks, gl.cdiv(N, BN), GROUP_M)
         expert = 0
         if GROUPED:
             expert = gl.load(block_expert + i_m)
@@ -261,7 +253,7 @@ if gluon is not None:
                 mbarrier.init(empty.index(s), count=2)  # one arrive per consumer warpgroup
             # The gated form's gate tiles wait here for the up pass.
             stash_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-            if MODE == 2:
+            if MODE == GATED:
                 gate_buf = gl.allocate_shared_memory(gl.float32, [2, 64, BN], stash_layout)
             else:
                 gate_buf = gl.allocate_shared_memory(gl.float32, [2, 1, 1], stash_layout)
@@ -278,7 +270,7 @@ if gluon is not None:
                                  stride_om, stride_osk, MODE)),
                 (_producer, (a_desc, b0_desc, b1_desc, a_bufs, b_bufs, ready, empty, row0,
                              expert * N + col0, expert * N + col0, k_steps,
-                             2 if MODE == 2 else 1)),
+                             2 if MODE == GATED else 1)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -291,23 +283,31 @@ def _check_k(k: int) -> None:
     assert k % 16 == 0, "TMA reads rows whose byte length is a multiple of 16"
 
 
-def _launch(a, a_scale, b0, s0, b1, s1, out, out_scale, row_map, block_expert, *, rows: int,
-            n: int, k: int, num_row_blocks: int, num_valid: int, limit: float, mode: int,
-            config: GluonGemmConfig) -> None:
+def kernel_call(a, a_scale, b0, s0, b1, s1, out, out_scale, row_map, block_expert, *, rows: int,
+                n: int, k: int, num_row_blocks: int, num_valid: int, limit: float, mode: int,
+                config: GluonGemmConfig) -> tuple[tuple, tuple, dict]:
+    """(grid, arguments, keyword arguments) of one `block_fp8_gemm_kernel` launch; also what
+    tools/gluon_check.py compiles, so both take the same arguments."""
     a_desc = _descriptor(a, [BLOCK_M // 2, BLOCK_K])
     b0_desc = _descriptor(b0.reshape(-1, k), [BLOCK_N, BLOCK_K])
     b1_desc = b0_desc if b1 is None else _descriptor(b1.reshape(-1, k), [BLOCK_N, BLOCK_K])
     s1 = s0 if s1 is None else s1
     grouped = block_expert is not None
     grid = (num_row_blocks * triton.cdiv(n, BLOCK_N),)
-    block_fp8_gemm_kernel[grid](
-        a_desc, b0_desc, b1_desc, a_scale, s0, s1, out, out_scale, row_map, block_expert,
-        rows, n, k, num_row_blocks, num_valid, float(limit), a_scale.stride(1),
-        s0.stride(0) if grouped else 0, s0.stride(-2), out.stride(0),
-        out_scale.stride(0) if out_scale is not None else 0, MODE=mode, GROUPED=grouped,
-        STAGES=config.gated_stages if mode == GATED else config.stages, GROUP_M=config.group_m,
-        CONSUMER_REGS=config.consumer_regs, PRODUCER_REGS=config.producer_regs, num_warps=4,
-        maxnreg=config.max_regs)
+    args = (a_desc, b0_desc, b1_desc, a_scale, s0, s1, out, out_scale, row_map, block_expert,
+            rows, n, k, num_row_blocks, num_valid, float(limit), a_scale.stride(1),
+            s0.stride(0) if grouped else 0, s0.stride(-2), out.stride(0),
+            out_scale.stride(0) if out_scale is not None else 0)
+    kwargs = dict(MODE=mode, GROUPED=grouped,
+                  STAGES=config.gated_stages if mode == GATED else config.stages,
+                  GROUP_M=config.group_m, CONSUMER_REGS=config.consumer_regs,
+                  PRODUCER_REGS=config.producer_regs, num_warps=4, maxnreg=config.max_regs)
+    return grid, args, kwargs
+
+
+def _launch(*tensors, **shape) -> None:
+    grid, args, kwargs = kernel_call(*tensors, **shape)
+    block_fp8_gemm_kernel[grid](*args, **kwargs)
 
 
 def gemm(aq: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

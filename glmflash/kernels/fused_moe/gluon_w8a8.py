@@ -10,6 +10,8 @@ Launches after the sort (128-row blocks) and the activation quantiser:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 try:
@@ -19,11 +21,24 @@ except ImportError:  # the package must import without triton; the launchers nee
     triton = None
 
 from glmflash.kernels.fp8_gemm import gluon_sm90
-from glmflash.kernels.fused_moe.triton_w8a8 import W8A8MoeConfig
 from glmflash.kernels.triton_utils import interpreting, jit
 
 BLOCK_M = gluon_sm90.BLOCK_M
-GLUON_W8A8_CONFIG = W8A8MoeConfig(block_m=BLOCK_M, gluon=True)
+
+
+@dataclass(frozen=True)
+class GluonMoeConfig:
+    """The W8A8 form on the Gluon GEMM: its launch shape; the sort's blocks are its rows."""
+
+    gemm: gluon_sm90.GluonGemmConfig = gluon_sm90.GLUON_CONFIG
+
+    @property
+    def block_m(self) -> int:
+        """Rows per sort block: one GEMM tile, so TMA reads whole tiles of one expert."""
+        return BLOCK_M
+
+
+GLUON_W8A8_CONFIG = GluonMoeConfig()
 GATHER_ROWS, GATHER_COLS = 16, 512  # GATHER_ROWS divides BLOCK_M: a program's rows share a block
 
 
@@ -66,8 +81,7 @@ def gather_rows(xq: torch.Tensor, xs: torch.Tensor, sorted_pairs: torch.Tensor,
     gather_rows_kernel[(triton.cdiv(rows, GATHER_ROWS), triton.cdiv(k, GATHER_COLS))](
         xq, xs, sorted_pairs, block_expert, aq, a_s, num_tokens * top_k, k, kb, xq.stride(0),
         xs.stride(0), aq.stride(0), a_s.stride(0), TOP_K=top_k, BLOCK_M=BLOCK_M, BR=GATHER_ROWS,
-        BC=GATHER_COLS,
-        BKB=triton.next_power_of_2(kb), num_warps=4)
+        BC=GATHER_COLS, BKB=triton.next_power_of_2(kb), num_warps=4)
     return aq, a_s.t()
 
 
@@ -83,17 +97,17 @@ def gluon_experts(xq: torch.Tensor, xs: torch.Tensor, sorted_pairs: torch.Tensor
                   block_expert: torch.Tensor, top_k: int, w_gate: torch.Tensor,
                   s_gate: torch.Tensor, w_up: torch.Tensor, s_up: torch.Tensor,
                   w_down: torch.Tensor, s_down: torch.Tensor, *, limit: float,
-                  out_dtype: torch.dtype,
-                  config: gluon_sm90.GluonGemmConfig = gluon_sm90.GLUON_CONFIG) -> torch.Tensor:
+                  out_dtype: torch.dtype, config: GluonMoeConfig = GLUON_W8A8_CONFIG
+                  ) -> torch.Tensor:
     """`w8a8_experts` on the Gluon GEMM: quantised tokens `xq` `[T, D]` with scales `[T, D/128]`
     over a sort into 128-row blocks -> each pair's expert output `[T * top_k, D]`."""
     assert sorted_pairs.numel() == BLOCK_M * block_expert.numel()
     aq, a_s = gather_rows(xq, xs, sorted_pairs, block_expert, top_k)
     hq, hs = gluon_sm90.grouped_gate_up(aq, a_s, block_expert, w_gate, s_gate, w_up, s_up,
-                                        limit=limit, config=config)
+                                        limit=limit, config=config.gemm)
     return gluon_sm90.grouped_down(hq, hs, block_expert, sorted_pairs, w_down, s_down,
-                                   xq.shape[0] * top_k, out_dtype, config=config)
+                                   xq.shape[0] * top_k, out_dtype, config=config.gemm)
 
 
-__all__ = ["GLUON_W8A8_CONFIG", "gather_rows", "gather_rows_kernel", "gluon_experts",
-           "gluon_fits"]
+__all__ = ["GLUON_W8A8_CONFIG", "GluonMoeConfig", "gather_rows", "gather_rows_kernel",
+           "gluon_experts", "gluon_fits"]

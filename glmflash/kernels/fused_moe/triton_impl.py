@@ -26,7 +26,12 @@ except ImportError:  # the package must import without triton; the launchers nee
 
 from glmflash.kernels.fp8_gemm.triton_common import has_fp8_products
 from glmflash.kernels.fp8_gemm.triton_impl import quantize_activations
-from glmflash.kernels.fused_moe.gluon_w8a8 import GLUON_W8A8_CONFIG, gluon_experts, gluon_fits
+from glmflash.kernels.fused_moe.gluon_w8a8 import (
+    GLUON_W8A8_CONFIG,
+    GluonMoeConfig,
+    gluon_experts,
+    gluon_fits,
+)
 from glmflash.kernels.fused_moe.triton_sort import SORT_CONFIG, SortConfig, sort_pairs_scan
 from glmflash.kernels.fused_moe.triton_w8a8 import W8A8_CONFIG, W8A8MoeConfig, w8a8_experts
 from glmflash.kernels.triton_utils import dot_operand_type, interpreting, jit, product_precision
@@ -67,7 +72,7 @@ class MoeDispatchConfig:
     """Prefill with FP8 weights runs W8A8 on FP8 tensor cores (SM89 and later, 16-bit x);
     False: the dequantising bf16 form everywhere."""
     w8a8: W8A8MoeConfig = W8A8_CONFIG
-    gluon: W8A8MoeConfig | None = GLUON_W8A8_CONFIG
+    gluon: GluonMoeConfig | None = GLUON_W8A8_CONFIG
     """The W8A8 form on SM90 where the Gluon kernel takes the shapes (gluon_w8a8.py; None:
     the Triton W8A8 kernels there too)."""
     sort: SortConfig = SORT_CONFIG
@@ -80,10 +85,10 @@ DEFAULT_DISPATCH = MoeDispatchConfig()
 
 def default_config(num_pairs: int, num_experts: int, x: torch.Tensor, has_scale: bool,
                    block: int, dispatch: MoeDispatchConfig | None = None, *,
-                   hidden: int = 0, inter: int = 0) -> FusedMoeConfig | W8A8MoeConfig:
+                   inter: int | None = None) -> FusedMoeConfig | W8A8MoeConfig | GluonMoeConfig:
     """The launch shape by x's dtype and pairs per expert; W8A8 for FP8 prefill where the GPU
-    multiplies e4m3, on the Gluon kernel where it takes the expert shapes `hidden` x `inter`
-    (`dispatch`: DEFAULT_DISPATCH, read at call time)."""
+    multiplies e4m3, on the Gluon kernel where it takes experts of x's width by `inter` (not
+    considered without `inter`) (`dispatch`: DEFAULT_DISPATCH, read at call time)."""
     dispatch = dispatch or DEFAULT_DISPATCH
     if x.dtype == torch.float32:
         return FP32_CONFIG
@@ -91,7 +96,8 @@ def default_config(num_pairs: int, num_experts: int, x: torch.Tensor, has_scale:
         return DECODE_CONFIG
     if (dispatch.fp8_activations and has_scale and block >= 32 and not interpreting()
             and has_fp8_products(x.device)):
-        if dispatch.gluon is not None and gluon_fits(x, hidden, inter, block):
+        if (dispatch.gluon is not None and inter is not None
+                and gluon_fits(x, x.shape[-1], inter, block)):
             return dispatch.gluon
         return dispatch.w8a8
     return PREFILL_CONFIG
@@ -329,10 +335,12 @@ def _dequant_experts(x: torch.Tensor, sorted_pairs: torch.Tensor, block_expert: 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
               s_gate: torch.Tensor | None, w_up: torch.Tensor, s_up: torch.Tensor | None,
               w_down: torch.Tensor, s_down: torch.Tensor | None, *, limit: float,
-              block: int = 128, config: FusedMoeConfig | W8A8MoeConfig | None = None,
+              block: int = 128,
+              config: FusedMoeConfig | W8A8MoeConfig | GluonMoeConfig | None = None,
               sort: SortConfig | None = None) -> torch.Tensor:
     """Triton `fused_moe_ref`; see ref.py for shapes. `config`: the form and launch shape
-    (default: `default_config`); a `W8A8MoeConfig` takes the FP8-activation form. `sort`: the
+    (default: `default_config`); a `W8A8MoeConfig` takes the FP8-activation form, a
+    `GluonMoeConfig` the same form on the Gluon GEMM (SM90). `sort`: the
     sort's choice (default: DEFAULT_DISPATCH.sort)."""
     _check(x, ids, weights, w_gate, s_gate, w_up, s_up, w_down, s_down, block)
     num_tokens, hidden = x.shape
@@ -344,15 +352,15 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
     x = x if x.stride(1) == 1 else x.contiguous()
     ids, weights = ids.contiguous(), weights.contiguous()
     cfg = config or default_config(ids.numel(), num_experts, x, s_gate is not None, block,
-                                   hidden=hidden, inter=w_gate.shape[1])
+                                   inter=w_gate.shape[1])
     sorted_pairs, block_expert = sort_pairs(ids, num_experts, cfg.block_m, sort)
-    if isinstance(cfg, W8A8MoeConfig):
+    if isinstance(cfg, (W8A8MoeConfig, GluonMoeConfig)):
         assert s_gate is not None, "the W8A8 form needs FP8 weights"
         xq, xs = quantize_activations(x, w_gate.dtype, block)
         weights_fp8 = (w_gate, s_gate.float(), w_up, s_up.float(), w_down, s_down.float())
-        if cfg.gluon:
+        if isinstance(cfg, GluonMoeConfig):
             y = gluon_experts(xq, xs, sorted_pairs, block_expert, top_k, *weights_fp8,
-                              limit=limit, out_dtype=x.dtype)
+                              limit=limit, out_dtype=x.dtype, config=cfg)
         else:
             y = w8a8_experts(xq, xs, sorted_pairs, block_expert, top_k, *weights_fp8,
                              limit=limit, block=block, out_dtype=x.dtype, config=cfg)
@@ -366,5 +374,5 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
 
 
 __all__ = ["DECODE_CONFIG", "DEFAULT_DISPATCH", "FP32_CONFIG", "PREFILL_CONFIG", "FusedMoeConfig",
-           "MoeDispatchConfig", "SortConfig", "W8A8MoeConfig", "default_config", "fused_moe",
-           "sort_pairs"]
+           "GluonMoeConfig", "MoeDispatchConfig", "SortConfig", "W8A8MoeConfig", "default_config",
+           "fused_moe", "sort_pairs"]

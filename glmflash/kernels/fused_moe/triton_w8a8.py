@@ -43,9 +43,6 @@ class W8A8MoeConfig:
     gate_up_stages: int = 3
     down_warps: int = 8
     down_stages: int = 3
-    gluon: bool = False
-    """Both GEMMs on the warp-specialised Gluon kernel (SM90; gluon_w8a8.py), which takes
-    128-row blocks (block_m must be 128)."""
 
 
 W8A8_CONFIG = W8A8MoeConfig()
