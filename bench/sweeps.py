@@ -201,24 +201,32 @@ def _rule_pick(entries, n: int, k: int) -> tuple:
 TOPK_SHAPES = ((1, 32768), (32, 32768), (1, 262144), (4, 262144), (32, 262144))
 
 
+# Score distributions for the top-k: normal scores (candidates after the first byte: a few
+# percent), and every score in [1, 2) (one first byte: every key is a candidate, the worst case).
+TOPK_SCORES = {"normal": lambda r, w: torch.randn(r, w, device="cuda"),
+               "one binade": lambda r, w: torch.rand(r, w, device="cuda") + 1.0}
+
+
 def sweep_topk(k: int = 512) -> None:
     """The radix top-k (indexer/topk_triton.py) at each launch shape against torch.topk."""
     from glmflash.kernels.indexer.topk_triton import DEFAULT_CONFIG, TopkConfig, topk_indices
 
     grid = [DEFAULT_CONFIG] + [
         TopkConfig(block=b, min_segment=b, programs_per_sm=p, num_warps=w)
-        for p, b, w in itertools.product((4, 8, 16), (1024, 2048), (4, 8))]
-    for rows, width in TOPK_SHAPES:
-        scores = torch.randn(rows, width, device="cuda")
+        for p, b, w in ((4, 1024, 4), (16, 1024, 4), (8, 2048, 4), (8, 1024, 8))]
+    for (rows, width), (kind, make) in itertools.product(TOPK_SHAPES, TOPK_SCORES.items()):
+        scores = make(rows, width)
         lengths = torch.full((rows,), width, dtype=torch.int32, device="cuda")
-        want = scores.topk(k, dim=1).indices.sort(1).values.int()
+        want = scores.topk(k, dim=1).values.sort(1).values
         torch_us = graph_ms(lambda s=scores: s.topk(k, dim=1)) * 1e3
-        print(f"topk rows={rows} width={width}: torch.topk {torch_us:.1f} us", flush=True)
+        name = f"topk rows={rows} width={width} {kind}"
+        print(f"{name}: torch.topk {torch_us:.1f} us", flush=True)
         for c in grid:
-            ok = torch.equal(topk_indices(scores, lengths, k, config=c).sort(1).values, want)
+            got = topk_indices(scores, lengths, k, config=c).long()
+            ok = torch.equal(scores.gather(1, got).sort(1).values, want)
             us = graph_ms(lambda c=c, s=scores, n=lengths: topk_indices(s, n, k, config=c)) * 1e3
-            print(f"topk rows={rows} width={width} block={c.block} per_sm={c.programs_per_sm} "
-                  f"warps={c.num_warps}: {us:.1f} us{'' if ok else ' WRONG SET'}", flush=True)
+            print(f"{name} block={c.block} per_sm={c.programs_per_sm} warps={c.num_warps}: "
+                  f"{us:.1f} us{'' if ok else ' WRONG SET'}", flush=True)
 
 
 # (context tokens, queries of one sequence at its end): a prefill chunk at long context.

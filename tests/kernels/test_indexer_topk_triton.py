@@ -97,11 +97,16 @@ def test_default_config_on_wider_rows(poisoned_empty):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("one_binade", [False, True], ids=["normal", "one_binade"])
 @pytest.mark.parametrize("rows,width", [(1, 32768), (32, 262144), (8, 4096)])
-def test_release_widths_match_torch_topk_gpu(rows, width):
-    """k = 512 pools (top-2048 tokens, kpool 4); values equal torch.topk's (robust to ties)."""
+def test_release_widths_match_torch_topk_gpu(rows, width, one_binade):
+    """k = 512 pools (top-2048 tokens, kpool 4); values equal torch.topk's (robust to ties).
+    Scores in [1, 2) share their first key byte: every key is a candidate."""
     gen = torch.Generator(device="cuda").manual_seed(42)
-    scores = torch.randn(rows, width, generator=gen, device="cuda")
+    if one_binade:
+        scores = torch.rand(rows, width, generator=gen, device="cuda") + 1.0
+    else:
+        scores = torch.randn(rows, width, generator=gen, device="cuda")
     lengths = torch.randint(width // 2, width + 1, (rows,), generator=gen, device="cuda",
                             dtype=torch.int32)
     lengths[0] = width

@@ -3,14 +3,23 @@
 Each fp32 score maps to a 32-bit key with the same order; the select fixes the threshold key
 one byte at a time, from the top. Rows are cut into segments, one program per (row, segment):
 
-1. four histogram launches: launch p counts the p-th key byte of the keys that share the bytes
-   already fixed, each program adding its segment's 256 counts into `hist[row, p]` and keeping
-   them in `seg_hist[row, segment, p]`; the byte holding the k-th largest key is then fixed
-   (every later program recomputes it from `hist`);
-2. a count launch: per segment, from its own histograms and no key, the keys above the
+1. a histogram launch over every key: each program adds its segment's 256 counts of the first
+   key byte into `hist[row, 0]` and keeps them in `seg_hist[row, segment, 0]`; the first byte
+   of the k-th largest key is then fixed (every later program recomputes it from `hist`);
+2. a candidate launch: each program lists, in index order, the indices of its keys whose first
+   byte is at least that byte (every key the select can take: fewer than k above the byte,
+   the rest sharing it) in its own part of `cand`, then counts the second byte of those that
+   share the first;
+3. two histogram launches over the candidates alone, for the third and fourth bytes;
+4. a count launch: per segment, from its own histograms and no key, the keys above the
    threshold (those whose first byte that differs from it is larger) and the keys equal to it;
-3. a write launch: the indices of the keys above the threshold in index order, then the first
-   ties by index, then -1 up to k.
+5. a write launch over the candidates: the indices above the threshold in index order, then the
+   first ties by index, then -1 up to k.
+
+Only the first two launches read every score; the candidates of a row are its k largest plus
+the keys that share the threshold's first byte, usually a few percent of the row (all of it
+when every score sits in one pair of binades, which costs the candidate launch's writes over
+the plain four-pass form).
 
 The chosen set is the k largest of `scores[row, :lengths[row]]`, ties going to the lower index
 (-0.0 counts as +0.0; NaN has no defined place). Scores past a row's length are never read.
@@ -61,9 +70,8 @@ DEFAULT_CONFIG = TopkConfig()
 
 
 @jit
-def _order_keys(p_x, mask):
-    """int32 keys whose signed order is the scores' order (-0.0 mapped to +0.0)."""
-    b_x = tl.load(p_x, mask=mask, other=0.0)
+def _order_keys(b_x):
+    """int32 keys whose signed order is the order of the scores `b_x` (-0.0 mapped to +0.0)."""
     b_x = tl.where(b_x == 0.0, 0.0, b_x)
     bits = b_x.to(tl.int32, bitcast=True)
     # Negative floats order backwards in their bits: flip all but the sign.
@@ -87,37 +95,113 @@ def _fixed_bytes(p_hist, k, PASSES: tl.constexpr):
     return prefix, need
 
 
+@jit
+def _count_byte(b_acc, b_u, m_k, prefix, PASS: tl.constexpr, BLOCK: tl.constexpr):
+    """`b_acc` plus the counts of byte PASS of the keys `b_u` (unsigned order) in `m_k` that
+    share the bytes fixed before it (`prefix`)."""
+    if PASS > 0:
+        m_k = m_k & ((b_u >> (32 - 8 * PASS)) == (prefix >> (32 - 8 * PASS)))
+    num_out = BLOCK - tl.sum(m_k.to(tl.int32), 0)
+    if num_out < BLOCK:
+        b_digit = (b_u >> (24 - 8 * PASS)) & 0xFF
+        # Keys left out count in bin 0 and are taken off again.
+        b_acc += tl.histogram(tl.where(m_k, b_digit, 0), NUM_BINS)
+        b_acc -= tl.where(tl.arange(0, NUM_BINS) == 0, num_out, 0)
+    return b_acc
+
+
+@jit
+def _count_candidates(p_row, p_cand, num_cand, prefix, PASS: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """Counts of byte PASS over a segment's `num_cand` candidates (indices at `p_cand`)."""
+    b_acc = tl.zeros([NUM_BINS], dtype=tl.int32)
+    for start in range(0, num_cand, BLOCK):
+        o_c = start + tl.arange(0, BLOCK)
+        m_c = o_c < num_cand
+        b_i = tl.load(p_cand + o_c, mask=m_c, other=0)
+        b_u = _order_keys(tl.load(p_row + b_i, mask=m_c, other=0.0)) ^ INT32_MIN
+        b_acc = _count_byte(b_acc, b_u, m_c, prefix, PASS, BLOCK)
+    return b_acc
+
+
+@jit
+def _add_counts(hist, seg_hist, b_acc, i_r, i_s, stride_sh, PASS: tl.constexpr):
+    """hist[row, PASS] += the segment's counts; seg_hist[row, segment, PASS] = them."""
+    o_b = tl.arange(0, NUM_BINS)
+    p_hist = hist + i_r * (NUM_PASSES * NUM_BINS) + PASS * NUM_BINS
+    tl.atomic_add(p_hist + o_b, b_acc, mask=b_acc > 0)
+    p_seg = seg_hist + i_r.to(tl.int64) * stride_sh + i_s * (NUM_PASSES * NUM_BINS)
+    tl.store(p_seg + PASS * NUM_BINS + o_b, b_acc)
+
+
 @jit(do_not_specialize=("k", "seg_len"))
-def topk_histogram_kernel(scores, lengths, hist, seg_hist, k, seg_len, stride_s, stride_sh,
-                          PASS: tl.constexpr, BLOCK: tl.constexpr):
-    """hist[row, PASS] += counts of byte PASS over this segment's keys that match the bytes
-    fixed by the earlier passes; seg_hist[row, segment, PASS] = the same counts."""
+def topk_first_byte_kernel(scores, lengths, hist, seg_hist, k, seg_len, stride_s, stride_sh,
+                           BLOCK: tl.constexpr):
+    """hist[row, 0] += counts of the first key byte over this segment's keys."""
     i_r = tl.program_id(0)
     i_s = tl.program_id(1)
     length = tl.load(lengths + i_r)
     begin = i_s * seg_len
     if (length > k) & (begin < length):
-        p_hist = hist + i_r * (NUM_PASSES * NUM_BINS)
-        prefix, need = _fixed_bytes(p_hist, k, PASS)
         end = tl.minimum(begin + seg_len, length)
-        o_b = tl.arange(0, NUM_BINS)
         b_acc = tl.zeros([NUM_BINS], dtype=tl.int32)
         p_row = scores + i_r.to(tl.int64) * stride_s
         for start in range(begin, end, BLOCK):
             o_k = start + tl.arange(0, BLOCK)
             m_k = o_k < end
-            b_u = _order_keys(p_row + o_k, m_k) ^ INT32_MIN  # [BLOCK] unsigned order
-            if PASS > 0:
-                m_k = m_k & ((b_u >> (32 - 8 * PASS)) == (prefix >> (32 - 8 * PASS)))
-            num_out = BLOCK - tl.sum(m_k.to(tl.int32), 0)
-            if num_out < BLOCK:
-                b_digit = (b_u >> (24 - 8 * PASS)) & 0xFF
-                # Keys left out count in bin 0 and are taken off again.
-                b_acc += tl.histogram(tl.where(m_k, b_digit, 0), NUM_BINS)
-                b_acc -= tl.where(o_b == 0, num_out, 0)
-        tl.atomic_add(p_hist + PASS * NUM_BINS + o_b, b_acc, mask=b_acc > 0)
-        p_seg = seg_hist + i_r.to(tl.int64) * stride_sh + i_s * (NUM_PASSES * NUM_BINS)
-        tl.store(p_seg + PASS * NUM_BINS + o_b, b_acc)
+            b_u = _order_keys(tl.load(p_row + o_k, mask=m_k, other=0.0)) ^ INT32_MIN
+            b_acc = _count_byte(b_acc, b_u, m_k, 0, 0, BLOCK)
+        _add_counts(hist, seg_hist, b_acc, i_r, i_s, stride_sh, 0)
+
+
+@jit(do_not_specialize=("k", "seg_len"))
+def topk_candidates_kernel(scores, lengths, hist, seg_hist, cand, num_cand, k, seg_len,
+                           stride_s, stride_sh, stride_c, stride_n, BLOCK: tl.constexpr):
+    """cand[row, begin:begin + n] = indices, in order, of the segment's keys whose first byte is
+    at least the threshold's; num_cand[row, segment] = n; then hist[row, 1] += counts of the
+    second byte of those sharing the first."""
+    i_r = tl.program_id(0)
+    i_s = tl.program_id(1)
+    length = tl.load(lengths + i_r)
+    begin = i_s * seg_len
+    if (length > k) & (begin < length):
+        prefix, _ = _fixed_bytes(hist + i_r * (NUM_PASSES * NUM_BINS), k, 1)
+        lowest = prefix ^ INT32_MIN  # the smallest key (signed order) with that first byte
+        end = tl.minimum(begin + seg_len, length)
+        p_row = scores + i_r.to(tl.int64) * stride_s
+        p_cand = cand + i_r.to(tl.int64) * stride_c + begin
+        num = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), 0)
+        for start in range(begin, end, BLOCK):
+            o_k = start + tl.arange(0, BLOCK)
+            m_k = o_k < end
+            m_c = m_k & (_order_keys(tl.load(p_row + o_k, mask=m_k, other=0.0)) >= lowest)
+            r_c = num + tl.cumsum(m_c.to(tl.int32), 0) - 1
+            tl.store(p_cand + r_c, o_k, mask=m_c)
+            num += tl.sum(m_c.to(tl.int32), 0)
+        tl.store(num_cand + i_r.to(tl.int64) * stride_n + i_s, num)
+        # The list was written by every thread of the program: make it visible to all.
+        tl.debug_barrier()
+        b_acc = _count_candidates(p_row, p_cand, num, prefix, 1, BLOCK)
+        _add_counts(hist, seg_hist, b_acc, i_r, i_s, stride_sh, 1)
+
+
+@jit(do_not_specialize=("k", "seg_len"))
+def topk_candidate_byte_kernel(scores, lengths, hist, seg_hist, cand, num_cand, k, seg_len,
+                               stride_s, stride_sh, stride_c, stride_n, PASS: tl.constexpr,
+                               BLOCK: tl.constexpr):
+    """hist[row, PASS] += counts of byte PASS over this segment's candidates that share the
+    bytes fixed before it."""
+    i_r = tl.program_id(0)
+    i_s = tl.program_id(1)
+    length = tl.load(lengths + i_r)
+    begin = i_s * seg_len
+    if (length > k) & (begin < length):
+        prefix, _ = _fixed_bytes(hist + i_r * (NUM_PASSES * NUM_BINS), k, PASS)
+        num = tl.load(num_cand + i_r.to(tl.int64) * stride_n + i_s)
+        b_acc = _count_candidates(scores + i_r.to(tl.int64) * stride_s,
+                                  cand + i_r.to(tl.int64) * stride_c + begin, num, prefix,
+                                  PASS, BLOCK)
+        _add_counts(hist, seg_hist, b_acc, i_r, i_s, stride_sh, PASS)
 
 
 @jit(do_not_specialize=("k", "seg_len"))
@@ -160,8 +244,8 @@ def _before(p_counts, i_s, BLOCK: tl.constexpr):
 
 
 @jit(do_not_specialize=("k", "seg_len"))
-def topk_write_kernel(scores, lengths, hist, counts, out, k, seg_len, stride_s, stride_c,
-                      stride_o, BLOCK: tl.constexpr):
+def topk_write_kernel(scores, lengths, hist, counts, cand, num_cand, out, k, seg_len, stride_s,
+                      stride_c, stride_cand, stride_n, stride_o, BLOCK: tl.constexpr):
     """out[row] = chosen indices (above the threshold, then ties by index), then -1."""
     i_r = tl.program_id(0)
     i_s = tl.program_id(1)
@@ -174,8 +258,8 @@ def topk_write_kernel(scores, lengths, hist, counts, out, k, seg_len, stride_s, 
             tl.store(p_out + o_k, tl.full([BLOCK], -1, tl.int32),
                      mask=(o_k < k) & (o_k >= length))
     if begin < length:
-        end = tl.minimum(begin + seg_len, length)
         if length <= k:
+            end = tl.minimum(begin + seg_len, length)
             for start in range(begin, end, BLOCK):
                 o_k = start + tl.arange(0, BLOCK)
                 tl.store(p_out + o_k, o_k, mask=o_k < end)
@@ -184,16 +268,19 @@ def topk_write_kernel(scores, lengths, hist, counts, out, k, seg_len, stride_s, 
             threshold = prefix ^ INT32_MIN
             num_gt, num_eq = _before(counts + i_r.to(tl.int64) * stride_c, i_s, BLOCK)
             p_row = scores + i_r.to(tl.int64) * stride_s
-            for start in range(begin, end, BLOCK):
-                o_k = start + tl.arange(0, BLOCK)
-                m_k = o_k < end
-                b_key = _order_keys(p_row + o_k, m_k)
-                m_gt = m_k & (b_key > threshold)
-                m_eq = m_k & (b_key == threshold)
+            p_cand = cand + i_r.to(tl.int64) * stride_cand + begin
+            num = tl.load(num_cand + i_r.to(tl.int64) * stride_n + i_s)
+            for start in range(0, num, BLOCK):
+                o_c = start + tl.arange(0, BLOCK)
+                m_c = o_c < num
+                b_i = tl.load(p_cand + o_c, mask=m_c, other=0)
+                b_key = _order_keys(tl.load(p_row + b_i, mask=m_c, other=0.0))
+                m_gt = m_c & (b_key > threshold)
+                m_eq = m_c & (b_key == threshold)
                 r_gt = num_gt + tl.cumsum(m_gt.to(tl.int32), 0) - 1
                 r_eq = num_eq + tl.cumsum(m_eq.to(tl.int32), 0) - 1
-                tl.store(p_out + r_gt, o_k, mask=m_gt)
-                tl.store(p_out + (k - need) + r_eq, o_k, mask=m_eq & (r_eq < need))
+                tl.store(p_out + r_gt, b_i, mask=m_gt)
+                tl.store(p_out + (k - need) + r_eq, b_i, mask=m_eq & (r_eq < need))
                 num_gt += tl.sum(m_gt.to(tl.int32), 0)
                 num_eq += tl.sum(m_eq.to(tl.int32), 0)
 
@@ -202,30 +289,38 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *,
                  config: TopkConfig = DEFAULT_CONFIG) -> torch.Tensor:
     """Indices `[R, k]` int32 of the k largest of `scores[r, :lengths[r]]` (ties to the lower
     index), -1 where a row has fewer than k. scores `[R, W]` fp32 with unit column stride,
-    lengths `[R]` int32 (each at most W) on the scores' device."""
+    lengths `[R]` int32 (each at most W) on the scores' device. Workspace: an int32 candidate
+    list as large as the scores, and a few KB per segment."""
     num_rows, width = scores.shape
     assert scores.dtype == torch.float32 and scores.stride(1) == 1
     assert lengths.shape == (num_rows,) and lengths.dtype == torch.int32
     assert k >= 1 and config.block & (config.block - 1) == 0
     assert config.min_segment % config.block == 0
-    out = torch.empty(num_rows, k, dtype=torch.int32, device=scores.device)
+    device = scores.device
+    out = torch.empty(num_rows, k, dtype=torch.int32, device=device)
     if num_rows == 0:
         return out
-    seg_len = config.segment(num_rows, width, scores.device)
+    seg_len = config.segment(num_rows, width, device)
     grid = (num_rows, triton.cdiv(max(width, 1), seg_len))
-    hist = torch.zeros(num_rows, NUM_PASSES, NUM_BINS, dtype=torch.int32,
-                       device=scores.device)
+    hist = torch.zeros(num_rows, NUM_PASSES, NUM_BINS, dtype=torch.int32, device=device)
     seg_hist = torch.empty(num_rows, grid[1], NUM_PASSES, NUM_BINS, dtype=torch.int32,
-                           device=scores.device)
-    counts = torch.empty(num_rows, grid[1], 2, dtype=torch.int32, device=scores.device)
+                           device=device)
+    cand = torch.empty(num_rows, max(width, 1), dtype=torch.int32, device=device)
+    num_cand = torch.empty(num_rows, grid[1], dtype=torch.int32, device=device)
+    counts = torch.empty(num_rows, grid[1], 2, dtype=torch.int32, device=device)
     common = dict(BLOCK=config.block, num_warps=config.num_warps)
-    for p in range(NUM_PASSES):
-        topk_histogram_kernel[grid](scores, lengths, hist, seg_hist, k, seg_len,
-                                    scores.stride(0), seg_hist.stride(0), PASS=p, **common)
+    topk_first_byte_kernel[grid](scores, lengths, hist, seg_hist, k, seg_len, scores.stride(0),
+                                 seg_hist.stride(0), **common)
+    listed = (scores, lengths, hist, seg_hist, cand, num_cand, k, seg_len, scores.stride(0),
+              seg_hist.stride(0), cand.stride(0), num_cand.stride(0))
+    topk_candidates_kernel[grid](*listed, **common)
+    for p in range(2, NUM_PASSES):
+        topk_candidate_byte_kernel[grid](*listed, PASS=p, **common)
     topk_count_kernel[grid](lengths, hist, seg_hist, counts, k, seg_len, seg_hist.stride(0),
                             counts.stride(0), num_warps=config.num_warps)
-    topk_write_kernel[grid](scores, lengths, hist, counts, out, k, seg_len, scores.stride(0),
-                            counts.stride(0), out.stride(0), **common)
+    topk_write_kernel[grid](scores, lengths, hist, counts, cand, num_cand, out, k, seg_len,
+                            scores.stride(0), counts.stride(0), cand.stride(0),
+                            num_cand.stride(0), out.stride(0), **common)
     return out
 
 
