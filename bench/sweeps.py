@@ -212,8 +212,8 @@ def sweep_topk(k: int = 512) -> None:
     from glmflash.kernels.indexer.topk_triton import DEFAULT_CONFIG, TopkConfig, topk_indices
 
     grid = [DEFAULT_CONFIG] + [
-        TopkConfig(block=b, min_segment=b, programs_per_sm=p, num_warps=w)
-        for p, b, w in ((4, 1024, 4), (16, 1024, 4), (8, 2048, 4), (8, 1024, 8))]
+        TopkConfig(programs_per_sm=p, num_warps=w, list_divisor=d)
+        for p, w, d in ((8, 4, 2), (4, 4, 4), (4, 4, 2), (4, 4, 8), (2, 4, 4), (4, 8, 4))]
     for (rows, width), (kind, make) in itertools.product(TOPK_SHAPES, TOPK_SCORES.items()):
         scores = make(rows, width)
         lengths = torch.full((rows,), width, dtype=torch.int32, device="cuda")
@@ -225,7 +225,8 @@ def sweep_topk(k: int = 512) -> None:
             got = topk_indices(scores, lengths, k, config=c).long()
             ok = torch.equal(scores.gather(1, got).sort(1).values, want)
             us = graph_ms(lambda c=c, s=scores, n=lengths: topk_indices(s, n, k, config=c)) * 1e3
-            print(f"{name} block={c.block} per_sm={c.programs_per_sm} warps={c.num_warps}: "
+            print(f"{name} per_sm={c.programs_per_sm} warps={c.num_warps} "
+                  f"list_divisor={c.list_divisor}: "
                   f"{us:.1f} us{'' if ok else ' WRONG SET'}", flush=True)
 
 

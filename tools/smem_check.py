@@ -279,12 +279,9 @@ def indexer_launches() -> list[Launch]:
             "cand": "*i32", "num_cand": "*i32", "counts": "*i32", "out": "*i32"}
     config = indexer_topk.DEFAULT_CONFIG
     consts = dict(BLOCK=config.block)
-    out += [Launch("indexer top-k first byte", indexer_topk.topk_first_byte_kernel, topk,
-                   consts, config.num_warps),
-            Launch("indexer top-k candidates", indexer_topk.topk_candidates_kernel, topk,
-                   consts, config.num_warps)]
-    out += [Launch(f"indexer top-k candidate byte {p}", indexer_topk.topk_candidate_byte_kernel,
-                   topk, dict(consts, PASS=p), config.num_warps) for p in (2, 3)]
+    out += [Launch(f"indexer top-k byte {p}", indexer_topk.topk_byte_kernel, topk,
+                   dict(consts, PASS=p, LIST_DIVISOR=config.list_divisor), config.num_warps)
+            for p in range(4)]
     out += [Launch("indexer top-k count", indexer_topk.topk_count_kernel, topk, {},
                    config.num_warps),
             Launch("indexer top-k write", indexer_topk.topk_write_kernel, topk, consts,

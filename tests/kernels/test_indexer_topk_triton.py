@@ -3,15 +3,24 @@ on CPU with small blocks, so short rows cross blocks and segments; release width
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from glmflash.kernels.indexer.topk_triton import TopkConfig, topk_indices
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# Eight keys a block, sixteen a segment: a 65-key row spans 5 segments of 2 blocks.
-SMALL = TopkConfig(block=8, min_segment=16, programs_per_sm=64)
+# Eight keys a block, sixteen a segment: a 65-key row spans 5 segments of 2 blocks. The
+# candidates listed after the first byte (every row) or after the second (every row).
+SMALL = TopkConfig(block=8, min_segment=16, programs_per_sm=64, list_divisor=1)
+SMALL_LISTED_LATE = dataclasses.replace(SMALL, list_divisor=1 << 20)
 POISON = -7
+
+
+@pytest.fixture(params=[SMALL, SMALL_LISTED_LATE], ids=["listed_early", "listed_late"])
+def small(request) -> TopkConfig:
+    return request.param
 
 
 @pytest.fixture
@@ -36,7 +45,7 @@ def stable_topk(scores: torch.Tensor, lengths: list[int], k: int) -> list[list[i
     return out
 
 
-def check(scores: torch.Tensor, lengths: list[int], k: int, config: TopkConfig = SMALL):
+def check(scores: torch.Tensor, lengths: list[int], k: int, config: TopkConfig):
     """Run the kernel (scores past each length NaN, never read) and compare with the sort."""
     scores = scores.clone()
     for r, length in enumerate(lengths):
@@ -55,24 +64,24 @@ LENGTHS = [1, 15, 16, 17, 63, 64, 65]
 
 
 @pytest.mark.parametrize("k", [1, 16], ids=lambda k: f"k{k}")
-def test_random_rows_of_odd_lengths(k, poisoned_empty):
+def test_random_rows_of_odd_lengths(k, small, poisoned_empty):
     gen = torch.Generator().manual_seed(42)
-    check(torch.randn(len(LENGTHS), 65, generator=gen), LENGTHS, k)
+    check(torch.randn(len(LENGTHS), 65, generator=gen), LENGTHS, k, small)
 
 
-def test_fewer_candidates_than_k_and_empty_rows(poisoned_empty):
+def test_fewer_candidates_than_k_and_empty_rows(small, poisoned_empty):
     gen = torch.Generator().manual_seed(42)
-    check(torch.randn(4, 40, generator=gen), [0, 3, 16, 40], 16)
+    check(torch.randn(4, 40, generator=gen), [0, 3, 16, 40], 16, small)
 
 
-def test_ties_go_to_the_lower_index(poisoned_empty):
+def test_ties_go_to_the_lower_index(small, poisoned_empty):
     gen = torch.Generator().manual_seed(42)
     scores = torch.randint(0, 3, (len(LENGTHS), 65), generator=gen).float()
     scores[-1] = 0.5  # one value everywhere: the first k indices
-    check(scores, LENGTHS, 9)
+    check(scores, LENGTHS, 9, small)
 
 
-def test_infinite_and_signed_zero_scores(poisoned_empty):
+def test_infinite_and_signed_zero_scores(small, poisoned_empty):
     gen = torch.Generator().manual_seed(42)
     scores = torch.randn(4, 65, generator=gen)
     scores[0] = float("-inf")
@@ -80,20 +89,23 @@ def test_infinite_and_signed_zero_scores(poisoned_empty):
     scores[2, ::2] = -0.0
     scores[2, 1::4] = 0.0
     scores[3, 5] = float("inf")
-    check(scores, [65, 63, 64, 17], 16)
+    check(scores, [65, 63, 64, 17], 16, small)
 
 
-def test_keys_differing_only_in_low_bytes(poisoned_empty):
+def test_keys_differing_only_in_low_bytes(small, poisoned_empty):
     """Scores a few thousand ulps apart share their top key byte: the later passes split them."""
     ulps = torch.randperm(65, generator=torch.Generator().manual_seed(42)).int() * 4099
     scores = (torch.full((1, 65), 1.0).view(torch.int32) + ulps).view(torch.float32)
-    check(scores, [65], 16)
-    check(-scores, [65], 16)
+    check(scores, [65], 16, small)
+    check(-scores, [65], 16, small)
 
 
 def test_default_config_on_wider_rows(poisoned_empty):
     gen = torch.Generator().manual_seed(42)
+    # Normal scores list their candidates after the first byte, scores in [1, 2) after the
+    # second (every key shares the first).
     check(torch.randn(3, 3000, generator=gen), [3000, 1025, 1023], 64, TopkConfig())
+    check(torch.rand(3, 3000, generator=gen) + 1.0, [3000, 1025, 1023], 64, TopkConfig())
 
 
 @pytest.mark.gpu

@@ -6,20 +6,21 @@ one byte at a time, from the top. Rows are cut into segments, one program per (r
 1. a histogram launch over every key: each program adds its segment's 256 counts of the first
    key byte into `hist[row, 0]` and keeps them in `seg_hist[row, segment, 0]`; the first byte
    of the k-th largest key is then fixed (every later program recomputes it from `hist`);
-2. a candidate launch: each program lists, in index order, the indices of its keys whose first
-   byte is at least that byte (every key the select can take: fewer than k above the byte,
-   the rest sharing it) in its own part of `cand`, then counts the second byte of those that
-   share the first;
-3. two histogram launches over the candidates alone, for the third and fourth bytes;
+2. the second and third byte launches; one of them also lists each segment's candidates, in
+   index order, in its own part of `cand`: the indices of the keys at or above the threshold's
+   bytes fixed so far (every key the select can take), then counts its byte over the list.
+   The list is taken after the first byte when at most `1 / list_divisor` of the row's keys
+   are candidates then (the usual case: the k largest and the keys sharing their lowest first
+   byte); otherwise (every score within a factor of four, say) the second byte is counted over
+   every key and the list taken after it;
+3. a fourth byte launch over the candidates alone;
 4. a count launch: per segment, from its own histograms and no key, the keys above the
    threshold (those whose first byte that differs from it is larger) and the keys equal to it;
 5. a write launch over the candidates: the indices above the threshold in index order, then the
    first ties by index, then -1 up to k.
 
-Only the first two launches read every score; the candidates of a row are its k largest plus
-the keys that share the threshold's first byte, usually a few percent of the row (all of it
-when every score sits in one pair of binades, which costs the candidate launch's writes over
-the plain four-pass form).
+So two or three launches read every score (one of them a compare and a store of indices, not
+a histogram); the rest read a few percent of them.
 
 The chosen set is the k largest of `scores[row, :lengths[row]]`, ties going to the lower index
 (-0.0 counts as +0.0; NaN has no defined place). Scores past a row's length are never read.
@@ -58,6 +59,9 @@ class TopkConfig:
     """Programs aimed for per SM when the rows are long enough to fill them (the programs are
     latency-bound: more of them hide more of it; bench/sweeps.py --ops topk)."""
     num_warps: int = 4
+    list_divisor: int = 4
+    """The candidates are listed after the first byte when at most 1 / list_divisor of a row's
+    keys reach its threshold's first byte, else after the second byte."""
 
     def segment(self, num_rows: int, width: int, device: torch.device) -> int:
         """Keys per program: the rows spread over about `programs_per_sm` programs per SM."""
@@ -134,73 +138,80 @@ def _add_counts(hist, seg_hist, b_acc, i_r, i_s, stride_sh, PASS: tl.constexpr):
     tl.store(p_seg + PASS * NUM_BINS + o_b, b_acc)
 
 
+@jit
+def _count_keys(p_row, begin, end, prefix, PASS: tl.constexpr, BLOCK: tl.constexpr):
+    """Counts of byte PASS over the keys in [begin, end) that share the bytes before it."""
+    b_acc = tl.zeros([NUM_BINS], dtype=tl.int32)
+    for start in range(begin, end, BLOCK):
+        o_k = start + tl.arange(0, BLOCK)
+        m_k = o_k < end
+        b_u = _order_keys(tl.load(p_row + o_k, mask=m_k, other=0.0)) ^ INT32_MIN
+        b_acc = _count_byte(b_acc, b_u, m_k, prefix, PASS, BLOCK)
+    return b_acc
+
+
+@jit
+def _listed_after_first_byte(p_hist, k, length, LIST_DIVISOR: tl.constexpr):
+    """Whether the row's candidates are listed after its first byte: the keys whose first
+    byte reaches the threshold's are at most 1 / LIST_DIVISOR of its keys."""
+    o_b = tl.arange(0, NUM_BINS)
+    b_h = tl.load(p_hist + o_b)
+    at_least = tl.sum(b_h, 0) - tl.cumsum(b_h, 0) + b_h
+    reached = tl.min(tl.where(at_least >= k, at_least, length), 0)
+    return reached.to(tl.int64) * LIST_DIVISOR <= length
+
+
+@jit
+def _list_candidates(p_row, p_cand, begin, end, prefix, BLOCK: tl.constexpr):
+    """Writes at `p_cand`, in order, the indices in [begin, end) whose keys are at least
+    `prefix` (unsigned form, lower bytes 0), and returns their count. The list is then visible
+    to every thread of the program."""
+    lowest = prefix ^ INT32_MIN  # the same bound on signed keys
+    num = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), 0)
+    for start in range(begin, end, BLOCK):
+        o_k = start + tl.arange(0, BLOCK)
+        m_k = o_k < end
+        m_c = m_k & (_order_keys(tl.load(p_row + o_k, mask=m_k, other=0.0)) >= lowest)
+        r_c = num + tl.cumsum(m_c.to(tl.int32), 0) - 1
+        tl.store(p_cand + r_c, o_k, mask=m_c)
+        num += tl.sum(m_c.to(tl.int32), 0)
+    tl.debug_barrier()
+    return num
+
+
 @jit(do_not_specialize=("k", "seg_len"))
-def topk_first_byte_kernel(scores, lengths, hist, seg_hist, k, seg_len, stride_s, stride_sh,
-                           BLOCK: tl.constexpr):
-    """hist[row, 0] += counts of the first key byte over this segment's keys."""
+def topk_byte_kernel(scores, lengths, hist, seg_hist, cand, num_cand, k, seg_len, stride_s,
+                     stride_sh, stride_c, stride_n, PASS: tl.constexpr,
+                     LIST_DIVISOR: tl.constexpr, BLOCK: tl.constexpr):
+    """hist[row, PASS] += counts of byte PASS over this segment's keys that share the bytes
+    fixed before it: over every key before the row's candidates are listed, then over the
+    list, which the pass that takes it writes (cand[row, begin:begin + n], num_cand[row,
+    segment] = n) after fixing the bytes before it."""
     i_r = tl.program_id(0)
     i_s = tl.program_id(1)
     length = tl.load(lengths + i_r)
     begin = i_s * seg_len
     if (length > k) & (begin < length):
+        p_hist = hist + i_r * (NUM_PASSES * NUM_BINS)
         end = tl.minimum(begin + seg_len, length)
-        b_acc = tl.zeros([NUM_BINS], dtype=tl.int32)
         p_row = scores + i_r.to(tl.int64) * stride_s
-        for start in range(begin, end, BLOCK):
-            o_k = start + tl.arange(0, BLOCK)
-            m_k = o_k < end
-            b_u = _order_keys(tl.load(p_row + o_k, mask=m_k, other=0.0)) ^ INT32_MIN
-            b_acc = _count_byte(b_acc, b_u, m_k, 0, 0, BLOCK)
-        _add_counts(hist, seg_hist, b_acc, i_r, i_s, stride_sh, 0)
-
-
-@jit(do_not_specialize=("k", "seg_len"))
-def topk_candidates_kernel(scores, lengths, hist, seg_hist, cand, num_cand, k, seg_len,
-                           stride_s, stride_sh, stride_c, stride_n, BLOCK: tl.constexpr):
-    """cand[row, begin:begin + n] = indices, in order, of the segment's keys whose first byte is
-    at least the threshold's; num_cand[row, segment] = n; then hist[row, 1] += counts of the
-    second byte of those sharing the first."""
-    i_r = tl.program_id(0)
-    i_s = tl.program_id(1)
-    length = tl.load(lengths + i_r)
-    begin = i_s * seg_len
-    if (length > k) & (begin < length):
-        prefix, _ = _fixed_bytes(hist + i_r * (NUM_PASSES * NUM_BINS), k, 1)
-        lowest = prefix ^ INT32_MIN  # the smallest key (signed order) with that first byte
-        end = tl.minimum(begin + seg_len, length)
-        p_row = scores + i_r.to(tl.int64) * stride_s
-        p_cand = cand + i_r.to(tl.int64) * stride_c + begin
-        num = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), 0)
-        for start in range(begin, end, BLOCK):
-            o_k = start + tl.arange(0, BLOCK)
-            m_k = o_k < end
-            m_c = m_k & (_order_keys(tl.load(p_row + o_k, mask=m_k, other=0.0)) >= lowest)
-            r_c = num + tl.cumsum(m_c.to(tl.int32), 0) - 1
-            tl.store(p_cand + r_c, o_k, mask=m_c)
-            num += tl.sum(m_c.to(tl.int32), 0)
-        tl.store(num_cand + i_r.to(tl.int64) * stride_n + i_s, num)
-        # The list was written by every thread of the program: make it visible to all.
-        tl.debug_barrier()
-        b_acc = _count_candidates(p_row, p_cand, num, prefix, 1, BLOCK)
-        _add_counts(hist, seg_hist, b_acc, i_r, i_s, stride_sh, 1)
-
-
-@jit(do_not_specialize=("k", "seg_len"))
-def topk_candidate_byte_kernel(scores, lengths, hist, seg_hist, cand, num_cand, k, seg_len,
-                               stride_s, stride_sh, stride_c, stride_n, PASS: tl.constexpr,
-                               BLOCK: tl.constexpr):
-    """hist[row, PASS] += counts of byte PASS over this segment's candidates that share the
-    bytes fixed before it."""
-    i_r = tl.program_id(0)
-    i_s = tl.program_id(1)
-    length = tl.load(lengths + i_r)
-    begin = i_s * seg_len
-    if (length > k) & (begin < length):
-        prefix, _ = _fixed_bytes(hist + i_r * (NUM_PASSES * NUM_BINS), k, PASS)
-        num = tl.load(num_cand + i_r.to(tl.int64) * stride_n + i_s)
-        b_acc = _count_candidates(scores + i_r.to(tl.int64) * stride_s,
-                                  cand + i_r.to(tl.int64) * stride_c + begin, num, prefix,
-                                  PASS, BLOCK)
+        if PASS == 0:
+            b_acc = _count_keys(p_row, begin, end, 0, PASS, BLOCK)
+        else:
+            prefix, _ = _fixed_bytes(p_hist, k, PASS)
+            early = _listed_after_first_byte(p_hist, k, length, LIST_DIVISOR)
+            list_pass = 2 - early.to(tl.int32)
+            if PASS < list_pass:
+                b_acc = _count_keys(p_row, begin, end, prefix, PASS, BLOCK)
+            else:
+                p_cand = cand + i_r.to(tl.int64) * stride_c + begin
+                p_num = num_cand + i_r.to(tl.int64) * stride_n + i_s
+                if PASS == list_pass:
+                    num = _list_candidates(p_row, p_cand, begin, end, prefix, BLOCK)
+                    tl.store(p_num, num)
+                else:
+                    num = tl.load(p_num)
+                b_acc = _count_candidates(p_row, p_cand, num, prefix, PASS, BLOCK)
         _add_counts(hist, seg_hist, b_acc, i_r, i_s, stride_sh, PASS)
 
 
@@ -309,13 +320,11 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *,
     num_cand = torch.empty(num_rows, grid[1], dtype=torch.int32, device=device)
     counts = torch.empty(num_rows, grid[1], 2, dtype=torch.int32, device=device)
     common = dict(BLOCK=config.block, num_warps=config.num_warps)
-    topk_first_byte_kernel[grid](scores, lengths, hist, seg_hist, k, seg_len, scores.stride(0),
-                                 seg_hist.stride(0), **common)
-    listed = (scores, lengths, hist, seg_hist, cand, num_cand, k, seg_len, scores.stride(0),
-              seg_hist.stride(0), cand.stride(0), num_cand.stride(0))
-    topk_candidates_kernel[grid](*listed, **common)
-    for p in range(2, NUM_PASSES):
-        topk_candidate_byte_kernel[grid](*listed, PASS=p, **common)
+    for p in range(NUM_PASSES):
+        topk_byte_kernel[grid](scores, lengths, hist, seg_hist, cand, num_cand, k, seg_len,
+                               scores.stride(0), seg_hist.stride(0), cand.stride(0),
+                               num_cand.stride(0), PASS=p, LIST_DIVISOR=config.list_divisor,
+                               **common)
     topk_count_kernel[grid](lengths, hist, seg_hist, counts, k, seg_len, seg_hist.stride(0),
                             counts.stride(0), num_warps=config.num_warps)
     topk_write_kernel[grid](scores, lengths, hist, counts, cand, num_cand, out, k, seg_len,
