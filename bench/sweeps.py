@@ -209,11 +209,12 @@ TOPK_SCORES = {"normal": lambda r, w: torch.randn(r, w, device="cuda"),
 
 def sweep_topk(k: int = 512) -> None:
     """The radix top-k (indexer/topk_triton.py) at each launch shape against torch.topk."""
-    from glmflash.kernels.indexer.topk_triton import DEFAULT_CONFIG, TopkConfig, topk_indices
+    from glmflash.kernels.indexer.topk_triton import DEFAULT_CONFIG, topk_indices
 
     grid = [DEFAULT_CONFIG] + [
-        TopkConfig(programs_per_sm=p, num_warps=w, list_divisor=d)
-        for p, w, d in ((8, 4, 2), (4, 4, 4), (4, 4, 2), (4, 4, 8), (2, 4, 4), (4, 8, 4))]
+        dataclasses.replace(DEFAULT_CONFIG, **change)
+        for change in (dict(programs_per_sm=8), dict(programs_per_sm=2),
+                       dict(few_programs_warps=4), dict(num_warps=8), dict(list_divisor=2))]
     for (rows, width), (kind, make) in itertools.product(TOPK_SHAPES, TOPK_SCORES.items()):
         scores = make(rows, width)
         lengths = torch.full((rows,), width, dtype=torch.int32, device="cuda")
@@ -225,8 +226,8 @@ def sweep_topk(k: int = 512) -> None:
             got = topk_indices(scores, lengths, k, config=c).long()
             ok = torch.equal(scores.gather(1, got).sort(1).values, want)
             us = graph_ms(lambda c=c, s=scores, n=lengths: topk_indices(s, n, k, config=c)) * 1e3
-            print(f"{name} per_sm={c.programs_per_sm} warps={c.num_warps} "
-                  f"list_divisor={c.list_divisor}: "
+            print(f"{name} per_sm={c.programs_per_sm} warps={c.num_warps}/"
+                  f"{c.few_programs_warps} list_divisor={c.list_divisor}: "
                   f"{us:.1f} us{'' if ok else ' WRONG SET'}", flush=True)
 
 

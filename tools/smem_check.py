@@ -276,16 +276,14 @@ def indexer_launches() -> list[Launch]:
                    4, tiled.num_stages, aligned=("NH", "D"))
             for tiled in (chunk, *indexer.DECODE_SCORE.tiled)]
     topk = {"scores": "*fp32", "lengths": "*i32", "hist": "*i32", "seg_hist": "*i32",
-            "cand": "*i32", "num_cand": "*i32", "counts": "*i32", "out": "*i32"}
+            "above": "*i32", "cand": "*i32", "num_cand": "*i32", "out": "*i32"}
     config = indexer_topk.DEFAULT_CONFIG
     consts = dict(BLOCK=config.block)
-    out += [Launch(f"indexer top-k byte {p}", indexer_topk.topk_byte_kernel, topk,
-                   dict(consts, PASS=p, LIST_DIVISOR=config.list_divisor), config.num_warps)
-            for p in range(4)]
-    out += [Launch("indexer top-k count", indexer_topk.topk_count_kernel, topk, {},
-                   config.num_warps),
-            Launch("indexer top-k write", indexer_topk.topk_write_kernel, topk, consts,
-                   config.num_warps)]
+    out += [Launch(f"indexer top-k byte {p} ({warps} warps)", indexer_topk.topk_byte_kernel,
+                   topk, dict(consts, PASS=p, LIST_DIVISOR=config.list_divisor), warps)
+            for warps in (config.num_warps, config.few_programs_warps) for p in range(4)]
+    out += [Launch(f"indexer top-k write ({warps} warps)", indexer_topk.topk_write_kernel, topk,
+                   consts, warps) for warps in (config.num_warps, config.few_programs_warps)]
     write = {"keys": "*bf16", "gates": "*bf16", "ape": "*bf16", "pool_keys": "*bf16",
              "tail": "*bf16", "page_table": "*i32", "slots": "*i64", "positions": "*i64",
              "token_rows": "*i64"}

@@ -87,7 +87,8 @@ def score_tile_bytes(config: ModelConfig, num_rows: int, max_pools: int,
         per_pool = 1
     pools = min(max(tiling.pool_tile, k), max(max_pools, 1))
     rows = min(num_rows, tiling.row_tile(pools + k, per_pool))
-    # The tile, the merged copy of it, and the best k (values and int64 ordinals).
+    # The tile, a second tile (the reference's merged copy, the GPU top-k's candidate list),
+    # and the best k (values and int64 ordinals).
     return rows * ((pools + k) * per_pool * FP32 * 2 + k * (FP32 + INT64))
 
 

@@ -100,6 +100,21 @@ def test_keys_differing_only_in_low_bytes(small, poisoned_empty):
     check(-scores, [65], 16, small)
 
 
+def test_threshold_with_last_byte_ff(small, poisoned_empty):
+    """The k-th largest key ends in 0xFF, with ties to it in every segment and keys just
+    below and above it: no key can sit above it in its last byte (nothing past bin 255 is
+    read)."""
+    gen = torch.Generator().manual_seed(42)
+    offsets = torch.tensor([0, 0, -1, 256, 0, -255, 512, 0])  # from 1.0's bits + 0xFF
+    picks = offsets[torch.randint(0, len(offsets), (2, 65), generator=gen)]
+    bits = torch.full((2, 65), 0x3F8000FF, dtype=torch.int32) + picks.int()
+    scores = bits.view(torch.float32)
+    scores[:, 3::7] = float("-inf")  # first key byte 0: a misread bin 0 would count them
+    above = int((picks > 0).sum(1).min())
+    check(scores, [65, 64], above + 3, small)
+    check(scores, [65, 64], above + 15, small)
+
+
 def test_default_config_on_wider_rows(poisoned_empty):
     gen = torch.Generator().manual_seed(42)
     # Normal scores list their candidates after the first byte, scores in [1, 2) after the

@@ -13,14 +13,14 @@ one byte at a time, from the top. Rows are cut into segments, one program per (r
    are candidates then (the usual case: the k largest and the keys sharing their lowest first
    byte); otherwise (every score within a factor of four, say) the second byte is counted over
    every key and the list taken after it;
-3. a fourth byte launch over the candidates alone;
-4. a count launch: per segment, from its own histograms and no key, the keys above the
-   threshold (those whose first byte that differs from it is larger) and the keys equal to it;
-5. a write launch over the candidates: the indices above the threshold in index order, then the
-   first ties by index, then -1 up to k.
+3. a fourth byte launch over the candidates alone; each program also keeps how many of its
+   keys are above the first three bytes and how many reach each last byte;
+4. a write launch over the candidates: from what the segments before it kept, each program
+   knows where its keys go: the indices above the threshold in index order, then the first
+   ties by index, then -1 up to k.
 
-So two or three launches read every score (one of them a compare and a store of indices, not
-a histogram); the rest read a few percent of them.
+So two or three of the five launches read every score (one of them a compare and a store of
+indices, not a histogram); the rest read a few percent of them.
 
 The chosen set is the k largest of `scores[row, :lengths[row]]`, ties going to the lower index
 (-0.0 counts as +0.0; NaN has no defined place). Scores past a row's length are never read.
@@ -55,10 +55,13 @@ class TopkConfig:
     """Keys a program handles per loop step (a power of two)."""
     min_segment: int = 1024
     """The fewest keys of a row one program takes (a multiple of `block`)."""
-    programs_per_sm: int = 8
+    programs_per_sm: int = 4
     """Programs aimed for per SM when the rows are long enough to fill them (the programs are
     latency-bound: more of them hide more of it; bench/sweeps.py --ops topk)."""
     num_warps: int = 4
+    few_programs_warps: int = 8
+    """Warps per program when the grid has fewer programs than the device has SMs (one short
+    row): more warps hide more of the latency."""
     list_divisor: int = 4
     """The candidates are listed after the first byte when at most 1 / list_divisor of a row's
     keys reach its threshold's first byte, else after the second byte."""
@@ -68,6 +71,10 @@ class TopkConfig:
         per_row = max(1, num_sms(device) * self.programs_per_sm // max(num_rows, 1))
         seg = max(self.min_segment, -(-width // per_row))
         return -(-seg // self.block) * self.block
+
+    def warps(self, num_programs: int, device: torch.device) -> int:
+        """Warps per program of a grid of `num_programs`."""
+        return self.few_programs_warps if num_programs < num_sms(device) else self.num_warps
 
 
 DEFAULT_CONFIG = TopkConfig()
@@ -129,13 +136,26 @@ def _count_candidates(p_row, p_cand, num_cand, prefix, PASS: tl.constexpr,
 
 
 @jit
-def _add_counts(hist, seg_hist, b_acc, i_r, i_s, stride_sh, PASS: tl.constexpr):
-    """hist[row, PASS] += the segment's counts; seg_hist[row, segment, PASS] = them."""
+def _add_counts(hist, seg_hist, b_acc, b_keep, i_r, i_s, stride_sh, PASS: tl.constexpr):
+    """hist[row, PASS] += the segment's counts `b_acc`; seg_hist[row, segment, PASS] =
+    `b_keep` (the counts, or on the last pass how many reach each byte)."""
     o_b = tl.arange(0, NUM_BINS)
     p_hist = hist + i_r * (NUM_PASSES * NUM_BINS) + PASS * NUM_BINS
     tl.atomic_add(p_hist + o_b, b_acc, mask=b_acc > 0)
     p_seg = seg_hist + i_r.to(tl.int64) * stride_sh + i_s * (NUM_PASSES * NUM_BINS)
-    tl.store(p_seg + PASS * NUM_BINS + o_b, b_acc)
+    tl.store(p_seg + PASS * NUM_BINS + o_b, b_keep)
+
+
+@jit
+def _above_fixed_bytes(p_seg, prefix, PASSES: tl.constexpr):
+    """Keys of a segment above every key that shares the first PASSES bytes of `prefix`: those
+    whose first byte that differs from it is larger, from the segment's histograms."""
+    o_b = tl.arange(0, NUM_BINS)
+    num = tl.sum(tl.zeros([NUM_BINS], dtype=tl.int32), 0)
+    for p in tl.static_range(PASSES):
+        digit = (prefix >> (24 - 8 * p)) & 0xFF
+        num += tl.sum(tl.where(o_b > digit, tl.load(p_seg + p * NUM_BINS + o_b), 0), 0)
+    return num
 
 
 @jit
@@ -180,13 +200,15 @@ def _list_candidates(p_row, p_cand, begin, end, prefix, BLOCK: tl.constexpr):
 
 
 @jit(do_not_specialize=("k", "seg_len"))
-def topk_byte_kernel(scores, lengths, hist, seg_hist, cand, num_cand, k, seg_len, stride_s,
-                     stride_sh, stride_c, stride_n, PASS: tl.constexpr,
+def topk_byte_kernel(scores, lengths, hist, seg_hist, above, cand, num_cand, k, seg_len,
+                     stride_s, stride_sh, stride_a, stride_c, stride_n, PASS: tl.constexpr,
                      LIST_DIVISOR: tl.constexpr, BLOCK: tl.constexpr):
     """hist[row, PASS] += counts of byte PASS over this segment's keys that share the bytes
     fixed before it: over every key before the row's candidates are listed, then over the
     list, which the pass that takes it writes (cand[row, begin:begin + n], num_cand[row,
-    segment] = n) after fixing the bytes before it."""
+    segment] = n) after fixing the bytes before it. The last pass keeps, per segment, how
+    many of its keys reach each last byte and (above[row, segment]) how many are above the
+    first three bytes: what the write needs to place the segment's keys."""
     i_r = tl.program_id(0)
     i_s = tl.program_id(1)
     length = tl.load(lengths + i_r)
@@ -212,51 +234,38 @@ def topk_byte_kernel(scores, lengths, hist, seg_hist, cand, num_cand, k, seg_len
                 else:
                     num = tl.load(p_num)
                 b_acc = _count_candidates(p_row, p_cand, num, prefix, PASS, BLOCK)
-        _add_counts(hist, seg_hist, b_acc, i_r, i_s, stride_sh, PASS)
-
-
-@jit(do_not_specialize=("k", "seg_len"))
-def topk_count_kernel(lengths, hist, seg_hist, counts, k, seg_len, stride_sh, stride_c):
-    """counts[row, seg] = (keys above the threshold, keys equal to it) in the segment, from its
-    histograms: a key is above when its first byte that differs from the threshold's is
-    larger, so each pass adds the keys of its histogram above the byte it fixed."""
-    i_r = tl.program_id(0)
-    i_s = tl.program_id(1)
-    length = tl.load(lengths + i_r)
-    if (length > k) & (i_s * seg_len < length):
-        p_hist = hist + i_r * (NUM_PASSES * NUM_BINS)
-        p_seg = seg_hist + i_r.to(tl.int64) * stride_sh + i_s * (NUM_PASSES * NUM_BINS)
-        o_b = tl.arange(0, NUM_BINS)
-        prefix, _ = _fixed_bytes(p_hist, k, NUM_PASSES)
-        num_gt = tl.sum(tl.zeros([NUM_BINS], dtype=tl.int32), 0)
-        num_eq = num_gt + 0
-        for p in tl.static_range(NUM_PASSES):
-            digit = (prefix >> (24 - 8 * p)) & 0xFF
-            b_h = tl.load(p_seg + p * NUM_BINS + o_b)
-            num_gt += tl.sum(tl.where(o_b > digit, b_h, 0), 0)
-            if p == NUM_PASSES - 1:
-                num_eq = tl.sum(tl.where(o_b == digit, b_h, 0), 0)
-        p_c = counts + i_r.to(tl.int64) * stride_c + 2 * i_s
-        tl.store(p_c, num_gt)
-        tl.store(p_c + 1, num_eq)
+        if PASS == NUM_PASSES - 1:
+            b_keep = tl.sum(b_acc, 0) - tl.cumsum(b_acc, 0) + b_acc
+            p_seg = seg_hist + i_r.to(tl.int64) * stride_sh + i_s * (NUM_PASSES * NUM_BINS)
+            tl.store(above + i_r.to(tl.int64) * stride_a + i_s,
+                     _above_fixed_bytes(p_seg, prefix, PASS))
+        else:
+            b_keep = b_acc
+        _add_counts(hist, seg_hist, b_acc, b_keep, i_r, i_s, stride_sh, PASS)
 
 
 @jit
-def _before(p_counts, i_s, BLOCK: tl.constexpr):
-    """Keys above the threshold and ties in the segments before `i_s`."""
+def _before(p_above, p_last, i_s, digit, BLOCK: tl.constexpr):
+    """Keys above the threshold and ties to it in the segments before `i_s`: each segment's
+    keys above its first three bytes (`p_above`), plus its keys sharing them whose last byte
+    is above `digit` (`p_last`: per segment, how many reach each last byte)."""
     num_gt = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), 0)
     num_eq = num_gt + 0
     for s0 in range(0, i_s, BLOCK):
         o_s = s0 + tl.arange(0, BLOCK)
         m_s = o_s < i_s
-        num_gt += tl.sum(tl.load(p_counts + 2 * o_s, mask=m_s, other=0), 0)
-        num_eq += tl.sum(tl.load(p_counts + 2 * o_s + 1, mask=m_s, other=0), 0)
+        p_seg = p_last + o_s.to(tl.int64) * (NUM_PASSES * NUM_BINS) + digit
+        reach = tl.load(p_seg, mask=m_s, other=0)
+        past = tl.load(p_seg + 1, mask=m_s & (o_s * 0 + digit < NUM_BINS - 1), other=0)
+        num_gt += tl.sum(tl.load(p_above + o_s, mask=m_s, other=0) + past, 0)
+        num_eq += tl.sum(reach - past, 0)
     return num_gt, num_eq
 
 
 @jit(do_not_specialize=("k", "seg_len"))
-def topk_write_kernel(scores, lengths, hist, counts, cand, num_cand, out, k, seg_len, stride_s,
-                      stride_c, stride_cand, stride_n, stride_o, BLOCK: tl.constexpr):
+def topk_write_kernel(scores, lengths, hist, seg_hist, above, cand, num_cand, out, k, seg_len,
+                      stride_s, stride_sh, stride_a, stride_c, stride_n, stride_o,
+                      BLOCK: tl.constexpr):
     """out[row] = chosen indices (above the threshold, then ties by index), then -1."""
     i_r = tl.program_id(0)
     i_s = tl.program_id(1)
@@ -277,9 +286,11 @@ def topk_write_kernel(scores, lengths, hist, counts, cand, num_cand, out, k, seg
         else:
             prefix, need = _fixed_bytes(hist + i_r * (NUM_PASSES * NUM_BINS), k, NUM_PASSES)
             threshold = prefix ^ INT32_MIN
-            num_gt, num_eq = _before(counts + i_r.to(tl.int64) * stride_c, i_s, BLOCK)
+            p_last = seg_hist + i_r.to(tl.int64) * stride_sh + (NUM_PASSES - 1) * NUM_BINS
+            num_gt, num_eq = _before(above + i_r.to(tl.int64) * stride_a, p_last, i_s,
+                                     prefix & 0xFF, BLOCK)
             p_row = scores + i_r.to(tl.int64) * stride_s
-            p_cand = cand + i_r.to(tl.int64) * stride_cand + begin
+            p_cand = cand + i_r.to(tl.int64) * stride_c + begin
             num = tl.load(num_cand + i_r.to(tl.int64) * stride_n + i_s)
             for start in range(0, num, BLOCK):
                 o_c = start + tl.arange(0, BLOCK)
@@ -318,18 +329,15 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *,
                            device=device)
     cand = torch.empty(num_rows, max(width, 1), dtype=torch.int32, device=device)
     num_cand = torch.empty(num_rows, grid[1], dtype=torch.int32, device=device)
-    counts = torch.empty(num_rows, grid[1], 2, dtype=torch.int32, device=device)
-    common = dict(BLOCK=config.block, num_warps=config.num_warps)
+    above = torch.empty(num_rows, grid[1], dtype=torch.int32, device=device)
+    common = dict(BLOCK=config.block, num_warps=config.warps(grid[0] * grid[1], device))
+    workspace = (hist, seg_hist, above, cand, num_cand)
+    strides = (seg_hist.stride(0), above.stride(0), cand.stride(0), num_cand.stride(0))
     for p in range(NUM_PASSES):
-        topk_byte_kernel[grid](scores, lengths, hist, seg_hist, cand, num_cand, k, seg_len,
-                               scores.stride(0), seg_hist.stride(0), cand.stride(0),
-                               num_cand.stride(0), PASS=p, LIST_DIVISOR=config.list_divisor,
-                               **common)
-    topk_count_kernel[grid](lengths, hist, seg_hist, counts, k, seg_len, seg_hist.stride(0),
-                            counts.stride(0), num_warps=config.num_warps)
-    topk_write_kernel[grid](scores, lengths, hist, counts, cand, num_cand, out, k, seg_len,
-                            scores.stride(0), counts.stride(0), cand.stride(0),
-                            num_cand.stride(0), out.stride(0), **common)
+        topk_byte_kernel[grid](scores, lengths, *workspace, k, seg_len, scores.stride(0),
+                               *strides, PASS=p, LIST_DIVISOR=config.list_divisor, **common)
+    topk_write_kernel[grid](scores, lengths, *workspace, out, k, seg_len, scores.stride(0),
+                            *strides, out.stride(0), **common)
     return out
 
 
