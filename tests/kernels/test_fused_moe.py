@@ -230,8 +230,11 @@ def _release_case(num_tokens: int, num_experts: int = 288, dtype=torch.bfloat16)
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 8, 32, 2048])
 def test_release_shapes_bf16(num_tokens):
+    """The bf16 forms: decode, and the dequantising prefill form (at 2048 tokens a call
+    without a config takes the W8A8 form, tests/kernels/test_fused_moe_w8a8.py)."""
     x, ids, weights, experts = _release_case(num_tokens)
-    got = fused_moe(x, ids, weights, *experts, limit=10.0)
+    config = triton_impl.PREFILL_CONFIG if num_tokens >= 2048 else None
+    got = triton_impl.fused_moe(x, ids, weights, *experts, limit=10.0, config=config)
     want = fused_moe_ref(x, ids, weights, *experts, limit=10.0)
     assert not got.isnan().any()
     # bf16 roundings of x, the weights, h and each pair's output: ~2.5e-3 rms
