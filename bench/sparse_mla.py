@@ -101,25 +101,54 @@ def _rows(queries: int, copy_gbs: float, peak_tflops: float) -> list[list]:
     return rows
 
 
-def time_config(q, latent, slot_sets, want, config) -> tuple[float, str, str]:
-    """(ms per call replayed from a CUDA graph, relative error, how the launch split)."""
+def _is_gluon(config) -> bool:
+    from glmflash.kernels.sparse_mla.gluon_sm90 import GluonSparseMlaConfig
+
+    return isinstance(config, GluonSparseMlaConfig)
+
+
+def run_config(q, latent, slots, config, workspace):
+    """One call of the kernel that `config` configures (the Triton or the Gluon form)."""
+    from glmflash.kernels.sparse_mla import gluon_sm90
     from glmflash.kernels.sparse_mla import triton_impl as ti
+
+    impl = gluon_sm90 if _is_gluon(config) else ti
+    return impl.sparse_mla(q, latent, slots, scale=1 / 16, config=config, workspace=workspace)
+
+
+def make_workspace(q, config):
     from glmflash.kernels.sparse_mla.plan import SparseMlaWorkspace
     from glmflash.kernels.triton_utils import num_sms
 
-    workspace = SparseMlaWorkspace.create(q.shape[0], HEADS, RANK, WIDTH, q.device,
-                                          num_sms(q.device), config, q.dtype)
+    split = config.split_config() if _is_gluon(config) else config
+    return SparseMlaWorkspace.create(q.shape[0], HEADS, RANK, WIDTH, q.device,
+                                     num_sms(q.device), split, q.dtype)
+
+
+def describe(q, slots, config, workspace) -> str:
+    """How the launch of `config` splits, in words."""
+    from glmflash.kernels.sparse_mla import gluon_sm90
+    from glmflash.kernels.sparse_mla import triton_impl as ti
+
+    partials = str(workspace.partial_out.dtype).removeprefix("torch.")
+    if _is_gluon(config):
+        plan = gluon_sm90.plan_for(q, slots, config, workspace)
+        how = f"Gluon, {config.block_slots}-slot steps, {config.stages} stages, "
+    else:
+        shape, plan = ti.launch_plan(q, slots, config, workspace)
+        how = f"{shape.block_slots}/{shape.tail}-slot steps, {shape.num_stages} stages, "
+    return how + ("unsplit" if plan.num_splits == 1 else
+                  f"{plan.num_splits} splits x {q.shape[0] * -(-HEADS // 64)} head blocks, "
+                  f"{partials} partials")
+
+
+def time_config(q, latent, slot_sets, want, config) -> tuple[float, str, str]:
+    """(ms per call replayed from a CUDA graph, relative error, how the launch split)."""
+    workspace = make_workspace(q, config)
     try:
-        err = rel(ti.sparse_mla(q, latent, slot_sets[0], scale=1 / 16, config=config,
-                                workspace=workspace).float(), want)
-        ms = graph_ms([lambda s=s: ti.sparse_mla(q, latent, s, scale=1 / 16, config=config,
-                                                 workspace=workspace) for s in slot_sets])
+        err = rel(run_config(q, latent, slot_sets[0], config, workspace).float(), want)
+        ms = graph_ms([lambda s=s: run_config(q, latent, s, config, workspace)
+                       for s in slot_sets])
     except Exception as e:  # noqa: BLE001 - a configuration that does not run is a result too
         return 0.0, type(e).__name__, "-"
-    shape, plan = ti.launch_plan(q, slot_sets[0], config, workspace)
-    splits = plan.num_splits
-    partials = str(workspace.partial_out.dtype).removeprefix("torch.")
-    how = f"{shape.block_slots}/{shape.tail}-slot steps, {shape.num_stages} stages, " + (
-        "unsplit" if splits == 1 else
-        f"{splits} splits x {q.shape[0] * -(-HEADS // 64)} head blocks, {partials} partials")
-    return ms, f"{err:.1e}", how
+    return ms, f"{err:.1e}", describe(q, slot_sets[0], config, workspace)

@@ -46,6 +46,15 @@ def old_default():
                            min_split_steps=2, partial_dtype=torch.float32)
 
 
+def gluon_candidates() -> dict[str, object]:
+    """The warp-specialised Gluon form (SM90): its default, half a wave of splits, and
+    32-slot steps in a four-slot ring."""
+    from glmflash.kernels.sparse_mla.gluon_sm90 import GLUON_SPARSE_MLA_CONFIG as G
+
+    return {"gluon": G, "gluon half a wave": dataclasses.replace(G, waves=0.5),
+            "gluon 32-slot steps 4 stages": dataclasses.replace(G, block_slots=32, stages=4)}
+
+
 def decode_candidates() -> dict[str, object]:
     """Split-launch configurations around the default: partial precision, split length, slot
     steps and pipeline depth, fewer programs."""
@@ -57,6 +66,7 @@ def decode_candidates() -> dict[str, object]:
 
     return {
         "default": DEFAULT_CONFIG,
+        **gluon_candidates(),
         "old default": old_default(),
         "fp32 partials": decode(partial_dtype=torch.float32),
         "2-step splits": decode(min_split_steps=2),
@@ -77,6 +87,7 @@ def prefill_candidates() -> dict[str, object]:
 
     return {
         "default": DEFAULT_CONFIG,
+        **gluon_candidates(),
         "old default": old_default(),
         "2 stages": prefill(SparseMlaLaunch(64, 2, tail_slots=16)),
         "32-slot steps 5 stages": prefill(SparseMlaLaunch(32, 5, tail_slots=16)),
@@ -92,13 +103,13 @@ def candidates(queries: int, names: tuple[str, ...] | None = None) -> dict[str, 
 def _compile(queries: int, name: str) -> str:
     """Compile one candidate at one size into Triton's cache (a worker process): the launch's
     specialisation depends on the shapes, not on the cache size, so a small latent does."""
-    from glmflash.kernels.sparse_mla import triton_impl as ti
+    from bench.sparse_mla import run_config
 
     q = torch.randn(queries, 64, 512, device="cuda").bfloat16()
     latent = torch.randn(4096, 512, device="cuda").bfloat16()
     slots = torch.randint(0, 4096, (queries, 2051), device="cuda")
     try:
-        ti.sparse_mla(q, latent, slots, scale=1 / 16, config=candidates(queries)[name])
+        run_config(q, latent, slots, candidates(queries)[name], None)
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - the timing loop reports it
         return f"{queries} {name}: {type(e).__name__}"
@@ -157,16 +168,18 @@ def sweep(parallel_compile: bool = True, names: tuple[str, ...] | None = None) -
 def combine_us(q, latent, slots, config) -> float | None:
     """The combine launch alone (CUDA-graph replays) on partials the attention launch just
     wrote, as in a forward; None when the launch is not split."""
+    from bench.sparse_mla import make_workspace, run_config
+    from glmflash.kernels.sparse_mla import gluon_sm90
     from glmflash.kernels.sparse_mla import triton_impl as ti
     from glmflash.kernels.sparse_mla.combine_triton import combine
-    from glmflash.kernels.sparse_mla.plan import SparseMlaWorkspace
-    from glmflash.kernels.triton_utils import num_sms
+    from glmflash.kernels.sparse_mla.plan import DEFAULT_CONFIG
 
-    workspace = SparseMlaWorkspace.create(q.shape[0], q.shape[1], q.shape[2], slots.shape[1],
-                                          q.device, num_sms(q.device), config, q.dtype)
-    out = ti.sparse_mla(q, latent, slots, scale=1 / 16, config=config,
-                        workspace=workspace)
-    splits = ti.launch_plan(q, slots, config, workspace)[1].num_splits
+    workspace = make_workspace(q, config)
+    out = run_config(q, latent, slots, config, workspace)
+    if isinstance(config, gluon_sm90.GluonSparseMlaConfig):
+        splits, config = gluon_sm90.plan_for(q, slots, config, workspace).num_splits, DEFAULT_CONFIG
+    else:
+        splits = ti.launch_plan(q, slots, config, workspace)[1].num_splits
     if splits == 1:
         return None
     return graph_ms([lambda: combine(workspace, out, splits, config)]) * 1e3

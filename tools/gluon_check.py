@@ -1,11 +1,12 @@
-"""Compile the Gluon FP8 GEMM (glmflash/kernels/fp8_gemm/gluon_sm90.py) for sm_90 without a GPU
-and check what ptxas says of it: no spills, and no serialised wgmma (ptxas's C7515: a
-non-wgmma instruction writing the registers of a wgmma in flight makes it wait for every
-wgmma, which cost a quarter of the kernel's rate when it happened).
+"""Compile the Gluon kernels (the FP8 GEMM, glmflash/kernels/fp8_gemm/gluon_sm90.py, and the
+sparse MLA, glmflash/kernels/sparse_mla/gluon_sm90.py) for sm_90 without a GPU and check what
+ptxas says of them: no spills, and no serialised wgmma (ptxas's C7515: a non-wgmma instruction
+writing the registers of a wgmma in flight makes it wait for every wgmma, which cost a quarter
+of the GEMM's rate when it happened).
 
-    python tools/gluon_check.py
+    python tools/gluon_check.py [--only gemm|sparse_mla]
 
-Prints one line per epilogue form; exits 1 if a form spills or serialises. The installed
+Prints one line per form; exits 1 if a form spills or serialises. The installed
 Triton compiles (the device's Triton 3.6 and this machine's newer one both build it). Triton's
 JIT asks its driver for the target, so a stand-in driver that names sm_90 is installed for the
 duration (run it in its own process: tests/kernels/test_gluon_sm90.py does).
@@ -29,6 +30,8 @@ from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 
 from glmflash.kernels.fp8_gemm import gluon_sm90 as g  # noqa: E402
+from glmflash.kernels.sparse_mla import gluon_sm90 as mla  # noqa: E402
+from glmflash.kernels.sparse_mla.plan import SplitPlan  # noqa: E402
 
 
 class Sm90Driver:
@@ -67,6 +70,32 @@ def compile_form(mode) -> str:
     return g.block_fp8_gemm_kernel.warmup(*args, grid=grid, **kwargs).asm["ptx"]
 
 
+def compile_sparse_mla(split: bool) -> str:
+    """PTX of the sparse MLA at the release shapes: 8 decode queries split 16 ways, or one
+    query unsplit (as a prefill program)."""
+    queries, heads, rank, width = 8, 64, mla.RANK, 2051
+    q = torch.empty(queries, heads, rank, dtype=torch.bfloat16)
+    latent = torch.empty(1 << 17, rank, dtype=torch.bfloat16)
+    slots = torch.empty(queries, width, dtype=torch.int32)
+    out = torch.empty_like(q)
+    splits = 16 if split else 1
+    plan = SplitPlan(splits, 32 // splits, 0, 32)
+    parts = (torch.empty(queries * splits, heads, rank, dtype=torch.bfloat16),
+             torch.empty(queries * splits, heads)) if split else (out, out)
+    grid, args, kwargs = mla.kernel_call(q, latent, slots, out, *parts, 0.1, plan,
+                                         mla.GLUON_SPARSE_MLA_CONFIG)
+    return mla.sparse_mla_ws_kernel.warmup(*args, grid=grid, **kwargs).asm["ptx"]
+
+
+FORMS = {
+    "gemm": ((lambda: compile_form(g.STORE_ROWS), "rows"),
+             (lambda: compile_form(g.SCATTER_ROWS), "scatter"),
+             (lambda: compile_form(g.GATED), "gated")),
+    "sparse_mla": ((lambda: compile_sparse_mla(True), "sparse MLA split"),
+                   (lambda: compile_sparse_mla(False), "sparse MLA unsplit")),
+}
+
+
 def ptxas_report(ptx: str, workdir: Path) -> list[str]:
     """ptxas -v's lines on spills and serialised wgmma."""
     source = workdir / "kernel.ptx"
@@ -78,17 +107,21 @@ def ptxas_report(ptx: str, workdir: Path) -> list[str]:
 
 
 def main() -> int:
+    import argparse
     import tempfile
 
+    parser = argparse.ArgumentParser(description="compile the Gluon kernels for sm_90")
+    parser.add_argument("--only", choices=sorted(FORMS), help="one kernel's forms")
+    only = parser.parse_args().only
     if g.gluon is None:
         print("this Triton has no Gluon")
         return 1
     driver.set_active(Sm90Driver())
     bad = False
     with tempfile.TemporaryDirectory() as tmp:
-        for mode, name in ((g.STORE_ROWS, "rows"), (g.SCATTER_ROWS, "scatter"),
-                           (g.GATED, "gated")):
-            report = ptxas_report(compile_form(mode), Path(tmp))
+        for build, name in (form for kernel in ([only] if only else FORMS)
+                            for form in FORMS[kernel]):
+            report = ptxas_report(build(), Path(tmp))
             serialised = any("C7515" in line for line in report)
             spills = any("spill" in line and not line.strip().endswith(
                 "0 bytes spill stores, 0 bytes spill loads") for line in report)
