@@ -47,12 +47,12 @@ def old_default():
 
 
 def gluon_candidates() -> dict[str, object]:
-    """The warp-specialised Gluon form (SM90): its default, half a wave of splits, and
-    32-slot steps in a four-slot ring."""
+    """The warp-specialised Gluon form (SM90): its default (persistent), half a wave of
+    splits, and a program per work item."""
     from glmflash.kernels.sparse_mla.gluon_sm90 import GLUON_SPARSE_MLA_CONFIG as G
 
     return {"gluon": G, "gluon half a wave": dataclasses.replace(G, waves=0.5),
-            "gluon 32-slot steps 4 stages": dataclasses.replace(G, block_slots=32, stages=4)}
+            "gluon a program per item": dataclasses.replace(G, persistent=False)}
 
 
 def decode_candidates() -> dict[str, object]:

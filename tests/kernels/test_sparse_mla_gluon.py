@@ -78,6 +78,7 @@ CONFIGS = {
     "default": GLUON,
     "half_wave": dataclasses.replace(GLUON, waves=0.5),
     "steps32_stages4": dataclasses.replace(GLUON, block_slots=32, stages=4),
+    "program_per_item": dataclasses.replace(GLUON, persistent=False),
 }
 
 
@@ -95,10 +96,15 @@ def test_release_shape_gpu(tokens, config):
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("shape", [(3, 128, 100), (2, 64, 1), (5, 64, 64), (4, 64, 0)],
-                         ids=["two_head_blocks", "one_slot", "one_step", "empty"])
+@pytest.mark.parametrize("shape", [(3, 128, 100), (2, 64, 1), (5, 64, 64), (4, 64, 0),
+                                   (600, 64, 40), (400, 128, 64), (300, 64, 0)],
+                         ids=["two_head_blocks", "one_slot", "one_step", "empty",
+                              "many_one_step_items", "many_items_two_head_blocks",
+                              "many_empty_items"])
 def test_odd_shapes_gpu(shape):
-    """Two head blocks, a selection of one slot, of exactly one step, and of none."""
+    """Two head blocks, a selection of one slot, of exactly one step, and of none; and
+    programs that walk many items of one step or none (the value warpgroup's sums buffer is
+    reused two items later)."""
     tokens, heads, width = shape
     q, latent, slots = _case(tokens, heads, 512, width, dtype=torch.bfloat16, cache=500)
     want = sparse_mla_ref(q.float(), latent.float(), slots, scale=0.1)

@@ -1,7 +1,9 @@
 """Sparse MLA over the indexer's selection: `sparse_mla(q_lat, latent, slots, scale=...)`.
 
-CUDA tensors go to the Triton kernel (triton_impl.py), CPU tensors to ref.py;
-`GLMFLASH_KERNEL_SPARSE_MLA=ref|triton` forces one.
+CUDA tensors go to the Triton kernel (triton_impl.py), or on SM90 where its programs are long
+enough (prefill, decodes of 32 queries and more) to the warp-specialised Gluon kernel
+(gluon_sm90.py); CPU tensors go to ref.py. `GLMFLASH_KERNEL_SPARSE_MLA=ref|triton` forces the
+reference or the GPU kernels.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *
     """Absorbed-latent attention over selected slots; see `sparse_mla_ref`. `workspace`
     (from `sparse_mla_workspace`) serves the Triton kernel's split launches."""
     if use_triton(q_lat, "sparse_mla"):
-        from glmflash.kernels.sparse_mla import triton_impl
+        from glmflash.kernels.sparse_mla import gluon_sm90, triton_impl
 
-        return triton_impl.sparse_mla(q_lat, latent, slots, scale=scale, workspace=workspace)
+        impl = gluon_sm90 if gluon_sm90.serves(q_lat, latent, slots, workspace) else triton_impl
+        return impl.sparse_mla(q_lat, latent, slots, scale=scale, workspace=workspace)
     return sparse_mla_ref(q_lat, latent, slots, scale=scale)
 
 
