@@ -33,6 +33,7 @@ from glmflash.kernels.sparse_mla.plan import (
     SparseMlaConfig,
     SparseMlaWorkspace,
     SplitPlan,
+    new_output,
     split_plan,
 )
 from glmflash.kernels.triton_utils import constexpr, interpreting, num_sms
@@ -445,10 +446,7 @@ def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *
     """`sparse_mla_ref` on SM90 (see `available`): the attention launch, and the combine
     launch of a split (combine_triton.py). Host work depends on shapes only (CUDA graphs)."""
     num_queries, heads, rank = q_lat.shape
-    assert latent.shape[1] == rank and slots.shape[0] == num_queries
-    assert q_lat.stride(2) == 1 and latent.stride(1) == 1 and slots.stride(1) == 1
-    assert slots.dtype in (torch.int32, torch.int64), slots.dtype
-    out = torch.empty(num_queries, heads, rank, dtype=q_lat.dtype, device=q_lat.device)
+    out = new_output(q_lat, latent, slots)
     if num_queries == 0:
         return out
     plan = plan_for(q_lat, slots, config, workspace)

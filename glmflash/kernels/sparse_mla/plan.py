@@ -133,6 +133,17 @@ def split_plan(num_queries: int, heads: int, width: int, block_slots: int, num_s
     return SplitPlan(splits, full_steps // splits, full_steps % splits, full_steps)
 
 
+def new_output(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The output of a launch on these inputs, once the kernels' layout rules are checked:
+    q_lat `[T, H, R]`, latent `[N, R]` and slots `[T, W]` (int32 or int64) each contiguous
+    along their last dimension."""
+    num_queries, heads, rank = q_lat.shape
+    assert latent.shape[1] == rank and slots.shape[0] == num_queries
+    assert q_lat.stride(2) == 1 and latent.stride(1) == 1 and slots.stride(1) == 1
+    assert slots.dtype in (torch.int32, torch.int64), slots.dtype
+    return torch.empty(num_queries, heads, rank, dtype=q_lat.dtype, device=q_lat.device)
+
+
 @dataclass(frozen=True)
 class SparseMlaWorkspace:
     """Per-split results of a split launch, reusable by every launch of one forward (they run in

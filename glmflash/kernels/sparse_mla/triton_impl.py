@@ -29,6 +29,7 @@ from glmflash.kernels.sparse_mla.plan import (
     SparseMlaWorkspace,
     SplitPlan,
     head_block,
+    new_output,
     split_plan,
     wanted_splits,
 )
@@ -141,11 +142,8 @@ def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *
     `workspace` holds the splits of a decode-sized launch (`sparse_mla_workspace`); without
     one, a split launch allocates its own. Host work depends on shapes only (CUDA graphs).
     """
-    num_queries, heads, rank = q_lat.shape
-    assert latent.shape[1] == rank and slots.shape[0] == num_queries
-    assert q_lat.stride(2) == 1 and latent.stride(1) == 1 and slots.stride(1) == 1
-    assert slots.dtype in (torch.int32, torch.int64), slots.dtype
-    out = torch.empty(num_queries, heads, rank, dtype=q_lat.dtype, device=q_lat.device)
+    num_queries = q_lat.shape[0]
+    out = new_output(q_lat, latent, slots)
     if num_queries == 0:
         return out
     split, shapes, key = _regime(q_lat, config)
