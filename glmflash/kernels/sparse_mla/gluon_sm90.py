@@ -30,6 +30,7 @@ import torch
 
 from glmflash.kernels.sparse_mla.combine_triton import combine
 from glmflash.kernels.sparse_mla.plan import (
+    LOG2E,
     SparseMlaConfig,
     SparseMlaWorkspace,
     SplitPlan,
@@ -59,7 +60,6 @@ HEAD_BLOCK = 64
 RANK = 512
 """Latent width this kernel is built for (two 256-column halves)."""
 HEADS, HALF = constexpr(HEAD_BLOCK), constexpr(RANK // 2)
-LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
@@ -451,10 +451,10 @@ def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *
         return out
     plan = plan_for(q_lat, slots, config, workspace)
     if plan.num_splits > 1 and workspace is None:
+        # Sized for the split rule's narrowest steps: at least this plan's splits.
         workspace = SparseMlaWorkspace.create(num_queries, heads, rank, slots.shape[1],
                                               q_lat.device, num_sms(q_lat.device),
                                               config.split_config(), out.dtype)
-        plan = plan_for(q_lat, slots, config, workspace)
     split = plan.num_splits > 1
     parts = (workspace.partial_out, workspace.partial_lse) if split else (out, out)
     grid, args, kwargs = kernel_call(q_lat, latent, slots, out, *parts, scale * LOG2E, plan,

@@ -11,6 +11,9 @@ from typing import NamedTuple
 
 import torch
 
+LOG2E = 1.4426950408889634
+"""log2(e): the launchers fold it into the softmax scale, so the kernels' softmax runs in
+log2 units (exp2)."""
 HEAD_BLOCK = 64
 """Heads per program: the M dimension of both products."""
 MIN_DOT = 16

@@ -24,6 +24,7 @@ except ImportError:  # the package must import without triton; the launchers nee
 from glmflash.kernels.sparse_mla.combine_triton import combine
 from glmflash.kernels.sparse_mla.plan import (
     DEFAULT_CONFIG,
+    LOG2E,
     SparseMlaConfig,
     SparseMlaLaunch,
     SparseMlaWorkspace,
@@ -37,7 +38,6 @@ from glmflash.kernels.triton_utils import dot_operand_type, jit, num_sms, produc
 
 logger = logging.getLogger(__name__)
 
-LOG2E = 1.4426950408889634
 # (device, shapes tried, heads, rank, dtype) -> the launch shape that compiled there
 _FITTED: dict[tuple, SparseMlaLaunch] = {}
 
