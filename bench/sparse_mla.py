@@ -125,21 +125,28 @@ def make_workspace(q, config):
                                      num_sms(q.device), split, q.dtype)
 
 
-def describe(q, slots, config, workspace) -> str:
-    """How the launch of `config` splits, in words."""
+def launch_split(q, slots, config, workspace):
+    """(splits of the launch of `config`, the configuration of its combine launch, the
+    launch's steps in words)."""
     from glmflash.kernels.sparse_mla import gluon_sm90
     from glmflash.kernels.sparse_mla import triton_impl as ti
 
-    partials = str(workspace.partial_out.dtype).removeprefix("torch.")
     if _is_gluon(config):
         plan = gluon_sm90.plan_for(q, slots, config, workspace)
-        how = f"Gluon, {config.block_slots}-slot steps, {config.stages} stages, "
-    else:
-        shape, plan = ti.launch_plan(q, slots, config, workspace)
-        how = f"{shape.block_slots}/{shape.tail}-slot steps, {shape.num_stages} stages, "
-    return how + ("unsplit" if plan.num_splits == 1 else
-                  f"{plan.num_splits} splits x {q.shape[0] * -(-HEADS // 64)} head blocks, "
-                  f"{partials} partials")
+        return (plan.num_splits, config.combine,
+                f"Gluon, {config.block_slots}-slot steps, {config.stages} stages")
+    shape, plan = ti.launch_plan(q, slots, config, workspace)
+    return (plan.num_splits, config,
+            f"{shape.block_slots}/{shape.tail}-slot steps, {shape.num_stages} stages")
+
+
+def describe(q, slots, config, workspace) -> str:
+    """How the launch of `config` splits, in words."""
+    splits, _, steps = launch_split(q, slots, config, workspace)
+    partials = str(workspace.partial_out.dtype).removeprefix("torch.")
+    return f"{steps}, " + ("unsplit" if splits == 1 else
+                           f"{splits} splits x {q.shape[0] * -(-HEADS // 64)} head blocks, "
+                           f"{partials} partials")
 
 
 def time_config(q, latent, slot_sets, want, config) -> tuple[float, str, str]:

@@ -168,21 +168,15 @@ def sweep(parallel_compile: bool = True, names: tuple[str, ...] | None = None) -
 def combine_us(q, latent, slots, config) -> float | None:
     """The combine launch alone (CUDA-graph replays) on partials the attention launch just
     wrote, as in a forward; None when the launch is not split."""
-    from bench.sparse_mla import make_workspace, run_config
-    from glmflash.kernels.sparse_mla import gluon_sm90
-    from glmflash.kernels.sparse_mla import triton_impl as ti
+    from bench.sparse_mla import launch_split, make_workspace, run_config
     from glmflash.kernels.sparse_mla.combine_triton import combine
-    from glmflash.kernels.sparse_mla.plan import DEFAULT_CONFIG
 
     workspace = make_workspace(q, config)
     out = run_config(q, latent, slots, config, workspace)
-    if isinstance(config, gluon_sm90.GluonSparseMlaConfig):
-        splits, config = gluon_sm90.plan_for(q, slots, config, workspace).num_splits, DEFAULT_CONFIG
-    else:
-        splits = ti.launch_plan(q, slots, config, workspace)[1].num_splits
+    splits, merge, _ = launch_split(q, slots, config, workspace)
     if splits == 1:
         return None
-    return graph_ms([lambda: combine(workspace, out, splits, config)]) * 1e3
+    return graph_ms([lambda: combine(workspace, out, splits, merge)]) * 1e3
 
 
 if __name__ == "__main__":
