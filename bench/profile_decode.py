@@ -63,8 +63,8 @@ def main() -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top,
                                     max_name_column_width=60))
     if args.device == "cuda":
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15,
-                                        max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.top,
+                                        max_name_column_width=90))
 
 
 def make_engine(args: argparse.Namespace) -> Engine:

@@ -1,13 +1,14 @@
 """Compile the Gluon kernels (the FP8 GEMM, glmflash/kernels/fp8_gemm/gluon_sm90.py, and the
 sparse MLA, glmflash/kernels/sparse_mla/gluon_sm90.py) for sm_90 without a GPU and check what
-ptxas says of them: no spills (beyond the partition entry's, `ENTRY_SPILL_BYTES`), and no
+ptxas says of them: no spills (beyond the partition entry's, `ENTRY_SPILL_BYTES`), no
 serialised wgmma (ptxas's C7515: a non-wgmma instruction writing the registers of a wgmma in
 flight makes it wait for every wgmma, which cost a quarter of the GEMM's rate when it
-happened).
+happened), and, in the SASS, no wgmma sequence waiting on a global load issued in its own
+loop step (`fresh_loads_in_wgmma`).
 
     python tools/gluon_check.py [--only gemm|sparse_mla]
 
-Prints one line per form; exits 1 if a form spills or serialises. The installed
+Prints one line per form; exits 1 if a form spills, serialises or stalls so. The installed
 Triton compiles (the device's Triton 3.6 and this machine's newer one both build it). Triton's
 JIT asks its driver for the target, so a stand-in driver that names sm_90 is installed for the
 duration (run it in its own process: tests/kernels/test_gluon_sm90.py does).
@@ -112,13 +113,63 @@ def spill_store_bytes(line: str) -> int:
 
 
 def ptxas_report(ptx: str, workdir: Path) -> list[str]:
-    """ptxas -v's lines on spills and serialised wgmma."""
+    """ptxas -v's lines on spills and serialised wgmma (the cubin is left in workdir)."""
     source = workdir / "kernel.ptx"
     source.write_text(ptx)
     done = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(source), "-o",
                            str(workdir / "kernel.cubin")], capture_output=True, text=True,
                           check=True)
     return [line for line in done.stderr.splitlines() if "spill" in line or "C7515" in line]
+
+
+SASS_LINE = re.compile(
+    r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*(.*?)\s*;")
+
+
+def _instructions(sass: str) -> list[tuple[int, str, str]]:
+    """(address, opcode, operands) of each SASS instruction."""
+    return [(int(m.group(1), 16), m.group(2), m.group(3))
+            for m in map(SASS_LINE.match, sass.splitlines()) if m]
+
+
+def fresh_loads_in_wgmma(sass: str) -> int:
+    """Instructions inside a wgmma sequence (WARPGROUP.ARRIVE to the group's last product)
+    that read the result of a global load issued since the last WARPGROUP.DEPBAR within the
+    innermost loop around them: each holds the sequence's later products until its load arrives, one
+    L2 round trip a K step (the GEMM, its scales loaded in the step, lost 10-15% so). Loads
+    issued before the loop (a tile's first scales) are once per tile and not counted."""
+    code = _instructions(sass)
+    branches = [(int(m.group(1), 16), address) for address, op, operands in code
+                if op == "BRA" and (m := re.match(r"0x([0-9a-f]+)", operands))]
+    loops = [(target, address) for target, address in branches if target < address]
+    fresh: dict[str, int] = {}
+    inside, found = False, 0
+    for address, op, operands in code:
+        regs = re.findall(r"\bR\d+\b", operands)
+        if op.startswith("WARPGROUP.DEPBAR"):
+            fresh.clear()
+            inside = False
+        elif op.startswith("WARPGROUP.ARRIVE"):
+            inside = True
+        elif op.startswith(("QGMMA", "HGMMA")):
+            inside = inside and "gsb0" not in operands
+        elif op.startswith("LDG"):
+            fresh[regs[0]] = address
+        else:
+            innermost = min(((end - start, start) for start, end in loops
+                             if start <= address <= end), default=None)
+            found += inside and innermost is not None and any(
+                innermost[1] <= fresh[r] for r in regs[1:] if r in fresh)
+            if regs and not op.startswith("ST"):
+                fresh.pop(regs[0], None)  # overwritten: no longer the load's
+    return found
+
+
+def sass_of(workdir: Path) -> str:
+    """cuobjdump's SASS of the cubin ptxas_report left."""
+    tool = Path(get_ptxas(90).path).with_name("cuobjdump")
+    return subprocess.run([str(tool), "-sass", str(workdir / "kernel.cubin")],
+                          capture_output=True, text=True, check=True).stdout
 
 
 def main() -> int:
@@ -139,9 +190,11 @@ def main() -> int:
             report = ptxas_report(build(), Path(tmp))
             serialised = any("C7515" in line for line in report)
             spills = any(spill_store_bytes(line) > ENTRY_SPILL_BYTES for line in report)
-            bad |= serialised or spills
+            stalls = fresh_loads_in_wgmma(sass_of(Path(tmp)))
+            bad |= serialised or spills or stalls > 0
             print(f"{name}: {'SERIALISED ' if serialised else ''}"
-                  f"{'; '.join(line.split(': ', 1)[-1].strip() for line in report)}")
+                  f"{'; '.join(line.split(': ', 1)[-1].strip() for line in report)}; "
+                  f"{stalls} reads of a fresh load inside a wgmma sequence")
     return 1 if bad else 0
 
 

@@ -125,3 +125,27 @@ def test_moe_clamps_bind_and_pairs_skipped():
     ids[::5, 1] = -1
     got = triton_impl.fused_moe(x, ids, weights, *experts, limit=0.3, config=GLUON)
     check_release(got, x, ids, weights, experts, limit=0.3, ref_rel=W8A8_CLAMPED_REL)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_a_program_per_tile_gives_the_same_bits():
+    """A program per tile instead of a program per SM walking the tiles (the default) changes
+    when things happen, not what is summed: dense (several tiles a program, a partial last row
+    tile) and the MoE form (many unused blocks to walk past) equal the default bit for bit."""
+    from glmflash.kernels.fp8_gemm.triton_impl import quantize_activations
+    from glmflash.kernels.fused_moe.gluon_w8a8 import GluonMoeConfig
+
+    config = gluon_sm90.GluonGemmConfig(persistent=False)
+    for m, k, n in [(2048, 4096, 1536), (300, 1536, 640)]:
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda") * 0.05)
+        xq, xs = quantize_activations(x, wq.dtype, 128, scales_m_major=True)
+        assert torch.equal(gluon_sm90.gemm(xq, xs, wq, ws, torch.bfloat16, config=config),
+                           gluon_sm90.gemm(xq, xs, wq, ws, torch.bfloat16))
+    for num_tokens, num_experts in [(2048, 64), (37, 16)]:
+        x, ids, weights, experts = _release_case(num_tokens, num_experts=num_experts)
+        got = triton_impl.fused_moe(x, ids, weights, *experts, limit=10.0,
+                                    config=GluonMoeConfig(gemm=config))
+        want = triton_impl.fused_moe(x, ids, weights, *experts, limit=10.0, config=GLUON)
+        assert torch.equal(got, want)

@@ -9,8 +9,11 @@ the partitions are written out (DeepGEMM's structure):
 - a one-warp producer streams tiles into a ring of STAGES shared-memory slots by TMA: A as two
   64-row tiles, one per consumer, and one [128, 128] tile of B;
 - two consumer warpgroups (the default partition and a 4-warp worker) each own 64 rows of the
-  128-row tile. A consumer waits for its product, frees the slot and promotes; the other
+  128-row tile. A consumer waits for its product, frees the slot (every thread arrives, so no
+  warpgroup barrier comes first) and promotes with scales it loaded a step earlier; the other
   consumer's product keeps the tensor cores busy meanwhile, as the two are not in lockstep.
+- By default a program per SM walks the output tiles (`GluonGemmConfig.persistent`): the
+  producer fills the ring with a tile's first steps while the consumers store the last one.
 
 Rows may be grouped (the fused MoE's sorted layout): row block i belongs to expert
 `block_expert[i]` (-1: unused) and B is the stacked `[E * N, K]` weights. Three epilogues:
@@ -30,12 +33,13 @@ from dataclasses import dataclass
 import torch
 
 from glmflash.kernels.fp8_gemm.triton_common import FP8_MAX
-from glmflash.kernels.triton_utils import constexpr, grouped_tile
+from glmflash.kernels.triton_utils import constexpr, grouped_tile, num_sms
 
 try:
     import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -70,6 +74,9 @@ class GluonGemmConfig:
     max_regs: int = 168
     """Registers a thread at launch: 12 warps (two consumer warpgroups and the producer's)
     share the 64K; each warpgroup then takes its own count (240 + 240 + 24 = 3 x 168)."""
+    persistent: bool = True
+    """A program per SM walking the tiles (the producer fills the ring with the next tile's
+    steps while the consumers store the last), instead of a program per tile."""
 
 
 GLUON_CONFIG = GluonGemmConfig()
@@ -85,26 +92,49 @@ def available(device: torch.device) -> bool:
 if gluon is not None:
 
     @gluon.jit
-    def _producer(a_desc, b0_desc, b1_desc, a_bufs, b_bufs, ready, empty, a_row, b0_row, b1_row,
-                  k_steps, PASSES: gl.constexpr):
-        """TMA loads of A and B into the ring: B0 rows b0_row.. over K, then (PASSES == 2) B1
-        rows b1_row.. over K; a slot is refilled once both consumers have released it."""
+    def _producer(a_desc, b0_desc, b1_desc, a_bufs, b_bufs, ready, empty, block_expert,
+                  num_row_blocks, N, k_steps, PASSES: gl.constexpr, GROUPED: gl.constexpr,
+                  GROUP_M: gl.constexpr):
+        """TMA loads into the ring, tile after tile (`_tile`), a K step a slot (A's two 64-row
+        tiles and a [BN, BK] tile of B): per tile B0's rows over K, then (PASSES == 2) B1's;
+        a slot is refilled once both consumers have released it."""
         STAGES: gl.constexpr = b_bufs.type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
+        BN: gl.constexpr = b0_desc.block_type.shape[0]
         nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b0_desc.block_type.nbytes
-        for i in range(k_steps * PASSES):
-            s = i % STAGES
-            # A fresh barrier counts as completed phase 1, so the first lap does not wait.
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), nbytes)
-            k = (i % k_steps) * BK
-            # A as two 64-row tiles, one per consumer warpgroup.
-            tma_load(a_desc, [a_row, k], ready.index(s), a_bufs.index(2 * s))
-            tma_load(a_desc, [a_row + 64, k], ready.index(s), a_bufs.index(2 * s + 1))
-            if i < k_steps:
-                tma_load(b0_desc, [b0_row, k], ready.index(s), b_bufs.index(s))
-            else:
-                tma_load(b1_desc, [b1_row, k], ready.index(s), b_bufs.index(s))
+        i = 0  # ring steps so far, over every tile of this program
+        for tile in range(gl.program_id(0), num_row_blocks * gl.cdiv(N, BN),
+                          gl.num_programs(0)):
+            i_m, i_n, expert = _tile(tile, block_expert, num_row_blocks, N, BN, GROUPED,
+                                     GROUP_M)
+            if expert >= 0:
+                a_row = i_m * 2 * a_desc.block_type.shape[0]
+                b_row = expert * N + i_n * BN
+                for j in range(k_steps * PASSES):
+                    s = i % STAGES
+                    # A fresh barrier counts as completed phase 1, so the first lap does not
+                    # wait.
+                    mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+                    mbarrier.expect(ready.index(s), nbytes)
+                    k = (j % k_steps) * BK
+                    # A as two 64-row tiles, one per consumer warpgroup.
+                    tma_load(a_desc, [a_row, k], ready.index(s), a_bufs.index(2 * s))
+                    tma_load(a_desc, [a_row + 64, k], ready.index(s), a_bufs.index(2 * s + 1))
+                    if j < k_steps:
+                        tma_load(b0_desc, [b_row, k], ready.index(s), b_bufs.index(s))
+                    else:
+                        tma_load(b1_desc, [b_row, k], ready.index(s), b_bufs.index(s))
+                    i += 1
+
+    @gluon.jit
+    def _tile(tile, block_expert, num_row_blocks, N, BN: gl.constexpr, GROUPED: gl.constexpr,
+              GROUP_M: gl.constexpr):
+        """(row block, column tile, expert) of a tile number; expert -1: nothing to do."""
+        i_m, i_n = grouped_tile(tile, num_row_blocks, gl.cdiv(N, BN), GROUP_M)
+        expert = 0
+        if GROUPED:
+            expert = gl.load(block_expert + i_m)
+        return i_m, i_n, expert
 
     @gluon.jit
     def _product(a_bufs, b_bufs, s, spare, WG: gl.constexpr):
@@ -117,32 +147,58 @@ if gluon is not None:
 
     @gluon.jit
     def _scales(p_as, m_rows, stride_as, p_bs, k):
-        """a_s[:, k] * b_s[k]: the rows' scales of K block k times B's."""
-        return gl.load(p_as + k * stride_as, mask=m_rows, other=0.0) * gl.load(p_bs + k)
+        """(a_s[:, k], b_s[k]): the rows' scales of K block k and B's. B's is loaded as a
+        vector over the rows (p_bs holds one address per row) masked like the rows' own: a
+        scalar would be warp-uniform, and ptxas moves a uniform load's result into a uniform
+        register at once, waiting for the load there."""
+        return (gl.load(p_as + k * stride_as, mask=m_rows, other=0.0),
+                gl.load(p_bs + k, mask=m_rows, other=0.0))
+
+    @gluon.jit
+    def _k_step(a_bufs, b_bufs, ready, empty, i, scales, acc, part, WG: gl.constexpr):
+        """Ring step i: wait for its tiles, this warpgroup's product, release the slot and
+        promote the product with its scales (a_s, b_s) into acc. Returns (acc, part)."""
+        STAGES: gl.constexpr = b_bufs.type.shape[0]
+        s = i % STAGES
+        a_s, b_s = scales
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        part = warpgroup_mma_wait(0, deps=(_product(a_bufs, b_bufs, s, part, WG),))
+        # Every thread releases the slot once its own product is done (cp.async's arrive
+        # without an increment: the thread has no copies in flight, so it arrives at once). A
+        # single arrival would need the warpgroup's bar.sync first.
+        cp.mbarrier_arrive(empty.index(s), increment_count=False)
+        return acc + part * gl.expand_dims(a_s * b_s, 1), part
 
     @gluon.jit
     def _k_loop(a_bufs, b_bufs, ready, empty, p_as, m_rows, stride_as, p_bs, i0, k_steps,
                 WG: gl.constexpr, acc_layout: gl.constexpr):
         """sum over k of (A_k B_k^T) * a_s[:, k] * b_s[k] over ring steps i0 ..
         i0 + k_steps - 1. p_as: the rows' scales of K block 0 (K blocks `stride_as` apart),
-        p_bs: B's scale of K block 0 (contiguous in k).
+        p_bs: B's scale of K block 0 (contiguous in k), an address per row.
 
         Each product is waited for before its promotion; the other warpgroup's product runs
         on the tensor cores meanwhile. (Keeping this warpgroup's next product in flight needs
         two product registers sets that alternate, and the copies between them make ptxas
-        serialise every wgmma: its warning C7515.)"""
-        STAGES: gl.constexpr = b_bufs.type.shape[0]
+        serialise every wgmma: its warning C7515.)
+
+        Each step's scales are loaded a step before it: ptxas places whatever reads them
+        (their product, a register copy) among the step's wgmma instructions, so scales loaded
+        in the step held the step's later wgmma until they arrived (tools/gluon_check.py
+        checks the SASS for it). The loop is unrolled by two so that no copy carries a step's
+        scales into the next iteration."""
         BN: gl.constexpr = b_bufs.type.shape[1]
         acc = gl.zeros([64, BN], gl.float32, acc_layout)
-        part = gl.zeros([64, BN], gl.float32, acc_layout)
-        for k in range(k_steps):
-            i = i0 + k
-            s = i % STAGES
-            scale = gl.expand_dims(_scales(p_as, m_rows, stride_as, p_bs, k), 1)
-            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            part = warpgroup_mma_wait(0, deps=(_product(a_bufs, b_bufs, s, part, WG),))
-            mbarrier.arrive(empty.index(s), count=1)
-            acc = acc + part * scale
+        part = acc
+        even = _scales(p_as, m_rows, stride_as, p_bs, 0)
+        for k in range(0, k_steps - 1, 2):
+            odd = _scales(p_as, m_rows, stride_as, p_bs, k + 1)
+            acc, part = _k_step(a_bufs, b_bufs, ready, empty, i0 + k, even, acc, part, WG)
+            # Past the last block: block 0 again, unused.
+            even = _scales(p_as, m_rows, stride_as, p_bs, (k + 2) % k_steps)
+            acc, part = _k_step(a_bufs, b_bufs, ready, empty, i0 + k + 1, odd, acc, part, WG)
+        if k_steps % 2 == 1:
+            acc, part = _k_step(a_bufs, b_bufs, ready, empty, i0 + k_steps - 1, even, acc,
+                                part, WG)
         return acc
 
     @gluon.jit
@@ -172,12 +228,12 @@ if gluon is not None:
         gl.store(out_scale + i_block * stride_osk + o_r, scale, mask=m_r)
 
     @gluon.jit
-    def _consumer(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale, b1_scale, out,
-                  out_scale, row_map, row0, col0, bs_row, k_steps, N, R, num_valid, limit,
-                  stride_as, stride_bsn, stride_om, stride_osk, MODE: gl.constexpr,
-                  WG: gl.constexpr):
-        """One consumer warpgroup: rows row0 + 64 WG .. of the tile; the K loop (two when
-        GATED), then the epilogue of MODE."""
+    def _consumer_tile(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale, b1_scale,
+                       out, out_scale, row_map, row0, col0, bs_row, i0, k_steps, N, R,
+                       num_valid, limit, stride_as, stride_bsn, stride_om, stride_osk,
+                       MODE: gl.constexpr, WG: gl.constexpr):
+        """One consumer warpgroup's part of one tile: rows row0 + 64 WG .. ; the K loop from
+        ring step i0 (gate's, then up's, when GATED), then the epilogue of MODE."""
         BN: gl.constexpr = b_bufs.type.shape[1]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
@@ -185,13 +241,14 @@ if gluon is not None:
         m_r = o_r < R
         p_as = a_scale + o_r
         i_block = col0 // BN
-        acc = _k_loop(a_bufs, b_bufs, ready, empty, p_as, m_r, stride_as,
-                      b0_scale + bs_row + i_block * stride_bsn, 0, k_steps, WG, acc_layout)
+        # B's scales at one address per row (_scales says why).
+        bs_rows = bs_row + i_block * stride_bsn + o_r * 0
+        acc = _k_loop(a_bufs, b_bufs, ready, empty, p_as, m_r, stride_as, b0_scale + bs_rows,
+                      i0, k_steps, WG, acc_layout)
         if MODE == GATED:
             gate_buf.index(WG).store(gl.minimum(acc, limit))
             up = _k_loop(a_bufs, b_bufs, ready, empty, p_as, m_r, stride_as,
-                         b1_scale + bs_row + i_block * stride_bsn, k_steps, k_steps, WG,
-                         acc_layout)
+                         b1_scale + bs_rows, i0 + k_steps, k_steps, WG, acc_layout)
             gate = gate_buf.index(WG).load(acc_layout)
             # The columns' indices are made after the K loops: 32 a thread would stay live.
             o_n = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
@@ -203,23 +260,50 @@ if gluon is not None:
                         stride_om, MODE == SCATTER_ROWS)
 
     @gluon.jit
+    def _consumer(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale, b1_scale, out,
+                  out_scale, row_map, block_expert, num_row_blocks, k_steps, N, R, num_valid,
+                  limit, stride_as, stride_bse, stride_bsn, stride_om, stride_osk,
+                  MODE: gl.constexpr, GROUPED: gl.constexpr, GROUP_M: gl.constexpr,
+                  WG: gl.constexpr):
+        """One consumer warpgroup over this program's tiles, in the producer's order."""
+        BN: gl.constexpr = b_bufs.type.shape[1]
+        PASSES: gl.constexpr = 2 if MODE == GATED else 1
+        i0 = 0  # ring steps so far
+        for tile in range(gl.program_id(0), num_row_blocks * gl.cdiv(N, BN),
+                          gl.num_programs(0)):
+            i_m, i_n, expert = _tile(tile, block_expert, num_row_blocks, N, BN, GROUPED,
+                                     GROUP_M)
+            if expert >= 0:
+                _consumer_tile(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale,
+                               b1_scale, out, out_scale, row_map, i_m * 128, i_n * BN,
+                               expert * stride_bse, i0, k_steps, N, R, num_valid, limit,
+                               stride_as, stride_bsn, stride_om, stride_osk, MODE, WG)
+                i0 += k_steps * PASSES
+
+    @gluon.jit
     def _consumer_wg0(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale, b1_scale,
-                      out, out_scale, row_map, row0, col0, bs_row, k_steps, N, R, num_valid,
-                      limit, stride_as, stride_bsn, stride_om, stride_osk, MODE: gl.constexpr):
+                      out, out_scale, row_map, block_expert, num_row_blocks, k_steps, N, R,
+                      num_valid, limit, stride_as, stride_bse, stride_bsn, stride_om,
+                      stride_osk, MODE: gl.constexpr, GROUPED: gl.constexpr,
+                      GROUP_M: gl.constexpr):
         # NOTE: a partition's warpgroup index must reach `_consumer` as a constexpr; passed
         # through warp_specialize's argument tuple it became a runtime value, every branch of
         # the epilogue was compiled, and one that could not lower crashed the compiler.
         _consumer(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale, b1_scale, out,
-                  out_scale, row_map, row0, col0, bs_row, k_steps, N, R, num_valid, limit,
-                  stride_as, stride_bsn, stride_om, stride_osk, MODE, 0)
+                  out_scale, row_map, block_expert, num_row_blocks, k_steps, N, R, num_valid,
+                  limit, stride_as, stride_bse, stride_bsn, stride_om, stride_osk, MODE,
+                  GROUPED, GROUP_M, 0)
 
     @gluon.jit
     def _consumer_wg1(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale, b1_scale,
-                      out, out_scale, row_map, row0, col0, bs_row, k_steps, N, R, num_valid,
-                      limit, stride_as, stride_bsn, stride_om, stride_osk, MODE: gl.constexpr):
+                      out, out_scale, row_map, block_expert, num_row_blocks, k_steps, N, R,
+                      num_valid, limit, stride_as, stride_bse, stride_bsn, stride_om,
+                      stride_osk, MODE: gl.constexpr, GROUPED: gl.constexpr,
+                      GROUP_M: gl.constexpr):
         _consumer(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale, b1_scale, out,
-                  out_scale, row_map, row0, col0, bs_row, k_steps, N, R, num_valid, limit,
-                  stride_as, stride_bsn, stride_om, stride_osk, MODE, 1)
+                  out_scale, row_map, block_expert, num_row_blocks, k_steps, N, R, num_valid,
+                  limit, stride_as, stride_bse, stride_bsn, stride_om, stride_osk, MODE,
+                  GROUPED, GROUP_M, 1)
 
     @gluon.jit
     def block_fp8_gemm_kernel(a_desc, b0_desc, b1_desc, a_scale, b0_scale, b1_scale, out,
@@ -227,51 +311,45 @@ if gluon is not None:
                               num_valid, limit, stride_as, stride_bse, stride_bsn, stride_om,
                               stride_osk, MODE: gl.constexpr, GROUPED: gl.constexpr,
                               STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-        """One [128, 128] output tile: see the module docstring. a_scale `[K/128, R]` (row
-        stride `stride_as`), b*_scale `[E, N/128, K/128]`; out_scale (GATED) `[N/128, R]`."""
-        BM: gl.constexpr = 2 * a_desc.block_type.shape[0]
+                              CONSUMER_REGS: gl.constexpr,
+                              PRODUCER_REGS: gl.constexpr):
+        """[128, 128] output tiles, tile numbers program_id, + num_programs, ... (one a
+        program, or a program per SM walking them): see the module docstring. a_scale
+        `[K/128, R]` (row stride `stride_as`), b*_scale `[E, N/128, K/128]`; out_scale (GATED)
+        `[N/128, R]`."""
         BN: gl.constexpr = b0_desc.block_type.shape[0]
-        i_m, i_n = grouped_tile(gl.program_id(0), num_row_blocks, gl.cdiv(N, BN), GROUP_M)
-        expert = 0
-        if GROUPED:
-            expert = gl.load(block_expert + i_m)
-        if expert >= 0:
-            row0 = i_m * BM
-            col0 = i_n * BN
-            k_steps = gl.cdiv(K, a_desc.block_type.shape[1])
-            a_bufs = gl.allocate_shared_memory(a_desc.dtype,
-                                               [2 * STAGES] + a_desc.block_type.shape,
-                                               a_desc.layout)
-            b_bufs = gl.allocate_shared_memory(b0_desc.dtype,
-                                               [STAGES] + b0_desc.block_type.shape,
-                                               b0_desc.layout)
-            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            for s in gl.static_range(STAGES):
-                mbarrier.init(ready.index(s), count=1)
-                mbarrier.init(empty.index(s), count=2)  # one arrive per consumer warpgroup
-            # The gated form's gate tiles wait here for the up pass.
-            stash_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-            if MODE == GATED:
-                gate_buf = gl.allocate_shared_memory(gl.float32, [2, 64, BN], stash_layout)
-            else:
-                gate_buf = gl.allocate_shared_memory(gl.float32, [2, 1, 1], stash_layout)
-            fence_async_shared()
-            bs_row = expert * stride_bse
-            gl.warp_specialize([
-                (_consumer_wg0, (a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale,
-                                 b1_scale, out, out_scale, row_map, row0, col0, bs_row,
-                                 k_steps, N, R, num_valid, limit, stride_as, stride_bsn,
-                                 stride_om, stride_osk, MODE)),
-                (_consumer_wg1, (a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale,
-                                 b1_scale, out, out_scale, row_map, row0, col0, bs_row,
-                                 k_steps, N, R, num_valid, limit, stride_as, stride_bsn,
-                                 stride_om, stride_osk, MODE)),
-                (_producer, (a_desc, b0_desc, b1_desc, a_bufs, b_bufs, ready, empty, row0,
-                             expert * N + col0, expert * N + col0, k_steps,
-                             2 if MODE == GATED else 1)),
-            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        k_steps = gl.cdiv(K, a_desc.block_type.shape[1])
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape,
+                                           a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b0_desc.dtype, [STAGES] + b0_desc.block_type.shape,
+                                           b0_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2 * 128)  # every consumer thread arrives
+        # The gated form's gate tiles wait here for the up pass.
+        stash_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        if MODE == GATED:
+            gate_buf = gl.allocate_shared_memory(gl.float32, [2, 64, BN], stash_layout)
+        else:
+            gate_buf = gl.allocate_shared_memory(gl.float32, [2, 1, 1], stash_layout)
+        fence_async_shared()
+        # NOTE: the argument tuples are written out in the call: a tuple assigned to a name
+        # first turns its constexprs into run-time values.
+        gl.warp_specialize([
+            (_consumer_wg0, (a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale,
+                             b1_scale, out, out_scale, row_map, block_expert, num_row_blocks,
+                             k_steps, N, R, num_valid, limit, stride_as, stride_bse, stride_bsn,
+                             stride_om, stride_osk, MODE, GROUPED, GROUP_M)),
+            (_consumer_wg1, (a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale,
+                             b1_scale, out, out_scale, row_map, block_expert, num_row_blocks,
+                             k_steps, N, R, num_valid, limit, stride_as, stride_bse, stride_bsn,
+                             stride_om, stride_osk, MODE, GROUPED, GROUP_M)),
+            (_producer, (a_desc, b0_desc, b1_desc, a_bufs, b_bufs, ready, empty, block_expert,
+                         num_row_blocks, N, k_steps, 2 if MODE == GATED else 1, GROUPED,
+                         GROUP_M)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def _descriptor(t: torch.Tensor, block: list[int]):
@@ -293,14 +371,16 @@ def kernel_call(a, a_scale, b0, s0, b1, s1, out, out_scale, row_map, block_exper
     b1_desc = b0_desc if b1 is None else _descriptor(b1.reshape(-1, k), [BLOCK_N, BLOCK_K])
     s1 = s0 if s1 is None else s1
     grouped = block_expert is not None
-    grid = (num_row_blocks * triton.cdiv(n, BLOCK_N),)
+    tiles = num_row_blocks * triton.cdiv(n, BLOCK_N)
+    grid = (min(tiles, num_sms(a.device)) if config.persistent else tiles,)
     args = (a_desc, b0_desc, b1_desc, a_scale, s0, s1, out, out_scale, row_map, block_expert,
             rows, n, k, num_row_blocks, num_valid, float(limit), a_scale.stride(1),
             s0.stride(0) if grouped else 0, s0.stride(-2), out.stride(0),
             out_scale.stride(0) if out_scale is not None else 0)
     kwargs = dict(MODE=mode, GROUPED=grouped,
                   STAGES=config.gated_stages if mode == GATED else config.stages,
-                  GROUP_M=config.group_m, CONSUMER_REGS=config.consumer_regs,
+                  GROUP_M=config.group_m,
+                  CONSUMER_REGS=config.consumer_regs,
                   PRODUCER_REGS=config.producer_regs, num_warps=4, maxnreg=config.max_regs)
     return grid, args, kwargs
 
