@@ -37,6 +37,9 @@ def candidates(names: str) -> dict:
         "default": GLUON_CONFIG,
         "a program per tile": replace(GLUON_CONFIG, persistent=False),
     }
+    unknown = [name for name in names.split(",") if name not in known]
+    if unknown:
+        raise SystemExit(f"unknown candidates {unknown}; known: {sorted(known)}")
     return {name: known[name] for name in names.split(",")}
 
 
@@ -72,7 +75,8 @@ def dense_row(m: int, k: int, n: int, configs: dict) -> list:
     # The Triton W8A8 GEMM reads the same scales row-major.
     xs_r = xs.contiguous()
     ref = _dequant_product(xq, xs, wq, ws)
-    out = gluon_sm90.gemm(xq, xs, wq, ws, torch.bfloat16)
+    first = next(iter(configs.values()))
+    out = gluon_sm90.gemm(xq, xs, wq, ws, torch.bfloat16, config=first)
     torch.cuda.synchronize()
     err = rel(out.float(), ref)
     cublas = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(), out_dtype=torch.bfloat16)

@@ -137,7 +137,11 @@ def fresh_loads_in_wgmma(sass: str) -> int:
     that read the result of a global load issued since the last WARPGROUP.DEPBAR within the
     innermost loop around them: each holds the sequence's later products until its load arrives, one
     L2 round trip a K step (the GEMM, its scales loaded in the step, lost 10-15% so). Loads
-    issued before the loop (a tile's first scales) are once per tile and not counted."""
+    issued before the loop (a tile's first scales) are once per tile and not counted.
+
+    A linear reading, so it can miss: a load at the end of a loop body read by the next
+    iteration's first wgmma sequence (the back edge is not followed), the upper registers of a
+    vector load, and reads by instructions whose first operand is not their destination."""
     code = _instructions(sass)
     branches = [(int(m.group(1), 16), address) for address, op, operands in code
                 if op == "BRA" and (m := re.match(r"0x([0-9a-f]+)", operands))]

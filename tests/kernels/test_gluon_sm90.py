@@ -37,7 +37,7 @@ needs_sm90 = pytest.mark.skipif(not _sm90(), reason="the Gluon kernel needs an S
 def test_compiles_for_sm90_without_spills_or_serialised_wgmma():
     """tools/gluon_check.py in its own process (it installs a stand-in driver): every
     epilogue form compiles for sm_90 with the installed Triton, ptxas spills nothing and
-    leaves the wgmma asynchronous."""
+    leaves the wgmma asynchronous, and no wgmma sequence waits on a load of its own step."""
     tool = Path(__file__).resolve().parents[2] / "tools" / "gluon_check.py"
     done = subprocess.run([sys.executable, str(tool)], capture_output=True, text=True,
                           timeout=600)
@@ -82,9 +82,12 @@ def test_gather_rows_copies_each_pairs_token(seeded):
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("m,k,n", [(2048, 4096, 1536), (300, 1536, 640), (129, 512, 256)])
+@pytest.mark.parametrize("m,k,n", [(2048, 4096, 1536), (300, 1536, 640), (129, 512, 256),
+                                   (200, 128, 384), (260, 384, 256), (1100, 640, 1280)])
 def test_dense_gemm_matches_emulation(m, k, n):
-    """Full and partial row tiles; K of 4 to 32 blocks."""
+    """Full and partial row tiles; K of 1, 3, 4, 5 to 32 blocks (the K loop takes its steps in
+    pairs, then an odd one); more tiles than SMs at 1100 x 1280 with K of 5 blocks, so
+    tiles start mid-ring."""
     from glmflash.kernels.fp8_gemm.triton_impl import quantize_activations
 
     x = torch.randn(m, k, device="cuda").bfloat16()
@@ -149,3 +152,23 @@ def test_a_program_per_tile_gives_the_same_bits():
                                     config=GluonMoeConfig(gemm=config))
         want = triton_impl.fused_moe(x, ids, weights, *experts, limit=10.0, config=GLUON)
         assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("hidden,inter", [(384, 640), (128, 256)])
+def test_moe_odd_k_steps_same_bits_as_triton_w8a8(hidden, inter):
+    """Gate and up over 3 (or 1) K blocks and down over 5 (or 2): odd step counts, so the gated
+    form's tiles (twice the steps through a 4-slot ring) start mid-ring; equal bit for bit
+    to the Triton W8A8 form."""
+    gen = torch.Generator().manual_seed(3)
+    num_tokens, num_experts = 700, 24
+    experts = []
+    for n, k in ((inter, hidden), (inter, hidden), (hidden, inter)):
+        experts += quantize_block_fp8(torch.randn(num_experts, n, k, generator=gen).cuda() * 0.05)
+    x = torch.randn(num_tokens, hidden, generator=gen).cuda().bfloat16()
+    ids, weights = make_routing(num_tokens, 8, num_experts, gen)
+    got = triton_impl.fused_moe(x, ids, weights, *experts, limit=10.0, config=GLUON)
+    want = triton_impl.fused_moe(x, ids, weights, *experts, limit=10.0,
+                                 config=triton_impl.DEFAULT_DISPATCH.w8a8)
+    assert torch.equal(got, want)

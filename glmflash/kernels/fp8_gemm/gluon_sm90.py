@@ -60,8 +60,8 @@ STORE_ROWS, SCATTER_ROWS, GATED = constexpr(0), constexpr(1), constexpr(2)
 
 @dataclass(frozen=True)
 class GluonGemmConfig:
-    """Launch shape: a [128, 128] output tile per program over 128-wide K steps (one scale
-    block each way), so only the ring, the tile order and the registers are free."""
+    """Launch shape: [128, 128] output tiles over 128-wide K steps (one scale block each way),
+    so only the ring, the tile order, the grid and the registers are free."""
 
     stages: int = 6
     """Ring slots of A and B tiles (32 KB each)."""
@@ -163,9 +163,11 @@ if gluon is not None:
         a_s, b_s = scales
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         part = warpgroup_mma_wait(0, deps=(_product(a_bufs, b_bufs, s, part, WG),))
-        # Every thread releases the slot once its own product is done (cp.async's arrive
-        # without an increment: the thread has no copies in flight, so it arrives at once). A
-        # single arrival would need the warpgroup's bar.sync first.
+        # Every thread releases the slot once its own product is done: cp.async's arrive
+        # without an increment, which fires when the thread's earlier cp.async copies have
+        # landed; a consumer issues none, so it arrives at once (a cp.async added to a consumer
+        # would delay every release). A single arrival would need the warpgroup's bar.sync
+        # first.
         cp.mbarrier_arrive(empty.index(s), increment_count=False)
         return acc + part * gl.expand_dims(a_s * b_s, 1), part
 
@@ -193,8 +195,9 @@ if gluon is not None:
         for k in range(0, k_steps - 1, 2):
             odd = _scales(p_as, m_rows, stride_as, p_bs, k + 1)
             acc, part = _k_step(a_bufs, b_bufs, ready, empty, i0 + k, even, acc, part, WG)
-            # Past the last block: block 0 again, unused.
-            even = _scales(p_as, m_rows, stride_as, p_bs, (k + 2) % k_steps)
+            # Past the last block: block 0 again, unused (a select, not a division among the
+            # products).
+            even = _scales(p_as, m_rows, stride_as, p_bs, (k + 2) * (k + 2 < k_steps))
             acc, part = _k_step(a_bufs, b_bufs, ready, empty, i0 + k + 1, odd, acc, part, WG)
         if k_steps % 2 == 1:
             acc, part = _k_step(a_bufs, b_bufs, ready, empty, i0 + k_steps - 1, even, acc,
@@ -327,7 +330,8 @@ if gluon is not None:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2 * 128)  # every consumer thread arrives
+            # Every thread of the two consumer warpgroups arrives.
+            mbarrier.init(empty.index(s), count=2 * gl.num_warps() * 32)
         # The gated form's gate tiles wait here for the up pass.
         stash_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         if MODE == GATED:
@@ -358,7 +362,7 @@ def _descriptor(t: torch.Tensor, block: list[int]):
 
 
 def _check_k(k: int) -> None:
-    assert k % 16 == 0, "TMA reads rows whose byte length is a multiple of 16"
+    assert k > 0 and k % 16 == 0, "TMA reads rows whose byte length is a multiple of 16"
 
 
 def kernel_call(a, a_scale, b0, s0, b1, s1, out, out_scale, row_map, block_expert, *, rows: int,
