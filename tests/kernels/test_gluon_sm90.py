@@ -83,11 +83,11 @@ def test_gather_rows_copies_each_pairs_token(seeded):
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("m,k,n", [(2048, 4096, 1536), (300, 1536, 640), (129, 512, 256),
-                                   (200, 128, 384), (260, 384, 256), (1100, 640, 1280)])
+                                   (200, 128, 384), (260, 384, 256), (2100, 640, 1280)])
 def test_dense_gemm_matches_emulation(m, k, n):
     """Full and partial row tiles; K of 1, 3, 4, 5 to 32 blocks (the K loop takes its steps in
-    pairs, then an odd one); more tiles than SMs at 1100 x 1280 with K of 5 blocks, so
-    tiles start mid-ring."""
+    pairs, then an odd one); 170 tiles at 2100 x 1280 with K of 5 blocks, more than the H200's
+    132 SMs, so a program's later tiles start mid-ring."""
     from glmflash.kernels.fp8_gemm.triton_impl import quantize_activations
 
     x = torch.randn(m, k, device="cuda").bfloat16()
