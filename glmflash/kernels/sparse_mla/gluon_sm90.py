@@ -30,6 +30,7 @@ import torch
 
 from glmflash.kernels.sparse_mla.combine_triton import combine
 from glmflash.kernels.sparse_mla.plan import (
+    HEAD_BLOCK,
     LOG2E,
     SparseMlaConfig,
     SparseMlaWorkspace,
@@ -37,6 +38,7 @@ from glmflash.kernels.sparse_mla.plan import (
     new_output,
     split_plan,
 )
+from glmflash.kernels.sparse_mla.triton_impl import online_softmax_step
 from glmflash.kernels.triton_utils import constexpr, interpreting, num_sms
 
 try:
@@ -55,8 +57,6 @@ try:
 except ImportError:  # older Triton, or none: the Triton kernel serves every call
     gluon = None
 
-HEAD_BLOCK = 64
-"""Heads per program: the M of every product (one wgmma row block)."""
 RANK = 512
 """Latent width this kernel is built for (two 256-column halves)."""
 HEADS, HALF = constexpr(HEAD_BLOCK), constexpr(RANK // 2)
@@ -235,18 +235,6 @@ if gluon is not None:
             return o + i_t * stride_ot, stride_oh
 
     @gluon.jit
-    def _online_softmax(s, valid, m, l_sum, scale_log2):
-        """One step of the online softmax in log2 units: (P, the rescale factor of what came
-        before, the new row max and sum)."""
-        sc = gl.where(gl.expand_dims(valid, 0), s * scale_log2, float("-inf"))
-        m_new = gl.maximum(m, gl.max(sc, axis=1))
-        # Rows that have seen no valid slot keep m = -inf; shift by 0 there (no NaN).
-        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(sc - gl.expand_dims(m_shift, 1))
-        alpha = gl.exp2(m - m_shift)
-        return p, alpha, m_new, l_sum * alpha + gl.sum(p, axis=1)
-
-    @gluon.jit
     def _scores(slots, q_smem, kv_smem, p_smem, alpha_smem, l_smem, q_ready, q_free, kv_ready,
                 kv_empty, p_ready, p_free, fin, l_free, o, part_o, part_lse, scale_log2, H, W,
                 stride_s, stride_ot, stride_oh, NUM_ITEMS, NUM_SPLITS, STEPS_PER, EXTRA_STEPS,
@@ -290,7 +278,7 @@ if gluon is not None:
                 s = warpgroup_mma_wait(0, deps=(s,))
                 if i == n_steps - 1:  # the producer may load the next item's query
                     mbarrier.arrive(q_free, count=1)
-                p, alpha, m, l_sum = _online_softmax(s, valid, m, l_sum, scale_log2)
+                p, alpha, m, l_sum = online_softmax_step(s, valid, m, l_sum, scale_log2)
                 mbarrier.wait(p_free.index(pb), ((g // 2) & 1) ^ 1)
                 p_smem.index(pb).store(p.to(gl.bfloat16))
                 alpha_smem.index(pb).store(alpha)
@@ -450,12 +438,12 @@ def sparse_mla(q_lat: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor, *
     if num_queries == 0:
         return out
     plan = plan_for(q_lat, slots, config, workspace)
-    if plan.num_splits > 1 and workspace is None:
+    split = plan.num_splits > 1
+    if split and workspace is None:
         # Sized for the split rule's narrowest steps: at least this plan's splits.
         workspace = SparseMlaWorkspace.create(num_queries, heads, rank, slots.shape[1],
                                               q_lat.device, num_sms(q_lat.device),
                                               config.split_config(), out.dtype)
-    split = plan.num_splits > 1
     parts = (workspace.partial_out, workspace.partial_lse) if split else (out, out)
     grid, args, kwargs = kernel_call(q_lat, latent, slots, out, *parts, scale * LOG2E, plan,
                                      config, num_sms(q_lat.device))

@@ -50,6 +50,20 @@ def _step_slots(p_slot, w0, w_end, BN: tl.constexpr):
 
 
 @jit
+def online_softmax_step(s, valid, m, l_sum, scale_log2):
+    """One step of the online softmax in log2 units over scores s [rows, slots] whose columns
+    `valid` are real slots: (P, the rescale factor of what came before, the new row max, the
+    new row sum). Also the Gluon kernel's (gluon_sm90.py)."""
+    s = tl.where(tl.expand_dims(valid, 0), s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    # NOTE: rows that have seen no valid slot keep m = -inf; shift by 0 there (no NaN).
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - tl.expand_dims(m_shift, 1))
+    alpha = tl.exp2(m - m_shift)
+    return p, alpha, m_new, l_sum * alpha + tl.sum(p, 1)
+
+
+@jit
 def _attend_step(b_q, latent, p_slot, idx, w0, b_m, b_l, b_acc, o_r, m_r, stride_l, scale_log2,
                  BN: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
     """One step of the online softmax over the BN slots `idx` (p_slot[w0:], -1 = none)."""
@@ -60,13 +74,7 @@ def _attend_step(b_q, latent, p_slot, idx, w0, b_m, b_l, b_acc, o_r, m_r, stride
                    mask=valid[:, None] & m_r[None, :], other=0.0,
                    cache_modifier=".cg").to(DOT)  # [BN, BR]
     b_s = tl.dot(b_q, tl.trans(b_kv), input_precision=PREC)  # [BH, BN]
-    b_s = tl.where(valid[None, :], b_s * scale_log2, float("-inf"))
-    b_mn = tl.maximum(b_m, tl.max(b_s, 1))
-    # NOTE: rows that have seen no valid slot keep m = -inf; shift by 0 there (no NaN).
-    b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
-    b_p = tl.exp2(b_s - b_ms[:, None])
-    b_alpha = tl.exp2(b_m - b_ms)
-    b_l = b_l * b_alpha + tl.sum(b_p, 1)
+    b_p, b_alpha, b_mn, b_l = online_softmax_step(b_s, valid, b_m, b_l, scale_log2)
     # NOTE: Triton lays a product whose result reaches another product (the scores reach the
     # value product) with every warp along M; with 64 rows and 8 warps both warpgroups would
     # compute all the scores. Results of a branch with a side effect are not followed, so the
