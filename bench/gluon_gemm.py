@@ -36,6 +36,15 @@ def candidates(names: str) -> dict:
     known = {
         "default": GLUON_CONFIG,
         "a program per tile": replace(GLUON_CONFIG, persistent=False),
+        "not pipelined + plain epilogue": replace(GLUON_CONFIG, pipelined=False,
+                                                 wide_stores=False, stash_swizzle=False),
+        "pipelined": replace(GLUON_CONFIG, wide_stores=False, stash_swizzle=False),
+        "pipelined + wide stores": replace(GLUON_CONFIG, stash_swizzle=False),
+        "pipelined + swizzled stash": replace(GLUON_CONFIG, wide_stores=False),
+        "pipelined + 7/5 stages": replace(GLUON_CONFIG, wide_stores=False, stash_swizzle=False,
+                                          stages=7, gated_stages=5),
+        "pipelined + swizzled stash + 7/5 stages": replace(GLUON_CONFIG, wide_stores=False,
+                                                           stages=7, gated_stages=5),
     }
     unknown = [name for name in names.split(",") if name not in known]
     if unknown:

@@ -77,6 +77,21 @@ class GluonGemmConfig:
     persistent: bool = True
     """A program per SM walking the tiles (the producer fills the ring with the next tile's
     steps while the consumers store the last), instead of a program per tile."""
+    pipelined: bool = True
+    """Each K step's product started before the last step's promotion, so that a consumer's
+    promotion runs beside its own next product (else each product is waited for, then
+    promoted, and only the other consumer's product runs meanwhile)."""
+    wide_stores: bool = True
+    """Store output tiles as 16-byte vectors (the tile moved into a row-major register layout
+    through shared memory first) instead of from the product's layout, 2-4 bytes a store."""
+    stash_swizzle: bool = True
+    """GATED: the gate tile's shared-memory stash swizzled in 32-byte groups (row-major, it
+    takes 8-way bank conflicts from the product's layout)."""
+
+    @property
+    def epilogue(self) -> int:
+        """The two epilogue options as the kernel's EPILOGUE bits."""
+        return int(self.wide_stores) | 2 * int(self.stash_swizzle)
 
 
 GLUON_CONFIG = GluonGemmConfig()
@@ -103,10 +118,10 @@ if gluon is not None:
         BN: gl.constexpr = b0_desc.block_type.shape[0]
         nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b0_desc.block_type.nbytes
         i = 0  # ring steps so far, over every tile of this program
-        for tile in range(gl.program_id(0), num_row_blocks * gl.cdiv(N, BN),
-                          gl.num_programs(0)):
-            i_m, i_n, expert = _tile(tile, block_expert, num_row_blocks, N, BN, GROUPED,
-                                     GROUP_M)
+        tile = gl.program_id(0)
+        while tile < num_row_blocks * gl.cdiv(N, BN):
+            i_m, i_n, expert, tile = _tile(tile, block_expert, num_row_blocks, N, BN, GROUPED,
+                                           GROUP_M)
             if expert >= 0:
                 a_row = i_m * 2 * a_desc.block_type.shape[0]
                 b_row = expert * N + i_n * BN
@@ -129,12 +144,20 @@ if gluon is not None:
     @gluon.jit
     def _tile(tile, block_expert, num_row_blocks, N, BN: gl.constexpr, GROUPED: gl.constexpr,
               GROUP_M: gl.constexpr):
-        """(row block, column tile, expert) of a tile number; expert -1: nothing to do."""
-        i_m, i_n = grouped_tile(tile, num_row_blocks, gl.cdiv(N, BN), GROUP_M)
+        """(row block, column tile, expert, this program's next tile) of a tile number; expert
+        -1: nothing to do. The used row blocks come first (the sort's layout), so once the
+        first row block of the tile's group is unused, no tile after it has work: the next
+        tile is then past the last."""
+        num_n = gl.cdiv(N, BN)
+        i_m, i_n = grouped_tile(tile, num_row_blocks, num_n, GROUP_M)
         expert = 0
+        next_tile = tile + gl.num_programs(0)
         if GROUPED:
             expert = gl.load(block_expert + i_m)
-        return i_m, i_n, expert
+            first_m = tile // (GROUP_M * num_n) * GROUP_M
+            if gl.load(block_expert + first_m) < 0:
+                next_tile = num_row_blocks * num_n
+        return i_m, i_n, expert, next_tile
 
     @gluon.jit
     def _product(a_bufs, b_bufs, s, spare, WG: gl.constexpr):
@@ -172,8 +195,64 @@ if gluon is not None:
         return acc + part * gl.expand_dims(a_s * b_s, 1), part
 
     @gluon.jit
+    def _issue(a_bufs, b_bufs, ready, i, spare, WG: gl.constexpr):
+        """Wait for ring step i's tiles and start this warpgroup's product of them."""
+        STAGES: gl.constexpr = b_bufs.type.shape[0]
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        return _product(a_bufs, b_bufs, s, spare, WG)
+
+    @gluon.jit
+    def _finish(part, acc, empty, i):
+        """Wait for the product in flight (acc passes through the wait, so that what computes
+        it stays before the wait) and release ring step i's slot."""
+        part, acc = warpgroup_mma_wait(0, deps=(part, acc))
+        cp.mbarrier_arrive(empty.index(i % empty.type.shape[0]), increment_count=False)
+        return part, acc
+
+    @gluon.jit
+    def _promote(acc, part, scales):
+        a_s, b_s = scales
+        return acc + part * gl.expand_dims(a_s * b_s, 1)
+
+    @gluon.jit
+    def _k_loop_pipelined(a_bufs, b_bufs, ready, empty, p_as, m_rows, stride_as, p_bs, i0,
+                          k_steps, WG: gl.constexpr, acc_layout: gl.constexpr):
+        """_k_loop with each step's product started before the last step's promotion: the
+        promotion of step k runs beside the product of step k + 1. Unrolled by two, so that
+        the two products' registers keep their roles (no copies between them)."""
+        BN: gl.constexpr = b_bufs.type.shape[1]
+        acc = gl.zeros([64, BN], gl.float32, acc_layout)
+        part = acc
+        part1 = acc
+        even = _scales(p_as, m_rows, stride_as, p_bs, 0)
+        # Past the last block: block 0 again, unused (a select, not a division among the
+        # products).
+        odd = _scales(p_as, m_rows, stride_as, p_bs, 1 * (1 < k_steps))
+        part, acc = _finish(_issue(a_bufs, b_bufs, ready, i0, part, WG), acc, empty, i0)
+        # At the top of each iteration step k's product is done and not yet promoted, and the
+        # scales of steps k and k + 1 are loaded.
+        for k in range(0, k_steps - 2, 2):
+            part1 = _issue(a_bufs, b_bufs, ready, i0 + k + 1, part1, WG)
+            acc = _promote(acc, part, even)
+            even = _scales(p_as, m_rows, stride_as, p_bs, k + 2)
+            part1, acc = _finish(part1, acc, empty, i0 + k + 1)
+            part = _issue(a_bufs, b_bufs, ready, i0 + k + 2, part, WG)
+            acc = _promote(acc, part1, odd)
+            odd = _scales(p_as, m_rows, stride_as, p_bs, (k + 3) * (k + 3 < k_steps))
+            part, acc = _finish(part, acc, empty, i0 + k + 2)
+        if k_steps % 2 == 0:
+            part1 = _issue(a_bufs, b_bufs, ready, i0 + k_steps - 1, part1, WG)
+            acc = _promote(acc, part, even)
+            part1, acc = _finish(part1, acc, empty, i0 + k_steps - 1)
+            acc = _promote(acc, part1, odd)
+        else:
+            acc = _promote(acc, part, even)
+        return acc
+
+    @gluon.jit
     def _k_loop(a_bufs, b_bufs, ready, empty, p_as, m_rows, stride_as, p_bs, i0, k_steps,
-                WG: gl.constexpr, acc_layout: gl.constexpr):
+                WG: gl.constexpr, acc_layout: gl.constexpr, PIPELINED: gl.constexpr):
         """sum over k of (A_k B_k^T) * a_s[:, k] * b_s[k] over ring steps i0 ..
         i0 + k_steps - 1. p_as: the rows' scales of K block 0 (K blocks `stride_as` apart),
         p_bs: B's scale of K block 0 (contiguous in k), an address per row.
@@ -188,6 +267,9 @@ if gluon is not None:
         in the step held the step's later wgmma until they arrived (tools/gluon_check.py
         checks the SASS for it). The loop is unrolled by two so that no copy carries a step's
         scales into the next iteration."""
+        if PIPELINED:
+            return _k_loop_pipelined(a_bufs, b_bufs, ready, empty, p_as, m_rows, stride_as,
+                                     p_bs, i0, k_steps, WG, acc_layout)
         BN: gl.constexpr = b_bufs.type.shape[1]
         acc = gl.zeros([64, BN], gl.float32, acc_layout)
         part = acc
@@ -205,8 +287,17 @@ if gluon is not None:
         return acc
 
     @gluon.jit
-    def _store_tile(y, out, row_map, o_r, o_n, R, N, num_valid, stride_om, SCATTER: gl.constexpr):
-        """Rows o_r (or, SCATTER, their row_map entries below num_valid) x columns o_n of out."""
+    def _store_tile(y, out, row_map, row0, col0, R, N, num_valid, stride_om,
+                    SCATTER: gl.constexpr, WIDE: gl.constexpr):
+        """y (64 rows) into rows row0 .. (or, SCATTER, their row_map entries below num_valid)
+        and columns col0 .. of out; WIDE: as 16-byte vectors (GluonGemmConfig.wide_stores)."""
+        BN: gl.constexpr = y.shape[1]
+        if WIDE:
+            VEC: gl.constexpr = 128 // y.dtype.primitive_bitwidth
+            y = gl.convert_layout(y, gl.BlockedLayout([1, VEC], [32 * VEC // BN, BN // VEC],
+                                                      [4, 1], [1, 0]))
+        o_r = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, y.type.layout))
+        o_n = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, y.type.layout))
         m_r = o_r < R
         if SCATTER:
             dest = gl.load(row_map + o_r, mask=m_r, other=num_valid)
@@ -216,71 +307,74 @@ if gluon is not None:
         gl.store(p_o, y, mask=gl.expand_dims(m_r, 1) & gl.expand_dims(o_n < N, 0))
 
     @gluon.jit
-    def _gated_epilogue(gate, up, out, out_scale, o_r, o_n, m_r, i_block, R, N, limit, stride_om,
-                        stride_osk):
+    def _gated_epilogue(gate, up, out, out_scale, row0, col0, o_r, m_r, i_block, R, N, limit,
+                        stride_om, stride_osk, WIDE: gl.constexpr):
         """h = silu(gate) * clip(up, -limit, limit) (gate already clamped above), quantised per
         row over these 128 columns: e4m3 codes into out, the row scales into block i_block of
         out_scale (K-block-major, as the down projection reads them)."""
+        BN: gl.constexpr = gate.shape[1]
+        o_n = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, gate.type.layout))
         up = gl.minimum(gl.maximum(up, -limit), limit)
         h = gate / (1.0 + gl.exp(-gate)) * up
         # Columns past N (the next expert's rows of B) must not reach the row's amax.
         h = gl.where(gl.expand_dims(o_n < N, 0), h, 0.0)
         scale = gl.maximum(gl.max(gl.abs(h), axis=1), 1e-12) / FP8_MAX
         codes = (h / gl.expand_dims(scale, 1)).to(out.dtype.element_ty)
-        _store_tile(codes, out, out, o_r, o_n, R, N, R, stride_om, False)
+        _store_tile(codes, out, out, row0, col0, R, N, R, stride_om, False, WIDE)
         gl.store(out_scale + i_block * stride_osk + o_r, scale, mask=m_r)
 
     @gluon.jit
     def _consumer_tile(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale, b1_scale,
                        out, out_scale, row_map, row0, col0, bs_row, i0, k_steps, N, R,
                        num_valid, limit, stride_as, stride_bsn, stride_om, stride_osk,
-                       MODE: gl.constexpr, WG: gl.constexpr):
+                       MODE: gl.constexpr, WG: gl.constexpr, PIPELINED: gl.constexpr,
+                       EPILOGUE: gl.constexpr):
         """One consumer warpgroup's part of one tile: rows row0 + 64 WG .. ; the K loop from
         ring step i0 (gate's, then up's, when GATED), then the epilogue of MODE."""
         BN: gl.constexpr = b_bufs.type.shape[1]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
-        o_r = row0 + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
+        row_first = row0 + WG * 64
+        o_r = row_first + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
         m_r = o_r < R
         p_as = a_scale + o_r
         i_block = col0 // BN
         # B's scales at one address per row (_scales says why).
         bs_rows = bs_row + i_block * stride_bsn + o_r * 0
         acc = _k_loop(a_bufs, b_bufs, ready, empty, p_as, m_r, stride_as, b0_scale + bs_rows,
-                      i0, k_steps, WG, acc_layout)
+                      i0, k_steps, WG, acc_layout, PIPELINED)
         if MODE == GATED:
             gate_buf.index(WG).store(gl.minimum(acc, limit))
             up = _k_loop(a_bufs, b_bufs, ready, empty, p_as, m_r, stride_as,
-                         b1_scale + bs_rows, i0 + k_steps, k_steps, WG, acc_layout)
+                         b1_scale + bs_rows, i0 + k_steps, k_steps, WG, acc_layout,
+                         PIPELINED)
             gate = gate_buf.index(WG).load(acc_layout)
-            # The columns' indices are made after the K loops: 32 a thread would stay live.
-            o_n = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
-            _gated_epilogue(gate, up, out, out_scale, o_r, o_n, m_r, i_block, R, N, limit,
-                            stride_om, stride_osk)
+            _gated_epilogue(gate, up, out, out_scale, row_first, col0, o_r, m_r, i_block, R, N,
+                            limit, stride_om, stride_osk, EPILOGUE & 1)
         else:
-            o_n = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
-            _store_tile(acc.to(out.dtype.element_ty), out, row_map, o_r, o_n, R, N, num_valid,
-                        stride_om, MODE == SCATTER_ROWS)
+            _store_tile(acc.to(out.dtype.element_ty), out, row_map, row_first, col0, R, N,
+                        num_valid, stride_om, MODE == SCATTER_ROWS, EPILOGUE & 1)
 
     @gluon.jit
     def _consumer(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale, b1_scale, out,
                   out_scale, row_map, block_expert, num_row_blocks, k_steps, N, R, num_valid,
                   limit, stride_as, stride_bse, stride_bsn, stride_om, stride_osk,
                   MODE: gl.constexpr, GROUPED: gl.constexpr, GROUP_M: gl.constexpr,
-                  WG: gl.constexpr):
+                  PIPELINED: gl.constexpr, EPILOGUE: gl.constexpr, WG: gl.constexpr):
         """One consumer warpgroup over this program's tiles, in the producer's order."""
         BN: gl.constexpr = b_bufs.type.shape[1]
         PASSES: gl.constexpr = 2 if MODE == GATED else 1
         i0 = 0  # ring steps so far
-        for tile in range(gl.program_id(0), num_row_blocks * gl.cdiv(N, BN),
-                          gl.num_programs(0)):
-            i_m, i_n, expert = _tile(tile, block_expert, num_row_blocks, N, BN, GROUPED,
-                                     GROUP_M)
+        tile = gl.program_id(0)
+        while tile < num_row_blocks * gl.cdiv(N, BN):
+            i_m, i_n, expert, tile = _tile(tile, block_expert, num_row_blocks, N, BN, GROUPED,
+                                           GROUP_M)
             if expert >= 0:
                 _consumer_tile(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale,
                                b1_scale, out, out_scale, row_map, i_m * 128, i_n * BN,
                                expert * stride_bse, i0, k_steps, N, R, num_valid, limit,
-                               stride_as, stride_bsn, stride_om, stride_osk, MODE, WG)
+                               stride_as, stride_bsn, stride_om, stride_osk, MODE, WG,
+                               PIPELINED, EPILOGUE)
                 i0 += k_steps * PASSES
 
     @gluon.jit
@@ -288,25 +382,27 @@ if gluon is not None:
                       out, out_scale, row_map, block_expert, num_row_blocks, k_steps, N, R,
                       num_valid, limit, stride_as, stride_bse, stride_bsn, stride_om,
                       stride_osk, MODE: gl.constexpr, GROUPED: gl.constexpr,
-                      GROUP_M: gl.constexpr):
+                      GROUP_M: gl.constexpr, PIPELINED: gl.constexpr,
+                      EPILOGUE: gl.constexpr):
         # NOTE: a partition's warpgroup index must reach `_consumer` as a constexpr; passed
         # through warp_specialize's argument tuple it became a runtime value, every branch of
         # the epilogue was compiled, and one that could not lower crashed the compiler.
         _consumer(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale, b1_scale, out,
                   out_scale, row_map, block_expert, num_row_blocks, k_steps, N, R, num_valid,
                   limit, stride_as, stride_bse, stride_bsn, stride_om, stride_osk, MODE,
-                  GROUPED, GROUP_M, 0)
+                  GROUPED, GROUP_M, PIPELINED, EPILOGUE, 0)
 
     @gluon.jit
     def _consumer_wg1(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale, b1_scale,
                       out, out_scale, row_map, block_expert, num_row_blocks, k_steps, N, R,
                       num_valid, limit, stride_as, stride_bse, stride_bsn, stride_om,
                       stride_osk, MODE: gl.constexpr, GROUPED: gl.constexpr,
-                      GROUP_M: gl.constexpr):
+                      GROUP_M: gl.constexpr, PIPELINED: gl.constexpr,
+                      EPILOGUE: gl.constexpr):
         _consumer(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale, b1_scale, out,
                   out_scale, row_map, block_expert, num_row_blocks, k_steps, N, R, num_valid,
                   limit, stride_as, stride_bse, stride_bsn, stride_om, stride_osk, MODE,
-                  GROUPED, GROUP_M, 1)
+                  GROUPED, GROUP_M, PIPELINED, EPILOGUE, 1)
 
     @gluon.jit
     def block_fp8_gemm_kernel(a_desc, b0_desc, b1_desc, a_scale, b0_scale, b1_scale, out,
@@ -314,6 +410,7 @@ if gluon is not None:
                               num_valid, limit, stride_as, stride_bse, stride_bsn, stride_om,
                               stride_osk, MODE: gl.constexpr, GROUPED: gl.constexpr,
                               STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                              PIPELINED: gl.constexpr, EPILOGUE: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr,
                               PRODUCER_REGS: gl.constexpr):
         """[128, 128] output tiles, tile numbers program_id, + num_programs, ... (one a
@@ -333,7 +430,9 @@ if gluon is not None:
             # Every thread of the two consumer warpgroups arrives.
             mbarrier.init(empty.index(s), count=2 * gl.num_warps() * 32)
         # The gated form's gate tiles wait here for the up pass.
-        stash_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        # Swizzled (EPILOGUE bit 2): 32-byte groups of a row XOR-ed with the row mod 4.
+        stash_layout: gl.constexpr = gl.SwizzledSharedLayout(
+            8 if EPILOGUE & 2 else 1, 1, 4 if EPILOGUE & 2 else 1, [1, 0])
         if MODE == GATED:
             gate_buf = gl.allocate_shared_memory(gl.float32, [2, 64, BN], stash_layout)
         else:
@@ -345,11 +444,13 @@ if gluon is not None:
             (_consumer_wg0, (a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale,
                              b1_scale, out, out_scale, row_map, block_expert, num_row_blocks,
                              k_steps, N, R, num_valid, limit, stride_as, stride_bse, stride_bsn,
-                             stride_om, stride_osk, MODE, GROUPED, GROUP_M)),
+                             stride_om, stride_osk, MODE, GROUPED, GROUP_M, PIPELINED,
+                             EPILOGUE)),
             (_consumer_wg1, (a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale,
                              b1_scale, out, out_scale, row_map, block_expert, num_row_blocks,
                              k_steps, N, R, num_valid, limit, stride_as, stride_bse, stride_bsn,
-                             stride_om, stride_osk, MODE, GROUPED, GROUP_M)),
+                             stride_om, stride_osk, MODE, GROUPED, GROUP_M, PIPELINED,
+                             EPILOGUE)),
             (_producer, (a_desc, b0_desc, b1_desc, a_bufs, b_bufs, ready, empty, block_expert,
                          num_row_blocks, N, k_steps, 2 if MODE == GATED else 1, GROUPED,
                          GROUP_M)),
@@ -383,7 +484,8 @@ def kernel_call(a, a_scale, b0, s0, b1, s1, out, out_scale, row_map, block_exper
             out_scale.stride(0) if out_scale is not None else 0)
     kwargs = dict(MODE=mode, GROUPED=grouped,
                   STAGES=config.gated_stages if mode == GATED else config.stages,
-                  GROUP_M=config.group_m,
+                  GROUP_M=config.group_m, PIPELINED=config.pipelined,
+                  EPILOGUE=config.epilogue,
                   CONSUMER_REGS=config.consumer_regs,
                   PRODUCER_REGS=config.producer_regs, num_warps=4, maxnreg=config.max_regs)
     return grid, args, kwargs
