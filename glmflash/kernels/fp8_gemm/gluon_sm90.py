@@ -9,9 +9,10 @@ the partitions are written out (DeepGEMM's structure):
 - a one-warp producer streams tiles into a ring of STAGES shared-memory slots by TMA: A as two
   64-row tiles, one per consumer, and one [128, 128] tile of B;
 - two consumer warpgroups (the default partition and a 4-warp worker) each own 64 rows of the
-  128-row tile. A consumer waits for its product, frees the slot (every thread arrives, so no
-  warpgroup barrier comes first) and promotes with scales it loaded a step earlier; the other
-  consumer's product keeps the tensor cores busy meanwhile, as the two are not in lockstep.
+  128-row tile. A consumer starts a step's product, promotes the last step's with scales it
+  loaded a step earlier, waits for the new product and frees its slot (every thread arrives,
+  so no warpgroup barrier comes first); the other consumer's product keeps the tensor cores
+  busy too, as the two are not in lockstep (`GluonGemmConfig.pipelined`).
 - By default a program per SM walks the output tiles (`GluonGemmConfig.persistent`): the
   producer fills the ring with a tile's first steps while the consumers store the last one.
 
@@ -258,9 +259,8 @@ if gluon is not None:
         p_bs: B's scale of K block 0 (contiguous in k), an address per row.
 
         Each product is waited for before its promotion; the other warpgroup's product runs
-        on the tensor cores meanwhile. (Keeping this warpgroup's next product in flight needs
-        two product registers sets that alternate, and the copies between them make ptxas
-        serialise every wgmma: its warning C7515.)
+        on the tensor cores meanwhile (`_k_loop_pipelined`, the default, also keeps this
+        warpgroup's next product in flight).
 
         Each step's scales are loaded a step before it: ptxas places whatever reads them
         (their product, a register copy) among the step's wgmma instructions, so scales loaded
