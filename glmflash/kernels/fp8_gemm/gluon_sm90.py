@@ -89,11 +89,6 @@ class GluonGemmConfig:
     """GATED: the gate tile's shared-memory stash swizzled in 32-byte groups (row-major, it
     takes 8-way bank conflicts from the product's layout)."""
 
-    @property
-    def epilogue(self) -> int:
-        """The two epilogue options as the kernel's EPILOGUE bits."""
-        return int(self.wide_stores) | 2 * int(self.stash_swizzle)
-
 
 GLUON_CONFIG = GluonGemmConfig()
 BLOCK_M = BLOCK_N = BLOCK_K = 128
@@ -182,18 +177,14 @@ if gluon is not None:
     def _k_step(a_bufs, b_bufs, ready, empty, i, scales, acc, part, WG: gl.constexpr):
         """Ring step i: wait for its tiles, this warpgroup's product, release the slot and
         promote the product with its scales (a_s, b_s) into acc. Returns (acc, part)."""
-        STAGES: gl.constexpr = b_bufs.type.shape[0]
-        s = i % STAGES
-        a_s, b_s = scales
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        part = warpgroup_mma_wait(0, deps=(_product(a_bufs, b_bufs, s, part, WG),))
+        part = warpgroup_mma_wait(0, deps=(_issue(a_bufs, b_bufs, ready, i, part, WG),))
         # Every thread releases the slot once its own product is done: cp.async's arrive
         # without an increment, which fires when the thread's earlier cp.async copies have
         # landed; a consumer issues none, so it arrives at once (a cp.async added to a consumer
         # would delay every release). A single arrival would need the warpgroup's bar.sync
         # first.
-        cp.mbarrier_arrive(empty.index(s), increment_count=False)
-        return acc + part * gl.expand_dims(a_s * b_s, 1), part
+        cp.mbarrier_arrive(empty.index(i % empty.type.shape[0]), increment_count=False)
+        return _promote(acc, part, scales), part
 
     @gluon.jit
     def _issue(a_bufs, b_bufs, ready, i, spare, WG: gl.constexpr):
@@ -213,6 +204,7 @@ if gluon is not None:
 
     @gluon.jit
     def _promote(acc, part, scales):
+        """acc + part scaled by its step's (a_s, b_s)."""
         a_s, b_s = scales
         return acc + part * gl.expand_dims(a_s * b_s, 1)
 
@@ -328,7 +320,7 @@ if gluon is not None:
                        out, out_scale, row_map, row0, col0, bs_row, i0, k_steps, N, R,
                        num_valid, limit, stride_as, stride_bsn, stride_om, stride_osk,
                        MODE: gl.constexpr, WG: gl.constexpr, PIPELINED: gl.constexpr,
-                       EPILOGUE: gl.constexpr):
+                       WIDE_STORES: gl.constexpr):
         """One consumer warpgroup's part of one tile: rows row0 + 64 WG .. ; the K loop from
         ring step i0 (gate's, then up's, when GATED), then the epilogue of MODE."""
         BN: gl.constexpr = b_bufs.type.shape[1]
@@ -350,17 +342,17 @@ if gluon is not None:
                          PIPELINED)
             gate = gate_buf.index(WG).load(acc_layout)
             _gated_epilogue(gate, up, out, out_scale, row_first, col0, o_r, m_r, i_block, R, N,
-                            limit, stride_om, stride_osk, EPILOGUE & 1)
+                            limit, stride_om, stride_osk, WIDE_STORES)
         else:
             _store_tile(acc.to(out.dtype.element_ty), out, row_map, row_first, col0, R, N,
-                        num_valid, stride_om, MODE == SCATTER_ROWS, EPILOGUE & 1)
+                        num_valid, stride_om, MODE == SCATTER_ROWS, WIDE_STORES)
 
     @gluon.jit
     def _consumer(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale, b1_scale, out,
                   out_scale, row_map, block_expert, num_row_blocks, k_steps, N, R, num_valid,
                   limit, stride_as, stride_bse, stride_bsn, stride_om, stride_osk,
                   MODE: gl.constexpr, GROUPED: gl.constexpr, GROUP_M: gl.constexpr,
-                  PIPELINED: gl.constexpr, EPILOGUE: gl.constexpr, WG: gl.constexpr):
+                  PIPELINED: gl.constexpr, WIDE_STORES: gl.constexpr, WG: gl.constexpr):
         """One consumer warpgroup over this program's tiles, in the producer's order."""
         BN: gl.constexpr = b_bufs.type.shape[1]
         PASSES: gl.constexpr = 2 if MODE == GATED else 1
@@ -374,7 +366,7 @@ if gluon is not None:
                                b1_scale, out, out_scale, row_map, i_m * 128, i_n * BN,
                                expert * stride_bse, i0, k_steps, N, R, num_valid, limit,
                                stride_as, stride_bsn, stride_om, stride_osk, MODE, WG,
-                               PIPELINED, EPILOGUE)
+                               PIPELINED, WIDE_STORES)
                 i0 += k_steps * PASSES
 
     @gluon.jit
@@ -383,14 +375,14 @@ if gluon is not None:
                       num_valid, limit, stride_as, stride_bse, stride_bsn, stride_om,
                       stride_osk, MODE: gl.constexpr, GROUPED: gl.constexpr,
                       GROUP_M: gl.constexpr, PIPELINED: gl.constexpr,
-                      EPILOGUE: gl.constexpr):
+                      WIDE_STORES: gl.constexpr):
         # NOTE: a partition's warpgroup index must reach `_consumer` as a constexpr; passed
         # through warp_specialize's argument tuple it became a runtime value, every branch of
         # the epilogue was compiled, and one that could not lower crashed the compiler.
         _consumer(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale, b1_scale, out,
                   out_scale, row_map, block_expert, num_row_blocks, k_steps, N, R, num_valid,
                   limit, stride_as, stride_bse, stride_bsn, stride_om, stride_osk, MODE,
-                  GROUPED, GROUP_M, PIPELINED, EPILOGUE, 0)
+                  GROUPED, GROUP_M, PIPELINED, WIDE_STORES, 0)
 
     @gluon.jit
     def _consumer_wg1(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale, b1_scale,
@@ -398,11 +390,11 @@ if gluon is not None:
                       num_valid, limit, stride_as, stride_bse, stride_bsn, stride_om,
                       stride_osk, MODE: gl.constexpr, GROUPED: gl.constexpr,
                       GROUP_M: gl.constexpr, PIPELINED: gl.constexpr,
-                      EPILOGUE: gl.constexpr):
+                      WIDE_STORES: gl.constexpr):
         _consumer(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale, b1_scale, out,
                   out_scale, row_map, block_expert, num_row_blocks, k_steps, N, R, num_valid,
                   limit, stride_as, stride_bse, stride_bsn, stride_om, stride_osk, MODE,
-                  GROUPED, GROUP_M, PIPELINED, EPILOGUE, 1)
+                  GROUPED, GROUP_M, PIPELINED, WIDE_STORES, 1)
 
     @gluon.jit
     def block_fp8_gemm_kernel(a_desc, b0_desc, b1_desc, a_scale, b0_scale, b1_scale, out,
@@ -410,8 +402,8 @@ if gluon is not None:
                               num_valid, limit, stride_as, stride_bse, stride_bsn, stride_om,
                               stride_osk, MODE: gl.constexpr, GROUPED: gl.constexpr,
                               STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                              PIPELINED: gl.constexpr, EPILOGUE: gl.constexpr,
-                              CONSUMER_REGS: gl.constexpr,
+                              PIPELINED: gl.constexpr, WIDE_STORES: gl.constexpr,
+                              STASH_SWIZZLE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                               PRODUCER_REGS: gl.constexpr):
         """[128, 128] output tiles, tile numbers program_id, + num_programs, ... (one a
         program, or a program per SM walking them): see the module docstring. a_scale
@@ -430,9 +422,9 @@ if gluon is not None:
             # Every thread of the two consumer warpgroups arrives.
             mbarrier.init(empty.index(s), count=2 * gl.num_warps() * 32)
         # The gated form's gate tiles wait here for the up pass.
-        # Swizzled (EPILOGUE bit 2): 32-byte groups of a row XOR-ed with the row mod 4.
+        # Swizzled (STASH_SWIZZLE): 32-byte groups of a row XOR-ed with the row mod 4.
         stash_layout: gl.constexpr = gl.SwizzledSharedLayout(
-            8 if EPILOGUE & 2 else 1, 1, 4 if EPILOGUE & 2 else 1, [1, 0])
+            8 if STASH_SWIZZLE else 1, 1, 4 if STASH_SWIZZLE else 1, [1, 0])
         if MODE == GATED:
             gate_buf = gl.allocate_shared_memory(gl.float32, [2, 64, BN], stash_layout)
         else:
@@ -445,12 +437,12 @@ if gluon is not None:
                              b1_scale, out, out_scale, row_map, block_expert, num_row_blocks,
                              k_steps, N, R, num_valid, limit, stride_as, stride_bse, stride_bsn,
                              stride_om, stride_osk, MODE, GROUPED, GROUP_M, PIPELINED,
-                             EPILOGUE)),
+                             WIDE_STORES)),
             (_consumer_wg1, (a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale,
                              b1_scale, out, out_scale, row_map, block_expert, num_row_blocks,
                              k_steps, N, R, num_valid, limit, stride_as, stride_bse, stride_bsn,
                              stride_om, stride_osk, MODE, GROUPED, GROUP_M, PIPELINED,
-                             EPILOGUE)),
+                             WIDE_STORES)),
             (_producer, (a_desc, b0_desc, b1_desc, a_bufs, b_bufs, ready, empty, block_expert,
                          num_row_blocks, N, k_steps, 2 if MODE == GATED else 1, GROUPED,
                          GROUP_M)),
@@ -485,7 +477,7 @@ def kernel_call(a, a_scale, b0, s0, b1, s1, out, out_scale, row_map, block_exper
     kwargs = dict(MODE=mode, GROUPED=grouped,
                   STAGES=config.gated_stages if mode == GATED else config.stages,
                   GROUP_M=config.group_m, PIPELINED=config.pipelined,
-                  EPILOGUE=config.epilogue,
+                  WIDE_STORES=config.wide_stores, STASH_SWIZZLE=config.stash_swizzle,
                   CONSUMER_REGS=config.consumer_regs,
                   PRODUCER_REGS=config.producer_regs, num_warps=4, maxnreg=config.max_regs)
     return grid, args, kwargs
