@@ -2,10 +2,11 @@
 
     PYTHONPATH=. python bench/sweeps.py
         [--ops kda,kda_prefill,kda_profile,topk,indexer_prefill,indexer_decode,mla,fp8,fp8row,
-               fp8rules,moe]
+               fp8rules,moe,moe_aux]
 
 `kda_profile`: each kernel's GPU time in fla's prefill and the candidates' (first length);
 `moe`: fused MoE prefill at 8192 tokens by parts: both sorts, the GEMMs (bench/fused_moe.py);
+`moe_aux`: its launches around the GEMMs (sort, quantiser and gather, weighted sum) by shape;
 `fp8rules`: FP8 linear at 16 rows, the streaming grid and the per-shape rules over it;
 `indexer_prefill`: the indexer's scoring of a prefill chunk at long context, by launch shape
 (`indexer.triton_impl.ScoreLaunch`: queries and pool blocks per program, stages);
@@ -318,6 +319,50 @@ def _indexer_decode_case(ctx_len: int, b: int, copy_gbs: float) -> None:
               f"(key read at copy bandwidth {floor_us:.0f} us), same scores {same}", flush=True)
 
 
+def sweep_moe_aux(num_tokens: int = 8192) -> None:
+    """The fused MoE prefill's launches around its GEMMs at release shapes (288 experts, top-8,
+    hidden 4096, uniform routing): the sort by chunk and rank width, the Gluon form's quantiser
+    and row gather, the weighted sum by columns per program and warps; with the bytes they
+    move at the copy bandwidth."""
+    import triton
+
+    from bench.fused_moe import EXPERTS, HIDDEN, TOP_K, routing
+    from glmflash.kernels.fp8_gemm.triton_impl import quantize_activations
+    from glmflash.kernels.fused_moe.gluon_w8a8 import gather_rows
+    from glmflash.kernels.fused_moe.triton_impl import fused_moe_sum_kernel, sort_pairs
+    from glmflash.kernels.fused_moe.triton_sort import SortConfig
+
+    copy_gbs = copy_bandwidth()
+    x = torch.randn(num_tokens, HIDDEN, device="cuda").bfloat16()
+    ids, weights = routing(num_tokens, False)
+    for tokens, skewed in ((2048, False), (8192, False), (8192, True)):
+        ids_sort = routing(tokens, skewed)[0]
+        for chunk, sub in itertools.product((256, 512, 1024), (64, 128)):
+            config = SortConfig(chunk=chunk, sub=sub)
+            us = graph_ms(lambda c=config, i=ids_sort: sort_pairs(i, EXPERTS, 128, c)) * 1e3
+            print(f"moe sort {tokens} tokens{' skewed' if skewed else ''} chunk={chunk} "
+                  f"sub={sub}: {us:.1f} us", flush=True)
+    pairs, blocks = sort_pairs(ids, EXPERTS, 128)
+    xq, xs = quantize_activations(x, torch.float8_e4m3fn, 128)
+    rows = int((blocks >= 0).sum()) * 128
+    quantize_us = graph_ms(lambda: quantize_activations(x, torch.float8_e4m3fn, 128)) * 1e3
+    gather_us = graph_ms(lambda: gather_rows(xq, xs, pairs, blocks, TOP_K)) * 1e3
+    # Both read x once and write the sorted rows (codes and scales) once at best.
+    moved = x.numel() * 2 + rows * HIDDEN * (1 + 4 / 128)
+    print(f"moe quantiser {quantize_us:.1f} us + gather {gather_us:.1f} us "
+          f"(floor of the two fused {moved / copy_gbs / 1e3:.1f})", flush=True)
+    y = torch.randn(num_tokens * TOP_K, HIDDEN, device="cuda").bfloat16()
+    out = torch.empty_like(x)
+    moved = (y.numel() + out.numel()) * 2
+    for bd, warps in itertools.product((512, 1024, 2048, 4096), (2, 4, 8)):
+        us = graph_ms(lambda b=bd, w=warps: fused_moe_sum_kernel[
+            (num_tokens, triton.cdiv(HIDDEN, b))](
+            y, ids, weights, out, EXPERTS, HIDDEN, y.stride(0), out.stride(0), TOP_K=TOP_K,
+            BD=b, num_warps=w)) * 1e3
+        print(f"moe sum BD={bd} warps={warps}: {us:.1f} us "
+              f"(floor {moved / copy_gbs / 1e3:.1f})", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", default="kda,mla,fp8")
@@ -356,6 +401,8 @@ def main() -> None:
         sweep_fp8_one_row()
     if "fp8rules" in ops:
         sweep_fp8_rules()
+    if "moe_aux" in ops:
+        sweep_moe_aux()
     if "moe" in ops:
         from bench.fused_moe import parts_table
 

@@ -36,8 +36,9 @@ class SortConfig:
 
     scan_min_pairs: int = 1024
     """Pairs from which the two-launch form runs (below: the one-launch form, one kernel)."""
-    chunk: int = 1024
-    """Pairs per program (a power of two, a multiple of `sub`)."""
+    chunk: int = 512
+    """Pairs per program (a power of two, a multiple of `sub`; fused_moe/README.md has the
+    sweep)."""
     sub: int = 128
     """Pairs ranked together (a [sub, sub] comparison)."""
     block_rows: int = 32
