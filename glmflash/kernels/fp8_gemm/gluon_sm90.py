@@ -197,12 +197,11 @@ if gluon is not None:
         return acc + part * gl.expand_dims(a_s * b_s, 1)
 
     @gluon.jit
-    def _k_loop(first, a_bufs, b_bufs, ready, empty, p_as, m_rows, stride_as, p_bs, i0,
-                k_steps, WG: gl.constexpr, acc_layout: gl.constexpr):
+    def _k_loop(a_bufs, b_bufs, ready, empty, p_as, m_rows, stride_as, p_bs, i0, k_steps,
+                WG: gl.constexpr, acc_layout: gl.constexpr):
         """sum over k of (A_k B_k^T) * a_s[:, k] * b_s[k] over ring steps i0 ..
-        i0 + k_steps - 1, step i0's product (`first`) already started. p_as: the rows' scales
-        of K block 0 (K blocks `stride_as` apart), p_bs: B's scale of K block 0 (contiguous in
-        k), an address per row.
+        i0 + k_steps - 1. p_as: the rows' scales of K block 0 (K blocks `stride_as` apart),
+        p_bs: B's scale of K block 0 (contiguous in k), an address per row.
 
         Each step's product is started before the last step's promotion, so that the promotion
         of step k runs beside the product of step k + 1 (and the other warpgroup's). Unrolled
@@ -214,12 +213,13 @@ if gluon is not None:
         checks the SASS for it)."""
         BN: gl.constexpr = b_bufs.type.shape[1]
         acc = gl.zeros([64, BN], gl.float32, acc_layout)
+        part = acc
         part1 = acc
         even = _scales(p_as, m_rows, stride_as, p_bs, 0)
         # Past the last block: block 0 again, unused (a select, not a division among the
         # products).
         odd = _scales(p_as, m_rows, stride_as, p_bs, 1 * (1 < k_steps))
-        part, acc = _finish(first, acc, empty, i0)
+        part, acc = _finish(_issue(a_bufs, b_bufs, ready, i0, part, WG), acc, empty, i0)
         # At the top of each iteration step k's product is done and not yet promoted, and the
         # scales of steps k and k + 1 are loaded.
         for k in range(0, k_steps - 2, 2):
@@ -261,9 +261,11 @@ if gluon is not None:
         gl.store(p_o, y, mask=gl.expand_dims(m_r, 1) & gl.expand_dims(o_n < N, 0))
 
     @gluon.jit
-    def _gated_values(gate, up, col0, N, limit, OUT_TY: gl.constexpr):
+    def _gated_epilogue(gate, up, out, out_scale, row0, col0, o_r, m_r, i_block, R, N, limit,
+                        stride_om, stride_osk, WIDE: gl.constexpr):
         """h = silu(gate) * clip(up, -limit, limit) (gate already clamped above), quantised per
-        row over these 128 columns: (e4m3 codes, the rows' scales)."""
+        row over these 128 columns: e4m3 codes into out, the row scales into block i_block of
+        out_scale (K-block-major, as the down projection reads them)."""
         BN: gl.constexpr = gate.shape[1]
         o_n = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, gate.type.layout))
         up = gl.minimum(gl.maximum(up, -limit), limit)
@@ -271,50 +273,39 @@ if gluon is not None:
         # Columns past N (the next expert's rows of B) must not reach the row's amax.
         h = gl.where(gl.expand_dims(o_n < N, 0), h, 0.0)
         scale = gl.maximum(gl.max(gl.abs(h), axis=1), 1e-12) / FP8_MAX
-        return (h / gl.expand_dims(scale, 1)).to(OUT_TY), scale
+        codes = (h / gl.expand_dims(scale, 1)).to(out.dtype.element_ty)
+        _store_tile(codes, out, out, row0, col0, R, N, R, stride_om, False, WIDE)
+        gl.store(out_scale + i_block * stride_osk + o_r, scale, mask=m_r)
 
     @gluon.jit
-    def _tile_values(first, a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale,
-                     b1_scale, o_r, m_r, col0, bs_row, i0, k_steps, N, limit, stride_as,
-                     stride_bsn, MODE: gl.constexpr, OUT_TY: gl.constexpr, WG: gl.constexpr,
-                     acc_layout: gl.constexpr):
-        """One consumer warpgroup's rows o_r of one tile, step i0's product started (`first`):
-        the K loop (gate's, then up's, when GATED) and what its epilogue stores: (the tile in
-        OUT_TY, the rows' scales of h when GATED, else zeros)."""
+    def _consumer_tile(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale, b1_scale,
+                       out, out_scale, row_map, row0, col0, bs_row, i0, k_steps, N, R,
+                       num_valid, limit, stride_as, stride_bsn, stride_om, stride_osk,
+                       MODE: gl.constexpr, WG: gl.constexpr, WIDE_STORES: gl.constexpr):
+        """One consumer warpgroup's part of one tile: rows row0 + 64 WG .. ; the K loop from
+        ring step i0 (gate's, then up's, when GATED), then the epilogue of MODE."""
         BN: gl.constexpr = b_bufs.type.shape[1]
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+        row_first = row0 + WG * 64
+        o_r = row_first + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
+        m_r = o_r < R
         p_as = a_scale + o_r
+        i_block = col0 // BN
         # B's scales at one address per row (_scales says why).
-        bs_rows = bs_row + (col0 // BN) * stride_bsn + o_r * 0
-        acc = _k_loop(first, a_bufs, b_bufs, ready, empty, p_as, m_r, stride_as,
-                      b0_scale + bs_rows, i0, k_steps, WG, acc_layout)
-        scale = gl.zeros([64], gl.float32, gl.SliceLayout(1, acc_layout))
+        bs_rows = bs_row + i_block * stride_bsn + o_r * 0
+        acc = _k_loop(a_bufs, b_bufs, ready, empty, p_as, m_r, stride_as, b0_scale + bs_rows,
+                      i0, k_steps, WG, acc_layout)
         if MODE == GATED:
-            # The gate waits in shared memory during the up pass, whose first product takes
-            # its registers.
             gate_buf.index(WG).store(gl.minimum(acc, limit))
-            up = _k_loop(_issue(a_bufs, b_bufs, ready, i0 + k_steps, acc, WG), a_bufs, b_bufs,
-                         ready, empty, p_as, m_r, stride_as, b1_scale + bs_rows, i0 + k_steps,
-                         k_steps, WG, acc_layout)
+            up = _k_loop(a_bufs, b_bufs, ready, empty, p_as, m_r, stride_as,
+                         b1_scale + bs_rows, i0 + k_steps, k_steps, WG, acc_layout)
             gate = gate_buf.index(WG).load(acc_layout)
-            values, scale = _gated_values(gate, up, col0, N, limit, OUT_TY)
+            _gated_epilogue(gate, up, out, out_scale, row_first, col0, o_r, m_r, i_block, R, N,
+                            limit, stride_om, stride_osk, WIDE_STORES)
         else:
-            values = acc.to(OUT_TY)
-        return values, scale
-
-    @gluon.jit
-    def _store_values(values, scale, out, out_scale, row_map, row0, col0, R, N, num_valid,
-                      stride_om, stride_osk, MODE: gl.constexpr, WIDE_STORES: gl.constexpr):
-        """A tile's 64 rows from row0 (those below R) as `_tile_values` gave them: values into
-        out (SCATTER_ROWS: into rows row_map[r]), GATED also the scales into block col0 / 128
-        of out_scale (K-block-major, as the down projection reads them)."""
-        if MODE == GATED:
-            BN: gl.constexpr = values.shape[1]
-            _store_tile(values, out, out, row0, col0, R, N, R, stride_om, False, WIDE_STORES)
-            o_r = row0 + gl.arange(0, 64, layout=scale.type.layout)
-            gl.store(out_scale + (col0 // BN) * stride_osk + o_r, scale, mask=o_r < R)
-        else:
-            _store_tile(values, out, row_map, row0, col0, R, N, num_valid, stride_om,
-                        MODE == SCATTER_ROWS, WIDE_STORES)
+            _store_tile(acc.to(out.dtype.element_ty), out, row_map, row_first, col0, R, N,
+                        num_valid, stride_om, MODE == SCATTER_ROWS, WIDE_STORES)
 
     @gluon.jit
     def _consumer(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale, b1_scale, out,
@@ -322,29 +313,20 @@ if gluon is not None:
                   limit, stride_as, stride_bse, stride_bsn, stride_om, stride_osk,
                   MODE: gl.constexpr, GROUPED: gl.constexpr, GROUP_M: gl.constexpr,
                   WIDE_STORES: gl.constexpr, WG: gl.constexpr):
-        """One consumer warpgroup over this program's tiles, in the producer's order: its 64
-        rows of each."""
+        """One consumer warpgroup over this program's tiles, in the producer's order."""
         BN: gl.constexpr = b_bufs.type.shape[1]
         PASSES: gl.constexpr = 2 if MODE == GATED else 1
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
         i0 = 0  # ring steps so far
         tile = gl.program_id(0)
         while tile < num_row_blocks * gl.cdiv(N, BN):
             i_m, i_n, expert, tile = _tile(tile, block_expert, num_row_blocks, N, BN, GROUPED,
                                            GROUP_M)
             if expert >= 0:
-                row0 = i_m * 128 + WG * 64
-                o_r = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
-                first = _issue(a_bufs, b_bufs, ready, i0,
-                               gl.zeros([64, BN], gl.float32, acc_layout), WG)
-                values, scale = _tile_values(first, a_bufs, b_bufs, gate_buf, ready, empty,
-                                             a_scale, b0_scale, b1_scale, o_r, o_r < R,
-                                             i_n * BN, expert * stride_bse, i0, k_steps, N,
-                                             limit, stride_as, stride_bsn, MODE,
-                                             out.dtype.element_ty, WG, acc_layout)
-                _store_values(values, scale, out, out_scale, row_map, row0, i_n * BN, R, N,
-                              num_valid, stride_om, stride_osk, MODE, WIDE_STORES)
+                _consumer_tile(a_bufs, b_bufs, gate_buf, ready, empty, a_scale, b0_scale,
+                               b1_scale, out, out_scale, row_map, i_m * 128, i_n * BN,
+                               expert * stride_bse, i0, k_steps, N, R, num_valid, limit,
+                               stride_as, stride_bsn, stride_om, stride_osk, MODE, WG,
+                               WIDE_STORES)
                 i0 += k_steps * PASSES
 
     @gluon.jit
@@ -378,8 +360,8 @@ if gluon is not None:
                               num_valid, limit, stride_as, stride_bse, stride_bsn, stride_om,
                               stride_osk, MODE: gl.constexpr, GROUPED: gl.constexpr,
                               STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                              WIDE_STORES: gl.constexpr, STASH_SWIZZLE: gl.constexpr,
-                              CONSUMER_REGS: gl.constexpr,
+                              WIDE_STORES: gl.constexpr,
+                              STASH_SWIZZLE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                               PRODUCER_REGS: gl.constexpr):
         """[128, 128] output tiles, tile numbers program_id, + num_programs, ... (one a
         program, or a program per SM walking them): see the module docstring. a_scale
@@ -450,8 +432,9 @@ def kernel_call(a, a_scale, b0, s0, b1, s1, out, out_scale, row_map, block_exper
             out_scale.stride(0) if out_scale is not None else 0)
     kwargs = dict(MODE=mode, GROUPED=grouped,
                   STAGES=config.gated_stages if mode == GATED else config.stages,
-                  GROUP_M=config.group_m, WIDE_STORES=config.wide_stores,
-                  STASH_SWIZZLE=config.stash_swizzle, CONSUMER_REGS=config.consumer_regs,
+                  GROUP_M=config.group_m,
+                  WIDE_STORES=config.wide_stores, STASH_SWIZZLE=config.stash_swizzle,
+                  CONSUMER_REGS=config.consumer_regs,
                   PRODUCER_REGS=config.producer_regs, num_warps=4, maxnreg=config.max_regs)
     return grid, args, kwargs
 
