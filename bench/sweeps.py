@@ -320,28 +320,40 @@ def _indexer_decode_case(ctx_len: int, b: int, copy_gbs: float) -> None:
 
 
 def sweep_moe_aux(num_tokens: int = 8192) -> None:
-    """The fused MoE prefill's launches around its GEMMs at release shapes (288 experts, top-8,
-    hidden 4096, uniform routing): the sort by chunk and rank width, the Gluon form's quantiser
-    and row gather, the weighted sum by columns per program and warps; with the bytes they
-    move at the copy bandwidth."""
-    import triton
-
-    from bench.fused_moe import EXPERTS, HIDDEN, TOP_K, routing
-    from glmflash.kernels.fp8_gemm.triton_impl import quantize_activations
-    from glmflash.kernels.fused_moe.gluon_w8a8 import gather_rows
-    from glmflash.kernels.fused_moe.triton_impl import fused_moe_sum_kernel, sort_pairs
-    from glmflash.kernels.fused_moe.triton_sort import SortConfig
+    """The fused MoE prefill's launches around its GEMMs (288 experts, top-8, hidden 4096):
+    the sort by chunk and rank width (2048 and 8192 tokens, uniform and skewed routing), then
+    at `num_tokens` with uniform routing the Gluon form's quantiser and row gather, and the
+    weighted sum by columns per program and warps, against the copy bandwidth."""
+    from bench.fused_moe import routing
 
     copy_gbs = copy_bandwidth()
-    x = torch.randn(num_tokens, HIDDEN, device="cuda").bfloat16()
+    _sweep_moe_sort()
     ids, weights = routing(num_tokens, False)
+    _time_moe_gather(ids, copy_gbs)
+    _sweep_moe_sum(ids, weights, copy_gbs)
+
+
+def _sweep_moe_sort() -> None:
+    from bench.fused_moe import EXPERTS, routing
+    from glmflash.kernels.fused_moe.triton_impl import sort_pairs
+    from glmflash.kernels.fused_moe.triton_sort import SortConfig
+
     for tokens, skewed in ((2048, False), (8192, False), (8192, True)):
-        ids_sort = routing(tokens, skewed)[0]
+        ids = routing(tokens, skewed)[0]
         for chunk, sub in itertools.product((256, 512, 1024), (64, 128)):
             config = SortConfig(chunk=chunk, sub=sub)
-            us = graph_ms(lambda c=config, i=ids_sort: sort_pairs(i, EXPERTS, 128, c)) * 1e3
+            us = graph_ms(lambda c=config, i=ids: sort_pairs(i, EXPERTS, 128, c)) * 1e3
             print(f"moe sort {tokens} tokens{' skewed' if skewed else ''} chunk={chunk} "
                   f"sub={sub}: {us:.1f} us", flush=True)
+
+
+def _time_moe_gather(ids: torch.Tensor, copy_gbs: float) -> None:
+    from bench.fused_moe import EXPERTS, HIDDEN, TOP_K
+    from glmflash.kernels.fp8_gemm.triton_impl import quantize_activations
+    from glmflash.kernels.fused_moe.gluon_w8a8 import gather_rows
+    from glmflash.kernels.fused_moe.triton_impl import sort_pairs
+
+    x = torch.randn(ids.shape[0], HIDDEN, device="cuda").bfloat16()
     pairs, blocks = sort_pairs(ids, EXPERTS, 128)
     xq, xs = quantize_activations(x, torch.float8_e4m3fn, 128)
     rows = int((blocks >= 0).sum()) * 128
@@ -351,8 +363,17 @@ def sweep_moe_aux(num_tokens: int = 8192) -> None:
     moved = x.numel() * 2 + rows * HIDDEN * (1 + 4 / 128)
     print(f"moe quantiser {quantize_us:.1f} us + gather {gather_us:.1f} us "
           f"(floor of the two fused {moved / copy_gbs / 1e3:.1f})", flush=True)
+
+
+def _sweep_moe_sum(ids: torch.Tensor, weights: torch.Tensor, copy_gbs: float) -> None:
+    import triton
+
+    from bench.fused_moe import EXPERTS, HIDDEN, TOP_K
+    from glmflash.kernels.fused_moe.triton_impl import fused_moe_sum_kernel
+
+    num_tokens = ids.shape[0]
     y = torch.randn(num_tokens * TOP_K, HIDDEN, device="cuda").bfloat16()
-    out = torch.empty_like(x)
+    out = torch.empty(num_tokens, HIDDEN, device="cuda").bfloat16()
     moved = (y.numel() + out.numel()) * 2
     for bd, warps in itertools.product((512, 1024, 2048, 4096), (2, 4, 8)):
         us = graph_ms(lambda b=bd, w=warps: fused_moe_sum_kernel[
