@@ -97,6 +97,7 @@ def bench_config(tiny: bool, num_layers: int) -> dict:
 
 def write_folder(raw: dict, root: Path) -> Path:
     """config.json plus the tiny tokenizer files: a checkpoint folder without weights."""
+    root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(raw, indent=1))
     write_tiny_tokenizer(root)
     return root
@@ -380,8 +381,11 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.mtp:
+        depths = sorted({args.layers, args.fit_layers or args.layers})
         with tempfile.TemporaryDirectory(prefix="glmflash-e2e-") as tmp:
-            e2e_mtp.main(args, write_folder(bench_config(args.tiny, args.layers), Path(tmp)))
+            folders = {d: write_folder(bench_config(args.tiny, d), Path(tmp) / str(d))
+                       for d in depths}
+            e2e_mtp.main(args, folders)
         return
     is_cuda = any(m != "cpu" for m in args.modes)
     bandwidth = {"hbm": hbm_copy_gbs() if is_cuda else None,

@@ -17,6 +17,7 @@ drafts. Rows: the measured tok/s, and the estimate at the release's 45 layers (t
 forward's share scaled by 45 / layers, the MTP layer's time kept).
 
     python bench/e2e.py --mtp                           # H200: all-gpu and hybrid-0, < 2 min
+    python bench/e2e.py --mtp --modes all-gpu --fit-layers 8    # and the 45-layer line
     python bench/e2e.py --mtp --tiny --modes cpu        # CPU smoke run
 """
 
@@ -212,8 +213,51 @@ def release_tok_s(row: dict, batch: int, num_layers: int) -> float:
     return row["tokens_per_step"] * batch / step_ms * 1e3
 
 
-def run_mode(engine: Engine, mode: str, args: argparse.Namespace, deadline: float) -> list[str]:
+def fitted_tok_s(rows: dict[int, dict], batch: int) -> tuple[float, float]:
+    """tok/s and step ms at 45 layers on the line through the step times at two depths
+    (`rows`: depth -> `measure` dict): what does not grow with depth (lm_head, sampling,
+    acceptance, host work, the MTP layer) is the line's intercept. Both depths keep every
+    fourth layer MLA, so a 4-layer slope counts 33.75 KDA and 11.25 MLA layers at 45 (the
+    release: 34 and 11)."""
+    (d1, r1), (d2, r2) = sorted(rows.items())
+    step = r1["step_ms"] + (r2["step_ms"] - r1["step_ms"]) * (RELEASE_DEPTH - d1) / (d2 - d1)
+    tokens = (r1["tokens_per_step"] + r2["tokens_per_step"]) / 2
+    return tokens * batch / step * 1e3, step
+
+
+FIT_HEADER = ("| mode | expert reuse | batch | forced acceptance | step ms off / on at the two "
+              "depths | fixed ms off / on | per layer ms off / on | 45-layer step ms off / on | "
+              "45-layer tok/s off / on | speedup |")
+
+
+def fit_table(points: list[dict], depths: list[int]) -> list[str]:
+    """The 45-layer line of each point measured at both depths."""
+    by_key: dict[tuple, dict[int, dict]] = {}
+    for depth, point in points:
+        if point["on"] is not None:
+            by_key.setdefault(point["key"], {})[depth] = point
     lines = []
+    for (mode, reuse, batch, rate), at in by_key.items():
+        if len(at) < 2:
+            continue
+        d1, d2 = sorted(at)
+        off = {d: at[d]["off"] for d in (d1, d2)}
+        on = {d: at[d]["on"] for d in (d1, d2)}
+        (off_tok, off_ms), (on_tok, on_ms) = fitted_tok_s(off, batch), fitted_tok_s(on, batch)
+        slope = [(r[d2]["step_ms"] - r[d1]["step_ms"]) / (d2 - d1) for r in (off, on)]
+        fixed = [r[d1]["step_ms"] - d1 * k for r, k in zip((off, on), slope, strict=True)]
+        steps = " / ".join(f"{d}: {off[d]['step_ms']:.2f} / {on[d]['step_ms']:.2f}"
+                           for d in (d1, d2))
+        lines.append(f"| {mode} | {reuse} | {batch} | {rate} | {steps} | {fixed[0]:.2f} / "
+                     f"{fixed[1]:.2f} | {slope[0]:.3f} / {slope[1]:.3f} | {off_ms:.2f} / "
+                     f"{on_ms:.2f} | {off_tok:.1f} / {on_tok:.1f} | {on_tok / off_tok:.2f}x |")
+    return lines
+
+
+def run_mode(engine: Engine, mode: str, args: argparse.Namespace, deadline: float) -> list[dict]:
+    """One measured point per (reuse, batch, acceptance): the MTP-off and MTP-on dicts of
+    `measure` and the table row."""
+    points = []
     spec = engine.spec
     num_layers = engine.config.num_hidden_layers
     for reuse in args.reuse:
@@ -222,7 +266,9 @@ def run_mode(engine: Engine, mode: str, args: argparse.Namespace, deadline: floa
         try:
             for batch in args.batches:
                 if time.perf_counter() > deadline:
-                    lines.append(f"| {mode} | {reuse} | {batch} | (time limit) |")
+                    points.append(dict(key=(mode, reuse, batch, None), off=None, on=None,
+                                       line=f"| {num_layers} | {mode} | {reuse} | {batch} | "
+                                            "(time limit) |"))
                     continue
                 spec.policy.max_batch_size, spec.fills_held_off = 0, False
                 off = measure(engine, batch, args.context, args.steps, args.warmup)
@@ -232,12 +278,13 @@ def run_mode(engine: Engine, mode: str, args: argparse.Namespace, deadline: floa
                     on = measure(engine, batch, args.context, args.steps, args.warmup)
                     on["roof_ms"] = verify_roofline_ms(engine, batch, args.context, reuse,
                                                        args.bandwidth)
-                    lines.append(format_row(mode, reuse, batch, rate, off, on, num_layers))
-                    print(lines[-1], flush=True)
+                    line = format_row(mode, reuse, batch, rate, off, on, num_layers)
+                    points.append(dict(key=(mode, reuse, batch, rate), off=off, on=on, line=line))
+                    print(line, flush=True)
                 spec.accept_override = None
         finally:
             routing.close()
-    return lines
+    return points
 
 
 def recapture_spec_graphs(engine: Engine) -> None:
@@ -249,7 +296,8 @@ def recapture_spec_graphs(engine: Engine) -> None:
 
 def format_row(mode, reuse, batch, rate, off, on, num_layers) -> str:
     off_45, on_45 = (release_tok_s(r, batch, num_layers) for r in (off, on))
-    return (f"| {mode} | {reuse} | {batch} | {rate} | {off['tok_s']:.1f} | {on['tok_s']:.1f} | "
+    return (f"| {num_layers} | {mode} | {reuse} | {batch} | {rate} | {off['tok_s']:.1f} | "
+            f"{on['tok_s']:.1f} | "
             f"{on['tok_s'] / off['tok_s']:.2f} | {on['tokens_per_step']:.2f} | "
             f"{off['step_ms']:.2f} / {on['step_ms']:.2f} | {on['mtp_ms']:.2f} | "
             f"{_verify_cell(on)} | {off_45:.1f} / {on_45:.1f} ({on_45 / off_45:.2f}x) |")
@@ -262,8 +310,8 @@ def _verify_cell(on: dict) -> str:
             f" {on['graph_steps']} replays)")
 
 
-HEADER = ("| mode | expert reuse | batch | forced acceptance | off tok/s | MTP tok/s | speedup | "
-          "tokens/seq/step | step ms off / on | MTP layer ms/step | "
+HEADER = ("| layers | mode | expert reuse | batch | forced acceptance | off tok/s | MTP tok/s | "
+          "speedup | tokens/seq/step | step ms off / on | MTP layer ms/step | "
           "verify replay ms / roofline ms | 45-layer tok/s off / on |")
 
 
@@ -277,7 +325,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: 0 for all-gpu, 0 and 0.75 for hybrid)")
     p.add_argument("--num-drafts", type=int, default=1, help="--mtp: --speculative-num-steps")
     p.add_argument("--time-limit", type=float, default=100.0,
-                   help="--mtp: seconds after which the remaining points are skipped")
+                   help="--mtp: seconds (per depth) after which the remaining points are skipped")
+    p.add_argument("--fit-layers", type=int, default=None,
+                   help="--mtp: a second depth; the 45-layer figures from the line through both")
 
 
 def engine_options(mode: str, args: argparse.Namespace, context: int) -> dict:
@@ -294,9 +344,10 @@ def engine_options(mode: str, args: argparse.Namespace, context: int) -> dict:
     return options
 
 
-def main(args: argparse.Namespace, folder) -> None:
-    """Called by bench/e2e.py with its parsed arguments and the bench model's folder."""
-    deadline = time.perf_counter() + args.time_limit
+def main(args: argparse.Namespace, folders: dict[int, object]) -> None:
+    """Called by bench/e2e.py with its parsed arguments and the bench model's folder of each
+    depth (one, or two with --fit-layers)."""
+    deadline = time.perf_counter() + args.time_limit * len(folders)
     args.context = args.contexts[0]
     is_cuda = any(m != "cpu" for m in args.modes)
     args.bandwidth = {"hbm": hbm_copy_gbs() if is_cuda else float("inf"),
@@ -306,19 +357,27 @@ def main(args: argparse.Namespace, folder) -> None:
     print(f"HBM copy {args.bandwidth['hbm']:.0f} GB/s, CPU read {args.bandwidth['cpu']:.1f} GB/s",
           flush=True)
     print(HEADER + "\n" + "|---" * (HEADER.count(" | ") + 1) + "|", flush=True)
-    lines = []
-    for mode in args.modes:
-        mode = mode.partition("+")[0]
-        device = "cpu" if mode == "cpu" else "cuda"
-        engine = Engine(folder, device=device, dtype="float32" if device == "cpu" else "bfloat16",
-                        **engine_options(mode, args, args.context))
-        reuse = args.reuse_given or ([0.0] if mode in ("all-gpu", "cpu") else [0.0, 0.75])
-        args.reuse = reuse
-        try:
-            lines += run_mode(engine, mode, args, deadline)
-        finally:
-            engine.shutdown()
-            del engine
-            if device == "cuda":
-                torch.cuda.empty_cache()
-    print("\n" + HEADER + "\n" + "|---" * (HEADER.count(" | ") + 1) + "|\n" + "\n".join(lines))
+    points = []
+    for depth, folder in sorted(folders.items()):
+        for mode in args.modes:
+            mode = mode.partition("+")[0]
+            device = "cpu" if mode == "cpu" else "cuda"
+            engine = Engine(folder, device=device,
+                            dtype="float32" if device == "cpu" else "bfloat16",
+                            **engine_options(mode, args, args.context))
+            args.reuse = args.reuse_given or ([0.0] if mode in ("all-gpu", "cpu")
+                                              else [0.0, 0.75])
+            try:
+                points += [(depth, p) for p in run_mode(engine, mode, args, deadline)]
+            finally:
+                engine.shutdown()
+                del engine
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+    print("\n" + HEADER + "\n" + "|---" * (HEADER.count(" | ") + 1) + "|\n"
+          + "\n".join(p["line"] for _, p in points))
+    if len(folders) > 1:
+        print("\n45 layers on the line through the step times at "
+              + " and ".join(str(d) for d in sorted(folders)) + " layers:\n\n" + FIT_HEADER
+              + "\n" + "|---" * (FIT_HEADER.count(" | ") + 1) + "|\n"
+              + "\n".join(fit_table(points, sorted(folders))))
