@@ -35,7 +35,6 @@ from glmflash.kernels.fp8_gemm.triton_impl import (  # noqa: E402
     quantize_activations,
 )
 from glmflash.kernels.fused_moe.triton_impl import (  # noqa: E402
-    DECODE_CONFIG,
     DEFAULT_DISPATCH,
     PREFILL_CONFIG,
     FusedMoeConfig,
@@ -222,14 +221,13 @@ def parts_table(num_tokens: int = 8192) -> str:
 
 
 def decode_sweep(token_counts: list[int]) -> None:
-    """Graph times of the decode GEMMs' launch shapes (both grouped GEMMs take the shape): the
-    tensor-core form and the FMA form (a row or two per block), against the expert bytes
-    touched at the copy bandwidth of the same run."""
+    """Graph times of the decode GEMMs' launch shapes (both grouped GEMMs take the shape),
+    against the expert bytes touched at the copy bandwidth of the same run."""
     copy_gbs = copy_bandwidth()
     w = expert_weights()
-    shapes = [DECODE_CONFIG, FusedMoeConfig(block_n=32), FusedMoeConfig(num_stages=5)]
-    shapes += [FusedMoeConfig(block_m=bm, block_n=bn, block_k=128, num_stages=st, fma=True)
-               for bm, bn in ((1, 16), (1, 32), (1, 64), (2, 16), (2, 32)) for st in (2, 4)]
+    shapes = [FusedMoeConfig(block_n=bn, block_k=bk, num_stages=st)
+              for bn in (32, 64, 128) for bk in (64, 128) for st in (3, 5)]
+    shapes.append(FusedMoeConfig(num_warps=8))
     rows = []
     for num_tokens in token_counts:
         x = torch.randn(num_tokens, HIDDEN, device="cuda").bfloat16()
@@ -239,12 +237,11 @@ def decode_sweep(token_counts: list[int]) -> None:
             call = functools.partial(fused_moe, x, ids, weights, *w, limit=LIMIT, config=cfg)
             us = 1e3 * graph_ms(call)
             gbs = moved / us / 1e3
-            rows.append([num_tokens, f"{'FMA' if cfg.fma else 'products'} {cfg.block_m}/"
-                         f"{cfg.block_n}/{cfg.block_k}/{cfg.num_stages}/{cfg.num_warps}",
-                         f"{us:.1f}", f"{gbs:.0f} ({gbs / copy_gbs:.2f})"])
+            rows.append([num_tokens, f"{cfg.block_n}/{cfg.block_k}/{cfg.num_stages}/"
+                         f"{cfg.num_warps}", f"{us:.1f}", f"{gbs:.0f} ({gbs / copy_gbs:.2f})"])
             print(rows[-1], flush=True)
-    print(f"HBM copy {copy_gbs:.0f} GB/s (read + write); default {DECODE_CONFIG}")
-    print(table(["tokens", "form block m / n / k / stages / warps", "us (graph)",
+    print(f"HBM copy {copy_gbs:.0f} GB/s (read + write); default {FusedMoeConfig()}")
+    print(table(["tokens", "block n / k / stages / warps", "us (graph)",
                  "expert GB/s (of copy)"], rows))
 
 

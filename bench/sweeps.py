@@ -82,7 +82,7 @@ def _sweep_fp8_shape(k: int, n: int, wq: torch.Tensor, ws: torch.Tensor, w8a8: b
         best = None
         for bn, waves, stages, warps in itertools.product((32, 64, 128), (2.0, 4.0, 8.0),
                                                           (2, 4), (4, 8)):
-            # the product path at M = 1 too (fp8row sweeps the FMA path at 1, 2 and 4 rows)
+            # the product path at M = 1 too (fp8row sweeps the FMA path)
             config = dataclasses.replace(ti.DEFAULT_CONFIG, wdq_fma_rows=0, wdq_block_n=bn,
                                          wdq_waves=waves, wdq_stages=stages, wdq_warps=warps)
             ms = graph_ms([lambda x=x, w=w, c=config: ti.fp8_linear_weight_only(x, w, ws, 128, c)
@@ -102,37 +102,22 @@ def _sweep_fp8_shape(k: int, n: int, wq: torch.Tensor, ws: torch.Tensor, w8a8: b
               f"{2 * 2048 * n * k / ms / 1e9:.0f} TFLOP/s", flush=True)
 
 
-def sweep_fp8_few_rows() -> None:
-    """Decode of 1, 2 and 4 rows (batch 1 to 4, or a verify of 1 + drafts rows): the FMA path
-    with all rows in one program, by columns per program and programs per SM, against what
-    `fp8_linear` runs by default and per-tensor `_scaled_mm` (weights rotated past L2)."""
+def sweep_fp8_one_row() -> None:
+    """Decode of one token: tensor-core products vs the FMA path."""
     from glmflash.kernels.fp8_gemm import quantize_block_fp8
     from glmflash.kernels.fp8_gemm import triton_impl as ti
 
-    print("| shape | rows | per-tensor _scaled_mm us | fp8_linear default us | "
-          "FMA us by (columns, waves) | best FMA | per-tensor / best |")
-    print("|---|---|---|---|---|---|---|")
     for k, n in FP8_SHAPES:
         wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda"))
         wqs = rotated(wq)
-        for m in (1, 2, 4):
-            x = torch.randn(m, k, device="cuda").bfloat16()
-            xq = torch.randn(16, k, device="cuda").to(torch.float8_e4m3fn)
-            one = torch.ones((), device="cuda")
-            ref = graph_ms([lambda xq=xq, w=w, one=one: torch._scaled_mm(
-                xq, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16) for w in wqs])
-            default = graph_ms([lambda x=x, w=w, ws=ws: ti.fp8_linear(x, w, ws) for w in wqs])
-            cells = {}
-            for bn, waves in itertools.product((16, 32, 64), (2.0, 4.0, 8.0)):
-                config = dataclasses.replace(ti.DEFAULT_CONFIG, wdq_fma_rows=4,
-                                             wdq_fma_block_n=(bn,) * 3, wdq_waves=waves)
-                cells[bn, waves] = graph_ms([lambda x=x, w=w, ws=ws, c=config:
-                                             ti.fp8_linear_weight_only(x, w, ws, 128, c)
-                                             for w in wqs])
-            best = min(cells, key=cells.get)
-            grid = " ".join(f"{bn},{w:g}:{ms * 1e3:.1f}" for (bn, w), ms in cells.items())
-            print(f"| {k}->{n} | {m} | {ref * 1e3:.1f} | {default * 1e3:.1f} | {grid} | "
-                  f"{best} {cells[best] * 1e3:.1f} | {ref / cells[best]:.2f} |", flush=True)
+        x = torch.randn(1, k, device="cuda").bfloat16()
+        for fma, bn, waves in itertools.product((0, 1), (32, 64), (2.0, 4.0, 8.0)):
+            config = dataclasses.replace(ti.DEFAULT_CONFIG, wdq_fma_rows=fma, wdq_block_n=bn,
+                                         wdq_fma_block_n=bn, wdq_waves=waves)
+            ms = graph_ms([lambda x=x, w=w, ws=ws, c=config:
+                           ti.fp8_linear_weight_only(x, w, ws, 128, c) for w in wqs])
+            print(f"fp8 one row {k}->{n} fma={fma} BN={bn} waves={waves}: "
+                  f"{ms * 1e3:.1f} us {n * k / ms / 1e6:.0f} GB/s", flush=True)
 
 
 # Weight-streaming launch shapes at 16 rows: (block_n, waves, min split blocks, warps, stages).
@@ -434,7 +419,7 @@ def main() -> None:
     if "fp8" in ops:
         sweep_fp8(not args.no_w8a8)
     if "fp8row" in ops:
-        sweep_fp8_few_rows()
+        sweep_fp8_one_row()
     if "fp8rules" in ops:
         sweep_fp8_rules()
     if "moe_aux" in ops:

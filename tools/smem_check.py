@@ -193,15 +193,14 @@ def kda_staged_launches() -> list[Launch]:
 def fp8_launches() -> list[Launch]:
     wdq = {"x": "*bf16", "w": "*fp8e4nv", "ws": "*fp32", "y": "*bf16", "part": "*fp32",
            "arrivals": "*i32"}
-    fma_bn = fp8.DEFAULT_CONFIG.wdq_fma_block_n
-    out = [Launch(f"fp8 weight-only BM{bm} BN{bn}{' FMA' if fma else ''}",
+    out = [Launch(f"fp8 weight-only BM{bm} BN{bn}{' FMA' if bm == 1 else ''}",
                   fp8.fp8_wdq_gemm_kernel, wdq,
-                  dict(BLOCK=128, BM=bm, BN=bn, DOT=tl.bfloat16, PREC="tf32", FMA=fma),
-                  fp8.DEFAULT_CONFIG.wdq_warps, fp8.DEFAULT_CONFIG.wdq_stages,
+                  dict(BLOCK=128, BM=bm, BN=bn, DOT=tl.bfloat16, PREC="tf32",
+                       FMA=bm == 1), fp8.DEFAULT_CONFIG.wdq_warps, fp8.DEFAULT_CONFIG.wdq_stages,
                   aligned=("N", "K", "K_PER_SPLIT"))
-           for bm, bn, fma in ((1, fma_bn[0], True), (2, fma_bn[1], True), (4, fma_bn[2], True),
-                               (16, fp8.DEFAULT_CONFIG.wdq_block_n, False),
-                               (64, fp8.DEFAULT_CONFIG.wdq_block_n, False))]
+           for bm, bn in ((1, fp8.DEFAULT_CONFIG.wdq_fma_block_n),
+                          (16, fp8.DEFAULT_CONFIG.wdq_block_n),
+                          (64, fp8.DEFAULT_CONFIG.wdq_block_n))]
     stream = fp8.DEFAULT_CONFIG.stream
     out += [Launch(f"fp8 stream w8a8 BN{stream.block_n} BM{bm} finish {group}",
                    fp8_stream.fp8_stream_gemm_kernel, dict(wdq, x="*bf16"),
@@ -229,16 +228,16 @@ def fused_moe_launches() -> list[Launch]:
             Launch("fused_moe sort scatter", moe_sort.moe_scatter_kernel, sort_ptrs,
                    dict(BLOCK_M=64, CHUNK=sort.chunk, SUB=sort.sub, BINS=512,
                         BB=sort.block_rows), sort.num_warps)]
-    for cfg, dtype in ((moe.DECODE_CONFIG, "bf16"), (moe.FMA_DECODE_CONFIG, "bf16"),
-                       (moe.PREFILL_CONFIG, "bf16"), (moe.FP32_CONFIG, "fp32")):
+    for cfg, dtype in ((moe.DECODE_CONFIG, "bf16"), (moe.PREFILL_CONFIG, "bf16"),
+                       (moe.FP32_CONFIG, "fp32")):
         dot, prec = (tl.float32, "ieee") if dtype == "fp32" else (tl.bfloat16, "tf32")
         consts = dict(BLOCK=128, HAS_SCALE=True, BM=cfg.block_m, BN=cfg.block_n,
-                      BK=cfg.block_k, DOT=dot, PREC=prec, FMA=cfg.fma)
+                      BK=cfg.block_k, DOT=dot, PREC=prec)
         rows = {"sorted_pairs": "*i32", "block_expert": "*i32"}
         gate_up = dict(rows, x=f"*{dtype}", w_gate="*fp8e4nv", s_gate="*fp32", w_up="*fp8e4nv",
                        s_up="*fp32", h=f"*{dtype}")
         down = dict(rows, h=f"*{dtype}", w="*fp8e4nv", s="*fp32", y=f"*{dtype}")
-        name = f"fused_moe {dtype} BM{cfg.block_m} BN{cfg.block_n}{' FMA' if cfg.fma else ''}"
+        name = f"fused_moe {dtype} BM{cfg.block_m} BN{cfg.block_n}"
         out += [Launch(f"{name} gate/up", moe.fused_moe_gate_up_kernel, gate_up,
                        dict(consts, TOP_K=8), cfg.num_warps, cfg.num_stages, aligned=("N", "K")),
                 Launch(f"{name} down", moe.fused_moe_down_kernel, down, consts, cfg.num_warps,

@@ -74,25 +74,6 @@ def test_one_row_bf16_paths(fma_rows, nan_empty):
         assert (got - want).abs().max().item() <= 2 ** -7 * want.abs().max().item()
 
 
-@pytest.mark.parametrize("m,n,k", [(2, 130, 1100), (3, 70, 200), (4, 16, 1100)],
-                         ids=["2x130x1100", "3x70x200", "4x16x1100"])
-def test_few_rows_fma_bf16(m, n, k, nan_empty):
-    # The FMA path at a few rows, all rows in one program: each row as exact as one row alone.
-    config = dataclasses.replace(triton_impl.DEFAULT_CONFIG, wdq_fma_rows=4, act_min_rows=5)
-    x, w, s = _case(m, n, k, torch.bfloat16)
-    want = fp8_linear_ref(x.float(), w, s)
-    got = triton_impl.fp8_linear(x, w, s, config=config).float()
-    assert ((got - want).abs() <= 2 ** -7 * want.abs() + 1e-5 * want.abs().max()).all()
-    one = torch.cat([triton_impl.fp8_linear(x[i:i + 1], w, s, config=config).float()
-                     for i in range(m)])
-    assert ((got - one).abs() <= 2 ** -7 * one.abs()).all()
-
-
-def test_fma_rows_need_a_column_count():
-    with pytest.raises(ValueError, match="wdq_fma_block_n"):
-        dataclasses.replace(triton_impl.DEFAULT_CONFIG, wdq_fma_rows=8)
-
-
 def test_split_k_is_deterministic_and_leaves_counters_at_zero(nan_empty):
     x, w, s = _case(3, 200, 1100, torch.float32)
     first = triton_impl.fp8_linear(x, w, s)

@@ -153,9 +153,6 @@ CONFIGS = {
     "bk32-bn32": FusedMoeConfig(block_m=16, block_n=32, block_k=32),
     # the prefill shape: 64-row blocks
     "bm64": FusedMoeConfig(block_m=64, block_n=64, block_k=64),
-    # the decode FMA form: a row per block, and two rows per block (ragged columns, K, rows)
-    "fma-bm1": FusedMoeConfig(block_m=1, block_n=32, block_k=128, fma=True),
-    "fma-bm2-bn16": FusedMoeConfig(block_m=2, block_n=16, block_k=128, fma=True),
 }
 
 
@@ -166,18 +163,6 @@ def test_launch_shapes(config, seeded, nan_empty):
     x = torch.randn(20, hidden, generator=seeded).to(DEVICE)
     ids, weights = make_routing(20, 3, num_experts, seeded)
     check(x, ids, weights, experts, config=config)
-
-
-@pytest.mark.parametrize("block_m", [1, 2])
-def test_fma_form_bf16_and_plain_weights(block_m, seeded, nan_empty):
-    num_experts, hidden, inter = SHAPES["blocks-4x256x130"]
-    config = FusedMoeConfig(block_m=block_m, block_n=32, block_k=128, fma=True)
-    x = torch.randn(5, hidden, generator=seeded).to(DEVICE)
-    ids, weights = make_routing(5, 3, num_experts, seeded)
-    check(x.bfloat16(), ids, weights, make_weights(num_experts, hidden, inter, seeded),
-          config=config)
-    plain = make_weights(num_experts, hidden, inter, seeded, block=None)
-    check(x, ids, weights, plain, config=config)
 
 
 def test_bf16_block64_and_plain_weights(seeded, nan_empty):

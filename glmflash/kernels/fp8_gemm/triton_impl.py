@@ -57,11 +57,8 @@ class Fp8LinearConfig:
     """Weight-only: output columns per program."""
     wdq_fma_rows: int = 1
     """Weight-only: rows up to which products are FMAs instead of tensor-core products (0:
-    never), all rows in one program (each weight converted once); a few rows need no product
-    and skip the dequantised tile's layout change."""
-    wdq_fma_block_n: tuple[int, ...] = (32, 32, 16)
-    """Weight-only FMA: output columns per program at 1, 2 and 4 rows (the accumulator is
-    rows x columns x 128 fp32)."""
+    never); one row needs no product and skips the dequantised tile's layout change."""
+    wdq_fma_block_n: int = 32
     wdq_waves: float = 4.0
     """Weight-only: K is split until about this many programs per SM stream the weight."""
     wdq_min_split_blocks: int = 2
@@ -70,11 +67,6 @@ class Fp8LinearConfig:
     wdq_warps: int = 4
     w8a8_tile: tuple[int, int, int, int] = (64, 128, 4, 4)
     """W8A8 GEMM: rows, columns, warps, stages."""
-
-    def __post_init__(self) -> None:
-        if self.wdq_fma_rows > 1 << (len(self.wdq_fma_block_n) - 1):
-            raise ValueError(f"wdq_fma_rows={self.wdq_fma_rows} needs a column count in "
-                             f"wdq_fma_block_n for {self.wdq_fma_rows} rows")
 
 
 DEFAULT_CONFIG = Fp8LinearConfig()
@@ -100,31 +92,19 @@ def _dot_range(x, w, ws_row, o_m, o_n, m_m, m_n, k_begin, k_end, K, stride_xm, s
 
 
 @jit
-def _fma_range(x, w, ws_row, o_m, m_m, o_n, m_n, k_begin, k_end, K, stride_xm, stride_wn,
-               BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """A few rows of x against W[cols, range] by FMA: each weight, converted to fp32 once,
-    times every row's x * scale (no rounding of the weight to bf16), summed in a
-    [BM, BN, BLOCK] tile reduced once at the end ([BN, BLOCK] for one row: its reduction
-    needs no shared memory)."""
+def _fma_range(x, w, ws_row, o_n, m_n, k_begin, k_end, K, stride_wn, BLOCK: tl.constexpr,
+               BN: tl.constexpr):
+    """One row of x against W[cols, range] by FMA: each weight times x * scale in fp32 (no
+    rounding of the weight to bf16), summed in a [BN, BLOCK] tile reduced once at the end."""
     o_k = tl.arange(0, BLOCK)
     p_w = w + o_n[:, None].to(tl.int64) * stride_wn + o_k[None, :]
-    if BM == 1:
-        p_x = x + tl.max(o_m, 0).to(tl.int64) * stride_xm + o_k
-        b_one = tl.zeros([BN, BLOCK], dtype=tl.float32)
-        for k0 in range(k_begin, k_end, BLOCK):
-            b_w = tl.load(p_w + k0, mask=m_n[:, None] & (k0 + o_k < k_end)[None, :], other=0.0)
-            b_x = tl.load(p_x + k0, mask=k0 + o_k < K, other=0.0).to(tl.float32)
-            b_one += b_w.to(tl.float32) * (b_x * tl.load(ws_row + k0 // BLOCK))[None, :]
-        return tl.sum(b_one, 1)[None, :]
-    p_x = x + o_m[:, None].to(tl.int64) * stride_xm + o_k[None, :]
-    b_acc = tl.zeros([BM, BN, BLOCK], dtype=tl.float32)
+    b_acc = tl.zeros([BN, BLOCK], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK):
         b_w = tl.load(p_w + k0, mask=m_n[:, None] & (k0 + o_k < k_end)[None, :], other=0.0)
-        b_x = tl.load(p_x + k0, mask=m_m[:, None] & (k0 + o_k < K)[None, :],
-                      other=0.0).to(tl.float32)
+        b_x = tl.load(x + k0 + o_k, mask=k0 + o_k < K, other=0.0).to(tl.float32)
         b_s = tl.load(ws_row + k0 // BLOCK)
-        b_acc += b_w.to(tl.float32)[None, :, :] * (b_x * b_s)[:, None, :]
-    return tl.sum(b_acc, 2)
+        b_acc += b_w.to(tl.float32) * (b_x * b_s)[None, :]
+    return tl.sum(b_acc, 1)[None, :]
 
 
 @jit
@@ -133,9 +113,8 @@ def fp8_wdq_gemm_kernel(x, w, ws, y, part, arrivals, M, N, K, stride_xm, stride_
                         BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
                         PREC: tl.constexpr, FMA: tl.constexpr):
     """y = x W_dequant^T over one K range per program; W dequantised block by block in
-    registers (FMA: a few rows, BM of them, no products). With SPLITS > 1 each range's fp32 sum
-    goes to `part` and the range that arrives last at `arrivals[tile]` writes y from all of
-    them."""
+    registers (FMA: one row, BM = 1, no products). With SPLITS > 1 each range's fp32 sum goes to
+    `part` and the range that arrives last at `arrivals[tile]` writes y from all of them."""
     i_m, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_m = i_m * BM + tl.arange(0, BM)
     o_n = i_n * BN + tl.arange(0, BN)
@@ -145,8 +124,8 @@ def fp8_wdq_gemm_kernel(x, w, ws, y, part, arrivals, M, N, K, stride_xm, stride_
     k_begin = i_s * K_PER_SPLIT
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
     if FMA:
-        b_acc = _fma_range(x, w, ws_row, o_m, m_m, o_n, m_n, k_begin, k_end, K, stride_xm,
-                           stride_wn, BLOCK, BM, BN)
+        b_acc = _fma_range(x + i_m.to(tl.int64) * stride_xm, w, ws_row, o_n, m_n, k_begin, k_end,
+                           K, stride_wn, BLOCK, BN)
     else:
         b_acc = _dot_range(x, w, ws_row, o_m, o_n, m_m, m_n, k_begin, k_end, K, stride_xm,
                            stride_wn, BLOCK, BM, BN, DOT, PREC)
@@ -215,8 +194,8 @@ def fp8_linear_weight_only(x2: torch.Tensor, weight: torch.Tensor, scale_inv: to
     fp32 = x2.dtype == torch.float32 or interpreting()
     dot = tl.float32 if fp32 else (tl.float16 if x2.dtype == torch.float16 else tl.bfloat16)
     fma = m <= config.wdq_fma_rows
-    bm = triton.next_power_of_2(m) if fma else (16 if m <= 16 else (32 if m <= 32 else 64))
-    bn = min(config.wdq_fma_block_n[bm.bit_length() - 1] if fma else config.wdq_block_n, block)
+    bm = 1 if fma else (16 if m <= 16 else (32 if m <= 32 else 64))
+    bn = min(config.wdq_fma_block_n if fma else config.wdq_block_n, block)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     splits, k_per_split, arrivals = plan_splits(x2.device, tiles, k, block, config.wdq_waves,
                                                 config.wdq_min_split_blocks)

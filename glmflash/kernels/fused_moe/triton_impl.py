@@ -49,17 +49,11 @@ class FusedMoeConfig:
     """Reduction step; with FP8 weights it must divide the scale block."""
     num_warps: int = 4
     num_stages: int = 3
-    fma: bool = False
-    """Products by FMA instead of tensor cores (decode: a row or two per block): each weight is
-    converted to fp32 once and multiplied by every row's `x * scale`, with no rounding of the
-    dequantised weight; block_n must divide the scale block and block_k equal it."""
 
 
 # Decode: few pairs per expert, so 16-row blocks (the smallest tensor-core product) waste least.
 # Every shape fits the shared memory of sm_89 / sm_120 (tools/smem_check.py).
 DECODE_CONFIG = FusedMoeConfig()
-# Decode by FMA: a row per block, each weight converted once (bench/fused_moe.py --decode-sweep).
-FMA_DECODE_CONFIG = FusedMoeConfig(block_m=1, block_n=32, block_k=128, fma=True)
 PREFILL_CONFIG = FusedMoeConfig(block_m=64, block_k=64)
 # fp32 operands (the tiny models' tests): FMA products, small tiles keep them out of spills.
 FP32_CONFIG = FusedMoeConfig(block_n=32, block_k=32, num_stages=2)
@@ -168,63 +162,11 @@ def _dequant(b_w, s, s_off, k0, m_n, BLOCK: tl.constexpr, HAS_SCALE: tl.constexp
 
 
 @jit
-def _block_scale(s, s_row, k0, BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr):
-    """The FMA form's scale of a K step: one per program (its columns lie in one scale row,
-    which starts at `s_row`)."""
-    if HAS_SCALE:
-        return tl.load(s + s_row + k0 // BLOCK)
-    return 1.0
-
-
-@jit
-def _fma_step(b_acc, b_w, b_x, b_s):
-    """b_acc [BM, BN, BK] += every weight of b_w [BN, BK] in fp32 times each row's x * scale."""
-    return b_acc + b_w.to(tl.float32)[None, :, :] * (b_x * b_s)[:, None, :]
-
-
-@jit
-def _gate_up_fma(p_x, w_gate, s_gate, w_up, s_up, w_off, s_row, m_r, m_n, o_k, K,
-                 BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr):
-    b_gate = tl.zeros([BM, BN, BK], dtype=tl.float32)
-    b_up = tl.zeros([BM, BN, BK], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        m_k = k0 + o_k < K
-        m_w = m_n[:, None] & m_k[None, :]
-        b_x = tl.load(p_x + k0, mask=m_r[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_gate = _fma_step(b_gate, tl.load(w_gate + w_off + k0, mask=m_w, other=0.0), b_x,
-                           _block_scale(s_gate, s_row, k0, BLOCK, HAS_SCALE))
-        b_up = _fma_step(b_up, tl.load(w_up + w_off + k0, mask=m_w, other=0.0), b_x,
-                         _block_scale(s_up, s_row, k0, BLOCK, HAS_SCALE))
-    return tl.sum(b_gate, 2), tl.sum(b_up, 2)
-
-
-@jit
-def _gate_up_dot(p_x, w_gate, s_gate, w_up, s_up, w_off, s_off, m_r, m_n, o_k, K,
-                 BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-    b_gate = tl.zeros([BM, BN], dtype=tl.float32)
-    b_up = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        m_k = k0 + o_k < K
-        m_w = m_n[:, None] & m_k[None, :]
-        b_x = tl.load(p_x + k0, mask=m_r[:, None] & m_k[None, :], other=0.0).to(DOT)
-        b_wg = _dequant(tl.load(w_gate + w_off + k0, mask=m_w, other=0.0), s_gate, s_off, k0,
-                        m_n, BLOCK, HAS_SCALE, DOT)
-        b_wu = _dequant(tl.load(w_up + w_off + k0, mask=m_w, other=0.0), s_up, s_off, k0,
-                        m_n, BLOCK, HAS_SCALE, DOT)
-        b_gate = tl.dot(b_x, tl.trans(b_wg), b_gate, input_precision=PREC)
-        b_up = tl.dot(b_x, tl.trans(b_wu), b_up, input_precision=PREC)
-    return b_gate, b_up
-
-
-@jit
 def fused_moe_gate_up_kernel(x, sorted_pairs, block_expert, w_gate, s_gate, w_up, s_up, h,
                              num_pairs, N, K, limit, stride_xm, stride_we, stride_wn, stride_se,
                              stride_sn, stride_hm, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
                              HAS_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                             BK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                             FMA: tl.constexpr):
+                             BK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
     """h[rows, cols] = silu(min(x Wg^T, L)) * clip(x Wu^T, -L, L) for the rows of one block,
     all of one expert; a block without an expert returns before reading any weight."""
     i_b, i_n = tl.program_id(0), tl.program_id(1)
@@ -239,13 +181,18 @@ def fused_moe_gate_up_kernel(x, sorted_pairs, block_expert, w_gate, s_gate, w_up
     p_x = x + o_t[:, None].to(tl.int64) * stride_xm + o_k[None, :]
     w_off = e.to(tl.int64) * stride_we + o_n[:, None].to(tl.int64) * stride_wn + o_k[None, :]
     s_off = e.to(tl.int64) * stride_se + (o_n // BLOCK) * stride_sn
-    if FMA:
-        s_row = e.to(tl.int64) * stride_se + (i_n * BN // BLOCK) * stride_sn
-        b_gate, b_up = _gate_up_fma(p_x, w_gate, s_gate, w_up, s_up, w_off, s_row, m_r, m_n,
-                                    o_k, K, BLOCK, HAS_SCALE, BM, BN, BK)
-    else:
-        b_gate, b_up = _gate_up_dot(p_x, w_gate, s_gate, w_up, s_up, w_off, s_off, m_r, m_n,
-                                    o_k, K, BLOCK, HAS_SCALE, BM, BN, BK, DOT, PREC)
+    b_gate = tl.zeros([BM, BN], dtype=tl.float32)
+    b_up = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        m_k = k0 + o_k < K
+        m_w = m_n[:, None] & m_k[None, :]
+        b_x = tl.load(p_x + k0, mask=m_r[:, None] & m_k[None, :], other=0.0).to(DOT)
+        b_wg = _dequant(tl.load(w_gate + w_off + k0, mask=m_w, other=0.0), s_gate, s_off, k0,
+                        m_n, BLOCK, HAS_SCALE, DOT)
+        b_wu = _dequant(tl.load(w_up + w_off + k0, mask=m_w, other=0.0), s_up, s_off, k0,
+                        m_n, BLOCK, HAS_SCALE, DOT)
+        b_gate = tl.dot(b_x, tl.trans(b_wg), b_gate, input_precision=PREC)
+        b_up = tl.dot(b_x, tl.trans(b_wu), b_up, input_precision=PREC)
     b_gate = tl.minimum(b_gate, limit)
     b_up = tl.minimum(tl.maximum(b_up, -limit), limit)
     b_h = b_gate * tl.sigmoid(b_gate) * b_up  # [BM, BN]
@@ -258,7 +205,7 @@ def fused_moe_down_kernel(h, sorted_pairs, block_expert, w, s, y, num_pairs, N, 
                           stride_we, stride_wn, stride_se, stride_sn, stride_ym,
                           BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr, BM: tl.constexpr,
                           BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-                          PREC: tl.constexpr, FMA: tl.constexpr):
+                          PREC: tl.constexpr):
     """y[pair, cols] = h[row] W_down^T for the rows of one block, each row into its pair's
     row of y; a block without an expert returns before reading any weight."""
     i_b, i_n = tl.program_id(0), tl.program_id(1)
@@ -272,24 +219,13 @@ def fused_moe_down_kernel(h, sorted_pairs, block_expert, w, s, y, num_pairs, N, 
     p_h = h + o_r[:, None].to(tl.int64) * stride_hm + o_k[None, :]
     w_off = e.to(tl.int64) * stride_we + o_n[:, None].to(tl.int64) * stride_wn + o_k[None, :]
     s_off = e.to(tl.int64) * stride_se + (o_n // BLOCK) * stride_sn
-    if FMA:
-        s_row = e.to(tl.int64) * stride_se + (i_n * BN // BLOCK) * stride_sn
-        b_fma = tl.zeros([BM, BN, BK], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            m_k = k0 + o_k < K
-            b_h = tl.load(p_h + k0, mask=m_r[:, None] & m_k[None, :], other=0.0)
-            b_w = tl.load(w + w_off + k0, mask=m_n[:, None] & m_k[None, :], other=0.0)
-            b_fma = _fma_step(b_fma, b_w, b_h.to(tl.float32),
-                              _block_scale(s, s_row, k0, BLOCK, HAS_SCALE))
-        b_acc = tl.sum(b_fma, 2)
-    else:
-        b_acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            m_k = k0 + o_k < K
-            b_h = tl.load(p_h + k0, mask=m_r[:, None] & m_k[None, :], other=0.0).to(DOT)
-            b_w = _dequant(tl.load(w + w_off + k0, mask=m_n[:, None] & m_k[None, :],
-                                   other=0.0), s, s_off, k0, m_n, BLOCK, HAS_SCALE, DOT)
-            b_acc = tl.dot(b_h, tl.trans(b_w), b_acc, input_precision=PREC)
+    b_acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        m_k = k0 + o_k < K
+        b_h = tl.load(p_h + k0, mask=m_r[:, None] & m_k[None, :], other=0.0).to(DOT)
+        b_w = _dequant(tl.load(w + w_off + k0, mask=m_n[:, None] & m_k[None, :], other=0.0), s,
+                       s_off, k0, m_n, BLOCK, HAS_SCALE, DOT)
+        b_acc = tl.dot(b_h, tl.trans(b_w), b_acc, input_precision=PREC)
     p_y = y + tl.where(m_r, b_pair, 0)[:, None].to(tl.int64) * stride_ym + o_n[None, :]
     tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_r[:, None] & m_n[None, :])
 
@@ -380,12 +316,8 @@ def _dequant_experts(x: torch.Tensor, sorted_pairs: torch.Tensor, block_expert: 
     has_scale = s_gate is not None
     bk = min(config.block_k, block) if has_scale else config.block_k
     dot, prec = _dot_type(x)
-    if config.fma:
-        assert block % config.block_n == 0 and (bk == block or not has_scale), (
-            "the FMA form takes one weight scale per program and K step")
     shape = dict(BLOCK=block, HAS_SCALE=has_scale, BM=bm, BN=config.block_n, BK=bk, DOT=dot,
-                 PREC=prec, FMA=config.fma, num_warps=config.num_warps,
-                 num_stages=config.num_stages)
+                 PREC=prec, num_warps=config.num_warps, num_stages=config.num_stages)
     h = torch.empty(max_blocks * bm, inter, dtype=x.dtype, device=x.device)
     gate_args = _weight_args(w_gate, s_gate)
     fused_moe_gate_up_kernel[(max_blocks, triton.cdiv(inter, config.block_n))](
@@ -441,6 +373,6 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
     return out
 
 
-__all__ = ["DECODE_CONFIG", "DEFAULT_DISPATCH", "FMA_DECODE_CONFIG", "FP32_CONFIG",
-           "PREFILL_CONFIG", "FusedMoeConfig", "GluonMoeConfig", "MoeDispatchConfig",
-           "SortConfig", "W8A8MoeConfig", "default_config", "fused_moe", "sort_pairs"]
+__all__ = ["DECODE_CONFIG", "DEFAULT_DISPATCH", "FP32_CONFIG", "PREFILL_CONFIG", "FusedMoeConfig",
+           "GluonMoeConfig", "MoeDispatchConfig", "SortConfig", "W8A8MoeConfig", "default_config",
+           "fused_moe", "sort_pairs"]
