@@ -155,13 +155,13 @@ def _mean_ms(events, first: int, last: int) -> float | None:
     return sum(e[first].elapsed_time(e[last]) for e in events) / len(events)
 
 
-def verify_roofline_ms(engine: Engine, batch: int, context: int, reuse: float,
-                       bandwidth: dict) -> float:
-    """The bytes a verify of `batch` sequences must move at the copy bandwidths: the weights
-    once, each row's cache reads, and the union of the rows' experts (each sequence's rows keep
-    `reuse` of the previous row's experts; sequences route independently, uniformly)."""
+def roofline_ms(engine: Engine, batch: int, rows: int, context: int, reuse: float,
+                bandwidth: dict) -> float:
+    """The bytes a forward of `rows` rows for each of `batch` sequences must move (a decode:
+    1, a verify: 1 + drafts) at the copy bandwidths: the weights once, each row's cache reads,
+    and the union of the rows' experts (each sequence's rows keep `reuse` of the previous row's
+    experts; sequences route independently, uniformly)."""
     config, model = engine.config, engine.runner.model
-    rows = engine.options.num_speculative_steps + 1
     k, experts = config.num_experts_per_tok, config.n_routed_experts
     per_seq = k + (rows - 1) * (k - round(reuse * k))
     distinct = experts * (1 - (1 - per_seq / experts) ** batch)
@@ -169,6 +169,15 @@ def verify_roofline_ms(engine: Engine, batch: int, context: int, reuse: float,
     hits = [(0.0, distinct) if on_cpu else (distinct, 0.0)] * len(moe_layers(model))
     moved = step_bytes(model, batch * rows, context, hits)
     return 1e3 * (moved.device / bandwidth["hbm"] + moved.cpu / bandwidth["cpu"]) / 1e9
+
+
+def roofline_speedup(off: dict, on: dict) -> str:
+    """MTP's speedup were both steps at their rooflines: tokens a step over the verify's bytes
+    against the decode's (the MTP layer, its lm_head and the acceptance left out: a bound);
+    "-" without a device bandwidth (the CPU smoke run)."""
+    if not on["roof_ms"]:
+        return "-"
+    return f"{on['tokens_per_step'] * off['roof_ms'] / on['roof_ms']:.2f}x"
 
 
 class MtpClock:
@@ -220,14 +229,19 @@ def fitted_tok_s(rows: dict[int, dict], batch: int) -> tuple[float, float]:
     fourth layer MLA, so a 4-layer slope counts 33.75 KDA and 11.25 MLA layers at 45 (the
     release: 34 and 11)."""
     (d1, r1), (d2, r2) = sorted(rows.items())
-    step = r1["step_ms"] + (r2["step_ms"] - r1["step_ms"]) * (RELEASE_DEPTH - d1) / (d2 - d1)
+    step = at_release_depth(r1["step_ms"], r2["step_ms"], d1, d2)
     tokens = (r1["tokens_per_step"] + r2["tokens_per_step"]) / 2
     return tokens * batch / step * 1e3, step
 
 
+def at_release_depth(v1: float, v2: float, d1: int, d2: int) -> float:
+    """The line through (d1, v1) and (d2, v2) at 45 layers."""
+    return v1 + (v2 - v1) * (RELEASE_DEPTH - d1) / (d2 - d1)
+
+
 FIT_HEADER = ("| mode | expert reuse | batch | forced acceptance | step ms off / on at the two "
               "depths | fixed ms off / on | per layer ms off / on | 45-layer step ms off / on | "
-              "45-layer tok/s off / on | speedup |")
+              "45-layer tok/s off / on | speedup | speedup at the rooflines |")
 
 
 def fit_table(points: list[dict], depths: list[int]) -> list[str]:
@@ -244,13 +258,18 @@ def fit_table(points: list[dict], depths: list[int]) -> list[str]:
         off = {d: at[d]["off"] for d in (d1, d2)}
         on = {d: at[d]["on"] for d in (d1, d2)}
         (off_tok, off_ms), (on_tok, on_ms) = fitted_tok_s(off, batch), fitted_tok_s(on, batch)
+        roofs = {name: at_release_depth(r[d1]["roof_ms"], r[d2]["roof_ms"], d1, d2)
+                 for name, r in (("off", off), ("on", on))}
+        bound = roofline_speedup({"roof_ms": roofs["off"]}, {
+            "roof_ms": roofs["on"], "tokens_per_step": on[d1]["tokens_per_step"]})
         slope = [(r[d2]["step_ms"] - r[d1]["step_ms"]) / (d2 - d1) for r in (off, on)]
         fixed = [r[d1]["step_ms"] - d1 * k for r, k in zip((off, on), slope, strict=True)]
         steps = " / ".join(f"{d}: {off[d]['step_ms']:.2f} / {on[d]['step_ms']:.2f}"
                            for d in (d1, d2))
         lines.append(f"| {mode} | {reuse} | {batch} | {rate} | {steps} | {fixed[0]:.2f} / "
                      f"{fixed[1]:.2f} | {slope[0]:.3f} / {slope[1]:.3f} | {off_ms:.2f} / "
-                     f"{on_ms:.2f} | {off_tok:.1f} / {on_tok:.1f} | {on_tok / off_tok:.2f}x |")
+                     f"{on_ms:.2f} | {off_tok:.1f} / {on_tok:.1f} | {on_tok / off_tok:.2f}x | "
+                     f"{bound} |")
     return lines
 
 
@@ -272,12 +291,14 @@ def run_mode(engine: Engine, mode: str, args: argparse.Namespace, deadline: floa
                     continue
                 spec.policy.max_batch_size, spec.fills_held_off = 0, False
                 off = measure(engine, batch, args.context, args.steps, args.warmup)
+                off["roof_ms"] = roofline_ms(engine, batch, 1, args.context, reuse,
+                                             args.bandwidth)
                 spec.policy.max_batch_size, spec.fills_held_off = batch, True
                 for rate in args.accept:
                     spec.accept_override = forced_acceptance(rate)
                     on = measure(engine, batch, args.context, args.steps, args.warmup)
-                    on["roof_ms"] = verify_roofline_ms(engine, batch, args.context, reuse,
-                                                       args.bandwidth)
+                    on["roof_ms"] = roofline_ms(engine, batch, args.num_drafts + 1,
+                                                args.context, reuse, args.bandwidth)
                     line = format_row(mode, reuse, batch, rate, off, on, num_layers)
                     points.append(dict(key=(mode, reuse, batch, rate), off=off, on=on, line=line))
                     print(line, flush=True)
@@ -300,7 +321,8 @@ def format_row(mode, reuse, batch, rate, off, on, num_layers) -> str:
             f"{on['tok_s']:.1f} | "
             f"{on['tok_s'] / off['tok_s']:.2f} | {on['tokens_per_step']:.2f} | "
             f"{off['step_ms']:.2f} / {on['step_ms']:.2f} | {on['mtp_ms']:.2f} | "
-            f"{_verify_cell(on)} | {off_45:.1f} / {on_45:.1f} ({on_45 / off_45:.2f}x) |")
+            f"{_verify_cell(on)} | {off_45:.1f} / {on_45:.1f} ({on_45 / off_45:.2f}x) | "
+            f"{roofline_speedup(off, on)} |")
 
 
 def _verify_cell(on: dict) -> str:
@@ -312,7 +334,7 @@ def _verify_cell(on: dict) -> str:
 
 HEADER = ("| layers | mode | expert reuse | batch | forced acceptance | off tok/s | MTP tok/s | "
           "speedup | tokens/seq/step | step ms off / on | MTP layer ms/step | "
-          "verify replay ms / roofline ms | 45-layer tok/s off / on |")
+          "verify replay ms / roofline ms | 45-layer tok/s off / on | speedup at the rooflines |")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
