@@ -103,7 +103,9 @@ def _sweep_fp8_shape(k: int, n: int, wq: torch.Tensor, ws: torch.Tensor, w8a8: b
 
 
 def sweep_fp8_one_row() -> None:
-    """Decode of one token: tensor-core products vs the FMA path."""
+    """Decode of one token: tensor-core products vs the FMA path by columns and waves, and
+    `fp8_linear` as configured (the one-row rule on its GPU), against per-tensor `_scaled_mm`
+    at 16 rows (weights rotated past L2)."""
     from glmflash.kernels.fp8_gemm import quantize_block_fp8
     from glmflash.kernels.fp8_gemm import triton_impl as ti
 
@@ -111,9 +113,17 @@ def sweep_fp8_one_row() -> None:
         wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda"))
         wqs = rotated(wq)
         x = torch.randn(1, k, device="cuda").bfloat16()
+        xq = torch.randn(16, k, device="cuda").to(torch.float8_e4m3fn)
+        one = torch.ones((), device="cuda")
+        ref = graph_ms([lambda xq=xq, w=w, one=one: torch._scaled_mm(
+            xq, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16) for w in wqs])
+        rule = graph_ms([lambda x=x, w=w, ws=ws: ti.fp8_linear(x, w, ws) for w in wqs])
+        print(f"fp8 one row {k}->{n}: per-tensor _scaled_mm {ref * 1e3:.1f} us, fp8_linear "
+              f"{rule * 1e3:.1f} us ({ref / rule:.2f})", flush=True)
         for fma, bn, waves in itertools.product((0, 1), (32, 64), (2.0, 4.0, 8.0)):
             config = dataclasses.replace(ti.DEFAULT_CONFIG, wdq_fma_rows=fma, wdq_block_n=bn,
-                                         wdq_fma_block_n=bn, wdq_waves=waves)
+                                         wdq_fma_block_n=bn, wdq_waves=waves,
+                                         one_row_rule=None)
             ms = graph_ms([lambda x=x, w=w, ws=ws, c=config:
                            ti.fp8_linear_weight_only(x, w, ws, 128, c) for w in wqs])
             print(f"fp8 one row {k}->{n} fma={fma} BN={bn} waves={waves}: "

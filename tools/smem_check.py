@@ -198,7 +198,7 @@ def fp8_launches() -> list[Launch]:
                   dict(BLOCK=128, BM=bm, BN=bn, DOT=tl.bfloat16, PREC="tf32",
                        FMA=bm == 1), fp8.DEFAULT_CONFIG.wdq_warps, fp8.DEFAULT_CONFIG.wdq_stages,
                   aligned=("N", "K", "K_PER_SPLIT"))
-           for bm, bn in ((1, fp8.DEFAULT_CONFIG.wdq_fma_block_n),
+           for bm, bn in ((1, fp8.DEFAULT_CONFIG.wdq_fma_block_n), (1, 64),
                           (16, fp8.DEFAULT_CONFIG.wdq_block_n),
                           (64, fp8.DEFAULT_CONFIG.wdq_block_n))]
     stream = fp8.DEFAULT_CONFIG.stream

@@ -11,6 +11,7 @@ import torch
 
 from glmflash.kernels.fp8_gemm import fp8_linear_ref, triton_common, triton_impl
 from glmflash.kernels.fp8_gemm.triton_stream import (
+    H200_ONE_ROW_RULE,
     H200_STREAM_RULE,
     STREAM_CONFIG,
     StreamConfig,
@@ -102,6 +103,43 @@ H200_FASTEST = {(4096, 1536): (64, 4.0, 4, 4, 4), (1536, 16384): (64, 1.0, 2, 4,
 @pytest.mark.parametrize("k,n", H200_FASTEST.keys(), ids=[f"{k}->{n}" for k, n in H200_FASTEST])
 def test_h200_rule_picks_the_fastest_shape(k, n):
     assert H200_STREAM_RULE.pick(n, k) == StreamConfig(*H200_FASTEST[k, n])
+
+
+# The one-row FMA sweep's fastest (columns, waves) per release shape on the H200 (within 0.1 us
+# of it where two tie; bench/sweeps.py --ops fp8row at 51addd6).
+H200_ONE_ROW_FASTEST = {(4096, 1536): (32, 8.0), (1536, 16384): (32, 4.0),
+                        (16384, 4096): (64, 8.0), (4096, 4096): (32, 8.0),
+                        (4096, 24576): (32, 4.0)}
+
+
+@pytest.mark.parametrize("k,n", H200_ONE_ROW_FASTEST.keys(),
+                         ids=[f"{k}->{n}" for k, n in H200_ONE_ROW_FASTEST])
+def test_h200_one_row_rule_picks_the_fastest_shape(k, n):
+    shape = H200_ONE_ROW_RULE.pick(n, k)
+    assert (shape.block_n, shape.waves) == H200_ONE_ROW_FASTEST[k, n]
+
+
+def test_one_row_shape_by_rule_on_its_gpu(monkeypatch):
+    cuda = torch.device("cuda")
+    config = triton_impl.DEFAULT_CONFIG
+    for capability, rule in (((9, 0), True), ((8, 9), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d, c=capability: c)
+        got = triton_impl._weight_only_shape(config, True, (4096, 16384), cuda)
+        assert (got.block_n, got.waves) == ((64, 8.0) if rule else (32, 4.0))
+    # products (more than one row) and CPU tensors keep the wdq_* fields
+    assert triton_impl._weight_only_shape(config, False, (4096, 16384), cuda).block_n == 64
+    assert triton_impl._weight_only_shape(config, True, (4096, 16384),
+                                          torch.device("cpu")).waves == 4.0
+
+
+@pytest.mark.gpu
+def test_one_row_follows_its_rule():
+    x, w, s = _case(1, 4096, 16384, torch.bfloat16)
+    shape = StreamConfig(block_n=64, waves=8.0)
+    rule = triton_impl.Fp8LinearConfig(one_row_rule=StreamRule(((0, 1 << 30, 1 << 30, shape),)))
+    fields = dataclasses.replace(rule, one_row_rule=None, wdq_fma_block_n=64, wdq_waves=8.0)
+    assert torch.equal(triton_impl.fp8_linear(x, w, s, config=rule),
+                       triton_impl.fp8_linear(x, w, s, config=fields))
 
 
 def test_rule_keeps_to_its_gpu(monkeypatch):

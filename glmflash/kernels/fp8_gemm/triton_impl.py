@@ -31,6 +31,7 @@ from glmflash.kernels.fp8_gemm.triton_common import (
     store_split,
 )
 from glmflash.kernels.fp8_gemm.triton_stream import (
+    H200_ONE_ROW_RULE,
     H200_STREAM_RULE,
     STREAM_CONFIG,
     StreamConfig,
@@ -59,6 +60,9 @@ class Fp8LinearConfig:
     """Weight-only: rows up to which products are FMAs instead of tensor-core products (0:
     never); one row needs no product and skips the dequantised tile's layout change."""
     wdq_fma_block_n: int = 32
+    one_row_rule: StreamRule | None = H200_ONE_ROW_RULE
+    """Per-weight-shape launch shapes of the one-row FMA kernel on the rule's GPU (its
+    columns, waves, split blocks, warps and stages; None: the `wdq_*` fields everywhere)."""
     wdq_waves: float = 4.0
     """Weight-only: K is split until about this many programs per SM stream the weight."""
     wdq_min_split_blocks: int = 2
@@ -195,18 +199,32 @@ def fp8_linear_weight_only(x2: torch.Tensor, weight: torch.Tensor, scale_inv: to
     dot = tl.float32 if fp32 else (tl.float16 if x2.dtype == torch.float16 else tl.bfloat16)
     fma = m <= config.wdq_fma_rows
     bm = 1 if fma else (16 if m <= 16 else (32 if m <= 32 else 64))
-    bn = min(config.wdq_fma_block_n if fma else config.wdq_block_n, block)
+    shape = _weight_only_shape(config, fma, weight.shape, x2.device)
+    bn = min(shape.block_n, block)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    splits, k_per_split, arrivals = plan_splits(x2.device, tiles, k, block, config.wdq_waves,
-                                                config.wdq_min_split_blocks)
+    splits, k_per_split, arrivals = plan_splits(x2.device, tiles, k, block, shape.waves,
+                                                shape.min_split_blocks)
     out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     part = split_buffer(splits, tiles, bm * bn, out)
     fp8_wdq_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), splits)](
         x2, weight, scale_inv, out, part, arrivals if splits > 1 else out, m, n, k, x2.stride(0),
         weight.stride(0), scale_inv.stride(0), out.stride(0), k_per_split, splits,
         BLOCK=block, BM=bm, BN=bn, DOT=dot, PREC="ieee" if fp32 else "tf32", FMA=fma,
-        num_warps=config.wdq_warps, num_stages=config.wdq_stages)
+        num_warps=shape.num_warps, num_stages=shape.num_stages)
     return out
+
+
+def _weight_only_shape(config: Fp8LinearConfig, fma: bool, weight_shape: torch.Size,
+                       device: torch.device) -> StreamConfig:
+    """The weight-only launch: the one-row rule's shape for this weight on its GPU (FMA), else
+    the `wdq_*` fields."""
+    block_n = config.wdq_fma_block_n if fma else config.wdq_block_n
+    fields = StreamConfig(block_n=block_n, waves=config.wdq_waves,
+                          min_split_blocks=config.wdq_min_split_blocks,
+                          num_warps=config.wdq_warps, num_stages=config.wdq_stages)
+    if not fma or config.one_row_rule is None or device.type != "cuda":
+        return fields
+    return config.one_row_rule.pick_for(*weight_shape, device, fields)
 
 
 def quantize_activations(x2: torch.Tensor, fp8_dtype: torch.dtype, block: int,

@@ -58,7 +58,9 @@ STREAM_CONFIG = StreamConfig()
 @dataclass(frozen=True)
 class StreamRule:
     """Launch shapes by weight shape: the first entry whose limits the weight fits (K at most
-    `max_k`, N at most `max_n`, K at least `min_k`) gives its config; `default` otherwise."""
+    `max_k`, N at most `max_n`, K at least `min_k`) gives its config; `default` otherwise.
+    Also the one-row FMA kernel's rule (triton_impl.py), whose launch takes a StreamConfig's
+    columns, waves, split blocks, warps and stages."""
 
     entries: tuple[tuple[int, int, int, StreamConfig], ...] = ()
     """(min_k, max_k, max_n, config)."""
@@ -92,6 +94,16 @@ H200_STREAM_RULE = StreamRule(
              (0, 4096, 4096, StreamConfig(block_n=128, waves=2.0, num_warps=8)),
              (0, _ANY, 4096, StreamConfig(waves=2.0, num_stages=6))),
     default=StreamConfig(waves=1.0, num_stages=6),
+    capability=(9, 0))
+
+
+# The H200's rule for the one-row FMA kernel (bench/sweeps.py --ops fp8row; README.md): N up to
+# 4096 splits K into twice as many ranges (eight programs per SM), with 64 columns a program
+# when K is long; wider N keeps 32 columns and four programs per SM.
+H200_ONE_ROW_RULE = StreamRule(
+    entries=((4097, _ANY, 4096, StreamConfig(block_n=64, waves=8.0)),
+             (0, _ANY, 4096, StreamConfig(block_n=32, waves=8.0))),
+    default=StreamConfig(block_n=32, waves=4.0),
     capability=(9, 0))
 
 
@@ -151,5 +163,5 @@ def fp8_linear_stream(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.T
     return out
 
 
-__all__ = ["H200_STREAM_RULE", "STREAM_CONFIG", "StreamConfig", "StreamRule",
+__all__ = ["H200_ONE_ROW_RULE", "H200_STREAM_RULE", "STREAM_CONFIG", "StreamConfig", "StreamRule",
            "fp8_linear_stream", "fp8_stream_gemm_kernel"]
