@@ -110,8 +110,9 @@ def forced_acceptance(rate: float, seed: int = 0):
 
 
 def measure(engine: Engine, batch: int, context: int, steps: int, warmup: int) -> dict:
-    """Output tokens per second over `steps` steps after `warmup`, the MTP layer's share, and
-    the GPU time of a replayed verify (greedy steps in graphs: CUDA events around them). The
+    """Output tokens per second over `steps` steps after `warmup`, the MTP layer's share, the
+    GPU time of a replayed verify, and the GPU time in graphs a step (`gpu_ms`: decode replays,
+    or the verify, acceptance and draft graphs; CUDA events around them, so no host time). The
     timed steps run untouched; the MTP layer's eager forwards are timed over as many further
     steps (`MtpClock` synchronises around each, which would slow the timed ones)."""
     params = SamplingParams(max_tokens=10**6, temperature=0, ignore_eos=True)
@@ -121,8 +122,9 @@ def measure(engine: Engine, batch: int, context: int, steps: int, warmup: int) -
     before = sum(s.num_output_tokens for s in seqs)
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     graphs = engine.spec.runner.graphs if engine.spec is not None else None
-    if graphs is not None:
-        graphs.replay_events = []
+    collectors = [g for g in (graphs, engine.runner.graphs) if g is not None]
+    for g in collectors:
+        g.replay_events = []
     sync()
     start = time.perf_counter()
     for _ in range(steps):
@@ -131,8 +133,9 @@ def measure(engine: Engine, batch: int, context: int, steps: int, warmup: int) -
     seconds = time.perf_counter() - start
     tokens = sum(s.num_output_tokens for s in seqs) - before
     events = graphs.replay_events if graphs is not None else None
-    if graphs is not None:
-        graphs.replay_events = None
+    gpu_ms = sum(e[0].elapsed_time(e[-1]) for g in collectors for e in g.replay_events) / steps
+    for g in collectors:
+        g.replay_events = None
     clock = MtpClock(engine)
     if engine.spec is not None and engine.spec.policy.max_batch_size:  # drafting on
         for _ in range(steps):
@@ -146,7 +149,7 @@ def measure(engine: Engine, batch: int, context: int, steps: int, warmup: int) -
     return dict(tok_s=tokens / seconds, step_ms=1e3 * seconds / steps,
                 mtp_ms=1e3 * clock.seconds / steps + graph_mtp_ms,
                 tokens_per_step=tokens / steps / batch, verify_ms=verify_ms,
-                graph_steps=len(events or []))
+                graph_steps=len(events or []), gpu_ms=gpu_ms if collectors else None)
 
 
 def _mean_ms(events, first: int, last: int) -> float | None:
@@ -241,7 +244,8 @@ def at_release_depth(v1: float, v2: float, d1: int, d2: int) -> float:
 
 FIT_HEADER = ("| mode | expert reuse | batch | forced acceptance | step ms off / on at the two "
               "depths | fixed ms off / on | per layer ms off / on | 45-layer step ms off / on | "
-              "45-layer tok/s off / on | speedup | speedup at the rooflines |")
+              "45-layer tok/s off / on | speedup | GPU ms in graphs off / on at the two depths | "
+              "45-layer GPU ms off / on (speedup) | speedup at the rooflines |")
 
 
 def fit_table(points: list[dict], depths: list[int]) -> list[str]:
@@ -269,8 +273,20 @@ def fit_table(points: list[dict], depths: list[int]) -> list[str]:
         lines.append(f"| {mode} | {reuse} | {batch} | {rate} | {steps} | {fixed[0]:.2f} / "
                      f"{fixed[1]:.2f} | {slope[0]:.3f} / {slope[1]:.3f} | {off_ms:.2f} / "
                      f"{on_ms:.2f} | {off_tok:.1f} / {on_tok:.1f} | {on_tok / off_tok:.2f}x | "
-                     f"{bound} |")
+                     f"{_gpu_cells(off, on, d1, d2)} | {bound} |")
     return lines
+
+
+def _gpu_cells(off: dict, on: dict, d1: int, d2: int) -> str:
+    """The GPU time in graphs a step at both depths, and on its line at 45 layers with the
+    speedup it gives (host work left out: steady, where the step times move with the host)."""
+    if any(r[d]["gpu_ms"] is None for r in (off, on) for d in (d1, d2)):
+        return "- | -"
+    at = " / ".join(f"{d}: {off[d]['gpu_ms']:.2f} / {on[d]['gpu_ms']:.2f}" for d in (d1, d2))
+    off_45, on_45 = (at_release_depth(r[d1]["gpu_ms"], r[d2]["gpu_ms"], d1, d2)
+                     for r in (off, on))
+    speedup = on[d1]["tokens_per_step"] * off_45 / on_45
+    return f"{at} | {off_45:.2f} / {on_45:.2f} ({speedup:.2f}x)"
 
 
 def run_mode(engine: Engine, mode: str, args: argparse.Namespace, deadline: float) -> list[dict]:
