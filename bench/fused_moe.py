@@ -221,13 +221,16 @@ def parts_table(num_tokens: int = 8192) -> str:
 
 
 def decode_sweep(token_counts: list[int]) -> None:
-    """Graph times of the decode GEMMs' launch shapes (both grouped GEMMs take the shape),
-    against the expert bytes touched at the copy bandwidth of the same run."""
+    """Graph times of the decode GEMMs' launch shapes (both grouped GEMMs take the shape), the
+    dequantising form and the fp16-codes form, against the expert bytes touched at the copy
+    bandwidth of the same run."""
     copy_gbs = copy_bandwidth()
     w = expert_weights()
     shapes = [FusedMoeConfig(block_n=bn, block_k=bk, num_stages=st)
               for bn in (32, 64, 128) for bk in (64, 128) for st in (3, 5)]
     shapes.append(FusedMoeConfig(num_warps=8))
+    shapes += [FusedMoeConfig(block_n=bn, num_stages=st, fp16_codes=True)
+               for bn in (32, 64, 128) for st in (3, 5)]
     rows = []
     for num_tokens in token_counts:
         x = torch.randn(num_tokens, HIDDEN, device="cuda").bfloat16()
@@ -238,7 +241,8 @@ def decode_sweep(token_counts: list[int]) -> None:
             us = 1e3 * graph_ms(call)
             gbs = moved / us / 1e3
             rows.append([num_tokens, f"{cfg.block_n}/{cfg.block_k}/{cfg.num_stages}/"
-                         f"{cfg.num_warps}", f"{us:.1f}", f"{gbs:.0f} ({gbs / copy_gbs:.2f})"])
+                         f"{cfg.num_warps}{' fp16 codes' if cfg.fp16_codes else ''}",
+                         f"{us:.1f}", f"{gbs:.0f} ({gbs / copy_gbs:.2f})"])
             print(rows[-1], flush=True)
     print(f"HBM copy {copy_gbs:.0f} GB/s (read + write); default {FusedMoeConfig()}")
     print(table(["tokens", "block n / k / stages / warps", "us (graph)",

@@ -13,6 +13,7 @@ installed Triton version. With --check it exits 1 when a launch could not run so
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import re
 import subprocess
@@ -228,16 +229,18 @@ def fused_moe_launches() -> list[Launch]:
             Launch("fused_moe sort scatter", moe_sort.moe_scatter_kernel, sort_ptrs,
                    dict(BLOCK_M=64, CHUNK=sort.chunk, SUB=sort.sub, BINS=512,
                         BB=sort.block_rows), sort.num_warps)]
-    for cfg, dtype in ((moe.DECODE_CONFIG, "bf16"), (moe.PREFILL_CONFIG, "bf16"),
+    codes = dataclasses.replace(moe.DECODE_CONFIG, fp16_codes=True)
+    for cfg, dtype in ((moe.DECODE_CONFIG, "bf16"), (codes, "bf16"), (moe.PREFILL_CONFIG, "bf16"),
                        (moe.FP32_CONFIG, "fp32")):
         dot, prec = (tl.float32, "ieee") if dtype == "fp32" else (tl.bfloat16, "tf32")
         consts = dict(BLOCK=128, HAS_SCALE=True, BM=cfg.block_m, BN=cfg.block_n,
-                      BK=cfg.block_k, DOT=dot, PREC=prec)
+                      BK=cfg.block_k, DOT=dot, PREC=prec, CODES=cfg.fp16_codes)
         rows = {"sorted_pairs": "*i32", "block_expert": "*i32"}
         gate_up = dict(rows, x=f"*{dtype}", w_gate="*fp8e4nv", s_gate="*fp32", w_up="*fp8e4nv",
                        s_up="*fp32", h=f"*{dtype}")
         down = dict(rows, h=f"*{dtype}", w="*fp8e4nv", s="*fp32", y=f"*{dtype}")
-        name = f"fused_moe {dtype} BM{cfg.block_m} BN{cfg.block_n}"
+        name = f"fused_moe {dtype} BM{cfg.block_m} BN{cfg.block_n}" + \
+            (" fp16 codes" if cfg.fp16_codes else "")
         out += [Launch(f"{name} gate/up", moe.fused_moe_gate_up_kernel, gate_up,
                        dict(consts, TOP_K=8), cfg.num_warps, cfg.num_stages, aligned=("N", "K")),
                 Launch(f"{name} down", moe.fused_moe_down_kernel, down, consts, cfg.num_warps,

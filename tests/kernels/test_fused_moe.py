@@ -165,6 +165,21 @@ def test_launch_shapes(config, seeded, nan_empty):
     check(x, ids, weights, experts, config=config)
 
 
+@pytest.mark.parametrize("block", [128, 64])
+def test_fp16_codes_bf16(block, seeded, nan_empty):
+    """The decode form on fp16 codes (each K step's product scaled by its block scales), on
+    ragged experts, columns and K; plain weights and fp32 x fall back to the dequantising form."""
+    num_experts, hidden, inter = SHAPES["blocks-4x256x130"]
+    codes = FusedMoeConfig(block_n=32, block_k=block, fp16_codes=True)
+    x = torch.randn(5, hidden, generator=seeded).to(DEVICE)
+    ids, weights = make_routing(5, 3, num_experts, seeded)
+    experts = make_weights(num_experts, hidden, inter, seeded, block=block)
+    check(x.bfloat16(), ids, weights, experts, block=block, config=codes)
+    check(x, ids, weights, experts, block=block, config=codes)
+    check(x, ids, weights, make_weights(num_experts, hidden, inter, seeded, block=None),
+          config=codes)
+
+
 def test_bf16_block64_and_plain_weights(seeded, nan_empty):
     num_experts, hidden, inter = SHAPES["tiny-8x192x96"]
     x = torch.randn(4, hidden, generator=seeded).to(DEVICE)
@@ -239,6 +254,21 @@ def test_release_shapes_bf16(num_tokens):
     assert not got.isnan().any()
     # bf16 roundings of x, the weights, h and each pair's output: ~2.5e-3 rms
     assert norm_error(got, want) < BF16_REL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 8, 32])
+def test_release_shapes_fp16_codes(num_tokens):
+    """The decode form on fp16 codes at release shapes: no dequantised weight is rounded, so
+    it is at least as close to the fp32 reference as the dequantising form."""
+    x, ids, weights, experts = _release_case(num_tokens)
+    codes = FusedMoeConfig(fp16_codes=True)
+    got = triton_impl.fused_moe(x, ids, weights, *experts, limit=10.0, config=codes)
+    dequant = triton_impl.fused_moe(x, ids, weights, *experts, limit=10.0,
+                                    config=triton_impl.DECODE_CONFIG)
+    exact = fused_moe_ref(x.float(), ids, weights, *experts, limit=10.0)
+    assert not got.isnan().any()
+    assert norm_error(got, exact) <= norm_error(dequant, exact) * 1.05
 
 
 @pytest.mark.gpu

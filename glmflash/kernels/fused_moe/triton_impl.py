@@ -49,6 +49,12 @@ class FusedMoeConfig:
     """Reduction step; with FP8 weights it must divide the scale block."""
     num_warps: int = 4
     num_stages: int = 3
+    fp16_codes: bool = False
+    """FP8 weights with 16-bit x: the e4m3 codes enter the products as fp16 (exact) against x
+    rounded to fp16, and each K step's product is scaled by its block scales in fp32, so no
+    weight is dequantised in registers (the reference rounds `code * scale` to bf16 instead;
+    this is closer to the exact product). x must lie within fp16's range. block_k must equal
+    the scale block."""
 
 
 # Decode: few pairs per expert, so 16-row blocks (the smallest tensor-core product) waste least.
@@ -162,11 +168,65 @@ def _dequant(b_w, s, s_off, k0, m_n, BLOCK: tl.constexpr, HAS_SCALE: tl.constexp
 
 
 @jit
+def _next_scale(s, s_off, k0, K, m_n, BK: tl.constexpr, BLOCK: tl.constexpr):
+    """The block scales [BN] of the K step after k0 (zeros past K): loaded a step ahead, so
+    that their latency passes under this step's products."""
+    # NOTE: the scalar condition is broadcast by hand (the interpreter rejects scalar & tensor).
+    m_next = m_n & ((m_n.to(tl.int32) * 0 + k0 + BK) < K)
+    return tl.load(s + s_off + (k0 + BK) // BLOCK, mask=m_next, other=0.0)
+
+
+@jit
+def _codes_product(b_acc, b_x, b_w, b_s):
+    """b_acc + (x W^T) * s over one K step: the e4m3 codes and x in fp16 (the codes exactly),
+    the fp32 product scaled per column by its block scale."""
+    return b_acc + tl.dot(b_x.to(tl.float16), tl.trans(b_w.to(tl.float16))) * b_s[None, :]
+
+
+@jit
+def _gate_up_codes(p_x, w_gate, s_gate, w_up, s_up, w_off, s_off, m_r, m_n, o_k, K,
+                   BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Both products of a block by fp16 codes (`FusedMoeConfig.fp16_codes`)."""
+    b_gate = tl.zeros([BM, BN], dtype=tl.float32)
+    b_up = tl.zeros([BM, BN], dtype=tl.float32)
+    b_sg = _next_scale(s_gate, s_off, -BK, K, m_n, BK, BLOCK)
+    b_su = _next_scale(s_up, s_off, -BK, K, m_n, BK, BLOCK)
+    for k0 in range(0, K, BK):
+        b_sg_next = _next_scale(s_gate, s_off, k0, K, m_n, BK, BLOCK)
+        b_su_next = _next_scale(s_up, s_off, k0, K, m_n, BK, BLOCK)
+        m_k = k0 + o_k < K
+        m_w = m_n[:, None] & m_k[None, :]
+        b_x = tl.load(p_x + k0, mask=m_r[:, None] & m_k[None, :], other=0.0)
+        b_gate = _codes_product(b_gate, b_x, tl.load(w_gate + w_off + k0, mask=m_w, other=0.0),
+                                b_sg)
+        b_up = _codes_product(b_up, b_x, tl.load(w_up + w_off + k0, mask=m_w, other=0.0), b_su)
+        b_sg, b_su = b_sg_next, b_su_next
+    return b_gate, b_up
+
+
+@jit
+def _down_codes(p_h, w, s, w_off, s_off, m_r, m_n, o_k, K, BLOCK: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The down product of a block by fp16 codes (`FusedMoeConfig.fp16_codes`)."""
+    b_acc = tl.zeros([BM, BN], dtype=tl.float32)
+    b_s = _next_scale(s, s_off, -BK, K, m_n, BK, BLOCK)
+    for k0 in range(0, K, BK):
+        b_s_next = _next_scale(s, s_off, k0, K, m_n, BK, BLOCK)
+        m_k = k0 + o_k < K
+        b_h = tl.load(p_h + k0, mask=m_r[:, None] & m_k[None, :], other=0.0)
+        b_w = tl.load(w + w_off + k0, mask=m_n[:, None] & m_k[None, :], other=0.0)
+        b_acc = _codes_product(b_acc, b_h, b_w, b_s)
+        b_s = b_s_next
+    return b_acc
+
+
+@jit
 def fused_moe_gate_up_kernel(x, sorted_pairs, block_expert, w_gate, s_gate, w_up, s_up, h,
                              num_pairs, N, K, limit, stride_xm, stride_we, stride_wn, stride_se,
                              stride_sn, stride_hm, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
                              HAS_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                             BK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+                             BK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                             CODES: tl.constexpr):
     """h[rows, cols] = silu(min(x Wg^T, L)) * clip(x Wu^T, -L, L) for the rows of one block,
     all of one expert; a block without an expert returns before reading any weight."""
     i_b, i_n = tl.program_id(0), tl.program_id(1)
@@ -181,18 +241,22 @@ def fused_moe_gate_up_kernel(x, sorted_pairs, block_expert, w_gate, s_gate, w_up
     p_x = x + o_t[:, None].to(tl.int64) * stride_xm + o_k[None, :]
     w_off = e.to(tl.int64) * stride_we + o_n[:, None].to(tl.int64) * stride_wn + o_k[None, :]
     s_off = e.to(tl.int64) * stride_se + (o_n // BLOCK) * stride_sn
-    b_gate = tl.zeros([BM, BN], dtype=tl.float32)
-    b_up = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        m_k = k0 + o_k < K
-        m_w = m_n[:, None] & m_k[None, :]
-        b_x = tl.load(p_x + k0, mask=m_r[:, None] & m_k[None, :], other=0.0).to(DOT)
-        b_wg = _dequant(tl.load(w_gate + w_off + k0, mask=m_w, other=0.0), s_gate, s_off, k0,
-                        m_n, BLOCK, HAS_SCALE, DOT)
-        b_wu = _dequant(tl.load(w_up + w_off + k0, mask=m_w, other=0.0), s_up, s_off, k0,
-                        m_n, BLOCK, HAS_SCALE, DOT)
-        b_gate = tl.dot(b_x, tl.trans(b_wg), b_gate, input_precision=PREC)
-        b_up = tl.dot(b_x, tl.trans(b_wu), b_up, input_precision=PREC)
+    if CODES:
+        b_gate, b_up = _gate_up_codes(p_x, w_gate, s_gate, w_up, s_up, w_off, s_off, m_r, m_n,
+                                      o_k, K, BLOCK, BM, BN, BK)
+    else:
+        b_gate = tl.zeros([BM, BN], dtype=tl.float32)
+        b_up = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            m_k = k0 + o_k < K
+            m_w = m_n[:, None] & m_k[None, :]
+            b_x = tl.load(p_x + k0, mask=m_r[:, None] & m_k[None, :], other=0.0).to(DOT)
+            b_wg = _dequant(tl.load(w_gate + w_off + k0, mask=m_w, other=0.0), s_gate, s_off,
+                            k0, m_n, BLOCK, HAS_SCALE, DOT)
+            b_wu = _dequant(tl.load(w_up + w_off + k0, mask=m_w, other=0.0), s_up, s_off, k0,
+                            m_n, BLOCK, HAS_SCALE, DOT)
+            b_gate = tl.dot(b_x, tl.trans(b_wg), b_gate, input_precision=PREC)
+            b_up = tl.dot(b_x, tl.trans(b_wu), b_up, input_precision=PREC)
     b_gate = tl.minimum(b_gate, limit)
     b_up = tl.minimum(tl.maximum(b_up, -limit), limit)
     b_h = b_gate * tl.sigmoid(b_gate) * b_up  # [BM, BN]
@@ -205,7 +269,7 @@ def fused_moe_down_kernel(h, sorted_pairs, block_expert, w, s, y, num_pairs, N, 
                           stride_we, stride_wn, stride_se, stride_sn, stride_ym,
                           BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr, BM: tl.constexpr,
                           BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-                          PREC: tl.constexpr):
+                          PREC: tl.constexpr, CODES: tl.constexpr):
     """y[pair, cols] = h[row] W_down^T for the rows of one block, each row into its pair's
     row of y; a block without an expert returns before reading any weight."""
     i_b, i_n = tl.program_id(0), tl.program_id(1)
@@ -219,13 +283,16 @@ def fused_moe_down_kernel(h, sorted_pairs, block_expert, w, s, y, num_pairs, N, 
     p_h = h + o_r[:, None].to(tl.int64) * stride_hm + o_k[None, :]
     w_off = e.to(tl.int64) * stride_we + o_n[:, None].to(tl.int64) * stride_wn + o_k[None, :]
     s_off = e.to(tl.int64) * stride_se + (o_n // BLOCK) * stride_sn
-    b_acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        m_k = k0 + o_k < K
-        b_h = tl.load(p_h + k0, mask=m_r[:, None] & m_k[None, :], other=0.0).to(DOT)
-        b_w = _dequant(tl.load(w + w_off + k0, mask=m_n[:, None] & m_k[None, :], other=0.0), s,
-                       s_off, k0, m_n, BLOCK, HAS_SCALE, DOT)
-        b_acc = tl.dot(b_h, tl.trans(b_w), b_acc, input_precision=PREC)
+    if CODES:
+        b_acc = _down_codes(p_h, w, s, w_off, s_off, m_r, m_n, o_k, K, BLOCK, BM, BN, BK)
+    else:
+        b_acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            m_k = k0 + o_k < K
+            b_h = tl.load(p_h + k0, mask=m_r[:, None] & m_k[None, :], other=0.0).to(DOT)
+            b_w = _dequant(tl.load(w + w_off + k0, mask=m_n[:, None] & m_k[None, :],
+                                   other=0.0), s, s_off, k0, m_n, BLOCK, HAS_SCALE, DOT)
+            b_acc = tl.dot(b_h, tl.trans(b_w), b_acc, input_precision=PREC)
     p_y = y + tl.where(m_r, b_pair, 0)[:, None].to(tl.int64) * stride_ym + o_n[None, :]
     tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_r[:, None] & m_n[None, :])
 
@@ -316,8 +383,11 @@ def _dequant_experts(x: torch.Tensor, sorted_pairs: torch.Tensor, block_expert: 
     has_scale = s_gate is not None
     bk = min(config.block_k, block) if has_scale else config.block_k
     dot, prec = _dot_type(x)
+    codes = config.fp16_codes and has_scale and x.dtype != torch.float32
+    assert not codes or bk == block, "fp16 codes take one scale block per K step"
     shape = dict(BLOCK=block, HAS_SCALE=has_scale, BM=bm, BN=config.block_n, BK=bk, DOT=dot,
-                 PREC=prec, num_warps=config.num_warps, num_stages=config.num_stages)
+                 PREC=prec, CODES=codes, num_warps=config.num_warps,
+                 num_stages=config.num_stages)
     h = torch.empty(max_blocks * bm, inter, dtype=x.dtype, device=x.device)
     gate_args = _weight_args(w_gate, s_gate)
     fused_moe_gate_up_kernel[(max_blocks, triton.cdiv(inter, config.block_n))](
