@@ -260,7 +260,9 @@ def test_release_shapes_bf16(num_tokens):
 @pytest.mark.parametrize("num_tokens", [1, 8, 32])
 def test_release_shapes_fp16_codes(num_tokens):
     """The decode form on fp16 codes at release shapes: no dequantised weight is rounded, so
-    it is at least as close to the fp32 reference as the dequantising form."""
+    it is at least as close to the fp32 reference as the dequantising form (both round x, h and
+    the outputs to bf16 alike; the 5% is slack for those, set before a GPU run: 5feb427 was
+    not run on one)."""
     x, ids, weights, experts = _release_case(num_tokens)
     codes = FusedMoeConfig(fp16_codes=True)
     got = triton_impl.fused_moe(x, ids, weights, *experts, limit=10.0, config=codes)
