@@ -106,6 +106,7 @@ def sweep_fp8_one_row() -> None:
     """Decode of one token: tensor-core products vs the FMA path by columns and waves, and
     `fp8_linear` as configured (the one-row rule on its GPU), against per-tensor `_scaled_mm`
     at 16 rows (weights rotated past L2)."""
+    from bench.kernels import _scaled_mm
     from glmflash.kernels.fp8_gemm import quantize_block_fp8
     from glmflash.kernels.fp8_gemm import triton_impl as ti
 
@@ -113,10 +114,7 @@ def sweep_fp8_one_row() -> None:
         wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda"))
         wqs = rotated(wq)
         x = torch.randn(1, k, device="cuda").bfloat16()
-        xq = torch.randn(16, k, device="cuda").to(torch.float8_e4m3fn)
-        one = torch.ones((), device="cuda")
-        ref = graph_ms([lambda xq=xq, w=w, one=one: torch._scaled_mm(
-            xq, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16) for w in wqs])
+        ref = graph_ms([_scaled_mm(x.to(torch.float8_e4m3fn), w) for w in wqs])  # 16 rows
         rule = graph_ms([lambda x=x, w=w, ws=ws: ti.fp8_linear(x, w, ws) for w in wqs])
         print(f"fp8 one row {k}->{n}: per-tensor _scaled_mm {ref * 1e3:.1f} us, fp8_linear "
               f"{rule * 1e3:.1f} us ({ref / rule:.2f})", flush=True)
