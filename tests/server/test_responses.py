@@ -110,8 +110,9 @@ def test_max_output_tokens_makes_an_incomplete_response(client):
                                          max_output_tokens=3))
     assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
     assert out.usage.output_tokens == 3
-    events = list(client.responses.create(model=MODEL, input="hi", max_output_tokens=2,
-                                          stream=True))
+    # Scripted, so that a freely sampled stop token cannot end the stream inside two tokens.
+    events = list(client.responses.create(model=MODEL, input="PREFIX:</think>abcdef",
+                                          max_output_tokens=2, stream=True))
     assert events[-1].type == "response.incomplete"
 
 
