@@ -43,6 +43,7 @@ from glmflash.kernels.kda import chunk_intra as intra  # noqa: E402
 from glmflash.kernels.kda import chunk_stages as stages  # noqa: E402
 from glmflash.kernels.kda import chunk_walk as walk_kernels  # noqa: E402
 from glmflash.kernels.kda import triton_impl as kda  # noqa: E402
+from glmflash.kernels.kda import verify_triton as kda_verify  # noqa: E402
 from glmflash.kernels.router import triton_impl as router  # noqa: E402
 from glmflash.kernels.row_copy import triton_impl as row_copy  # noqa: E402
 from glmflash.kernels.sparse_mla import combine_triton as mla_combine  # noqa: E402
@@ -160,6 +161,22 @@ def kda_launches(with_prefill: bool) -> list[Launch]:
     out.append(Launch("causal conv1d", kda.causal_conv1d_kernel, conv,
                       dict(HIST=3, HP=4, BT=config.conv_tokens, BC=128, WRITE_STATE=True), 4,
                       aligned=("C",)))
+    return out + kda_verify_launches(ptrs, conv)
+
+
+def kda_verify_launches(decode_ptrs: dict, conv_ptrs: dict) -> list[Launch]:
+    """The speculative verify's KDA and conv kernels (kda/verify_triton.py), keeping scratch."""
+    config = kda.DEFAULT_CONFIG
+    metas = {"rows": "*i32", "seqs": "*i32"}
+    ptrs = {**decode_ptrs, **metas, "saved": "*fp32"}
+    ptrs.pop("meta")
+    out = [Launch(f"kda verify BV{bv}", kda_verify.kda_verify_kernel, ptrs,
+                  dict(H=64, K=128, V=128, BK=128, BV=bv, SAVE=True), warps)
+           for bv, warps in (config.decode_narrow, config.decode_wide)]
+    conv = {**conv_ptrs, **metas, "saved": "*bf16"}
+    conv.pop("meta")
+    out.append(Launch("causal conv1d verify", kda_verify.conv_verify_kernel, conv,
+                      dict(HIST=3, HP=4, BC=256, SAVE=True), 4, aligned=("C",)))
     return out
 
 

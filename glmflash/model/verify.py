@@ -6,10 +6,12 @@ and page-table row, so MLA latents, the selection and the MoE need nothing else;
 all rows are written before any row attends, and a row selects only among the pools complete at
 its own position. The three per-sequence states that a token advances - the KDA recurrent
 state, the short-conv window and the indexer's pending tail - are advanced one draft position
-at a time by the decode kernels themselves (so each position's state is exactly what a decode
+at a time with the decode kernels' own steps (so each position's state is exactly what a decode
 step would have made), in place in the sequence's state slot, and after every position but a
-sequence's last a copy goes to a scratch row. `commit` then puts back the copy of the accepted
-position, or leaves the slot as it is when every draft was accepted: nothing is recomputed. MLA
+sequence's last a copy goes to a scratch row: the KDA state and conv window by one launch per
+layer over all positions (kernels/kda/verify_triton.py), the indexer tail by a decode launch
+and a copy per position. `commit` then puts back the copy of the accepted position, or leaves
+the slot as it is when every draft was accepted: nothing is recomputed. MLA
 latents and pooled indexer keys of rejected tokens sit past the sequence's committed length,
 where nothing reads them before the next tokens overwrite them. The batch's inputs are views of
 one device buffer (`pack_verify`, `verify_batch`), so a CUDA graph replays any verify of its
@@ -26,7 +28,7 @@ import torch
 
 from glmflash.config import MLA, ModelConfig
 from glmflash.kernels.indexer import indexer_write_decode
-from glmflash.kernels.kda import causal_conv1d_decode, kda_decode
+from glmflash.kernels.kda import causal_conv1d_verify, kda_verify
 from glmflash.kernels.row_copy import copy_rows
 from glmflash.model.forward_batch import DECODE_WIDTH, ForwardBatch, decode_batch, pack_decode
 from glmflash.model.state import ModelState
@@ -43,10 +45,6 @@ class VerifyPosition:
     """`[n]` int64 state slots (page-table rows) of their sequences."""
     positions: torch.Tensor
     """`[n]` int64 positions of those tokens in their sequences."""
-    kda_meta: torch.Tensor
-    """`[n, 3]` int32 decode rows of the KDA kernel: the tokens' rows in the whole forward."""
-    conv_meta: torch.Tensor
-    """`[n, 5]` int32 decode rows of the conv kernel: the tokens' rows in the whole forward."""
     save_slots: torch.Tensor
     """`[m]` int64 slots whose state after position j is kept (sequences with more tokens)."""
     save_rows: torch.Tensor
@@ -106,6 +104,10 @@ class VerifyInputs:
     steps: list[VerifyPosition]
     num_tokens: list[int]
     """Rows of each sequence (back to back in the batch)."""
+    rows: torch.Tensor
+    """`[T, 3]` int32 (token row, state slot, fresh) of every row: the decode rows'."""
+    seqs: torch.Tensor
+    """`[B, 3]` int32 (first row, rows, scratch row or -1) of every sequence."""
     scratch: VerifyScratch | None
     """Where the state after each position but a sequence's last is kept; None when nothing is
     kept (the MTP layer's draft forward, whose rows past the committed ones are padding)."""
@@ -148,26 +150,25 @@ def group_sizes(num_tokens: list[int], save: bool) -> list[tuple[int, int]]:
 def pack_verify(rows: VerifyHostRows, save: bool) -> np.ndarray:
     """The verify batch's device words: the rows as `pack_decode` lays out decodes, then per
     draft position j the int64 words (token rows, state slots, positions, saved slots, their
-    scratch rows) and the int32 KDA and conv rows, as `verify_batch` reads them."""
+    scratch rows), then the int32 (first row, rows, scratch row or -1) of every sequence, as
+    `verify_batch` reads them."""
     num = len(rows.input_ids)
     flat = pack_decode(rows.input_ids, rows.token_slots, rows.positions, rows.state_slots,
                        rows.fresh)
     starts = np.cumsum([0, *rows.num_tokens])[:-1]
     lengths = np.asarray(rows.num_tokens, np.int64)
     slots, positions = (np.asarray(v, np.int64) for v in (rows.state_slots, rows.positions))
-    fresh = np.asarray(rows.fresh, np.int64)
     parts = [flat]
     for j, _ in enumerate(group_sizes(rows.num_tokens, save)):
         seqs = np.flatnonzero(lengths > j)
         saved = np.flatnonzero(lengths > j + 1) if save else np.zeros(0, np.int64)
         token_rows = starts[seqs] + j
-        row_slots, row_fresh = slots[token_rows], fresh[token_rows]
-        # The kernels read and write these rows of the whole verify in place.
-        meta = np.concatenate([np.stack([token_rows, row_slots, row_fresh], 1).reshape(-1),
-                               np.stack([token_rows, token_rows, token_rows + 1, row_slots,
-                                         row_fresh], 1).reshape(-1)]).astype(np.int32)
-        parts += [token_rows, row_slots, positions[token_rows], slots[starts[saved] + j],
-                  saved.astype(np.int64), meta.view(np.int64)]
+        parts += [token_rows, slots[token_rows], positions[token_rows], slots[starts[saved] + j],
+                  saved.astype(np.int64)]
+    scratch_rows = np.arange(len(lengths)) if save else np.full(len(lengths), -1)
+    seq_words = np.stack([starts, lengths, scratch_rows], 1).reshape(-1).astype(np.int32)
+    # Whole int64 words: an odd count of int32 gets one unread zero.
+    parts.append(np.pad(seq_words, (0, seq_words.size % 2)).view(np.int64))
     assert parts[0].size == DECODE_WIDTH * num
     return np.concatenate(parts)
 
@@ -183,14 +184,13 @@ def verify_batch(packed: torch.Tensor, num_tokens: list[int], save: bool,
     batch = decode_batch(packed[: DECODE_WIDTH * num], page_table, page_size, max_pools)
     offset, steps = DECODE_WIDTH * num, []
     for n, m in group_sizes(num_tokens, save):
-        sizes = [n, n, n, m, m, 4 * n]
-        rows, slots, positions, save_slots, save_rows, metas = \
-            packed[offset: offset + sum(sizes)].split(sizes)
+        sizes = [n, n, n, m, m]
+        steps.append(VerifyPosition(*packed[offset: offset + sum(sizes)].split(sizes)))
         offset += sum(sizes)
-        metas = metas.view(torch.int32)
-        steps.append(VerifyPosition(rows, slots, positions, metas[: 3 * n].view(n, 3),
-                                    metas[3 * n:].view(n, 5), save_slots, save_rows))
-    batch.verify = VerifyInputs(steps, list(num_tokens), scratch)
+    num_seqs = len(num_tokens)
+    seqs = packed[offset: offset + (3 * num_seqs + 1) // 2].view(torch.int32)
+    batch.verify = VerifyInputs(steps, list(num_tokens), batch.decode.kda_meta,
+                                seqs[: 3 * num_seqs].view(num_seqs, 3), scratch)
     return batch
 
 
@@ -223,25 +223,22 @@ def commit_on_device(state: ModelState, scratch: VerifyScratch, state_slots: tor
 
 def verify_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                 verify: VerifyInputs, layer: int) -> torch.Tensor:
-    """`causal_conv1d_decode` position by position over x `[T, C]` (each reads and writes its
-    position's rows in place)."""
-    out = torch.empty_like(x)
-    for j, at in enumerate(verify.steps):
-        causal_conv1d_decode(x, weight, conv_state, at.conv_meta, out)
-        _keep(verify, 'conv', layer, conv_state, at, j)
-    return out
+    """The conv decode step over every row of x `[T, C]`, each sequence's rows in order, the
+    window after each but a sequence's last kept in the scratch."""
+    saved = _rows(verify.scratch.conv[layer]) if verify.scratch else None
+    num_steps = verify.scratch.num_steps if verify.scratch else 0
+    return causal_conv1d_verify(x, weight, conv_state, verify.rows, verify.seqs, saved,
+                                num_steps)
 
 
 def verify_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                beta: torch.Tensor, state: torch.Tensor, verify: VerifyInputs,
                layer: int) -> torch.Tensor:
-    """`kda_decode` position by position (each reads and writes its position's rows in
-    place); o `[T, H, dv]`."""
-    out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
-    for j, at in enumerate(verify.steps):
-        kda_decode(q, k, v, g, beta, state, at.kda_meta, out)
-        _keep(verify, 'recurrent', layer, state, at, j)
-    return out
+    """The KDA decode step over every row (each sequence's rows in order, the state after each
+    but a sequence's last kept in the scratch); o `[T, H, dv]`."""
+    saved = _rows(verify.scratch.recurrent[layer]) if verify.scratch else None
+    num_steps = verify.scratch.num_steps if verify.scratch else 0
+    return kda_verify(q, k, v, g, beta, state, verify.rows, verify.seqs, saved, num_steps)
 
 
 def verify_indexer_write(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor,

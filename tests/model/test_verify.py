@@ -60,21 +60,23 @@ def _state_copy(state: ModelState) -> dict:
 
 class Recorder:
     """The verify's calls of the three state kernels, with their inputs (the whole forward's
-    rows, and a meta or `token_rows` naming the position's)."""
+    rows; the KDA and conv calls cover every position, the indexer's one position each, named
+    by `token_rows`)."""
+
+    STATE_ARG = {"kda_verify": 5, "causal_conv1d_verify": 2, "indexer_write_decode": 4}
 
     def __init__(self, monkeypatch, state: ModelState) -> None:
         self.calls = []
         self.layer_of = {id(t): i for name in ("recurrent", "conv", "index_tail")
                          for i, t in getattr(state, name).items()}
-        for name in ("kda_decode", "causal_conv1d_decode", "indexer_write_decode"):
+        for name in self.STATE_ARG:
             monkeypatch.setattr(verify_module, name, self._wrap(name, getattr(verify_module, name)))
 
     def _wrap(self, name, fn):
         def record(*args, **kwargs):
-            state_arg = {"kda_decode": 5, "causal_conv1d_decode": 2,
-                         "indexer_write_decode": 4}[name]
             copy = lambda a: a.clone() if isinstance(a, torch.Tensor) else a  # noqa: E731
-            self.calls.append((name, self.layer_of[id(args[state_arg])], [copy(a) for a in args],
+            self.calls.append((name, self.layer_of[id(args[self.STATE_ARG[name]])],
+                               [copy(a) for a in args],
                                {key: copy(a) for key, a in kwargs.items()}))
             return fn(*args, **kwargs)
         return record
@@ -86,26 +88,27 @@ def _one_token_steps(calls, ref: dict, table: torch.Tensor, num_positions: int,
     per step, through the varlen entry points (as a prefill of one token would run them)."""
     seen: dict[tuple[str, int], int] = {}
     for name, layer, args, kwargs in calls:
+        if name == "kda_verify":  # the whole verify's rows; one sequence, rows in order
+            for tok in args[6][:num_positions, 0].tolist():
+                q, k, v, g, beta = (t[[tok]] for t in args[:5])
+                kda(q, k, v, g, beta, ref["recurrent"][layer], [0, 1], [0], [False])
+            continue
+        if name == "causal_conv1d_verify":
+            for tok in args[3][:num_positions, 0].tolist():
+                causal_conv1d(args[0][[tok]], args[1], ref["conv"][layer], [0, 1], [0], [False])
+            continue
         position = seen.get((name, layer), 0)
         seen[(name, layer)] = position + 1
         if position >= num_positions:
             continue
-        if name == "kda_decode":  # the whole verify's rows; the meta names the position's
-            rows = args[6][:, 0].tolist()
-            q, k, v, g, beta = (t[rows] for t in args[:5])
-            kda(q, k, v, g, beta, ref["recurrent"][layer], [0, 1], [0], [False])
-        elif name == "causal_conv1d_decode":
-            rows = args[3][:, 0].tolist()
-            causal_conv1d(args[0][rows], args[1], ref["conv"][layer], [0, 1], [0], [False])
-        else:
-            keys, gates, ape = args[:3]
-            rows = kwargs["token_rows"].tolist()
-            keys, gates = keys[rows], gates[rows]
-            pos = int(args[7][0])
-            plan = write_plan([0, 1], [pos], [0], ref["index_tail"][layer].shape[0], kpool,
-                              keys.device)
-            indexer_write(keys, gates, ape, ref["pool_keys"][layer], ref["index_tail"][layer],
-                          table, plan, page_size=PAGE)
+        keys, gates, ape = args[:3]
+        rows = kwargs["token_rows"].tolist()
+        keys, gates = keys[rows], gates[rows]
+        pos = int(args[7][0])
+        plan = write_plan([0, 1], [pos], [0], ref["index_tail"][layer].shape[0], kpool,
+                          keys.device)
+        indexer_write(keys, gates, ape, ref["pool_keys"][layer], ref["index_tail"][layer],
+                      table, plan, page_size=PAGE)
 
 
 def test_committed_state_equals_one_token_steps_bit_for_bit(model, monkeypatch):

@@ -83,6 +83,51 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     return out
 
 
+def kda_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor, state: torch.Tensor, rows: torch.Tensor, seqs: torch.Tensor,
+               saved: torch.Tensor | None, num_steps: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """`kda_decode` over a speculative verify's rows, sequence by sequence: `rows` `[T, 3]`
+    int32 (token row, state slot, fresh), `seqs` `[B, 3]` int32 (first row, rows, scratch row
+    or -1); after each row but a sequence's last, its slot's state is also written to
+    `saved[scratch_row * num_steps + j]` (`saved` None: nothing kept). The Triton path is one
+    launch (verify_triton.py); the reference steps one row at a time and reads the metas
+    back."""
+    if use_triton(q, "kda"):
+        from glmflash.kernels.kda.verify_triton import kda_verify as impl
+
+        return impl(q, k, v, g, beta, state, rows, seqs, saved, num_steps, out)
+    if out is None:
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    for first, count, scratch_row in seqs.tolist():
+        for j in range(count):
+            row = rows[first + j: first + j + 1]
+            kda_decode(q, k, v, g, beta, state, row, out)
+            if saved is not None and scratch_row >= 0 and j < count - 1:
+                saved[scratch_row * num_steps + j] = state[int(row[0, 1])]
+    return out
+
+
+def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                         rows: torch.Tensor, seqs: torch.Tensor, saved: torch.Tensor | None,
+                         num_steps: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`causal_conv1d_decode` over a verify's rows, as `kda_verify` steps the state."""
+    if use_triton(x, "causal_conv1d", "kda"):
+        from glmflash.kernels.kda.verify_triton import causal_conv1d_verify as impl
+
+        return impl(x, weight, conv_state, rows, seqs, saved, num_steps, out)
+    if out is None:
+        out = torch.empty_like(x)
+    for first, count, scratch_row in seqs.tolist():
+        for j in range(count):
+            tok, slot, fresh = rows[first + j].tolist()
+            meta = torch.tensor([[tok, tok, tok + 1, slot, fresh]], dtype=torch.int32)
+            causal_conv1d_decode(x, weight, conv_state, meta, out)
+            if saved is not None and scratch_row >= 0 and j < count - 1:
+                saved[scratch_row * num_steps + j] = conv_state[slot]
+    return out
+
+
 def kda_gates(f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, b: torch.Tensor,
               lower_bound: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forget-gate log-decay and beta from their projections; see `kda_gates_ref`."""
@@ -103,5 +148,6 @@ def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     return impl(o, gate, weight, eps)
 
 
-__all__ = ["causal_conv1d", "causal_conv1d_decode", "causal_conv1d_ref", "gated_rms_norm",
-           "gated_rms_norm_ref", "kda", "kda_decode", "kda_gates", "kda_gates_ref", "kda_ref"]
+__all__ = ["causal_conv1d", "causal_conv1d_decode", "causal_conv1d_ref", "causal_conv1d_verify",
+           "gated_rms_norm", "gated_rms_norm_ref", "kda", "kda_decode", "kda_gates",
+           "kda_gates_ref", "kda_ref", "kda_verify"]

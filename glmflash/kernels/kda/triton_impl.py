@@ -97,6 +97,27 @@ def kda_decode_kernel(q, k, v, g, beta, state, o, meta, scale, stride_q, stride_
     fresh = tl.load(meta + i_b * 3 + 2)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
+    m_s = (o_k < K)[:, None] & (o_v < V)[None, :]
+    p_s = state + ((slot * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
+    b_s = tl.load(p_s, mask=m_s & (splat(o_k, fresh)[:, None] == 0), other=0.0)  # [BK, BV]
+    b_s = kda_token_step(q, k, v, g, beta, o, b_s, tok, i_h, o_k, o_v, scale, stride_q,
+                         stride_k, stride_v, stride_g, stride_b, stride_o, K, V)
+    tl.store(p_s, b_s, mask=m_s)
+
+
+@jit
+def splat(like, value):
+    """A scalar as a vector shaped `like` (the interpreter rejects scalar & tensor masks)."""
+    return like * 0 + value
+
+
+@jit
+def kda_token_step(q, k, v, g, beta, o, b_s, tok, i_h, o_k, o_v, scale, stride_q, stride_k,
+                   stride_v, stride_g, stride_b, stride_o, K: tl.constexpr, V: tl.constexpr):
+    """Token `tok`'s step of head `i_h` on the state tile `b_s` `[BK, BV]` (value columns
+    `o_v`): l2norm of q and k, per-channel decay, delta-rule update; writes the output columns
+    and returns the new tile. The decode and verify kernels share it, so a verify's states are
+    a decode step's bit for bit."""
     m_k, m_v = o_k < K, o_v < V
     b_q = tl.load(q + tok * stride_q + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_k = tl.load(k + tok * stride_k + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
@@ -105,18 +126,13 @@ def kda_decode_kernel(q, k, v, g, beta, state, o, meta, scale, stride_q, stride_
     b_beta = tl.load(beta + tok * stride_b + i_h).to(tl.float32)
     b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
     b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-    p_s = state + ((slot * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
-    m_s = m_k[:, None] & m_v[None, :]
-    # NOTE: scalar masks are broadcast by hand (the interpreter rejects scalar & tensor).
-    m_old = m_s & ((o_k[:, None] * 0 + fresh) == 0)
-    b_s = tl.load(p_s, mask=m_old, other=0.0)  # [BK, BV]
     b_s = b_s * tl.exp(b_g)[:, None]
     b_read = tl.sum(b_s * b_k[:, None], 0)  # [BV]
     b_delta = b_beta * (b_v - b_read)
     b_s = b_s + b_k[:, None] * b_delta[None, :]
     b_o = tl.sum(b_s * b_q[:, None], 0)
-    tl.store(p_s, b_s, mask=m_s)
     tl.store(o + tok * stride_o + i_h * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+    return b_s
 
 
 def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -192,8 +208,21 @@ def causal_conv1d_kernel(x, weight, conv_state, out, meta, stride_x, stride_o, C
     end = tl.load(meta + i_blk * 5 + 2)
     slot = tl.load(meta + i_blk * 5 + 3).to(tl.int64)
     fresh = tl.load(meta + i_blk * 5 + 4)
-    o_t = t0 + tl.arange(0, BT)
     o_c = i_c * BC + tl.arange(0, BC)
+    conv_block(x, weight, conv_state, out, stride_x, stride_o, C, t0, start, end, slot, fresh,
+               o_c, HIST, BT, BC)
+    if WRITE_STATE:
+        conv_state_update(x, conv_state, stride_x, C, start, end, slot, fresh, o_c, o_c < C,
+                           HIST, HP)
+
+
+@jit
+def conv_block(x, weight, conv_state, out, stride_x, stride_o, C, t0, start, end, slot, fresh,
+               o_c, HIST: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """The outputs of tokens t0 .. t0 + BT - 1 (those before `end`) of the sequence that
+    starts at `start`, over channels `o_c`: inputs before `start` come from the slot's history
+    (zeros if fresh)."""
+    o_t = t0 + tl.arange(0, BT)
     m_c = o_c < C
     m_t = o_t < end
     p_hist = conv_state + (slot * C + o_c) * HIST
@@ -212,15 +241,13 @@ def causal_conv1d_kernel(x, weight, conv_state, out, meta, stride_x, stride_o, C
     b_out = b_acc / (1.0 + tl.exp(-b_acc))
     tl.store(out + o_t.to(tl.int64)[:, None] * stride_o + o_c[None, :],
              b_out.to(out.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
-    if WRITE_STATE:
-        _conv_state_update(x, conv_state, stride_x, C, start, end, slot, fresh, o_c, m_c, HIST,
-                           HP)
 
 
 @jit
-def _conv_state_update(x, conv_state, stride_x, C, start, end, slot, fresh, o_c, m_c,
-                       HIST: tl.constexpr, HP: tl.constexpr):
-    """New history = the last HIST entries of [old history | tokens]; all loads before stores."""
+def conv_state_update(x, conv_state, stride_x, C, start, end, slot, fresh, o_c, m_c,
+                      HIST: tl.constexpr, HP: tl.constexpr):
+    """New history = the last HIST entries of [old history | tokens]; all loads before stores.
+    Returns it `[BC, HP]` (columns past HIST are padding)."""
     o_j = tl.arange(0, HP)
     m_j = o_j < HIST
     pos = end - HIST + o_j  # [HP] absolute token index of each new column
@@ -233,6 +260,7 @@ def _conv_state_update(x, conv_state, stride_x, C, start, end, slot, fresh, o_c,
     b_h = tl.load(p_hist + hcol[None, :], mask=m_h, other=0.0)
     b_new = tl.where(in_seq[None, :], b_x.to(conv_state.dtype.element_ty), b_h)
     tl.store(p_hist + o_j[None, :], b_new, mask=m_c[:, None] & m_j[None, :])
+    return b_new
 
 
 @jit
@@ -244,7 +272,7 @@ def causal_conv1d_state_kernel(x, conv_state, meta, stride_x, C, HIST: tl.conste
     slot = tl.load(meta + i_n * 4 + 2).to(tl.int64)
     fresh = tl.load(meta + i_n * 4 + 3)
     o_c = i_c * BC + tl.arange(0, BC)
-    _conv_state_update(x, conv_state, stride_x, C, start, end, slot, fresh, o_c, o_c < C, HIST,
+    conv_state_update(x, conv_state, stride_x, C, start, end, slot, fresh, o_c, o_c < C, HIST,
                        HP)
 
 
