@@ -7,12 +7,22 @@ and the indexer's raw tail. Who owns which slot is decided outside (the engine's
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
 
 from glmflash.config import MLA, ModelConfig
 
 
 class ModelState:
+    """The cache tensors of every layer. The fixed-size states of each kind (recurrent, conv,
+    index_tail) are views into one block per kind, `[layers, state slots, ...]` (`blocks`), so
+    a copy of one slot's state across every layer of a kind is one launch (the speculative
+    commit, model/verify.py)."""
+
+    STATE_KINDS = ("recurrent", "conv", "index_tail")
+
     def __init__(self, config: ModelConfig, *, num_token_slots: int, num_state_slots: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
         kpool = config.index_kpool
@@ -20,12 +30,8 @@ class ModelState:
             raise ValueError(f"num_token_slots {num_token_slots} must be a multiple of {kpool}")
         self.num_token_slots = num_token_slots
         self.num_state_slots = num_state_slots
-        conv_channels = 3 * config.linear_dim
         self.latent: dict[int, torch.Tensor] = {}
         self.pool_keys: dict[int, torch.Tensor] = {}
-        self.index_tail: dict[int, torch.Tensor] = {}
-        self.recurrent: dict[int, torch.Tensor] = {}
-        self.conv: dict[int, torch.Tensor] = {}
         for i, kind in enumerate(config.layer_types):
             if kind == MLA:
                 self.latent[i] = torch.zeros(num_token_slots, config.kv_lora_rank, dtype=dtype,
@@ -33,31 +39,52 @@ class ModelState:
                 if config.indexer_types[i] == "full":
                     self.pool_keys[i] = torch.zeros(num_token_slots // kpool, config.index_head_dim,
                                                     dtype=dtype, device=device)
-                    self.index_tail[i] = torch.zeros(num_state_slots, kpool - 1,
-                                                      2 * config.index_head_dim, dtype=dtype,
-                                                      device=device)
-            else:
-                d = config.linear_head_dim
-                self.recurrent[i] = torch.zeros(num_state_slots, config.linear_num_heads, d, d,
-                                                dtype=torch.float32, device=device)
-                self.conv[i] = torch.zeros(num_state_slots, conv_channels,
-                                           config.linear_conv_kernel_dim - 1, dtype=dtype,
-                                           device=device)
+        self.blocks: dict[str, StateBlock] = {
+            kind: StateBlock.allocate(layers, num_state_slots, shape, dtype_, device)
+            for kind, (layers, shape, dtype_) in state_rows(config, dtype).items()}
+        self.recurrent = self.blocks["recurrent"].views
+        self.conv = self.blocks["conv"].views
+        self.index_tail = self.blocks["index_tail"].views
+
+
+class StateBlock(NamedTuple):
+    """One kind's fixed-size state of every layer that has it: `block` `[len(layers), rows,
+    ...]` and `views[layer]` = `block[k]` for the k-th of `layers`."""
+
+    block: torch.Tensor
+    layers: list[int]
+    views: dict[int, torch.Tensor]
+
+    @staticmethod
+    def allocate(layers: list[int], rows: tuple[int, ...] | int, shape: tuple[int, ...],
+                 dtype: torch.dtype, device: torch.device | str) -> StateBlock:
+        rows = (rows,) if isinstance(rows, int) else rows
+        block = torch.zeros(len(layers), *rows, *shape, dtype=dtype, device=device)
+        return StateBlock(block, list(layers), {i: block[k] for k, i in enumerate(layers)})
+
+
+def state_rows(config: ModelConfig, dtype: torch.dtype
+               ) -> dict[str, tuple[list[int], tuple[int, ...], torch.dtype]]:
+    """Per fixed-size state kind: (its layers, the shape of one slot's row, its dtype)."""
+    d, heads, kpool = config.linear_head_dim, config.linear_num_heads, config.index_kpool
+    kda = [i for i, kind in enumerate(config.layer_types) if kind != MLA]
+    tails = [i for i, kind in enumerate(config.layer_types)
+             if kind == MLA and config.indexer_types[i] == "full"]
+    return {"recurrent": (kda, (heads, d, d), torch.float32),
+            "conv": (kda, (3 * config.linear_dim, config.linear_conv_kernel_dim - 1), dtype),
+            "index_tail": (tails, (kpool - 1, 2 * config.index_head_dim), dtype)}
 
 
 def cache_bytes(config: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
     """(bytes per token slot, bytes per state slot) of a ModelState, from the config alone."""
     item = torch.empty(0, dtype=dtype).element_size()
-    per_token = per_slot = 0
+    per_token = 0
     for i, kind in enumerate(config.layer_types):
         if kind == MLA:
             per_token += config.kv_lora_rank * item
             if config.indexer_types[i] == "full":
-                # One pooled key per kpool token slots, plus the raw tail per sequence.
+                # One pooled key per kpool token slots (the raw tail is per sequence).
                 per_token += -(-config.index_head_dim * item // config.index_kpool)
-                per_slot += (config.index_kpool - 1) * 2 * config.index_head_dim * item
-        else:
-            d = config.linear_head_dim
-            per_slot += config.linear_num_heads * d * d * 4
-            per_slot += 3 * config.linear_dim * (config.linear_conv_kernel_dim - 1) * item
+    per_slot = sum(len(layers) * math.prod(shape) * torch.empty(0, dtype=kind_dtype).element_size()
+                   for layers, shape, kind_dtype in state_rows(config, dtype).values())
     return per_token, per_slot

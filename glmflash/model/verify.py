@@ -26,12 +26,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from glmflash.config import MLA, ModelConfig
+from glmflash.config import ModelConfig
 from glmflash.kernels.indexer import indexer_write_decode
 from glmflash.kernels.kda import causal_conv1d_verify, kda_verify
 from glmflash.kernels.row_copy import copy_rows
 from glmflash.model.forward_batch import DECODE_WIDTH, ForwardBatch, decode_batch, pack_decode
-from glmflash.model.state import ModelState
+from glmflash.model.state import ModelState, StateBlock
 from glmflash.utils.device import upload
 
 
@@ -52,17 +52,30 @@ class VerifyPosition:
 
 
 class VerifyScratch:
-    """Per state-carrying layer, the state after each draft position but the last:
-    `[rows, num_steps, ...]` (rows: sequences verified together, num_steps: drafts)."""
+    """Per state-carrying layer of the main model (not the MTP layer's tail), the state after
+    each draft position but the last: `[rows, num_steps, ...]` (rows: sequences verified
+    together, num_steps: drafts), views into one block per kind as ModelState keeps its own."""
 
     def __init__(self, config: ModelConfig, state: ModelState, num_rows: int,
                  num_steps: int) -> None:
         self.num_rows, self.num_steps = num_rows, num_steps
-        self.recurrent = {i: _scratch(t, num_rows, num_steps) for i, t in state.recurrent.items()}
-        self.conv = {i: _scratch(t, num_rows, num_steps) for i, t in state.conv.items()}
-        self.index_tail = {i: _scratch(state.index_tail[i], num_rows, num_steps)
-                           for i, kind in enumerate(config.layer_types)
-                           if kind == MLA and i in state.index_tail}
+        self.blocks: dict[str, StateBlock] = {}
+        # Per kind, `[layers, 1]` row offsets of each kept layer in the scratch block and in
+        # the live block (whose layers may include the MTP layer's tail).
+        self._offsets: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for kind in ModelState.STATE_KINDS:
+            live = state.blocks[kind]
+            layers = [i for i in live.layers if i < len(config.layer_types)]
+            self.blocks[kind] = StateBlock.allocate(layers, (num_rows, num_steps),
+                                                    tuple(live.block.shape[2:]),
+                                                    live.block.dtype, live.block.device)
+            offsets = [[k * num_rows * num_steps, live.layers.index(i) * state.num_state_slots]
+                       for k, i in enumerate(layers)]
+            offsets = torch.tensor(offsets or [[0, 0]], device=live.block.device)
+            self._offsets[kind] = (offsets[:, :1].contiguous(), offsets[:, 1:].contiguous())
+        self.recurrent = self.blocks["recurrent"].views
+        self.conv = self.blocks["conv"].views
+        self.index_tail = self.blocks["index_tail"].views
 
     def save(self, kind: str, layer: int, live: torch.Tensor, at: VerifyPosition,
              step: int) -> None:
@@ -72,12 +85,19 @@ class VerifyScratch:
             copy_rows(live, at.save_slots, _rows(getattr(self, kind)[layer]), at.save_rows,
                       dst_scale=self.num_steps, dst_offset=step)
 
-    def layers(self, state: ModelState):
-        """(live state, its scratch copies `[rows * num_steps, ...]`) of every kept layer."""
-        for live, saved in ((state.recurrent, self.recurrent), (state.conv, self.conv),
-                            (state.index_tail, self.index_tail)):
-            for layer, copies in saved.items():
-                yield live[layer], _rows(copies)
+    def put_back(self, state: ModelState, slots: torch.Tensor, sources: torch.Tensor) -> None:
+        """Slot `slots[b]` of every kept layer takes scratch row `sources[b]` (`[rows *
+        num_steps]` numbering; -1: left as it is): one copy launch per kind, over all its
+        layers at once (device tensors in, nothing read on the host)."""
+        for kind, saved in self.blocks.items():
+            if not saved.layers:
+                continue
+            live, (saved_offsets, live_offsets) = state.blocks[kind], self._offsets[kind]
+            src = torch.where(sources >= 0, saved_offsets + sources, -1)
+            dst = live_offsets + slots
+            row = live.block.shape[2:]
+            copy_rows(saved.block.view(-1, *row), src.view(-1), live.block.view(-1, *row),
+                      dst.view(-1))
 
 
 def scratch_bytes(config: ModelConfig, num_rows: int, num_steps: int, dtype: torch.dtype) -> int:
@@ -91,10 +111,6 @@ def scratch_bytes(config: ModelConfig, num_rows: int, num_steps: int, dtype: tor
 def _rows(copies: torch.Tensor) -> torch.Tensor:
     """A scratch tensor `[rows, steps, ...]` as `[rows * steps, ...]`, a view (writes land)."""
     return copies.view(-1, *copies.shape[2:])
-
-
-def _scratch(live: torch.Tensor, num_rows: int, num_steps: int) -> torch.Tensor:
-    return torch.zeros(num_rows, num_steps, *live.shape[1:], dtype=live.dtype, device=live.device)
 
 
 @dataclass(slots=True)
@@ -205,8 +221,7 @@ def commit(state: ModelState, scratch: VerifyScratch, state_slots: list[int],
     device = next(iter(state.latent.values())).device
     slots, rows, steps = np.asarray(picks, np.int64).T
     slots, sources = upload(np.stack([slots, rows * scratch.num_steps + steps]), device)
-    for live, copies in scratch.layers(state):
-        copy_rows(copies, sources, live, slots)
+    scratch.put_back(state, slots, sources)
 
 
 def commit_on_device(state: ModelState, scratch: VerifyScratch, state_slots: torch.Tensor,
@@ -217,8 +232,7 @@ def commit_on_device(state: ModelState, scratch: VerifyScratch, state_slots: tor
     rows = torch.arange(state_slots.shape[0], device=state_slots.device)
     steps = torch.minimum(num_accepted, num_drafts - 1).clamp(min=0)
     sources = torch.where(num_accepted < num_drafts, rows * scratch.num_steps + steps, -1)
-    for live, copies in scratch.layers(state):
-        copy_rows(copies, sources, live, state_slots)
+    scratch.put_back(state, state_slots, sources)
 
 
 def verify_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,

@@ -175,21 +175,29 @@ def test_mtp_logits_incremental_equal_one_forward(model):
 
 def test_commit_on_device_takes_the_accepted_copy_unless_all_drafts_were():
     """Per sequence: fewer accepted than its drafts -> the scratch copy of that position; all
-    accepted, or no drafts at all -> the slot as it is."""
+    accepted, or no drafts at all -> the slot as it is. Each layer takes its own copies (one
+    launch per kind covers every layer), and the MTP layer's tail, which the scratch does not
+    keep, is left alone."""
     config = load_tiny(TRAINED).config
-    state = ModelState(config, num_token_slots=64, num_state_slots=4, dtype=torch.float32,
-                       device="cpu")
+    state = ModelState(with_mtp_layer(config), num_token_slots=64, num_state_slots=4,
+                       dtype=torch.float32, device="cpu")
     scratch = VerifyScratch(config, state, 4, 2)
+    mtp_layer = len(config.layer_types)
+    assert mtp_layer in state.index_tail and mtp_layer not in scratch.index_tail
     for live, saved in ((state.recurrent, scratch.recurrent), (state.conv, scratch.conv),
                         (state.index_tail, scratch.index_tail)):
         for layer, t in live.items():
-            t.copy_(torch.arange(t.shape[0], dtype=t.dtype).view(-1, *[1] * (t.dim() - 1)))
-            saved[layer].copy_(100 + torch.arange(8, dtype=t.dtype).view(
-                4, 2, *[1] * (t.dim() - 1)))
+            t.copy_(1000 * layer + torch.arange(t.shape[0], dtype=t.dtype).view(
+                -1, *[1] * (t.dim() - 1)))
+            if layer in saved:
+                saved[layer].copy_(1000 * layer + 100 + torch.arange(8, dtype=t.dtype).view(
+                    4, 2, *[1] * (t.dim() - 1)))
     slots = torch.tensor([3, 2, 1, 0])
     accepted, drafts = torch.tensor([0, 1, 2, 0]), torch.tensor([2, 2, 2, 0])
     commit_on_device(state, scratch, slots, accepted, drafts)
     # slot 3 <- row 0 step 0 (100); slot 2 <- row 1 step 1 (103); slots 1, 0 unchanged.
     for live in (state.recurrent, state.conv, state.index_tail):
-        for t in live.values():
-            assert [float(t[i].flatten()[0]) for i in range(4)] == [0.0, 1.0, 103.0, 100.0]
+        for layer, t in live.items():
+            got = [float(t[i].flatten()[0]) - 1000 * layer for i in range(4)]
+            assert got == ([0.0, 1.0, 2.0, 3.0] if layer == mtp_layer else
+                           [0.0, 1.0, 103.0, 100.0]), f"layer {layer}"
