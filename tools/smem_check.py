@@ -305,10 +305,12 @@ def indexer_launches() -> list[Launch]:
     out += [Launch(f"indexer top-k write ({warps} warps)", indexer_topk.topk_write_kernel, topk,
                    consts, warps) for warps in (config.num_warps, config.few_programs_warps)]
     write = {"keys": "*bf16", "gates": "*bf16", "ape": "*bf16", "pool_keys": "*bf16",
-             "tail": "*bf16", "page_table": "*i32", "slots": "*i64", "positions": "*i64",
-             "token_rows": "*i64"}
+             "tail": "*bf16", "page_table": "*i32", "slots": "*i64", "positions": "*i64"}
     out.append(Launch("indexer write decode", indexer_write.indexer_write_decode_kernel, write,
-                      dict(KPOOL=4, KP=4, PAGE=64, BD=128, HAS_TOKEN_ROWS=True), 1,
+                      dict(KPOOL=4, KP=4, PAGE=64, BD=128), 1, aligned=("D",)))
+    out.append(Launch("indexer write verify", indexer_write.indexer_write_verify_kernel,
+                      {**write, "saved": "*bf16", "seqs": "*i32"},
+                      dict(KPOOL=4, KP=4, PAGE=64, BD=128, BTAIL=1024, SAVE=True), 1,
                       aligned=("D",)))
     scores = {"x": "*bf16", "w": "*bf16", "scores": "*fp32"}
     for tokens in (1, 64):

@@ -69,8 +69,8 @@ def capture_verify(spec: SpecRunner, packed_host: np.ndarray, size: int, width: 
     num_tokens = [rows_per_seq] * size
 
     def forward() -> tuple[torch.Tensor, torch.Tensor]:
-        batch = verify_batch(packed, num_tokens, True, runner.page_table, runner.page_size,
-                             width, spec.scratch)
+        batch = verify_batch(packed, num_tokens, runner.page_table, runner.page_size, width,
+                             spec.scratch)
         hidden = runner.model.hidden_states(batch, runner.state)
         return hidden, runner.model.logits(hidden)
 
@@ -87,8 +87,8 @@ def capture_draft(spec: SpecRunner, packed: torch.Tensor, verify: CapturedVerify
     num_tokens = [rows_per_seq] * size
 
     def forward() -> tuple[torch.Tensor, torch.Tensor]:
-        batch = verify_batch(packed, num_tokens, False, runner.page_table, runner.page_size,
-                             width, None)
+        batch = verify_batch(packed, num_tokens, runner.page_table, runner.page_size, width,
+                             None)
         embeds = runner.model.text.embed_tokens(batch.input_ids)
         out = spec.mtp.layer.hidden(verify.hidden, embeds, batch, runner.state)
         return out, spec.mtp.logits(runner.model, out).argmax(dim=-1)
@@ -109,10 +109,9 @@ def capture_accept(spec: SpecRunner, verify: CapturedVerify, draft_inputs: torch
     num_tokens, page = [rows_per_seq] * size, runner.page_size
 
     def forward() -> tuple[torch.Tensor]:
-        batch = verify_batch(verify.packed, num_tokens, True, runner.page_table, page, width,
+        batch = verify_batch(verify.packed, num_tokens, runner.page_table, page, width,
                              spec.scratch)
-        draft = verify_batch(draft_inputs, num_tokens, False, runner.page_table, page, width,
-                             None)
+        draft = verify_batch(draft_inputs, num_tokens, runner.page_table, page, width, None)
         targets = verify.logits.argmax(dim=-1).view(size, rows_per_seq)
         drafts = batch.input_ids.view(size, rows_per_seq)[:, 1:]
         # Leading drafts equal to the argmax: positions before the first mismatch.
@@ -134,11 +133,6 @@ def capture_accept(spec: SpecRunner, verify: CapturedVerify, draft_inputs: torch
         draft.input_ids.copy_(targets.view(-1))
         for dest, real, pad in fields:
             dest.copy_(torch.where(valid, real.view(size, rows_per_seq), pad).view(-1))
-        positions = draft.decode.positions.view(size, rows_per_seq)
-        state_slots = draft.decode.state_slots.view(size, rows_per_seq)
-        for step, at in enumerate(draft.verify.steps):
-            at.positions.copy_(positions[:, step])
-            at.state_slots.copy_(state_slots[:, step])
         return (torch.cat([targets, accepted[:, None]], dim=1),)
 
     graph, (result,) = record(forward, pool, runner.device)

@@ -148,7 +148,7 @@ class SpecRunner(DraftGraphMixin):
                               captured.logits.index_select(0, index), cu)
         runner = self.runner
         fb = verify_batch(upload(pack_verify(rows, save=True), runner.device), rows.num_tokens,
-                          True, runner.page_table, runner.page_size,
+                          runner.page_table, runner.page_size,
                           runner.pool_width(rows.num_pools), self.scratch)
         hidden = self.model.hidden_states(fb, self.state)
         return MainOutput(hidden, self.model.logits(hidden), cu)

@@ -63,7 +63,7 @@ class Indexer(nn.Module):
         ape = self.index_kpool_compress_ape
         if batch.verify is not None:
             verify_indexer_write(keys, gates, ape, pool_keys, tail, batch.page_table,
-                                 batch.verify, self.layer_idx, page_size=batch.page_size)
+                                 batch, self.layer_idx, page_size=batch.page_size)
             return
         if batch.decode is not None:
             indexer_write_decode(keys, gates, ape, pool_keys, tail, batch.page_table,

@@ -8,9 +8,9 @@ its own position. The three per-sequence states that a token advances - the KDA 
 state, the short-conv window and the indexer's pending tail - are advanced one draft position
 at a time with the decode kernels' own steps (so each position's state is exactly what a decode
 step would have made), in place in the sequence's state slot, and after every position but a
-sequence's last a copy goes to a scratch row: the KDA state and conv window by one launch per
-layer over all positions (kernels/kda/verify_triton.py), the indexer tail by a decode launch
-and a copy per position. `commit` then puts back the copy of the accepted position, or leaves
+sequence's last a copy goes to a scratch row, by one launch per layer and state over all
+positions (kernels/kda/verify_triton.py, kernels/indexer/write_triton.py). `commit` then puts
+back the copy of the accepted position, one launch per kind of state over all layers, or leaves
 the slot as it is when every draft was accepted: nothing is recomputed. MLA
 latents and pooled indexer keys of rejected tokens sit past the sequence's committed length,
 where nothing reads them before the next tokens overwrite them. The batch's inputs are views of
@@ -27,28 +27,12 @@ import numpy as np
 import torch
 
 from glmflash.config import ModelConfig
-from glmflash.kernels.indexer import indexer_write_decode
+from glmflash.kernels.indexer import indexer_write_verify
 from glmflash.kernels.kda import causal_conv1d_verify, kda_verify
 from glmflash.kernels.row_copy import copy_rows
 from glmflash.model.forward_batch import DECODE_WIDTH, ForwardBatch, decode_batch, pack_decode
 from glmflash.model.state import ModelState, StateBlock
 from glmflash.utils.device import upload
-
-
-@dataclass(slots=True)
-class VerifyPosition:
-    """The sequences that have a token at draft position j (0: the last accepted token)."""
-
-    token_rows: torch.Tensor
-    """`[n]` int64 rows of the forward's tokens at position j."""
-    state_slots: torch.Tensor
-    """`[n]` int64 state slots (page-table rows) of their sequences."""
-    positions: torch.Tensor
-    """`[n]` int64 positions of those tokens in their sequences."""
-    save_slots: torch.Tensor
-    """`[m]` int64 slots whose state after position j is kept (sequences with more tokens)."""
-    save_rows: torch.Tensor
-    """`[m]` int64 their scratch rows (batch rows of the verify)."""
 
 
 class VerifyScratch:
@@ -76,14 +60,6 @@ class VerifyScratch:
         self.recurrent = self.blocks["recurrent"].views
         self.conv = self.blocks["conv"].views
         self.index_tail = self.blocks["index_tail"].views
-
-    def save(self, kind: str, layer: int, live: torch.Tensor, at: VerifyPosition,
-             step: int) -> None:
-        """Keep `live`'s state of the sequences `at` saves (kind: recurrent, conv, index_tail)."""
-        if at.save_rows.numel():
-            assert 0 <= step < self.num_steps, f"draft position {step} has no scratch row"
-            copy_rows(live, at.save_slots, _rows(getattr(self, kind)[layer]), at.save_rows,
-                      dst_scale=self.num_steps, dst_offset=step)
 
     def put_back(self, state: ModelState, slots: torch.Tensor, sources: torch.Tensor) -> None:
         """Slot `slots[b]` of every kept layer takes scratch row `sources[b]` (`[rows *
@@ -117,7 +93,6 @@ def _rows(copies: torch.Tensor) -> torch.Tensor:
 class VerifyInputs:
     """What the layers of a verify forward read (`ForwardBatch.verify`)."""
 
-    steps: list[VerifyPosition]
     num_tokens: list[int]
     """Rows of each sequence (back to back in the batch)."""
     rows: torch.Tensor
@@ -156,56 +131,32 @@ def verify_rows(ids: list[list[int]], token_slots: list[list[int]], starts: list
                           [0] * len(positions), [len(seq) for seq in ids], num_pools)
 
 
-def group_sizes(num_tokens: list[int], save: bool) -> list[tuple[int, int]]:
-    """Per draft position j: the sequences with a row there, and those whose state after it is
-    kept (they have a row after it; none without `save`)."""
-    return [(sum(n > j for n in num_tokens), sum(n > j + 1 for n in num_tokens) if save else 0)
-            for j in range(max(num_tokens, default=0))]
-
-
 def pack_verify(rows: VerifyHostRows, save: bool) -> np.ndarray:
-    """The verify batch's device words: the rows as `pack_decode` lays out decodes, then per
-    draft position j the int64 words (token rows, state slots, positions, saved slots, their
-    scratch rows), then the int32 (first row, rows, scratch row or -1) of every sequence, as
+    """The verify batch's device words: the rows as `pack_decode` lays out decodes, then the
+    int32 (first row, rows, scratch row or -1 without `save`) of every sequence, as
     `verify_batch` reads them."""
     num = len(rows.input_ids)
     flat = pack_decode(rows.input_ids, rows.token_slots, rows.positions, rows.state_slots,
                        rows.fresh)
+    assert flat.size == DECODE_WIDTH * num
     starts = np.cumsum([0, *rows.num_tokens])[:-1]
-    lengths = np.asarray(rows.num_tokens, np.int64)
-    slots, positions = (np.asarray(v, np.int64) for v in (rows.state_slots, rows.positions))
-    parts = [flat]
-    for j, _ in enumerate(group_sizes(rows.num_tokens, save)):
-        seqs = np.flatnonzero(lengths > j)
-        saved = np.flatnonzero(lengths > j + 1) if save else np.zeros(0, np.int64)
-        token_rows = starts[seqs] + j
-        parts += [token_rows, slots[token_rows], positions[token_rows], slots[starts[saved] + j],
-                  saved.astype(np.int64)]
-    scratch_rows = np.arange(len(lengths)) if save else np.full(len(lengths), -1)
-    seq_words = np.stack([starts, lengths, scratch_rows], 1).reshape(-1).astype(np.int32)
+    count = len(rows.num_tokens)
+    scratch_rows = np.arange(count) if save else np.full(count, -1)
+    seq_words = np.stack([starts, rows.num_tokens, scratch_rows], 1).reshape(-1).astype(np.int32)
     # Whole int64 words: an odd count of int32 gets one unread zero.
-    parts.append(np.pad(seq_words, (0, seq_words.size % 2)).view(np.int64))
-    assert parts[0].size == DECODE_WIDTH * num
-    return np.concatenate(parts)
+    return np.concatenate([flat, np.pad(seq_words, (0, seq_words.size % 2)).view(np.int64)])
 
 
-def verify_batch(packed: torch.Tensor, num_tokens: list[int], save: bool,
-                 page_table: torch.Tensor, page_size: int, max_pools: int,
-                 scratch: VerifyScratch | None) -> ForwardBatch:
+def verify_batch(packed: torch.Tensor, num_tokens: list[int], page_table: torch.Tensor,
+                 page_size: int, max_pools: int, scratch: VerifyScratch | None) -> ForwardBatch:
     """The ForwardBatch of a verify whose inputs are views of `packed` (device, from
     `pack_verify`): every row is a decode (its own position, selection and page-table row), and
-    the fixed-size state advances one draft position at a time (`VerifyInputs`). Writing new
-    values into `packed` changes the batch in place (a CUDA graph replays it)."""
-    num = sum(num_tokens)
+    each sequence's fixed-size state advances over its rows in order (`VerifyInputs`). Writing
+    new values into `packed` changes the batch in place (a CUDA graph replays it)."""
+    num, num_seqs = sum(num_tokens), len(num_tokens)
     batch = decode_batch(packed[: DECODE_WIDTH * num], page_table, page_size, max_pools)
-    offset, steps = DECODE_WIDTH * num, []
-    for n, m in group_sizes(num_tokens, save):
-        sizes = [n, n, n, m, m]
-        steps.append(VerifyPosition(*packed[offset: offset + sum(sizes)].split(sizes)))
-        offset += sum(sizes)
-    num_seqs = len(num_tokens)
-    seqs = packed[offset: offset + (3 * num_seqs + 1) // 2].view(torch.int32)
-    batch.verify = VerifyInputs(steps, list(num_tokens), batch.decode.kda_meta,
+    seqs = packed[DECODE_WIDTH * num:][: (3 * num_seqs + 1) // 2].view(torch.int32)
+    batch.verify = VerifyInputs(list(num_tokens), batch.decode.kda_meta,
                                 seqs[: 3 * num_seqs].view(num_seqs, 3), scratch)
     return batch
 
@@ -257,17 +208,13 @@ def verify_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 
 def verify_indexer_write(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor,
                          pool_keys: torch.Tensor, tail: torch.Tensor, page_table: torch.Tensor,
-                         verify: VerifyInputs, layer: int, *, page_size: int) -> None:
-    """`indexer_write_decode` position by position, each reading its position's rows of the
-    whole forward (pools completed by a draft are written; a rejected one is never read before
-    the real tokens rewrite it)."""
-    for j, at in enumerate(verify.steps):
-        indexer_write_decode(keys, gates, ape, pool_keys, tail, page_table, at.state_slots,
-                             at.positions, page_size=page_size, token_rows=at.token_rows)
-        _keep(verify, 'index_tail', layer, tail, at, j)
-
-
-def _keep(verify: VerifyInputs, kind: str, layer: int, live: torch.Tensor, at: VerifyPosition,
-          step: int) -> None:
-    if verify.scratch is not None:
-        verify.scratch.save(kind, layer, live, at, step)
+                         batch: ForwardBatch, layer: int, *, page_size: int) -> None:
+    """The indexer's decode write over every row, each sequence's rows in order (pools
+    completed by a draft are written; a rejected one is never read before the real tokens
+    rewrite it), the tail after each but a sequence's last kept in the scratch."""
+    verify = batch.verify
+    saved = _rows(verify.scratch.index_tail[layer]) if verify.scratch else None
+    num_steps = verify.scratch.num_steps if verify.scratch else 0
+    indexer_write_verify(keys, gates, ape, pool_keys, tail, page_table, batch.decode.state_slots,
+                         batch.decode.positions, verify.seqs, saved, num_steps,
+                         page_size=page_size)

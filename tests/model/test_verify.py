@@ -60,10 +60,9 @@ def _state_copy(state: ModelState) -> dict:
 
 class Recorder:
     """The verify's calls of the three state kernels, with their inputs (the whole forward's
-    rows; the KDA and conv calls cover every position, the indexer's one position each, named
-    by `token_rows`)."""
+    rows: each call covers every position)."""
 
-    STATE_ARG = {"kda_verify": 5, "causal_conv1d_verify": 2, "indexer_write_decode": 4}
+    STATE_ARG = {"kda_verify": 5, "causal_conv1d_verify": 2, "indexer_write_verify": 4}
 
     def __init__(self, monkeypatch, state: ModelState) -> None:
         self.calls = []
@@ -84,31 +83,23 @@ class Recorder:
 
 def _one_token_steps(calls, ref: dict, table: torch.Tensor, num_positions: int,
                      kpool: int) -> None:
-    """Replay the recorded per-token inputs of the first `num_positions` positions, one token
-    per step, through the varlen entry points (as a prefill of one token would run them)."""
-    seen: dict[tuple[str, int], int] = {}
-    for name, layer, args, kwargs in calls:
-        if name == "kda_verify":  # the whole verify's rows; one sequence, rows in order
-            for tok in args[6][:num_positions, 0].tolist():
-                q, k, v, g, beta = (t[[tok]] for t in args[:5])
+    """Replay the recorded per-token inputs of the first `num_positions` positions (one
+    sequence: rows 0, 1, ...), one token per step, through the varlen entry points (as a
+    prefill of one token would run them)."""
+    for name, layer, args, _ in calls:
+        for row in range(num_positions):
+            if name == "kda_verify":
+                q, k, v, g, beta = (t[[row]] for t in args[:5])
                 kda(q, k, v, g, beta, ref["recurrent"][layer], [0, 1], [0], [False])
-            continue
-        if name == "causal_conv1d_verify":
-            for tok in args[3][:num_positions, 0].tolist():
-                causal_conv1d(args[0][[tok]], args[1], ref["conv"][layer], [0, 1], [0], [False])
-            continue
-        position = seen.get((name, layer), 0)
-        seen[(name, layer)] = position + 1
-        if position >= num_positions:
-            continue
-        keys, gates, ape = args[:3]
-        rows = kwargs["token_rows"].tolist()
-        keys, gates = keys[rows], gates[rows]
-        pos = int(args[7][0])
-        plan = write_plan([0, 1], [pos], [0], ref["index_tail"][layer].shape[0], kpool,
-                          keys.device)
-        indexer_write(keys, gates, ape, ref["pool_keys"][layer], ref["index_tail"][layer],
-                      table, plan, page_size=PAGE)
+            elif name == "causal_conv1d_verify":
+                causal_conv1d(args[0][[row]], args[1], ref["conv"][layer], [0, 1], [0], [False])
+            else:
+                keys, gates, ape = args[0][[row]], args[1][[row]], args[2]
+                pos = int(args[7][row])
+                plan = write_plan([0, 1], [pos], [0], ref["index_tail"][layer].shape[0], kpool,
+                                  keys.device)
+                indexer_write(keys, gates, ape, ref["pool_keys"][layer],
+                              ref["index_tail"][layer], table, plan, page_size=PAGE)
 
 
 def test_committed_state_equals_one_token_steps_bit_for_bit(model, monkeypatch):
@@ -125,8 +116,8 @@ def test_committed_state_equals_one_token_steps_bit_for_bit(model, monkeypatch):
     slots = token_slots_of(table[0].tolist(), cached, len(tokens), PAGE).tolist()
     num_pools = (cached + len(tokens)) // config.index_kpool
     rows = verify_rows([tokens], [slots], [cached], [0], num_pools)
-    fb = verify_batch(torch.from_numpy(pack_verify(rows, save=True)), rows.num_tokens, True,
-                      table, PAGE, num_pools, scratch)
+    fb = verify_batch(torch.from_numpy(pack_verify(rows, save=True)), rows.num_tokens, table,
+                      PAGE, num_pools, scratch)
     model(fb, state)
     after = _state_copy(state)
     for accepted in range(NUM_DRAFTS + 1):

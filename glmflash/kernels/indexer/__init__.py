@@ -35,15 +35,37 @@ indexer_write = indexer_write_ref
 
 def indexer_write_decode(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor,
                          pool_keys: torch.Tensor, tail: torch.Tensor, page_table: torch.Tensor,
-                         rows: torch.Tensor, positions: torch.Tensor, *, page_size: int,
-                         token_rows: torch.Tensor | None = None) -> None:
+                         rows: torch.Tensor, positions: torch.Tensor, *, page_size: int) -> None:
     """One new token per sequence into the pooled keys or the tail; see
     `ref.indexer_write_decode` (write_triton.py: the same in one launch)."""
     impl = decode_write_ref
     if use_triton(keys, "indexer_write", "indexer"):
         from glmflash.kernels.indexer.write_triton import indexer_write_decode as impl
-    impl(keys, gates, ape, pool_keys, tail, page_table, rows, positions, page_size=page_size,
-         token_rows=token_rows)
+    impl(keys, gates, ape, pool_keys, tail, page_table, rows, positions, page_size=page_size)
+
+
+def indexer_write_verify(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor,
+                         pool_keys: torch.Tensor, tail: torch.Tensor, page_table: torch.Tensor,
+                         slots: torch.Tensor, positions: torch.Tensor, seqs: torch.Tensor,
+                         saved: torch.Tensor | None, num_steps: int, *, page_size: int) -> None:
+    """`indexer_write_decode` over a speculative verify's rows (row r: keys / gates row r, slot
+    `slots[r]`, position `positions[r]`), each sequence's rows in order (`seqs` `[B, 3]` int32:
+    first row, rows, scratch row or -1); after each row but a sequence's last its tail is also
+    written to `saved[scratch_row * num_steps + j]` (None: nothing kept). The Triton path is
+    one launch (write_triton.py); the reference writes one row at a time."""
+    if use_triton(keys, "indexer_write", "indexer"):
+        from glmflash.kernels.indexer.write_triton import indexer_write_verify as impl
+
+        impl(keys, gates, ape, pool_keys, tail, page_table, slots, positions, seqs, saved,
+             num_steps, page_size=page_size)
+        return
+    for first, count, scratch_row in seqs.tolist():
+        for j in range(count):
+            row = slice(first + j, first + j + 1)
+            decode_write_ref(keys[row], gates[row], ape, pool_keys, tail, page_table, slots[row],
+                             positions[row], page_size=page_size)
+            if saved is not None and scratch_row >= 0 and j < count - 1:
+                saved[scratch_row * num_steps + j] = tail[int(slots[first + j])]
 
 
 def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor,
@@ -61,4 +83,4 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
 
 __all__ = ["SelectPlan", "SelectTiling", "WritePlan", "compress_pools", "decode_select_plan",
            "indexer_select", "indexer_select_ref", "indexer_write", "indexer_write_decode",
-           "indexer_write_ref", "select_plan", "write_plan"]
+           "indexer_write_ref", "indexer_write_verify", "select_plan", "write_plan"]

@@ -93,19 +93,16 @@ def indexer_write_ref(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor
 
 def indexer_write_decode(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor,
                          pool_keys: torch.Tensor, tail: torch.Tensor, page_table: torch.Tensor,
-                         rows: torch.Tensor, positions: torch.Tensor, *, page_size: int,
-                         token_rows: torch.Tensor | None = None) -> None:
-    """`indexer_write_ref` for one new token per sequence, with the rows and positions on the
-    device (fixed shapes, nothing read on the host: a CUDA graph can replay it). The tokens are
-    rows `token_rows` of keys / gates (all of them, in order, by default).
+                         rows: torch.Tensor, positions: torch.Tensor, *, page_size: int) -> None:
+    """`indexer_write_ref` for one new token per sequence (row i of keys / gates), with the
+    rows and positions on the device (fixed shapes, nothing read on the host: a CUDA graph can
+    replay it).
 
     The token at position p goes to slot p % kpool of its pool. When it completes the pool, the
     pool is compressed from the tail rows and it; otherwise it joins the tail. Both writes are
     made for every row, the one that does not apply writing back what is already there.
     """
     kpool, dim = ape.shape
-    if token_rows is not None:
-        keys, gates = keys[token_rows], gates[token_rows]
     new = torch.cat([keys, gates], dim=-1).to(tail.dtype)  # [B, 2D]
     offset = positions % kpool
     completes = (offset == kpool - 1)[:, None]

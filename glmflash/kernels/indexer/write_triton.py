@@ -1,12 +1,13 @@
 """Triton `indexer_write_decode`: one new token per sequence folded into the pooled keys or the
-tail, one launch (the reference spends about fifteen gathers, scatters and elementwise kernels).
+tail, one launch (the reference spends about fifteen gathers, scatters and elementwise kernels);
+and `indexer_write_verify`: a speculative verify's rows, each sequence's in order in one program,
+keeping the tail after each row but the last in a scratch row.
 
 A program owns one token. At pool offset `p % kpool < kpool - 1` it stores the token's (key,
 gate) row into its sequence's tail; at the pool's last offset it compresses the tail rows and the
 token (per-channel softmax over the pool of gate + ape, in fp32; probabilities, products and the
 sum rounded as the reference rounds them) and stores the pooled key where the pool's first
-token's slot says. The tokens can be any rows of `keys` / `gates` (`token_rows`), so a verify
-step reads its position's rows of the whole forward without a gather.
+token's slot says.
 """
 
 from __future__ import annotations
@@ -24,20 +25,25 @@ from glmflash.kernels.triton_utils import jit
 
 @jit
 def indexer_write_decode_kernel(keys, gates, ape, pool_keys, tail, page_table, slots, positions,
-                                token_rows, D, stride_k, stride_g, stride_pk, stride_ts,
-                                stride_pt, stride_slots, stride_pos, stride_rows,
-                                KPOOL: tl.constexpr, KP: tl.constexpr,
-                                PAGE: tl.constexpr, BD: tl.constexpr,
-                                HAS_TOKEN_ROWS: tl.constexpr):
+                                D, stride_k, stride_g, stride_pk, stride_ts, stride_pt,
+                                stride_slots, stride_pos, KPOOL: tl.constexpr, KP: tl.constexpr,
+                                PAGE: tl.constexpr, BD: tl.constexpr):
     """Token i: `tail[slots[i], offset] = (key, gate)`, or the pooled key of its pool when the
     token completes it (offset = kpool - 1). Tail rows are `[kpool - 1, 2D]`, contiguous."""
     i = tl.program_id(0)
     row = tl.load(slots + i * stride_slots).to(tl.int64)
     pos = tl.load(positions + i * stride_pos).to(tl.int64)
-    if HAS_TOKEN_ROWS:
-        t = tl.load(token_rows + i * stride_rows).to(tl.int64)
-    else:
-        t = i.to(tl.int64)
+    write_token(keys, gates, ape, pool_keys, tail, page_table, row, pos, i.to(tl.int64), D,
+                stride_k,
+                stride_g, stride_pk, stride_ts, stride_pt, KPOOL, KP, PAGE, BD)
+
+
+@jit
+def write_token(keys, gates, ape, pool_keys, tail, page_table, row, pos, t, D, stride_k,
+                stride_g, stride_pk, stride_ts, stride_pt, KPOOL: tl.constexpr,
+                KP: tl.constexpr, PAGE: tl.constexpr, BD: tl.constexpr):
+    """Row `t` of keys / gates, at position `pos` of the sequence in page-table row / state
+    slot `row`, into that slot's tail or, when it completes its pool, the pooled key."""
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     dt = tail.dtype.element_ty
@@ -74,29 +80,86 @@ def indexer_write_decode_kernel(keys, gates, ape, pool_keys, tail, page_table, s
                  b_pooled.to(pool_keys.dtype.element_ty), mask=m_d)
 
 
+@jit
+def indexer_write_verify_kernel(keys, gates, ape, pool_keys, tail, saved, page_table, slots,
+                                positions, seqs, num_steps, D, stride_k, stride_g, stride_pk,
+                                stride_ts, stride_pt, KPOOL: tl.constexpr, KP: tl.constexpr,
+                                PAGE: tl.constexpr, BD: tl.constexpr, BTAIL: tl.constexpr,
+                                SAVE: tl.constexpr):
+    """One sequence of a speculative verify: its rows in order (`seqs[b]`: first row, rows,
+    scratch row or -1), each written as `indexer_write_decode_kernel` writes a token; after
+    each row but the last, the slot's tail is copied to scratch row `scratch_row * num_steps
+    + j` of `saved`."""
+    i_b = tl.program_id(0)
+    first = tl.load(seqs + i_b * 3)
+    num_rows = tl.load(seqs + i_b * 3 + 1)
+    scratch_row = tl.load(seqs + i_b * 3 + 2).to(tl.int64)
+    o_t = tl.arange(0, BTAIL)
+    m_t = o_t < (KPOOL - 1) * 2 * D
+    for j in range(0, num_rows):
+        t = (first + j).to(tl.int64)
+        row = tl.load(slots + t).to(tl.int64)
+        pos = tl.load(positions + t).to(tl.int64)
+        write_token(keys, gates, ape, pool_keys, tail, page_table, row, pos, t, D, stride_k,
+                    stride_g, stride_pk, stride_ts, stride_pt, KPOOL, KP, PAGE, BD)
+        tl.debug_barrier()  # the tail row is written before any thread reads the tail again
+        if SAVE:
+            keep = ((scratch_row >= 0) & (j < num_rows - 1)).to(tl.int32)
+            m_keep = m_t & ((o_t * 0 + keep) != 0)
+            b_tail = tl.load(tail + row * stride_ts + o_t, mask=m_keep, other=0.0)
+            tl.store(saved + (scratch_row * num_steps + j) * ((KPOOL - 1) * 2 * D) + o_t,
+                     b_tail, mask=m_keep)
+
+
 def indexer_write_decode(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor,
                          pool_keys: torch.Tensor, tail: torch.Tensor, page_table: torch.Tensor,
                          rows: torch.Tensor, positions: torch.Tensor, *, page_size: int,
-                         token_rows: torch.Tensor | None = None,
                          num_warps: int | None = None) -> None:
-    """Triton `ref.indexer_write_decode`: token `token_rows[i]` (default i) of keys / gates
-    `[T, D]` at `positions[i]` of the sequence in page-table row / state slot `rows[i]`. One
-    launch, nothing read on the host. `num_warps`: default 4 for keys wider than 256, else 1
-    (a program holds a [kpool, D] tile)."""
+    """Triton `ref.indexer_write_decode`: token i of keys / gates `[T, D]` at `positions[i]`
+    of the sequence in page-table row / state slot `rows[i]`. One launch, nothing read on the
+    host. `num_warps`: default 4 for keys wider than 256, else 1 (a program holds a [kpool, D]
+    tile)."""
     kpool, dim = ape.shape
     num = rows.numel()
-    assert positions.numel() == num and (token_rows is None or token_rows.numel() == num)
+    assert positions.numel() == num and keys.shape[0] >= num
     assert keys.stride(-1) == 1 and gates.stride(-1) == 1 and ape.is_contiguous()
     assert tail.shape[1:] == (kpool - 1, 2 * dim) and tail[0].is_contiguous()
     assert pool_keys.stride(1) == 1 and page_table.stride(1) == 1
     assert page_size % kpool == 0, "a pool never straddles pages"
     if num == 0:
         return
-    picks = rows if token_rows is None else token_rows
     indexer_write_decode_kernel[(num,)](
-        keys, gates, ape, pool_keys, tail, page_table, rows, positions, picks, dim,
-        keys.stride(0), gates.stride(0), pool_keys.stride(0), tail.stride(0),
-        page_table.stride(0), rows.stride(0), positions.stride(0), picks.stride(0), KPOOL=kpool,
-        KP=triton.next_power_of_2(kpool), PAGE=page_size,
-        BD=max(16, triton.next_power_of_2(dim)), HAS_TOKEN_ROWS=token_rows is not None,
+        keys, gates, ape, pool_keys, tail, page_table, rows, positions, dim, keys.stride(0),
+        gates.stride(0), pool_keys.stride(0), tail.stride(0), page_table.stride(0),
+        rows.stride(0), positions.stride(0), KPOOL=kpool, KP=triton.next_power_of_2(kpool),
+        PAGE=page_size, BD=max(16, triton.next_power_of_2(dim)),
+        num_warps=num_warps or (4 if dim > 256 else 1))
+
+
+def indexer_write_verify(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor,
+                         pool_keys: torch.Tensor, tail: torch.Tensor, page_table: torch.Tensor,
+                         slots: torch.Tensor, positions: torch.Tensor, seqs: torch.Tensor,
+                         saved: torch.Tensor | None, num_steps: int, *, page_size: int,
+                         num_warps: int | None = None) -> None:
+    """A speculative verify's rows (row r: keys / gates row r, state slot `slots[r]`, position
+    `positions[r]`), each sequence's in order in one program (`seqs` `[B, 3]` int32: first
+    row, rows, scratch row or -1); the tail after each row but a sequence's last goes to
+    `saved` `[R * num_steps, kpool - 1, 2D]` (None: nothing kept). One launch."""
+    kpool, dim = ape.shape
+    assert keys.stride(-1) == 1 and gates.stride(-1) == 1 and ape.is_contiguous()
+    assert tail.shape[1:] == (kpool - 1, 2 * dim) and tail[0].is_contiguous()
+    assert pool_keys.stride(1) == 1 and page_table.stride(1) == 1
+    assert page_size % kpool == 0, "a pool never straddles pages"
+    assert slots.is_contiguous() and positions.is_contiguous()
+    assert seqs.dtype == torch.int32 and seqs.is_contiguous() and seqs.shape[1:] == (3,)
+    if saved is not None:
+        assert saved.shape[1:] == tail.shape[1:] and saved.is_contiguous()
+    if seqs.shape[0] == 0:
+        return
+    indexer_write_verify_kernel[(seqs.shape[0],)](
+        keys, gates, ape, pool_keys, tail, tail if saved is None else saved, page_table, slots,
+        positions, seqs, num_steps, dim, keys.stride(0), gates.stride(0), pool_keys.stride(0),
+        tail.stride(0), page_table.stride(0), KPOOL=kpool, KP=triton.next_power_of_2(kpool),
+        PAGE=page_size, BD=max(16, triton.next_power_of_2(dim)),
+        BTAIL=triton.next_power_of_2((kpool - 1) * 2 * dim), SAVE=saved is not None,
         num_warps=num_warps or (4 if dim > 256 else 1))
