@@ -18,16 +18,16 @@ DEFAULT_BLOCK = 4096
 
 
 # The width stays specialised (fixed per kind of state): its 16-alignment lets the loads and
-# stores vectorise. The scratch step changes from launch to launch.
-@jit(do_not_specialize=("dst_scale", "dst_offset"))
-def copy_rows_kernel(src, src_rows, dst, dst_rows, width, dst_scale, dst_offset, stride_src_rows,
-                     stride_dst_rows, BLOCK: tl.constexpr):
-    """Elements [j * BLOCK, +BLOCK) of row i: dst row `dst_rows[i] * dst_scale + dst_offset`
-    from src row `src_rows[i]`, unless that is negative."""
+# stores vectorise.
+@jit
+def copy_rows_kernel(src, src_rows, dst, dst_rows, width, stride_src_rows, stride_dst_rows,
+                     BLOCK: tl.constexpr):
+    """Elements [j * BLOCK, +BLOCK) of row i: dst row `dst_rows[i]` from src row
+    `src_rows[i]`, unless that is negative."""
     i, j = tl.program_id(0), tl.program_id(1)
     source = tl.load(src_rows + i * stride_src_rows).to(tl.int64)
     if source >= 0:
-        target = tl.load(dst_rows + i * stride_dst_rows).to(tl.int64) * dst_scale + dst_offset
+        target = tl.load(dst_rows + i * stride_dst_rows).to(tl.int64)
         o = j * BLOCK + tl.arange(0, BLOCK)
         m = o < width
         values = tl.load(src + source * width + o, mask=m)
@@ -35,8 +35,7 @@ def copy_rows_kernel(src, src_rows, dst, dst_rows, width, dst_scale, dst_offset,
 
 
 def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,
-              dst_rows: torch.Tensor, *, dst_scale: int = 1, dst_offset: int = 0,
-              block: int = DEFAULT_BLOCK) -> None:
+              dst_rows: torch.Tensor, *, block: int = DEFAULT_BLOCK) -> None:
     """See `row_copy.copy_rows`; `block`: elements per program (a power of two)."""
     assert src[0:1].is_contiguous() and dst[0:1].is_contiguous(), "rows must be contiguous"
     assert src.stride(0) == dst.stride(0) == src[0].numel(), "rows back to back"
@@ -45,6 +44,5 @@ def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,
         return
     block = min(block, triton.next_power_of_2(width))
     copy_rows_kernel[(rows, triton.cdiv(width, block))](
-        src, src_rows, dst, dst_rows, width, dst_scale, dst_offset, src_rows.stride(0),
-        dst_rows.stride(0), BLOCK=block,
-        num_warps=4 if block >= 1024 else 1)
+        src, src_rows, dst, dst_rows, width, src_rows.stride(0), dst_rows.stride(0),
+        BLOCK=block, num_warps=4 if block >= 1024 else 1)
