@@ -138,20 +138,52 @@ def test_empty_verify_launches_nothing():
     assert torch.equal(state, before)
 
 
+def _release_rows(num: int) -> tuple[list, list]:
+    """`num` sequences of two rows (one draft each, the MTP graphs' shape), then one whose
+    second row is padding: the reserved slot `num + 1`, fresh."""
+    seqs = [(2 * b, 2, b) for b in range(num + 1)]
+    row_slots = [(b, 0) for b in range(num) for _ in range(2)] + [(num, 0), (num + 1, 1)]
+    return seqs, row_slots
+
+
 @pytest.mark.gpu
-def test_kda_verify_release_shape_gpu():
-    """64 heads x 128, bf16 inputs, 16 sequences of two rows (one draft each): bit for bit a
-    decode launch per row (the wide launch shape)."""
-    num = 16
-    seqs = [(2 * b, 2, b) for b in range(num)]
-    row_slots = [(b, 0) for b in range(num) for _ in range(2)]
-    q, k, v, g, beta, state = kda_inputs([1] * 2 * num, 64, 128, torch.bfloat16)
+@pytest.mark.parametrize("num", [1, 16], ids=["narrow", "wide"])
+def test_kda_verify_release_shape_gpu(num):
+    """64 heads x 128, bf16 inputs: bit for bit a decode launch per row, in the narrow and
+    the wide launch shapes."""
+    seqs, row_slots = _release_rows(num)
+    q, k, v, g, beta, state = kda_inputs([1] * len(row_slots), 64, 128, torch.bfloat16)
     rows, seq_meta = _metas(seqs, row_slots)
-    saved = torch.zeros(num * NUM_STEPS, 64, 128, 128, device=DEVICE)
+    saved = torch.zeros(len(seqs) * NUM_STEPS, 64, 128, 128, device=DEVICE)
     want_state, want_saved = state.clone(), saved.clone()
-    want = torch.empty(2 * num, 64, 128, dtype=torch.bfloat16, device=DEVICE)
+    want = torch.empty(len(row_slots), 64, 128, dtype=torch.bfloat16, device=DEVICE)
     _per_row(lambda s, row: triton_impl.kda_decode(q, k, v, g, beta, s, row, want), want_state,
              want_saved, rows, seq_meta)
     got = verify_triton.kda_verify(q, k, v, g, beta, state, rows, seq_meta, saved, NUM_STEPS)
     assert torch.equal(got, want) and torch.equal(state, want_state)
+    assert torch.equal(saved, want_saved)
+
+
+@pytest.mark.gpu
+def test_conv_verify_release_shape_gpu():
+    """3 x 8192 channels, bf16: bit for bit a decode launch per row."""
+    seqs, row_slots = _release_rows(4)
+    gen = torch.Generator().manual_seed(9)
+    channels = 3 * 8192
+    x = torch.randn(len(row_slots), channels, generator=gen).bfloat16().to(DEVICE)
+    weight = torch.randn(channels, 4, generator=gen).to(DEVICE)
+    conv = torch.randn(len(seqs) + 1, channels, 3, generator=gen).bfloat16().to(DEVICE)
+    rows, seq_meta = _metas(seqs, row_slots)
+    saved = torch.zeros(len(seqs) * NUM_STEPS, channels, 3, dtype=torch.bfloat16, device=DEVICE)
+    want_conv, want_saved = conv.clone(), saved.clone()
+    want = torch.empty_like(x)
+
+    def step(state, row):
+        tok, slot, fresh = row[0].tolist()
+        meta = torch.tensor([[tok, tok, tok + 1, slot, fresh]], dtype=torch.int32, device=DEVICE)
+        triton_impl.causal_conv1d_decode(x, weight, state, meta, want)
+
+    _per_row(step, want_conv, want_saved, rows, seq_meta)
+    got = verify_triton.causal_conv1d_verify(x, weight, conv, rows, seq_meta, saved, NUM_STEPS)
+    assert torch.equal(got, want) and torch.equal(conv, want_conv)
     assert torch.equal(saved, want_saved)
