@@ -120,16 +120,18 @@ def _row(op: str, tokens: int, us: float, graph_us: float, ref_us: float, moved:
 
 def pre_sweep_configs(tokens: int) -> list:
     """Token blocks by FMA (up to the token count) with two product tiles and collapse tiles of
-    4K, 8K and 16K values, and on tensor cores from 16 tokens, each at a few split targets."""
+    4K, 8K and 16K values, the finish's first chunk of streams loaded before or after the
+    weights, and on tensor cores from 16 tokens, each at a few split targets."""
     from glmflash.kernels.hyper.triton_impl import HyperPreConfig
 
-    shapes = [(bt, bk, waves, 4096 * grow // (bt * S)) for bt in (1, 2, 4, 8)
+    shapes = [(bt, bk, waves, 4096 * grow // (bt * S), early) for bt in (1, 2, 4, 8)
               if bt <= max(1, tokens) for bk in (128 // bt, 256 // bt)
-              for waves in (1.0, 2.0, 4.0) for grow in (1, 2, 4)]
-    shapes += [(bt, bk, waves, 4096 // (bt * S)) for bt in (16, 32, 64)
+              for waves in (1.0, 2.0, 4.0) for grow in (1, 2, 4) for early in (True, False)]
+    shapes += [(bt, bk, waves, 4096 // (bt * S), True) for bt in (16, 32, 64)
                if bt <= max(16, tokens) for bk in (32, 64, 128) for waves in (0.5, 1.0, 2.0)]
     return [HyperPreConfig(block_t=bt, block_k=max(16, bk), waves=waves,
-                           block_d=max(16, min(D, bd))) for bt, bk, waves, bd in shapes]
+                           block_d=max(16, min(D, bd)), prefetch_streams=early)
+            for bt, bk, waves, bd, early in shapes]
 
 
 def sweep(token_counts: list[int]) -> None:

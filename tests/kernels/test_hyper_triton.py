@@ -104,6 +104,9 @@ PRE_CONFIGS = {
     "fma_bt2_default_ranges": HyperPreConfig(block_t=2, block_k=64, block_d=128),
     "dot_bt16_3_ranges": HyperPreConfig(block_t=16, block_k=64, block_d=32, splits=3),
     "dot_bt32_one_range": HyperPreConfig(block_t=32, block_k=16, block_d=16, splits=1),
+    # The finish loading its first chunk of streams after the weights, not before them.
+    "fma_bt4_7_ranges_late_streams": HyperPreConfig(block_t=4, block_k=32, block_d=64, splits=7,
+                                                    prefetch_streams=False),
 }
 
 

@@ -47,6 +47,7 @@ class HyperPreConfig:
     splits: int | None = None  # a fixed number of ranges instead (tests, sweeps)
     num_warps: int = 4
     partial_values: int = 2048  # fp32 partials the finish loads at once (16 regs at 4 warps)
+    prefetch_streams: bool = True  # the finish loads its first chunk of streams up front
 
     def __post_init__(self) -> None:
         for size in (self.block_t, self.block_k, self.block_d):
@@ -145,18 +146,31 @@ def _weights(p_tot, base, scale, post, comb, o_t, m_t, K, norm_eps, hc_eps, S: t
 
 
 @jit
-def _collapse(x, out, b_pre, o_t, m_t, D, S: tl.constexpr, BD: tl.constexpr):
-    """out[t, :] = sum_s pre[t, s] x[t, s, :] in fp32, rounded once; b_pre [BT, S]."""
+def _stream_chunk(x, o_t, m_t, d0, D, S: tl.constexpr, BD: tl.constexpr):
+    """Features [d0, d0 + BD) of the token block's streams, `[BT, S, BD]`."""
     o_s = tl.arange(0, S)
-    o_d = tl.arange(0, BD)
-    o_t64 = o_t.to(tl.int64)
-    p_x = x + o_t64[:, None, None] * (S * D) + o_s[None, :, None] * D + o_d[None, None, :]
-    p_o = out + o_t64[:, None] * D + o_d[None, :]
-    for d0 in range(0, D, BD):
-        m_d = d0 + o_d < D
-        b_x = tl.load(p_x + d0, mask=m_t[:, None, None] & m_d[None, None, :], other=0.0)
-        b_o = tl.sum(b_x.to(tl.float32) * b_pre[:, :, None], 1)  # [BT, BD]
-        tl.store(p_o + d0, b_o.to(out.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
+    o_d = d0 + tl.arange(0, BD)
+    rows = o_t.to(tl.int64)[:, None, None] * (S * D) + o_s[None, :, None] * D
+    return tl.load(x + rows + o_d[None, None, :],
+                   mask=m_t[:, None, None] & (o_d < D)[None, None, :], other=0.0)
+
+
+@jit
+def _collapse(x, out, b_pre, b_first, o_t, m_t, D, S: tl.constexpr, BD: tl.constexpr):
+    """out[t, :] = sum_s pre[t, s] x[t, s, :] in fp32, rounded once; b_pre [BT, S]; b_first
+    the first chunk of the streams (`_stream_chunk` at 0), the rest loaded here."""
+    _collapse_chunk(out, b_pre, b_first, o_t, m_t, 0, D, BD)
+    for d0 in range(BD, D, BD):
+        _collapse_chunk(out, b_pre, _stream_chunk(x, o_t, m_t, d0, D, S, BD), o_t, m_t, d0, D,
+                        BD)
+
+
+@jit
+def _collapse_chunk(out, b_pre, b_x, o_t, m_t, d0, D, BD: tl.constexpr):
+    o_d = d0 + tl.arange(0, BD)
+    b_o = tl.sum(b_x.to(tl.float32) * b_pre[:, :, None], 1)  # [BT, BD]
+    tl.store(out + o_t.to(tl.int64)[:, None] * D + o_d[None, :], b_o.to(out.dtype.element_ty),
+             mask=m_t[:, None] & (o_d < D)[None, :])
 
 
 @jit
@@ -164,9 +178,11 @@ def hyper_pre_kernel(x, fn, base, scale, post, comb, out, part, arrivals, T, D, 
                      K_PER_SPLIT, SPLITS, norm_eps, hc_eps, S: tl.constexpr, ITERS: tl.constexpr,
                      NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
                      USE_DOT: tl.constexpr, USE_SPLIT: tl.constexpr, RB: tl.constexpr,
-                     DOT: tl.constexpr, PREC: tl.constexpr):
+                     DOT: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr):
     """mHC pre for tokens [i_t * BT, +BT), columns [i_s * K_PER_SPLIT, +K_PER_SPLIT) of the
-    flattened streams; the last range of the token block finishes it (see the module doc)."""
+    flattened streams; the last range of the token block finishes it (see the module doc).
+    PREFETCH: the finishing program loads the collapse's first chunk of streams before the
+    ranges' partials, so that its latency runs under theirs and the weights'."""
     i_t, i_s = tl.program_id(0), tl.program_id(1)
     N: tl.constexpr = (2 + S) * S
     K = S * D
@@ -191,6 +207,8 @@ def hyper_pre_kernel(x, fn, base, scale, post, comb, out, part, arrivals, T, D, 
     if USE_SPLIT:
         is_last = tl.atomic_add(arrivals + i_t, 1, sem="acq_rel") == SPLITS - 1
     if is_last:
+        if PREFETCH:
+            b_first = _stream_chunk(x, o_t, m_t, 0, D, S, BD)
         if USE_SPLIT:
             tl.debug_barrier()
             # The ranges' partials, RB at a time: one round of independent loads per chunk (a
@@ -206,7 +224,9 @@ def hyper_pre_kernel(x, fn, base, scale, post, comb, out, part, arrivals, T, D, 
             tl.debug_barrier()
         b_pre = _weights(p_tile, base, scale, post, comb, o_t, m_t, K, norm_eps, hc_eps, S,
                          ITERS, NP, BT)
-        _collapse(x, out, b_pre, o_t, m_t, D, S, BD)
+        if not PREFETCH:
+            b_first = _stream_chunk(x, o_t, m_t, 0, D, S, BD)
+        _collapse(x, out, b_pre, b_first, o_t, m_t, D, S, BD)
 
 
 @jit
@@ -330,7 +350,7 @@ def hyper_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale
         ITERS=sinkhorn_iters, NP=np_, BT=cfg.block_t, BK=cfg.block_k, BD=cfg.block_d,
         USE_DOT=cfg.block_t >= 16, USE_SPLIT=splits > 1,
         RB=range_block(splits, cfg.block_t, np_, cfg.partial_values), DOT=dot, PREC=prec,
-        num_warps=cfg.num_warps)
+        PREFETCH=cfg.prefetch_streams, num_warps=cfg.num_warps)
     return post, comb, out
 
 
