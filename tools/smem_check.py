@@ -333,14 +333,15 @@ def hyper_launches() -> list[Launch]:
     the H200's 132 SMs), and mHC post; S = 4, D = 4096, bf16."""
     pre = {"x": "*bf16", "fn": "*bf16", "base": "*fp32", "scale": "*fp32", "post": "*fp32",
            "comb": "*fp32", "out": "*bf16", "part": "*fp32", "arrivals": "*i32",
-           "norm_eps": "fp32", "hc_eps": "fp32"}
+           "norm_w": "*bf16", "norm_eps": "fp32", "hc_eps": "fp32", "rms_eps": "fp32"}
     out = []
     for tokens in (1, 64, 2048, 8192):
         cfg = hyper.default_pre_config(tokens, 4, 132)
         dot = cfg.block_t >= 16
         consts = dict(S=4, ITERS=20, NP=32, BT=cfg.block_t, BK=cfg.block_k, BD=cfg.block_d,
                       USE_DOT=dot, USE_SPLIT=True, RB=hyper.range_block(64, cfg.block_t, 32),
-                      DOT=tl.bfloat16, PREC="tf32", PREFETCH=cfg.prefetch_streams)
+                      DOT=tl.bfloat16, PREC="tf32", PREFETCH=cfg.prefetch_streams,
+                      NORM=True)
         out.append(Launch(f"hyper_pre BT{cfg.block_t} {'dot' if dot else 'FMA'}",
                           hyper.hyper_pre_kernel, pre, consts, cfg.num_warps,
                           aligned=("D", "stride_fn", "K_PER_SPLIT")))

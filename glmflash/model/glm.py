@@ -52,16 +52,15 @@ class DecoderLayer(nn.Module):
                 selection: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """streams `[T, S, D]` -> new streams, and the MLA selection for a shared next layer."""
         post, comb, x = hyper_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
-                                  **self.hc_kwargs)
-        x = self.input_layernorm(x)
+                                  norm=self.input_layernorm.as_pair(), **self.hc_kwargs)
         if self.is_kda:
             y, selection = self.self_attn(x, batch, state), None
         else:
             y, selection = self.self_attn(x, batch, state, selection)
         streams = hyper_post(y, streams, post, comb)
         post, comb, x = hyper_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
-                                  **self.hc_kwargs)
-        y = self.mlp(self.post_attention_layernorm(x))
+                                  norm=self.post_attention_layernorm.as_pair(), **self.hc_kwargs)
+        y = self.mlp(x)
         return hyper_post(y, streams, post, comb), selection
 
 

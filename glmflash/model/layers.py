@@ -29,6 +29,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
+    def as_pair(self) -> tuple[torch.Tensor, float]:
+        """(weight, eps), for a kernel that applies this norm to what it produces."""
+        return self.weight, self.eps
+
 
 class Linear(nn.Module):
     """`y = x W^T (+ b)`; with `fp8_block` the weight is FP8 e4m3 plus `weight_scale_inv`."""

@@ -15,6 +15,7 @@ from glmflash.kernels.hyper.triton_impl import (
     hyper_post,
     hyper_pre,
 )
+from glmflash.kernels.rms_norm import rms_norm_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -135,6 +136,59 @@ def test_hyper_pre_bf16(shape, config, nan_empty):
     assert (diff <= ONE_ULP * want[2].float().abs()).all()
 
 
+def _norm_weight(d: int, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(5)
+    return (1 + 0.5 * torch.randn(d, generator=gen)).to(dtype).to(DEVICE)
+
+
+NORM_CONFIGS = {"default": None, "dot_bt16_3_ranges": PRE_CONFIGS["dot_bt16_3_ranges"],
+                "fma_bt4_late_streams": PRE_CONFIGS["fma_bt4_7_ranges_late_streams"]}
+
+
+@pytest.mark.parametrize("config", NORM_CONFIGS.values(), ids=NORM_CONFIGS.keys())
+@pytest.mark.parametrize("shape", [(1, 4, 64), (17, 4, 200), (3, 2, 192)],
+                         ids=["T1_S4_D64", "T17_S4_D200", "T3_S2_D192"])
+def test_hyper_pre_with_the_input_norm_fp32(shape, config, nan_empty):
+    """The collapsed rows normalised in the same launch equal the sub-layer's RMSNorm of the
+    unnormalised rows, up to the order of the sum of squares (over chunks of `block_d`)."""
+    streams, fn, base, scale, _ = _case(*shape, torch.float32)
+    weight = _norm_weight(shape[2], torch.float32)
+    post, comb, normed = hyper_pre(streams, fn, base, scale, **KW, config=config,
+                                   norm=(weight, 1e-6))
+    want = hyper_pre(streams, fn, base, scale, **KW, config=config)
+    assert torch.equal(post, want[0]) and torch.equal(comb, want[1])
+    torch.testing.assert_close(normed, rms_norm_ref(want[2], weight, 1e-6), rtol=1e-5,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("config", NORM_CONFIGS.values(), ids=NORM_CONFIGS.keys())
+def test_hyper_pre_with_the_input_norm_bf16(config, nan_empty):
+    """bf16: the reference's two roundings (normalised row, then the weight product), each as
+    the kernels round, up to rare one-ulp flips of the first where the sum of squares' order
+    moves a value across a rounding boundary."""
+    streams, fn, base, scale, _ = _case(17, 4, 200, torch.bfloat16)
+    weight = _norm_weight(200, torch.bfloat16)
+    normed = hyper_pre(streams, fn, base, scale, **KW, config=config, norm=(weight, 1e-6))[2]
+    rows = hyper_pre(streams, fn, base, scale, **KW, config=config)[2].float()
+    rstd = torch.rsqrt(rows.square().mean(-1, keepdim=True) + 1e-6)
+    expected = _round(weight.float() * _round(rows * rstd, torch.bfloat16).float(),
+                      torch.bfloat16).float()
+    diff = (normed.float() - expected).abs()
+    assert (diff <= 2 * ONE_ULP * expected.abs() + 1e-30).all(), diff.max().item()
+    assert (diff > 0).float().mean().item() < MAX_FLIPS
+
+
+def test_hyper_pre_with_the_input_norm_reference_dispatch():
+    """The CPU path: the reference collapse, then the reference norm."""
+    if DEVICE != "cpu":
+        pytest.skip("the dispatcher takes Triton on CUDA")
+    streams, fn, base, scale, _ = _case(3, 4, 64, torch.float32)
+    weight = _norm_weight(64, torch.float32)
+    got = hyper.hyper_pre(streams, fn, base, scale, **KW, norm=(weight, 1e-6))
+    want = hyper_pre_ref(streams, fn, base, scale, **KW)
+    assert torch.equal(got[2], rms_norm_ref(want[2], weight, 1e-6))
+
+
 def test_sinkhorn_is_not_trivial_here():
     """The cases above would catch a wrong iteration count: comb moves after the first step."""
     streams, fn, base, scale, _ = _case(17, 4, 200, torch.float32)
@@ -232,6 +286,14 @@ def test_hyper_release_shape_gpu(tokens):
     want32 = hyper_post_ref(y.float(), streams.float(), post.bfloat16().float(),
                             comb.bfloat16().float())
     _assert_rounded_to_nearest(got, want32, streams)
+    # The input norm in the same launch: the reference's two roundings of the kernel's own
+    # rows, up to rare one-ulp flips (the sum of squares in another order).
+    weight = _norm_weight(4096, torch.bfloat16)
+    normed = hyper_pre(streams, fn, base, scale, **KW, norm=(weight, 1e-6))[2]
+    expected = rms_norm_ref(collapsed, weight, 1e-6).float()
+    diff = (normed.float() - expected).abs()
+    assert (diff <= 2 * ONE_ULP * expected.abs() + 1e-30).all(), diff.max().item()
+    assert (diff > 0).float().mean().item() < MAX_FLIPS
 
 
 def _assert_rounded_to_nearest(got: torch.Tensor, want32: torch.Tensor,

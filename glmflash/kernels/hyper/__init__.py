@@ -10,19 +10,24 @@ import torch
 
 from glmflash.kernels.dispatch import use_triton
 from glmflash.kernels.hyper.ref import hyper_post_ref, hyper_pre_ref
+from glmflash.kernels.rms_norm import rms_norm
 
 
 def hyper_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-              *, norm_eps: float, hc_eps: float, sinkhorn_iters: int
+              *, norm_eps: float, hc_eps: float, sinkhorn_iters: int,
+              norm: tuple[torch.Tensor, float] | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(post, comb, collapsed) of the streams `[T, S, D]`; see `hyper_pre_ref`."""
-    if use_triton(streams, "hyper"):
+    """(post, comb, collapsed) of the streams `[T, S, D]`; see `hyper_pre_ref`. With `norm` =
+    (weight, eps) the collapsed rows come out as `rms_norm(collapsed, weight, eps)` (the Triton
+    kernel normalises them in the same launch)."""
+    if use_triton(streams, "hyper") and (norm is None or norm[0].dtype == streams.dtype):
         from glmflash.kernels.hyper import triton_impl
 
         return triton_impl.hyper_pre(streams, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps,
-                                     sinkhorn_iters=sinkhorn_iters)
-    return hyper_pre_ref(streams, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps,
-                         sinkhorn_iters=sinkhorn_iters)
+                                     sinkhorn_iters=sinkhorn_iters, norm=norm)
+    post, comb, collapsed = hyper_pre_ref(streams, fn, base, scale, norm_eps=norm_eps,
+                                          hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters)
+    return post, comb, collapsed if norm is None else rms_norm(collapsed, *norm)
 
 
 def hyper_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,

@@ -156,33 +156,61 @@ def _stream_chunk(x, o_t, m_t, d0, D, S: tl.constexpr, BD: tl.constexpr):
 
 
 @jit
-def _collapse(x, out, b_pre, b_first, o_t, m_t, D, S: tl.constexpr, BD: tl.constexpr):
+def _collapse(x, out, b_pre, b_first, norm_w, rms_eps, o_t, m_t, D, S: tl.constexpr,
+              BD: tl.constexpr, NORM: tl.constexpr):
     """out[t, :] = sum_s pre[t, s] x[t, s, :] in fp32, rounded once; b_pre [BT, S]; b_first
-    the first chunk of the streams (`_stream_chunk` at 0), the rest loaded here."""
-    _collapse_chunk(out, b_pre, b_first, o_t, m_t, 0, D, BD)
+    the first chunk of the streams (`_stream_chunk` at 0), the rest loaded here. With NORM the
+    rows are then RMS-normalised in place (`_normalise`)."""
+    b_sq = _collapse_chunk(out, b_pre, b_first, o_t, m_t, 0, D, BD)
     for d0 in range(BD, D, BD):
-        _collapse_chunk(out, b_pre, _stream_chunk(x, o_t, m_t, d0, D, S, BD), o_t, m_t, d0, D,
-                        BD)
+        b_sq += _collapse_chunk(out, b_pre, _stream_chunk(x, o_t, m_t, d0, D, S, BD), o_t, m_t,
+                                d0, D, BD)
+    if NORM:
+        # Every thread's rounded values are written before any thread reads its chunk back.
+        tl.debug_barrier()
+        b_rstd = tl.rsqrt(b_sq / D + rms_eps)
+        for d0 in range(0, D, BD):
+            _normalise(out, norm_w, b_rstd, o_t, m_t, d0, D, BD)
 
 
 @jit
 def _collapse_chunk(out, b_pre, b_x, o_t, m_t, d0, D, BD: tl.constexpr):
+    """One chunk of the collapse, stored rounded; returns each row's sum of squares of the
+    rounded values over the chunk `[BT]` (what an RMSNorm of the stored rows sums)."""
     o_d = d0 + tl.arange(0, BD)
-    b_o = tl.sum(b_x.to(tl.float32) * b_pre[:, :, None], 1)  # [BT, BD]
-    tl.store(out + o_t.to(tl.int64)[:, None] * D + o_d[None, :], b_o.to(out.dtype.element_ty),
+    b_o = tl.sum(b_x.to(tl.float32) * b_pre[:, :, None], 1).to(out.dtype.element_ty)  # [BT, BD]
+    tl.store(out + o_t.to(tl.int64)[:, None] * D + o_d[None, :], b_o,
              mask=m_t[:, None] & (o_d < D)[None, :])
+    b_r = b_o.to(tl.float32)
+    return tl.sum(b_r * b_r, 1)
 
 
 @jit
-def hyper_pre_kernel(x, fn, base, scale, post, comb, out, part, arrivals, T, D, stride_fn,
-                     K_PER_SPLIT, SPLITS, norm_eps, hc_eps, S: tl.constexpr, ITERS: tl.constexpr,
+def _normalise(out, norm_w, b_rstd, o_t, m_t, d0, D, BD: tl.constexpr):
+    """RMSNorm of one chunk of the stored rows as the reference rounds it (`rms_norm_ref`):
+    x * rstd rounded to the model dtype, then times the weight, rounded again."""
+    o_d = d0 + tl.arange(0, BD)
+    m = m_t[:, None] & (o_d < D)[None, :]
+    p_o = out + o_t.to(tl.int64)[:, None] * D + o_d[None, :]
+    dt = out.dtype.element_ty
+    b_y = (tl.load(p_o, mask=m, other=0.0).to(tl.float32) * b_rstd[:, None]).to(dt)
+    b_w = tl.load(norm_w + o_d, mask=o_d < D, other=0.0).to(tl.float32)
+    tl.store(p_o, (b_w[None, :] * b_y.to(tl.float32)).to(dt), mask=m)
+
+
+@jit
+def hyper_pre_kernel(x, fn, base, scale, post, comb, out, part, arrivals, norm_w, T, D,
+                     stride_fn, K_PER_SPLIT, SPLITS, norm_eps, hc_eps, rms_eps, S: tl.constexpr,
+                     ITERS: tl.constexpr,
                      NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
                      USE_DOT: tl.constexpr, USE_SPLIT: tl.constexpr, RB: tl.constexpr,
-                     DOT: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr):
+                     DOT: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
+                     NORM: tl.constexpr):
     """mHC pre for tokens [i_t * BT, +BT), columns [i_s * K_PER_SPLIT, +K_PER_SPLIT) of the
     flattened streams; the last range of the token block finishes it (see the module doc).
     PREFETCH: the finishing program loads the collapse's first chunk of streams before the
-    ranges' partials, so that its latency runs under theirs and the weights'."""
+    ranges' partials, so that its latency runs under theirs and the weights'. NORM: the
+    collapsed rows are RMS-normalised with `norm_w` (the sub-layer's input norm)."""
     i_t, i_s = tl.program_id(0), tl.program_id(1)
     N: tl.constexpr = (2 + S) * S
     K = S * D
@@ -226,7 +254,7 @@ def hyper_pre_kernel(x, fn, base, scale, post, comb, out, part, arrivals, T, D, 
                          ITERS, NP, BT)
         if not PREFETCH:
             b_first = _stream_chunk(x, o_t, m_t, 0, D, S, BD)
-        _collapse(x, out, b_pre, b_first, o_t, m_t, D, S, BD)
+        _collapse(x, out, b_pre, b_first, norm_w, rms_eps, o_t, m_t, D, S, BD, NORM)
 
 
 @jit
@@ -318,14 +346,20 @@ def _check_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
 
 def hyper_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
               *, norm_eps: float, hc_eps: float, sinkhorn_iters: int,
+              norm: tuple[torch.Tensor, float] | None = None,
               config: HyperPreConfig | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton `hyper_pre_ref`: (post `[T, S]` fp32, comb `[T, S, S]` fp32, collapsed `[T, D]`).
+    """Triton `hyper_pre_ref`: (post `[T, S]` fp32, comb `[T, S, S]` fp32, collapsed `[T, D]`);
+    with `norm` = (weight `[D]` in the streams' dtype, eps) the collapsed rows come out
+    RMS-normalised (`rms_norm_ref`), as the sub-layer reads them.
 
     One launch, no host sync. Launches on one device must run in stream order (they share the
     arrival counters)."""
     _check_pre(streams, fn, base, scale)
     assert sinkhorn_iters >= 1
+    if norm is not None:
+        assert norm[0].shape == (streams.shape[2],) and norm[0].is_contiguous()
+        assert norm[0].dtype == streams.dtype, "the norm's weight product rounds in that dtype"
     num_tokens, s, d = streams.shape
     dev = streams.device
     post = torch.empty(num_tokens, s, dtype=torch.float32, device=dev)
@@ -346,11 +380,12 @@ def hyper_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale
     part = torch.empty(tiles * splits * cfg.block_t * np_, dtype=torch.float32, device=dev)
     hyper_pre_kernel[(tiles, splits)](
         streams, fn, base, scale, post, comb, out, part, arrivals if splits > 1 else part,
-        num_tokens, d, fn.stride(0), k_per_split, splits, norm_eps, hc_eps, S=s,
+        out if norm is None else norm[0], num_tokens, d, fn.stride(0), k_per_split, splits,
+        norm_eps, hc_eps, 0.0 if norm is None else norm[1], S=s,
         ITERS=sinkhorn_iters, NP=np_, BT=cfg.block_t, BK=cfg.block_k, BD=cfg.block_d,
         USE_DOT=cfg.block_t >= 16, USE_SPLIT=splits > 1,
         RB=range_block(splits, cfg.block_t, np_, cfg.partial_values), DOT=dot, PREC=prec,
-        PREFETCH=cfg.prefetch_streams, num_warps=cfg.num_warps)
+        PREFETCH=cfg.prefetch_streams, NORM=norm is not None, num_warps=cfg.num_warps)
     return post, comb, out
 
 
