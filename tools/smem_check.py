@@ -48,6 +48,7 @@ from glmflash.kernels.router import triton_impl as router  # noqa: E402
 from glmflash.kernels.row_copy import triton_impl as row_copy  # noqa: E402
 from glmflash.kernels.sparse_mla import combine_triton as mla_combine  # noqa: E402
 from glmflash.kernels.sparse_mla import triton_impl as mla  # noqa: E402
+from glmflash.kernels.swiglu import triton_impl as swiglu  # noqa: E402
 
 # Largest dynamic shared memory one block may opt into (bytes).
 BLOCK_LIMIT = {89: 101376, 90: 232448, 120: 101376}
@@ -322,6 +323,9 @@ def indexer_launches() -> list[Launch]:
               "scaling": "fp32"}
     out.append(Launch("router select", router.router_select_kernel, select,
                       dict(G=1, GP=1, EGP=512, TOPK_GROUPS=1, TOPK=8, KP=8, RENORM=True), 4))
+    out.append(Launch("swiglu", swiglu.swiglu_kernel, {"gate_up": "*bf16", "out": "*bf16",
+                                                        "limit": "fp32"},
+                      dict(BLOCK=swiglu.BLOCK), 4, aligned=("width", "stride_in", "stride_out")))
     copy = {"src": "*fp32", "src_rows": "*i64", "dst": "*fp32", "dst_rows": "*i64"}
     out.append(Launch("row copy", row_copy.copy_rows_kernel, copy,
                       dict(BLOCK=row_copy.DEFAULT_BLOCK), 4))
@@ -345,11 +349,13 @@ def hyper_launches() -> list[Launch]:
         out.append(Launch(f"hyper_pre BT{cfg.block_t} {'dot' if dot else 'FMA'}",
                           hyper.hyper_pre_kernel, pre, consts, cfg.num_warps,
                           aligned=("D", "stride_fn", "K_PER_SPLIT")))
-    post = {"y": "*bf16", "x": "*bf16", "post": "*fp32", "comb": "*fp32", "out": "*bf16"}
+    post = {"y": "*bf16", "y2": "*bf16", "x": "*bf16", "post": "*fp32", "comb": "*fp32",
+            "out": "*bf16"}
     for tokens in (1, 2048):
         cfg = hyper.default_post_config(tokens)
         out.append(Launch(f"hyper_post BD{cfg.block_d}", hyper.hyper_post_kernel, post,
-                          dict(S=4, BD=cfg.block_d), cfg.num_warps, aligned=("D", "stride_y")))
+                          dict(S=4, BD=cfg.block_d, TWO=True), cfg.num_warps,
+                          aligned=("D", "stride_y", "stride_y2")))
     return out
 
 

@@ -99,6 +99,8 @@ def install_all_reduce(model: GlmForCausalLM, all_reduce: AllReduce) -> None:
     for layer in model.text.layers:
         layer.self_attn.register_forward_hook(reduce_output)
         layer.mlp.register_forward_hook(reduce_output)
+        if isinstance(layer.mlp, MoE):
+            layer.mlp.sum_in_consumer = False  # the hook must see the routed + shared sum
 
 
 def _place_experts(model: GlmForCausalLM, config: ModelConfig, parallel: ParallelConfig,

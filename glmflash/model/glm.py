@@ -60,8 +60,10 @@ class DecoderLayer(nn.Module):
         streams = hyper_post(y, streams, post, comb)
         post, comb, x = hyper_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
                                   norm=self.post_attention_layernorm.as_pair(), **self.hc_kwargs)
-        y = self.mlp(x)
-        return hyper_post(y, streams, post, comb), selection
+        if isinstance(self.mlp, MoE) and self.mlp.sum_in_consumer:
+            routed, shared = self.mlp.parts(x)
+            return hyper_post(routed, streams, post, comb, extra=shared), selection
+        return hyper_post(self.mlp(x), streams, post, comb), selection
 
 
 class TextModel(nn.Module):

@@ -13,6 +13,8 @@ from glmflash.kernels.fp8_gemm import (
     fp8_linear_on_triton,
 )
 from glmflash.kernels.rms_norm import rms_norm
+from glmflash.kernels.swiglu import clamped_swiglu_ref as clamped_swiglu
+from glmflash.kernels.swiglu import clamped_swiglu_stacked
 from glmflash.utils.derived import kept
 
 # FP8 weights up to this many elements keep a dequantised copy when their product runs the
@@ -70,13 +72,10 @@ class Linear(nn.Module):
             self.weight, self.weight_scale_inv, block=self.fp8_block, dtype=dtype))
 
 
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """`silu(min(gate, L)) * clip(up, -L, L)`: the clamp acts on the pre-activations."""
-    return nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
-
-
 class MLP(nn.Module):
-    """SwiGLU with the GLM clamp: dense layers, the shared expert, the vision MLPs (biased)."""
+    """SwiGLU with the GLM clamp: dense layers, the shared expert, the vision MLPs (biased).
+    Without biases the gate and up projections run as one product over their stacked weights
+    (`stacked_linear`) and the activation as one op over it."""
 
     def __init__(self, hidden: int, width: int, limit: float, dtype: torch.dtype,
                  fp8_block: int | None, *, bias: bool = False) -> None:
@@ -87,7 +86,49 @@ class MLP(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        pair = (self.gate_proj, self.up_proj)
+        if self.gate_proj.bias is not None or not can_stack(pair):
+            return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        return self.down_proj(clamped_swiglu_stacked(stacked_linear(pair)(x), self.limit))
+
+
+def can_stack(projections: tuple[Linear, ...]) -> bool:
+    """Linears that `stacked_linear` can join: no biases, one input width and weight kind, FP8
+    row counts on whole scale blocks, and no gradient wanted (a stacked copy would cut it)."""
+    first = projections[0]
+    if first.weight.requires_grad and torch.is_grad_enabled():
+        return False
+    return all(p.bias is None and p.fp8_block == first.fp8_block
+               and p.weight.dtype == first.weight.dtype
+               and p.weight.shape[1] == first.weight.shape[1]
+               and (not p.fp8_block or p.weight.shape[0] % p.fp8_block == 0)
+               for p in projections)
+
+
+def stacked_linear(projections: tuple[Linear, ...]) -> Linear:
+    """One Linear over the stacked weights (and FP8 scales) of `projections`, whose outputs
+    are its columns in order. Built once: the parameters become views of the stacked tensors
+    (one copy in memory), and it is rebuilt if a parameter is moved or replaced."""
+    first = projections[0]
+    key = tuple((p.weight.data_ptr(), p.weight.device) for p in projections)
+    held = first.__dict__.get("_stacked_linear")
+    if held is not None and held[0] == key:
+        return held[1]
+    rows, cols = sum(p.weight.shape[0] for p in projections), first.weight.shape[1]
+    with torch.device("meta"):  # its parameters take the stacked tensors below
+        joined = Linear(cols, rows, first.weight.dtype, fp8_block=first.fp8_block)
+    names = ("weight", "weight_scale_inv") if first.fp8_block else ("weight",)
+    for name in names:
+        stacked = torch.cat([getattr(p, name).data for p in projections])
+        setattr(joined, name, nn.Parameter(stacked, requires_grad=False))
+        offset = 0
+        for p in projections:
+            part = getattr(p, name)
+            part.data = stacked[offset: offset + part.shape[0]]
+            offset += part.shape[0]
+    key = tuple((p.weight.data_ptr(), p.weight.device) for p in projections)
+    first.__dict__["_stacked_linear"] = (key, joined)  # not a submodule: no second state-dict entry
+    return joined
 
 
 def fused_weight(projections: tuple[nn.Module, ...]) -> torch.Tensor:

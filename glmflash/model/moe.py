@@ -175,6 +175,11 @@ def experts_loop(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 
 
 class MoE(nn.Module):
+    sum_in_consumer = True
+    """The decoder layer takes `parts` and adds them in its hyper_post; False where the sum
+    must come out of `forward` itself (a forward hook reads it: the tensor-parallel
+    all-reduce)."""
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, fp8_block: int | None) -> None:
         super().__init__()
         self.gate = Router(config, dtype)
@@ -183,9 +188,15 @@ class MoE(nn.Module):
         self.shared_experts = MLP(config.hidden_size, width, config.swiglu_limit, dtype, fp8_block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routed, shared = self.parts(x)
+        return routed + shared
+
+    def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routed experts' output, shared expert's output): `forward` is their sum, which a
+        caller may fold into its next kernel (the decoder layer's hyper_post)."""
         ids, weights = self.gate(x)
         # The routed experts start first: CPU experts (hybrid placement) are handed off as soon
         # as routing is known, and run while the GPU computes the shared expert.
         pending = self.experts.start(x, ids, weights)
         shared = self.shared_experts(x)
-        return self.experts.finish(pending) + shared
+        return self.experts.finish(pending), shared

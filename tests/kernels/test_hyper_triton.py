@@ -189,6 +189,29 @@ def test_hyper_pre_with_the_input_norm_reference_dispatch():
     assert torch.equal(got[2], rms_norm_ref(want[2], weight, 1e-6))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_hyper_post_adds_a_second_block_output(dtype, nan_empty):
+    """`extra` (a MoE's shared expert output) is added to the block output first, rounded as
+    the kernels round: then the same bits as the post of the rounded sum."""
+    streams, fn, base, scale, y = _case(3, 4, 200, dtype)
+    y2 = (torch.randn(y.shape, generator=torch.Generator().manual_seed(8)) * 3).to(dtype)
+    y2 = y2.to(y.device)
+    post, comb, _ = hyper_pre(streams, fn, base, scale, **KW)
+    got = hyper_post(y, streams, post, comb, extra=y2)
+    summed = _round(y.float() + y2.float(), dtype)
+    assert torch.equal(got, hyper_post(summed, streams, post, comb))
+    assert not torch.equal(got, hyper_post(y, streams, post, comb))
+
+
+def test_hyper_post_second_output_reference_dispatch():
+    if DEVICE != "cpu":
+        pytest.skip("the dispatcher takes Triton on CUDA")
+    streams, fn, base, scale, y = _case(3, 4, 64, torch.float32)
+    post, comb, _ = hyper_pre_ref(streams, fn, base, scale, **KW)
+    got = hyper.hyper_post(y, streams, post, comb, extra=2 * y)
+    assert torch.equal(got, hyper_post_ref(y + 2 * y, streams, post, comb))
+
+
 def test_sinkhorn_is_not_trivial_here():
     """The cases above would catch a wrong iteration count: comb moves after the first step."""
     streams, fn, base, scale, _ = _case(17, 4, 200, torch.float32)

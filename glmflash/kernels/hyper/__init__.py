@@ -31,13 +31,15 @@ def hyper_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale
 
 
 def hyper_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
-               comb: torch.Tensor) -> torch.Tensor:
-    """New streams `[T, S, D]` from the block output and the pre weights; see `hyper_post_ref`."""
+               comb: torch.Tensor, *, extra: torch.Tensor | None = None) -> torch.Tensor:
+    """New streams `[T, S, D]` from the block output and the pre weights; see `hyper_post_ref`.
+    `extra`: a second block output, added to the first (the Triton kernel adds it in the same
+    launch)."""
     if use_triton(streams, "hyper"):
         from glmflash.kernels.hyper import triton_impl
 
-        return triton_impl.hyper_post(block_out, streams, post, comb)
-    return hyper_post_ref(block_out, streams, post, comb)
+        return triton_impl.hyper_post(block_out, streams, post, comb, extra=extra)
+    return hyper_post_ref(block_out if extra is None else block_out + extra, streams, post, comb)
 
 
 __all__ = ["hyper_post", "hyper_post_ref", "hyper_pre", "hyper_pre_ref"]

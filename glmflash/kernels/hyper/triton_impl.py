@@ -258,15 +258,21 @@ def hyper_pre_kernel(x, fn, base, scale, post, comb, out, part, arrivals, norm_w
 
 
 @jit
-def hyper_post_kernel(y, x, post, comb, out, D, stride_y, S: tl.constexpr, BD: tl.constexpr):
+def hyper_post_kernel(y, y2, x, post, comb, out, D, stride_y, stride_y2, S: tl.constexpr,
+                      BD: tl.constexpr, TWO: tl.constexpr):
     """out[t, j, d] = post[t, j] y[t, d] + sum_i comb[t, i, j] x[t, i, d], features
-    [i_d * BD, +BD); the weights rounded to the streams' dtype first, as the reference does."""
+    [i_d * BD, +BD); the weights rounded to the streams' dtype first, as the reference does.
+    With TWO the block output is y + y2 rounded to the streams' dtype (a MoE's routed and shared
+    parts, added as the reference adds them)."""
     i_t, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_s = tl.arange(0, S)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
     dt = out.dtype.element_ty
     b_y = tl.load(y + i_t * stride_y + o_d, mask=m_d, other=0.0).to(tl.float32)
+    if TWO:
+        b_y2 = tl.load(y2 + i_t * stride_y2 + o_d, mask=m_d, other=0.0).to(tl.float32)
+        b_y = (b_y + b_y2).to(dt).to(tl.float32)
     b_post = tl.load(post + i_t * S + o_s).to(dt).to(tl.float32)  # [S]
     b_acc = b_post[:, None] * b_y[None, :]  # [S, BD]
     p_x = x + i_t * (S * D) + o_d
@@ -276,8 +282,6 @@ def hyper_post_kernel(y, x, post, comb, out, D, stride_y, S: tl.constexpr, BD: t
         b_acc += b_c[:, None] * b_x[None, :]
     p_o = out + i_t * (S * D) + o_s[:, None] * D + o_d[None, :]
     tl.store(p_o, b_acc.to(dt), mask=m_d[None, :])
-
-
 
 
 def default_pre_config(num_tokens: int, num_streams: int, num_sms: int,
@@ -390,23 +394,27 @@ def hyper_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale
 
 
 def hyper_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
-               comb: torch.Tensor, *, config: HyperPostConfig | None = None) -> torch.Tensor:
+               comb: torch.Tensor, *, extra: torch.Tensor | None = None,
+               config: HyperPostConfig | None = None) -> torch.Tensor:
     """Triton `hyper_post_ref`: block_out `[T, D]`, streams `[T, S, D]`, post `[T, S]`, comb
-    `[T, S, S]` -> `[T, S, D]` in the streams' dtype. One launch, no host sync."""
+    `[T, S, S]` -> `[T, S, D]` in the streams' dtype. `extra` `[T, D]`: a second block output
+    added first (`block_out + extra`, rounded as torch rounds it). One launch, no host sync."""
     assert streams.dim() == 3 and streams.is_contiguous(), "streams must be contiguous [T, S, D]"
     num_tokens, s, d = streams.shape
     assert s & (s - 1) == 0, f"the stream count must be a power of two, got {s}"
-    assert block_out.shape == (num_tokens, d) and block_out.stride(1) == 1
-    assert block_out.dtype == streams.dtype, "block output and streams share the model dtype"
+    for y in (block_out,) if extra is None else (block_out, extra):
+        assert y.shape == (num_tokens, d) and y.stride(1) == 1
+        assert y.dtype == streams.dtype, "block outputs and streams share the model dtype"
     assert post.shape == (num_tokens, s) and post.is_contiguous()
     assert comb.shape == (num_tokens, s, s) and comb.is_contiguous()
     out = torch.empty_like(streams)
     if num_tokens == 0:
         return out
     cfg = config or default_post_config(num_tokens)
+    y2 = block_out if extra is None else extra
     hyper_post_kernel[(num_tokens, triton.cdiv(d, cfg.block_d))](
-        block_out, streams, post, comb, out, d, block_out.stride(0), S=s, BD=cfg.block_d,
-        num_warps=cfg.num_warps)
+        block_out, y2, streams, post, comb, out, d, block_out.stride(0), y2.stride(0), S=s,
+        BD=cfg.block_d, TWO=extra is not None, num_warps=cfg.num_warps)
     return out
 
 

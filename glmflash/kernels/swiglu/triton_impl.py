@@ -1,0 +1,50 @@
+"""Triton clamped SwiGLU over a stacked [gate | up] product: one launch where the reference takes
+four (two clamps, the silu and the product)."""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the package must import without triton; the launchers need it
+    triton = None
+
+from glmflash.kernels.triton_utils import jit
+
+# Features per program: small rows (decode) still spread over several programs.
+BLOCK = 1024
+
+
+@jit
+def swiglu_kernel(gate_up, out, width, stride_in, stride_out, limit, BLOCK: tl.constexpr):
+    """Row `i`, features [j * BLOCK, +BLOCK): out = silu(min(g, L)) * clip(u, -L, L), with the
+    silu rounded to out's dtype before the product (torch rounds each op's result)."""
+    i, j = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o = j * BLOCK + tl.arange(0, BLOCK)
+    m = o < width
+    p_row = gate_up + i * stride_in
+    g = tl.minimum(tl.load(p_row + o, mask=m, other=0.0).to(tl.float32), limit)
+    u = tl.load(p_row + width + o, mask=m, other=0.0).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    dt = out.dtype.element_ty
+    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    tl.store(out + i * stride_out + o, (act * u).to(dt), mask=m)
+
+
+def clamped_swiglu_stacked(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """`clamped_swiglu_ref(gate, up)` of `gate_up` `[..., 2W]` (gate then up) -> `[..., W]`."""
+    assert gate_up.shape[-1] % 2 == 0
+    lead, width = gate_up.shape[:-1], gate_up.shape[-1] // 2
+    gate_up = gate_up.reshape(-1, 2 * width)
+    if gate_up.stride(1) != 1:
+        gate_up = gate_up.contiguous()
+    rows = gate_up.shape[0]
+    out = torch.empty(*lead, width, dtype=gate_up.dtype, device=gate_up.device)
+    if rows and width:
+        block = min(BLOCK, triton.next_power_of_2(width))
+        swiglu_kernel[(rows, triton.cdiv(width, block))](
+            gate_up, out, width, gate_up.stride(0), width, limit, BLOCK=block,
+            num_warps=4)
+    return out

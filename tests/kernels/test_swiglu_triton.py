@@ -1,0 +1,98 @@
+"""Triton clamped SwiGLU over a stacked [gate | up] product against swiglu/ref.py (interpreter
+on the CPU, compiled with CUDA), and the MLP that feeds it one product over its stacked gate and
+up weights (plain and block-FP8) against the two products it replaces."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from glmflash.kernels.fp8_gemm.ref import quantize_block_fp8
+from glmflash.kernels.swiglu import clamped_swiglu_ref
+from glmflash.kernels.swiglu import clamped_swiglu_stacked as dispatched
+from glmflash.kernels.swiglu.triton_impl import clamped_swiglu_stacked
+from glmflash.model.layers import MLP, stacked_linear
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+LIMIT = 7.0
+
+
+def _gate_up(rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(rows * 1000 + width)
+    # Values past the limit on both sides, so every clamp binds somewhere.
+    return (torch.randn(rows, 2 * width, generator=gen) * 6).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (3, 1000), (2, 2500)],
+                         ids=["one-row", "tail", "blocks-and-tail"])
+def test_fp32_matches_the_reference(shape, nan_empty):
+    gate_up = _gate_up(*shape, torch.float32)
+    assert (gate_up.abs() > LIMIT).any()
+    got = clamped_swiglu_stacked(gate_up, LIMIT)
+    want = clamped_swiglu_ref(*gate_up.chunk(2, dim=-1), LIMIT)
+    # exp and the division in another order: a few fp32 ulps.
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+
+
+def test_bf16_rounds_like_the_reference(nan_empty):
+    """Two roundings as torch's ops (the silu, then the product): at most one ulp each where the
+    silu's last bit differs (the interpreter truncates, the GPU rounds to nearest)."""
+    gate_up = _gate_up(5, 700, torch.bfloat16)
+    got = clamped_swiglu_stacked(gate_up, LIMIT).float()
+    want = clamped_swiglu_ref(*gate_up.chunk(2, dim=-1), LIMIT).float()
+    ulp = want.abs().clamp(min=1e-30) * 2.0 ** -7
+    assert ((got - want).abs() <= 2 * ulp).all()
+    if not INTERPRETED:
+        assert (got == want).float().mean() > 0.99
+
+
+def test_leading_dims_and_the_cpu_dispatch():
+    gate_up = _gate_up(6, 96, torch.float32).view(2, 3, 192)
+    got = clamped_swiglu_stacked(gate_up, LIMIT)
+    assert got.shape == (2, 3, 96)
+    torch.testing.assert_close(got, dispatched(gate_up.cpu(), LIMIT).to(got.device), rtol=2e-6,
+                               atol=1e-6)
+
+
+def _mlp(fp8: bool) -> MLP:
+    gen = torch.Generator().manual_seed(1)
+    mlp = MLP(64, 256, LIMIT, torch.float32, 128 if fp8 else None)
+    for linear in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        weight = torch.randn(linear.weight.shape, generator=gen) * 0.2
+        if fp8:
+            codes, scales = quantize_block_fp8(weight, block=128)
+            linear.weight.data.copy_(codes)
+            linear.weight_scale_inv.data.copy_(scales)
+        else:
+            linear.weight.data.copy_(weight)
+    return mlp
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])
+def test_mlp_takes_one_stacked_product(fp8):
+    """The stacked product equals the gate and up products it replaces, the parameters become
+    views of the stacked tensors (one copy, the same state dict), and it is built once."""
+    mlp = _mlp(fp8)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = mlp.down_proj(clamped_swiglu_ref(mlp.gate_proj(x), mlp.up_proj(x), LIMIT))
+        keys = set(mlp.state_dict())
+        got = mlp(x)
+    joined = stacked_linear((mlp.gate_proj, mlp.up_proj))
+    assert joined is stacked_linear((mlp.gate_proj, mlp.up_proj))
+    assert mlp.gate_proj.weight.data_ptr() == joined.weight.data_ptr()
+    assert mlp.up_proj.weight.untyped_storage().data_ptr() == joined.weight.data_ptr()
+    assert set(mlp.state_dict()) == keys
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_release_width_bf16_gpu():
+    gate_up = _gate_up(4, 2048, torch.bfloat16)
+    got = clamped_swiglu_stacked(gate_up, LIMIT).float()
+    want = clamped_swiglu_ref(*gate_up.chunk(2, dim=-1), LIMIT).float()
+    ulp = want.abs().clamp(min=1e-30) * 2.0 ** -7
+    assert ((got - want).abs() <= 2 * ulp).all() and (got == want).float().mean() > 0.99
