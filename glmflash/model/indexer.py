@@ -16,7 +16,7 @@ from glmflash.kernels.indexer import (
     write_plan,
 )
 from glmflash.model.forward_batch import ForwardBatch
-from glmflash.model.layers import Linear
+from glmflash.model.layers import Linear, stacked_parameters
 from glmflash.model.state import ModelState
 from glmflash.model.verify import verify_indexer_write
 
@@ -46,11 +46,15 @@ class Indexer(nn.Module):
 
         Returns the attended slots `[T, W]`.
         """
-        keys = self.k_norm(self.wk(x))
-        gates = nn.functional.linear(x, self.index_kpool_compress_gate)
+        # The three products of x (key, pool gate, head weights) as one over stacked weights.
+        stacked = stacked_parameters((self.wk.weight, self.index_kpool_compress_gate,
+                                      self.weights_proj.weight))
+        key, gates, head_weights = nn.functional.linear(x, stacked).split(
+            [self.head_dim, self.head_dim, self.num_heads], dim=-1)
+        keys = self.k_norm(key)
         self.write(keys, gates, batch, state)
         q = self.wq_b(q_latent).view(x.shape[0], self.num_heads, self.head_dim)
-        weights = self.weights_proj(x).float() * self.num_heads ** -0.5
+        weights = head_weights.float() * self.num_heads ** -0.5
         selects = batch.cached("indexer_select", lambda: self.select_plan(batch, x.device))
         return indexer_select(q, weights, state.pool_keys[self.layer_idx], batch.page_table,
                               selects, page_size=batch.page_size, topk=self.topk,

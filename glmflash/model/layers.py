@@ -110,9 +110,8 @@ def stacked_linear(projections: tuple[Linear, ...]) -> Linear:
     are its columns in order. Built once: the parameters become views of the stacked tensors
     (one copy in memory), and it is rebuilt if a parameter is moved or replaced."""
     first = projections[0]
-    key = tuple((p.weight.data_ptr(), p.weight.device) for p in projections)
     held = first.__dict__.get("_stacked_linear")
-    if held is not None and held[0] == key:
+    if held is not None and held[0] == _storage_key(tuple(p.weight for p in projections)):
         return held[1]
     rows, cols = sum(p.weight.shape[0] for p in projections), first.weight.shape[1]
     with torch.device("meta"):  # its parameters take the stacked tensors below
@@ -126,29 +125,38 @@ def stacked_linear(projections: tuple[Linear, ...]) -> Linear:
             part = getattr(p, name)
             part.data = stacked[offset: offset + part.shape[0]]
             offset += part.shape[0]
-    key = tuple((p.weight.data_ptr(), p.weight.device) for p in projections)
-    first.__dict__["_stacked_linear"] = (key, joined)  # not a submodule: no second state-dict entry
+    # Kept outside the module tree: not a submodule, no second state-dict entry.
+    first.__dict__["_stacked_linear"] = (_storage_key(tuple(p.weight for p in projections)),
+                                         joined)
     return joined
 
 
 def fused_weight(projections: tuple[nn.Module, ...]) -> torch.Tensor:
     """The weights of plain `Linear`s that read the same input, stacked `[sum N, K]`, so one
-    product replaces several launches. Built once: the parameters become views of the stacked
-    weight (one copy in memory), and it is rebuilt if a parameter is moved or replaced."""
+    product replaces several launches (`stacked_parameters`)."""
     assert all(p.bias is None and not p.fp8_block for p in projections)
-    first = projections[0].weight
+    return stacked_parameters(tuple(p.weight for p in projections))
+
+
+def stacked_parameters(params: tuple[nn.Parameter, ...]) -> torch.Tensor:
+    """Parameters of one row width stacked `[sum N, K]`. Built once: the parameters become
+    views of the stacked tensor (one copy in memory), and it is rebuilt if one of them is moved
+    or replaced. While training, a plain copy (a stacked parameter would cut the gradient)."""
+    first = params[0]
     if first.requires_grad and torch.is_grad_enabled():
-        # Training: a stacked copy would cut the gradient to the parameters.
-        return torch.cat([p.weight for p in projections])
-    stacked = getattr(projections[0], "_stacked", None)
-    if stacked is not None and stacked.data_ptr() == first.data_ptr() and \
-            stacked.device == first.device:
-        return stacked
-    stacked = torch.cat([p.weight.data for p in projections])
+        return torch.cat(params)
+    held = getattr(first, "_stacked", None)
+    if held is not None and held[0] == _storage_key(params):
+        return held[1]
+    stacked = torch.cat([p.data for p in params])
     offset = 0
-    for p in projections:
-        rows = p.weight.shape[0]
-        p.weight.data = stacked[offset: offset + rows]
+    for p in params:
+        rows = p.shape[0]
+        p.data = stacked[offset: offset + rows]
         offset += rows
-    projections[0]._stacked = stacked
+    first._stacked = (_storage_key(params), stacked)
     return stacked
+
+
+def _storage_key(params: tuple[torch.Tensor, ...]) -> tuple:
+    return tuple((p.data_ptr(), p.device) for p in params)
