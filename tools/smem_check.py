@@ -144,11 +144,12 @@ def sparse_mla_launch(regime: str, shape) -> Launch:
 
 
 def kda_launches(with_prefill: bool) -> list[Launch]:
-    ptrs = dict.fromkeys(("q", "k", "v", "o"), "*bf16")
-    ptrs.update(g="*fp32", beta="*bf16", state="*fp32", meta="*i32")
+    # Decode as the model runs it: the gates formed in the step from f and b (bf16).
+    ptrs = dict.fromkeys(("q", "k", "v", "o", "g", "beta"), "*bf16")
+    ptrs.update(state="*fp32", meta="*i32", dt_bias="*fp32", a_log="*fp32", lower_bound="fp32")
     config = kda.DEFAULT_CONFIG
     out = [Launch(f"kda decode BV{bv}", kda.kda_decode_kernel, ptrs,
-                  dict(H=64, K=128, V=128, BK=128, BV=bv), warps)
+                  dict(H=64, K=128, V=128, BK=128, BV=bv, GATES=True, HAS_LB=True), warps)
            for bv, warps in (config.decode_narrow, config.decode_wide)]
     walk = dict.fromkeys(("w", "u", "qg", "kd", "aqk", "o"), "*bf16")
     walk.update(gl="*fp32", state="*fp32", meta="*i32")
@@ -172,7 +173,8 @@ def kda_verify_launches(decode_ptrs: dict, conv_ptrs: dict) -> list[Launch]:
     ptrs = {**decode_ptrs, **metas, "saved": "*fp32"}
     ptrs.pop("meta")
     out = [Launch(f"kda verify BV{bv}", kda_verify.kda_verify_kernel, ptrs,
-                  dict(H=64, K=128, V=128, BK=128, BV=bv, SAVE=True), warps)
+                  dict(H=64, K=128, V=128, BK=128, BV=bv, SAVE=True, GATES=True, HAS_LB=True),
+                  warps)
            for bv, warps in (config.decode_narrow, config.decode_wide)]
     conv = {**conv_ptrs, **metas, "saved": "*bf16"}
     conv.pop("meta")

@@ -7,6 +7,7 @@ from torch import nn
 
 from glmflash.config import ModelConfig
 from glmflash.kernels.kda import (
+    GateParams,
     causal_conv1d,
     causal_conv1d_decode,
     gated_rms_norm,
@@ -67,12 +68,15 @@ class KimiDeltaAttention(nn.Module):
             mixed = causal_conv1d(mixed, self.conv_weight(), conv_state, batch.cu_seqlens,
                                   batch.state_slots, batch.is_fresh)
         q, k, v = (t.view(num_tokens, heads, d) for t in mixed.chunk(3, dim=-1))
-        g, beta = kda_gates(self.f_b_proj(f_a), self.dt_bias, self.A_log, b, self.lower_bound)
+        f = self.f_b_proj(f_a)
+        # Decode and verify steps form the gates from f and b themselves (one launch fewer).
+        gates = GateParams(self.dt_bias, self.A_log, self.lower_bound)
         if batch.verify is not None:
-            o = verify_kda(q, k, v, g, beta, recurrent, batch.verify, self.layer_idx)
+            o = verify_kda(q, k, v, f, b, recurrent, batch.verify, self.layer_idx, gates)
         elif batch.decode is not None:
-            o = kda_decode(q, k, v, g, beta, recurrent, batch.decode.kda_meta)
+            o = kda_decode(q, k, v, f, b, recurrent, batch.decode.kda_meta, gates=gates)
         else:
+            g, beta = kda_gates(f, self.dt_bias, self.A_log, b, self.lower_bound)
             o = kda(q, k, v, g, beta, recurrent, batch.cu_seqlens, batch.state_slots,
                     batch.is_fresh)
         return self.o_proj(gated_rms_norm(o, self.g_b_proj(g_a), self.o_norm.weight,

@@ -28,7 +28,7 @@ import torch
 
 from glmflash.config import ModelConfig
 from glmflash.kernels.indexer import indexer_write_verify
-from glmflash.kernels.kda import causal_conv1d_verify, kda_verify
+from glmflash.kernels.kda import GateParams, causal_conv1d_verify, kda_verify
 from glmflash.kernels.row_copy import copy_rows
 from glmflash.model.forward_batch import DECODE_WIDTH, ForwardBatch, decode_batch, pack_decode
 from glmflash.model.state import ModelState, StateBlock
@@ -197,13 +197,15 @@ def verify_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
 
 
 def verify_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-               beta: torch.Tensor, state: torch.Tensor, verify: VerifyInputs,
-               layer: int) -> torch.Tensor:
+               beta: torch.Tensor, state: torch.Tensor, verify: VerifyInputs, layer: int,
+               gates: GateParams | None = None) -> torch.Tensor:
     """The KDA decode step over every row (each sequence's rows in order, the state after each
-    but a sequence's last kept in the scratch); o `[T, H, dv]`."""
+    but a sequence's last kept in the scratch); o `[T, H, dv]`. `gates`: g and beta are the
+    gates' pre-activations (`kda_decode`)."""
     saved = _rows(verify.scratch.recurrent[layer]) if verify.scratch else None
     num_steps = verify.scratch.num_steps if verify.scratch else 0
-    return kda_verify(q, k, v, g, beta, state, verify.rows, verify.seqs, saved, num_steps)
+    return kda_verify(q, k, v, g, beta, state, verify.rows, verify.seqs, saved, num_steps,
+                      gates=gates)
 
 
 def verify_indexer_write(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor,

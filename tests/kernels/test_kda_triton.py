@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glmflash.kernels.kda import causal_conv1d_ref, kda_ref
+from glmflash.kernels.kda import causal_conv1d_ref, kda_ref, triton_impl
 from glmflash.kernels.kda.triton_impl import causal_conv1d, kda
 from tests.kernels.kda_cases import (
     DEVICE,
@@ -87,6 +87,27 @@ def test_decode_rows_read_and_written_in_place(impl):
     assert (out[rows] - want).abs().max().item() < FP32_TOL
     assert out[[1, 2, 4]].isnan().all()
     assert torch.allclose(c_got, c_ref, atol=FP32_TOL)
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["lower_bound", "softplus"])
+def test_decode_forms_the_gates_bit_for_bit(lower_bound):
+    """With GateParams the decode step takes f and b and forms g and beta itself: the same
+    output and state bits as kda_gates, then the step on its g and beta."""
+    from glmflash.kernels.kda.gates_triton import kda_gates
+    from glmflash.kernels.kda.ref import GateParams
+
+    q, k, v, _, _, state = kda_inputs([1] * 3, heads=2, dim=16, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(4)
+    f = (torch.randn(3, 32, generator=gen) * 4).bfloat16().to(DEVICE)
+    b = torch.randn(3, 2, generator=gen).bfloat16().to(DEVICE)
+    params = GateParams(torch.randn(32, generator=gen).to(DEVICE),
+                        torch.randn(2, generator=gen).to(DEVICE), lower_bound)
+    meta = torch.tensor([[2, 1, 0], [0, 3, 1], [1, 0, 0]], dtype=torch.int32, device=DEVICE)
+    g, beta = kda_gates(f, params.dt_bias, params.a_log, b, lower_bound)
+    s_want, s_got = state.clone(), state.clone()
+    want = triton_impl.kda_decode(q, k, v, g, beta, s_want, meta)
+    got = triton_impl.kda_decode(q, k, v, f, b, s_got, meta, gates=params)
+    assert torch.equal(got, want) and torch.equal(s_got, s_want)
 
 
 CONV_CASES = {

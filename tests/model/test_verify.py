@@ -17,7 +17,7 @@ import torch
 
 import glmflash.model.verify as verify_module
 from glmflash.kernels.indexer import indexer_write, write_plan
-from glmflash.kernels.kda import causal_conv1d, kda
+from glmflash.kernels.kda import causal_conv1d, kda, kda_gates
 from glmflash.model.forward_batch import build_forward_batch, contiguous_page_table, token_slots_of
 from glmflash.model.mtp import GlmMtp, load_mtp, with_mtp_layer
 from glmflash.model.state import ModelState
@@ -86,10 +86,13 @@ def _one_token_steps(calls, ref: dict, table: torch.Tensor, num_positions: int,
     """Replay the recorded per-token inputs of the first `num_positions` positions (one
     sequence: rows 0, 1, ...), one token per step, through the varlen entry points (as a
     prefill of one token would run them)."""
-    for name, layer, args, _ in calls:
+    for name, layer, args, kwargs in calls:
         for row in range(num_positions):
             if name == "kda_verify":
                 q, k, v, g, beta = (t[[row]] for t in args[:5])
+                gates = kwargs.get("gates")
+                if gates is not None:  # g and beta came as the gates' pre-activations
+                    g, beta = kda_gates(g, gates.dt_bias, gates.a_log, beta, gates.lower_bound)
                 kda(q, k, v, g, beta, ref["recurrent"][layer], [0, 1], [0], [False])
             elif name == "causal_conv1d_verify":
                 causal_conv1d(args[0][[row]], args[1], ref["conv"][layer], [0, 1], [0], [False])

@@ -11,6 +11,7 @@ import torch
 
 from glmflash.kernels.dispatch import use_triton
 from glmflash.kernels.kda.ref import (
+    GateParams,
     causal_conv1d_ref,
     gated_rms_norm_ref,
     kda_gates_ref,
@@ -45,16 +46,21 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
 
 def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                beta: torch.Tensor, state: torch.Tensor, meta: torch.Tensor,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, *,
+               gates: GateParams | None = None) -> torch.Tensor:
     """`kda` over one token per sequence, with the rows on the device: `meta` `[B, 3]` int32
     (token row, state slot, fresh). The output has the inputs' rows (`out`, when given) and
     only the meta's token rows are written, so a verify reads and writes its positions' rows
-    in place. The Triton path reads nothing on the host (CUDA graphs); the reference reads
-    `meta` back."""
+    in place. With `gates` (`GateParams`), g and beta are the gates' pre-activations f and b,
+    which the Triton step turns into gates itself (one launch fewer than `kda_gates` first).
+    The Triton path reads nothing on the host (CUDA graphs); the reference reads `meta`
+    back."""
     if use_triton(q, "kda"):
         from glmflash.kernels.kda import triton_impl
 
-        return triton_impl.kda_decode(q, k, v, g, beta, state, meta, out)
+        return triton_impl.kda_decode(q, k, v, g, beta, state, meta, out, gates=gates)
+    if gates is not None:
+        g, beta = kda_gates_ref(g, gates.dt_bias, gates.a_log, beta, gates.lower_bound)
     rows = meta.tolist()
     tokens = [r[0] for r in rows]
     o = kda_ref(q[tokens], k[tokens], v[tokens], g[tokens], beta[tokens], state,
@@ -85,18 +91,20 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
 
 def kda_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                beta: torch.Tensor, state: torch.Tensor, rows: torch.Tensor, seqs: torch.Tensor,
-               saved: torch.Tensor | None, num_steps: int,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               saved: torch.Tensor | None, num_steps: int, out: torch.Tensor | None = None, *,
+               gates: GateParams | None = None) -> torch.Tensor:
     """`kda_decode` over a speculative verify's rows, sequence by sequence: `rows` `[T, 3]`
     int32 (token row, state slot, fresh), `seqs` `[B, 3]` int32 (first row, rows, scratch row
     or -1); after each row but a sequence's last, its slot's state is also written to
-    `saved[scratch_row * num_steps + j]` (`saved` None: nothing kept). The Triton path is one
-    launch (verify_triton.py); the reference steps one row at a time and reads the metas
-    back."""
+    `saved[scratch_row * num_steps + j]` (`saved` None: nothing kept). `gates` as in
+    `kda_decode`. The Triton path is one launch (verify_triton.py); the reference steps one
+    row at a time and reads the metas back."""
     if use_triton(q, "kda"):
         from glmflash.kernels.kda.verify_triton import kda_verify as impl
 
-        return impl(q, k, v, g, beta, state, rows, seqs, saved, num_steps, out)
+        return impl(q, k, v, g, beta, state, rows, seqs, saved, num_steps, out, gates=gates)
+    if gates is not None:
+        g, beta = kda_gates_ref(g, gates.dt_bias, gates.a_log, beta, gates.lower_bound)
     if out is None:
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     for first, count, scratch_row in seqs.tolist():
@@ -148,6 +156,6 @@ def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     return impl(o, gate, weight, eps)
 
 
-__all__ = ["causal_conv1d", "causal_conv1d_decode", "causal_conv1d_ref", "causal_conv1d_verify",
-           "gated_rms_norm", "gated_rms_norm_ref", "kda", "kda_decode", "kda_gates",
-           "kda_gates_ref", "kda_ref", "kda_verify"]
+__all__ = ["GateParams", "causal_conv1d", "causal_conv1d_decode", "causal_conv1d_ref",
+           "causal_conv1d_verify", "gated_rms_norm", "gated_rms_norm_ref", "kda", "kda_decode",
+           "kda_gates", "kda_gates_ref", "kda_ref", "kda_verify"]

@@ -7,8 +7,20 @@ updated in place; `is_fresh[b]` means the sequence starts here (zero history).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
+
+
+class GateParams(NamedTuple):
+    """The forget gate's parameters, for a decode step that forms the gates itself from their
+    pre-activations (`kda_gates_ref`): then `g` holds f `[T, H * dk]` and `beta` holds b
+    `[T, H]`, and the step computes the log-decay and sigmoid(b) as `kda_gates` does."""
+
+    dt_bias: torch.Tensor
+    a_log: torch.Tensor
+    lower_bound: float | None
 
 
 def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,

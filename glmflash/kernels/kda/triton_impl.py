@@ -16,6 +16,7 @@ import torch
 from glmflash.kernels.kda import chunk_stages
 from glmflash.kernels.kda.chunk_stages import StagedConfig
 from glmflash.kernels.kda.chunk_walk import CHUNK
+from glmflash.kernels.kda.ref import GateParams
 from glmflash.utils.device import upload
 
 try:
@@ -87,9 +88,10 @@ def _check_heads(t: torch.Tensor, name: str) -> None:
 
 
 @jit
-def kda_decode_kernel(q, k, v, g, beta, state, o, meta, scale, stride_q, stride_k, stride_v,
-                      stride_g, stride_b, stride_o, H: tl.constexpr, K: tl.constexpr,
-                      V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+def kda_decode_kernel(q, k, v, g, beta, state, o, meta, dt_bias, a_log, lower_bound, scale,
+                      stride_q, stride_k, stride_v, stride_g, stride_b, stride_o,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                      BV: tl.constexpr, GATES: tl.constexpr, HAS_LB: tl.constexpr):
     """One token per sequence: l2norm, decay, delta-rule update and output, state in place."""
     i_b, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     tok = tl.load(meta + i_b * 3).to(tl.int64)
@@ -100,8 +102,9 @@ def kda_decode_kernel(q, k, v, g, beta, state, o, meta, scale, stride_q, stride_
     m_s = (o_k < K)[:, None] & (o_v < V)[None, :]
     p_s = state + ((slot * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
     b_s = tl.load(p_s, mask=m_s & (splat(o_k, fresh)[:, None] == 0), other=0.0)  # [BK, BV]
-    b_s = kda_token_step(q, k, v, g, beta, o, b_s, tok, i_h, o_k, o_v, scale, stride_q,
-                         stride_k, stride_v, stride_g, stride_b, stride_o, K, V)
+    b_s = kda_token_step(q, k, v, g, beta, o, b_s, tok, i_h, o_k, o_v, dt_bias, a_log,
+                         lower_bound, scale, stride_q, stride_k, stride_v, stride_g, stride_b,
+                         stride_o, K, V, GATES, HAS_LB)
     tl.store(p_s, b_s, mask=m_s)
 
 
@@ -112,8 +115,29 @@ def splat(like, value):
 
 
 @jit
-def kda_token_step(q, k, v, g, beta, o, b_s, tok, i_h, o_k, o_v, scale, stride_q, stride_k,
-                   stride_v, stride_g, stride_b, stride_o, K: tl.constexpr, V: tl.constexpr):
+def token_gates(g, beta, tok, i_h, o_k, dt_bias, a_log, lower_bound, stride_g, stride_b,
+                K: tl.constexpr, GATES: tl.constexpr, HAS_LB: tl.constexpr):
+    """Token `tok`'s log-decay `[BK]` and beta of head `i_h` (fp32): loaded, or with GATES
+    formed from the pre-activations as kda_gates_kernel forms them (the same ops, so the same
+    bits)."""
+    m_k = o_k < K
+    b_g = tl.load(g + tok * stride_g + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta + tok * stride_b + i_h).to(tl.float32)
+    if GATES:
+        b_g += tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0)
+        rate = tl.exp(tl.load(a_log + i_h).to(tl.float32))
+        if HAS_LB:
+            b_g = lower_bound * tl.sigmoid(rate * b_g)
+        else:
+            b_g = -rate * tl.where(b_g > 20.0, b_g, tl.log(1.0 + tl.exp(b_g)))
+        b_beta = tl.sigmoid(b_beta).to(beta.dtype.element_ty).to(tl.float32)
+    return b_g, b_beta
+
+
+@jit
+def kda_token_step(q, k, v, g, beta, o, b_s, tok, i_h, o_k, o_v, dt_bias, a_log, lower_bound,
+                   scale, stride_q, stride_k, stride_v, stride_g, stride_b, stride_o,
+                   K: tl.constexpr, V: tl.constexpr, GATES: tl.constexpr, HAS_LB: tl.constexpr):
     """Token `tok`'s step of head `i_h` on the state tile `b_s` `[BK, BV]` (value columns
     `o_v`): l2norm of q and k, per-channel decay, delta-rule update; writes the output columns
     and returns the new tile. The decode and verify kernels share it, so a verify's states are
@@ -121,9 +145,9 @@ def kda_token_step(q, k, v, g, beta, o, b_s, tok, i_h, o_k, o_v, scale, stride_q
     m_k, m_v = o_k < K, o_v < V
     b_q = tl.load(q + tok * stride_q + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_k = tl.load(k + tok * stride_k + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_g = tl.load(g + tok * stride_g + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_v = tl.load(v + tok * stride_v + i_h * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-    b_beta = tl.load(beta + tok * stride_b + i_h).to(tl.float32)
+    b_g, b_beta = token_gates(g, beta, tok, i_h, o_k, dt_bias, a_log, lower_bound, stride_g,
+                              stride_b, K, GATES, HAS_LB)
     b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
     b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
     b_s = b_s * tl.exp(b_g)[:, None]
@@ -162,13 +186,13 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
 
 def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                beta: torch.Tensor, state: torch.Tensor, meta: torch.Tensor,
-               out: torch.Tensor | None = None, *,
+               out: torch.Tensor | None = None, *, gates: GateParams | None = None,
                config: KdaConfig = DEFAULT_CONFIG) -> torch.Tensor:
     """One token per sequence, rows described on the device: `meta` `[B, 3]` int32 (token row,
     state slot, fresh). Nothing is read on the host, so a CUDA graph can replay it. The
     output's rows are the inputs' (`out`, `[T, H, dv]`, when given): only the meta's rows are
-    written."""
-    for t, name in ((q, "q"), (k, "k"), (v, "v"), (g, "g")):
+    written. With `gates`, g and beta are the gates' pre-activations (`GateParams`)."""
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
         _check_heads(t, name)
     assert state.dtype == torch.float32 and state.is_contiguous()
     assert meta.dtype == torch.int32 and meta.is_contiguous() and meta.shape[1] == 3
@@ -178,21 +202,40 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     assert out.shape == (q.shape[0], q.shape[1], v.shape[2])
     assert out.stride(2) == 1 and out.stride(1) == v.shape[2]
     if meta.shape[0]:
-        _launch_decode(q, k, v, g, beta, state, out, meta, meta.shape[0], config)
+        _launch_decode(q, k, v, g, beta, state, out, meta, meta.shape[0], config, gates)
     return out
 
 
+def gate_operands(g: torch.Tensor, beta: torch.Tensor, gates: GateParams | None) -> tuple:
+    """(g, beta, dt_bias, a_log, lower bound, GATES, HAS_LB, g's row stride, beta's row
+    stride) for the decode and verify kernels: the gates as given, or their pre-activations
+    and parameters."""
+    heads = beta.shape[1]
+    assert beta.stride(1) == 1 and g.stride(-1) == 1
+    if gates is None:
+        assert g.dim() == 3 and g.stride(1) == g.shape[2], "g must be [T, H, dk], heads dense"
+        return g, beta, g, g, 0.0, False, False, g.stride(0), beta.stride(0)
+    assert g.dim() == 2 and g.shape[1] % heads == 0, "f must be [T, H * dk]"
+    assert gates.dt_bias.dtype == torch.float32 and gates.dt_bias.is_contiguous()
+    bound = gates.lower_bound
+    return (g, beta, gates.dt_bias, gates.a_log, 0.0 if bound is None else float(bound), True,
+            bound is not None, g.stride(0), beta.stride(0))
+
+
 def _launch_decode(q, k, v, g, beta, state, out, meta: torch.Tensor, num_decode: int,
-                   config: KdaConfig) -> None:
+                   config: KdaConfig, gates: GateParams | None = None) -> None:
     heads, dk, dv = q.shape[1], q.shape[2], v.shape[2]
     wide = num_decode >= config.decode_wide_batch
     bv, warps = config.decode_wide if wide else config.decode_narrow
     bv = min(bv, triton.next_power_of_2(dv))
+    g, beta, dt_bias, a_log, bound, fused, has_lb, stride_g, stride_b = \
+        gate_operands(g, beta, gates)
     grid = (num_decode, heads, triton.cdiv(dv, bv))
-    kda_decode_kernel[grid](q, k, v, g, beta, state, out, meta, dk ** -0.5, q.stride(0),
-                            k.stride(0), v.stride(0), g.stride(0), beta.stride(0),
-                            out.stride(0), H=heads, K=dk, V=dv, BK=triton.next_power_of_2(dk),
-                            BV=bv, num_warps=warps)
+    kda_decode_kernel[grid](q, k, v, g, beta, state, out, meta, dt_bias, a_log, bound,
+                            dk ** -0.5, q.stride(0), k.stride(0), v.stride(0), stride_g,
+                            stride_b, out.stride(0), H=heads, K=dk, V=dv,
+                            BK=triton.next_power_of_2(dk), BV=bv, GATES=fused, HAS_LB=has_lb,
+                            num_warps=warps)
 
 
 @jit
@@ -341,5 +384,5 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     return out
 
 
-__all__ = ["DEFAULT_CONFIG", "KdaConfig", "causal_conv1d", "causal_conv1d_decode", "kda",
-           "kda_decode"]
+__all__ = ["DEFAULT_CONFIG", "GateParams", "KdaConfig", "causal_conv1d", "causal_conv1d_decode",
+           "kda", "kda_decode"]

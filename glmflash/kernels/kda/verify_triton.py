@@ -20,10 +20,12 @@ import torch
 
 from glmflash.kernels.kda.triton_impl import (
     DEFAULT_CONFIG,
+    GateParams,
     KdaConfig,
     _check_heads,
     conv_block,
     conv_state_update,
+    gate_operands,
     kda_token_step,
     splat,
 )
@@ -37,10 +39,11 @@ except ImportError:  # the package must import without triton; the launchers nee
 
 
 @jit
-def kda_verify_kernel(q, k, v, g, beta, state, saved, o, rows, seqs, scale, num_steps, stride_q,
-                      stride_k, stride_v, stride_g, stride_b, stride_o, H: tl.constexpr,
-                      K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      SAVE: tl.constexpr):
+def kda_verify_kernel(q, k, v, g, beta, state, saved, o, rows, seqs, dt_bias, a_log,
+                      lower_bound, scale, num_steps, stride_q, stride_k, stride_v, stride_g,
+                      stride_b, stride_o, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr,
+                      GATES: tl.constexpr, HAS_LB: tl.constexpr):
     """One (sequence, head, value block): the rows of the sequence one after another."""
     i_b, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     first = tl.load(seqs + i_b * 3)
@@ -66,8 +69,9 @@ def kda_verify_kernel(q, k, v, g, beta, state, saved, o, rows, seqs, scale, num_
         b_new = tl.load(state + slot * slot_size + tile,
                         mask=m_s & on_switch & (splat(o_k, fresh)[:, None] == 0), other=0.0)
         b_s = tl.where(on_switch, b_new, b_s)
-        b_s = kda_token_step(q, k, v, g, beta, o, b_s, tok, i_h, o_k, o_v, scale, stride_q,
-                             stride_k, stride_v, stride_g, stride_b, stride_o, K, V)
+        b_s = kda_token_step(q, k, v, g, beta, o, b_s, tok, i_h, o_k, o_v, dt_bias, a_log,
+                             lower_bound, scale, stride_q, stride_k, stride_v, stride_g,
+                             stride_b, stride_o, K, V, GATES, HAS_LB)
         if SAVE:
             keep = ((scratch_row >= 0) & (j < num_rows - 1)).to(tl.int32)
             tl.store(saved + (scratch_row * num_steps + j) * slot_size + tile, b_s,
@@ -126,11 +130,13 @@ def _check_saved(saved: torch.Tensor | None, live: torch.Tensor) -> torch.Tensor
 def kda_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                beta: torch.Tensor, state: torch.Tensor, rows: torch.Tensor, seqs: torch.Tensor,
                saved: torch.Tensor | None, num_steps: int, out: torch.Tensor | None = None, *,
+               gates: GateParams | None = None,
                config: KdaConfig = DEFAULT_CONFIG) -> torch.Tensor:
     """The gated delta rule over a verify's rows (module docstring). `saved` `[R * num_steps,
     H, dk, dv]` takes the state after each row but a sequence's last (None: nothing kept).
-    Only the rows' outputs are written (`out` `[T, H, dv]` when given)."""
-    for t, name in ((q, "q"), (k, "k"), (v, "v"), (g, "g")):
+    Only the rows' outputs are written (`out` `[T, H, dv]` when given). With `gates`, g and
+    beta are the gates' pre-activations (as `kda_decode`)."""
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
         _check_heads(t, name)
     assert state.dtype == torch.float32 and state.is_contiguous()
     _check_metas(rows, seqs)
@@ -144,11 +150,13 @@ def kda_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         wide = num_seqs >= config.decode_wide_batch
         bv, warps = config.decode_wide if wide else config.decode_narrow
         bv = min(bv, triton.next_power_of_2(dv))
+        g, beta, dt_bias, a_log, bound, fused, has_lb, stride_g, stride_b = \
+            gate_operands(g, beta, gates)
         kda_verify_kernel[(num_seqs, heads, triton.cdiv(dv, bv))](
-            q, k, v, g, beta, state, target, out, rows, seqs, dk ** -0.5, num_steps,
-            q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), out.stride(0),
-            H=heads, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=bv, SAVE=saved is not None,
-            num_warps=warps)
+            q, k, v, g, beta, state, target, out, rows, seqs, dt_bias, a_log, bound,
+            dk ** -0.5, num_steps, q.stride(0), k.stride(0), v.stride(0), stride_g, stride_b,
+            out.stride(0), H=heads, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=bv,
+            SAVE=saved is not None, GATES=fused, HAS_LB=has_lb, num_warps=warps)
     return out
 
 
