@@ -16,7 +16,7 @@ from glmflash.kernels.kda import (
     kda_gates,
 )
 from glmflash.model.forward_batch import ForwardBatch
-from glmflash.model.layers import Linear, fused_weight
+from glmflash.model.layers import Linear, fused_weight, stacked_parameters
 from glmflash.model.state import ModelState
 from glmflash.model.verify import verify_conv, verify_kda
 from glmflash.utils.derived import kept
@@ -51,12 +51,13 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: ModelState) -> torch.Tensor:
         num_tokens = x.shape[0]
         heads, d = self.num_heads, self.head_dim
-        # q, k, v in one product; the small projections of x (forget gate, beta, output gate)
-        # in another.
+        # q, k, v in one product; the small projections of x (forget gate, output gate, beta)
+        # in another; the two gates' up-projections in a third (`_gate_projections`).
         mixed = nn.functional.linear(x, fused_weight((self.q_proj, self.k_proj, self.v_proj)))
-        small = nn.functional.linear(x, fused_weight((self.f_a_proj, self.b_proj,
-                                                      self.g_a_proj)))
-        f_a, b, g_a = small.split([d, heads, d], dim=-1)
+        small = nn.functional.linear(x, fused_weight((self.f_a_proj, self.g_a_proj,
+                                                      self.b_proj)))
+        f, out_gate = self._gate_projections(small[:, : 2 * d])
+        b = small[:, 2 * d:]
         conv_state, recurrent = state.conv[self.layer_idx], state.recurrent[self.layer_idx]
         if batch.verify is not None:
             mixed = verify_conv(mixed, self.conv_weight(), conv_state, batch.verify,
@@ -68,7 +69,6 @@ class KimiDeltaAttention(nn.Module):
             mixed = causal_conv1d(mixed, self.conv_weight(), conv_state, batch.cu_seqlens,
                                   batch.state_slots, batch.is_fresh)
         q, k, v = (t.view(num_tokens, heads, d) for t in mixed.chunk(3, dim=-1))
-        f = self.f_b_proj(f_a)
         # Decode and verify steps form the gates from f and b themselves (one launch fewer).
         gates = GateParams(self.dt_bias, self.A_log, self.lower_bound)
         if batch.verify is not None:
@@ -79,8 +79,17 @@ class KimiDeltaAttention(nn.Module):
             g, beta = kda_gates(f, self.dt_bias, self.A_log, b, self.lower_bound)
             o = kda(q, k, v, g, beta, recurrent, batch.cu_seqlens, batch.state_slots,
                     batch.is_fresh)
-        return self.o_proj(gated_rms_norm(o, self.g_b_proj(g_a), self.o_norm.weight,
-                                          self.norm_eps))
+        return self.o_proj(gated_rms_norm(o, out_gate, self.o_norm.weight, self.norm_eps))
+
+    def _gate_projections(self, low_rank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forget gate's and the output gate's up-projections of their low-rank halves of
+        `low_rank` `[T, 2d]` (f_a then g_a), as one batched product over the stacked weights:
+        (f `[T, H * d]`, output gate `[T, H * d]`)."""
+        width, d = self.f_b_proj.weight.shape
+        halves = low_rank.unflatten(-1, (2, d)).transpose(0, 1)  # [2, T, d], a view
+        weights = stacked_parameters((self.f_b_proj.weight, self.g_b_proj.weight))
+        up = torch.bmm(halves, weights.view(2, width, d).transpose(1, 2))
+        return up[0], up[1]
 
     def conv_weight(self) -> torch.Tensor:
         """The q, k, v conv filters stacked `[3 * width, kernel]` (fp32), made once."""
