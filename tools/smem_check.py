@@ -44,6 +44,7 @@ from glmflash.kernels.kda import chunk_stages as stages  # noqa: E402
 from glmflash.kernels.kda import chunk_walk as walk_kernels  # noqa: E402
 from glmflash.kernels.kda import triton_impl as kda  # noqa: E402
 from glmflash.kernels.kda import verify_triton as kda_verify  # noqa: E402
+from glmflash.kernels.rms_norm import triton_impl as rms_norm  # noqa: E402
 from glmflash.kernels.router import triton_impl as router  # noqa: E402
 from glmflash.kernels.row_copy import triton_impl as row_copy  # noqa: E402
 from glmflash.kernels.sparse_mla import combine_triton as mla_combine  # noqa: E402
@@ -325,6 +326,10 @@ def indexer_launches() -> list[Launch]:
               "scaling": "fp32"}
     out.append(Launch("router select", router.router_select_kernel, select,
                       dict(G=1, GP=1, EGP=512, TOPK_GROUPS=1, TOPK=8, KP=8, RENORM=True), 4))
+    out.append(Launch("rms_norm pair (MLA latents)", rms_norm.rms_norm_pair_kernel,
+                      dict.fromkeys(("x", "weight_a", "weight_b", "out_a", "out_b"), "*bf16")
+                      | {"rows_b": "*i64", "eps_a": "fp32", "eps_b": "fp32"},
+                      dict(BA=2048, BB=512), 4, aligned=("A", "B", "stride_x")))
     out.append(Launch("swiglu", swiglu.swiglu_kernel, {"gate_up": "*bf16", "out": "*bf16",
                                                         "limit": "fp32"},
                       dict(BLOCK=swiglu.BLOCK), 4, aligned=("width", "stride_in", "stride_out")))

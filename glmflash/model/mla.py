@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from glmflash.config import ModelConfig
+from glmflash.kernels.rms_norm import rms_norm_pair
 from glmflash.kernels.sparse_mla import sparse_mla, sparse_mla_workspace
 from glmflash.model.forward_batch import ForwardBatch
 from glmflash.model.indexer import Indexer
@@ -40,11 +41,9 @@ class MultiLatentAttention(nn.Module):
         The selection is passed on to a following layer that shares this layer's indexer.
         """
         num_tokens = x.shape[0]
-        q_a, kv_a = self._down_projections(x)
-        q_latent = self.q_a_layernorm(q_a)
-        q = self.q_b_proj(q_latent).view(num_tokens, self.num_heads, self.qk_dim)
         latent_cache = state.latent[self.layer_idx]
-        latent_cache[batch.token_slots] = self.kv_a_layernorm(kv_a).to(latent_cache.dtype)
+        q_latent = self._latents(x, latent_cache, batch.token_slots)
+        q = self.q_b_proj(q_latent).view(num_tokens, self.num_heads, self.qk_dim)
         if self.indexer is not None:
             selection = self.indexer(x, q_latent, batch, state)
         else:
@@ -62,11 +61,15 @@ class MultiLatentAttention(nn.Module):
         o = torch.einsum("thr,hvr->thv", o_latent, w_uv).reshape(num_tokens, -1)
         return self.o_proj(o), selection
 
-    def _down_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x's query and key-value down projections, as one product over their stacked weights
-        where they stack (`stacked_linear`)."""
+    def _latents(self, x: torch.Tensor, latent_cache: torch.Tensor,
+                 token_slots: torch.Tensor) -> torch.Tensor:
+        """The query latent (normed), with the key-value latent (normed) written into the cache
+        at the tokens' slots. Where the two down projections stack (`stacked_linear`), one
+        product and one launch for both norms and the cache write (`rms_norm_pair`)."""
         pair = (self.q_a_proj, self.kv_a_proj_with_mqa)
         if not can_stack(pair):
-            return self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
-        both = stacked_linear(pair)(x)
-        return both[..., : self.q_a_proj.weight.shape[0]], both[..., self.q_a_proj.weight.shape[0]:]
+            latent_cache[token_slots] = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x)).to(
+                latent_cache.dtype)
+            return self.q_a_layernorm(self.q_a_proj(x))
+        return rms_norm_pair(stacked_linear(pair)(x), *self.q_a_layernorm.as_pair(),
+                             *self.kv_a_layernorm.as_pair(), latent_cache, token_slots)

@@ -50,3 +50,29 @@ def test_rms_norm_release_width_gpu():
     # One ulp per rounding (see test_rms_norm_bf16_rounds_like_ref), almost always none.
     assert ((got - want).abs() <= 2 * want.abs() * 2.0 ** -7).all()
     assert (got == want).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_pair_equals_two_norms_and_a_scatter(dtype, nan_empty):
+    """MLA's two down-projection norms in one launch: the first half's norm returned, the
+    second's written into the cache rows named (others untouched), each bit for bit the
+    single-norm kernel's; the CPU dispatch is the reference's two norms and an index write."""
+    from glmflash.kernels.rms_norm import rms_norm_pair
+    from glmflash.kernels.rms_norm.triton_impl import rms_norm_pair as pair_triton
+
+    x, w_a = _inputs((5, 96 + 40), dtype)
+    w_a = w_a[:96].contiguous()
+    w_b = (1 + 0.3 * torch.randn(40, generator=torch.Generator().manual_seed(3))).to(x)
+    rows = torch.tensor([7, 0, 3, 9, 4], device=DEVICE)
+    cache = torch.full((10, 40), float("nan"), dtype=dtype, device=DEVICE)
+    want_cache = cache.clone()
+    got = pair_triton(x, w_a, 1e-5, w_b, 1e-6, cache, rows)
+    want_cache[rows] = rms_norm(x[:, 96:], w_b, 1e-6)
+    assert torch.equal(got, rms_norm(x[:, :96], w_a, 1e-5))
+    assert torch.equal(cache.float().nan_to_num(7.0), want_cache.float().nan_to_num(7.0))
+    assert cache[[1, 2, 5, 6, 8]].isnan().all()
+    if DEVICE == "cpu":
+        ref_cache = torch.zeros_like(cache)
+        out = rms_norm_pair(x, w_a, 1e-5, w_b, 1e-6, ref_cache, rows)
+        assert torch.equal(out, rms_norm_ref(x[:, :96], w_a, 1e-5))
+        assert torch.equal(ref_cache[rows], rms_norm_ref(x[:, 96:], w_b, 1e-6))

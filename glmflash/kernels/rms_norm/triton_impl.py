@@ -31,20 +31,35 @@ def rms_norm_kernel(x, weight, out, num_rows, D, eps, stride_x, stride_o,
     """Rows i_r*ROWS .. +ROWS of x `[R, D]`: y = x * rsqrt(mean(x^2) + eps) in fp32, rounded to
     out's dtype, then w * y rounded again (products of two 16-bit values are exact in fp32)."""
     i_r = tl.program_id(0)
-    o_d = tl.arange(0, BD)
-    m_d = o_d < D
-    if HAS_WEIGHT:
-        b_w = tl.load(weight + o_d, mask=m_d, other=0.0).to(tl.float32)
     for r in range(ROWS):
         row = i_r * ROWS + r
         if row < num_rows:
-            b_x = tl.load(x + row.to(tl.int64) * stride_x + o_d, mask=m_d, other=0.0)
-            b_x = b_x.to(tl.float32)
-            b_y = b_x * tl.rsqrt(tl.sum(b_x * b_x, 0) / D + eps)
-            b_y = b_y.to(out.dtype.element_ty)
-            if HAS_WEIGHT:
-                b_y = (b_w * b_y.to(tl.float32)).to(out.dtype.element_ty)
-            tl.store(out + row.to(tl.int64) * stride_o + o_d, b_y, mask=m_d)
+            norm_row(x + row.to(tl.int64) * stride_x, weight, out + row.to(tl.int64) * stride_o,
+                     D, eps, HAS_WEIGHT, BD)
+
+
+@jit
+def norm_row(x, weight, out, D, eps, HAS_WEIGHT: tl.constexpr, BD: tl.constexpr):
+    """One row of D values at x into out (the reference's two roundings)."""
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    b_x = tl.load(x + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_y = (b_x * tl.rsqrt(tl.sum(b_x * b_x, 0) / D + eps)).to(out.dtype.element_ty)
+    if HAS_WEIGHT:
+        b_w = tl.load(weight + o_d, mask=m_d, other=0.0).to(tl.float32)
+        b_y = (b_w * b_y.to(tl.float32)).to(out.dtype.element_ty)
+    tl.store(out + o_d, b_y, mask=m_d)
+
+
+@jit
+def rms_norm_pair_kernel(x, weight_a, weight_b, out_a, out_b, rows_b, A, B, eps_a, eps_b,
+                         stride_x, stride_a, stride_b, BA: tl.constexpr, BB: tl.constexpr):
+    """Row i of x `[R, A + B]`: its first A values normalised into row i of out_a, its last B
+    into row `rows_b[i]` of out_b (a cache written in place)."""
+    i = tl.program_id(0).to(tl.int64)
+    norm_row(x + i * stride_x, weight_a, out_a + i * stride_a, A, eps_a, True, BA)
+    target = tl.load(rows_b + i).to(tl.int64)
+    norm_row(x + i * stride_x + A, weight_b, out_b + target * stride_b, B, eps_b, True, BB)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
@@ -65,3 +80,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
                               ROWS=config.rows_per_program, BD=triton.next_power_of_2(dim),
                               num_warps=config.num_warps)
     return out.view(x.shape)
+
+
+def rms_norm_pair(x: torch.Tensor, weight_a: torch.Tensor, eps_a: float,
+                  weight_b: torch.Tensor, eps_b: float, out_b: torch.Tensor,
+                  rows_b: torch.Tensor, *, num_warps: int = 4) -> torch.Tensor:
+    """Triton `rms_norm_pair_ref` in one launch."""
+    width_a, width_b = weight_a.shape[0], weight_b.shape[0]
+    assert x.dim() == 2 and x.shape[1] == width_a + width_b and x.stride(1) == 1
+    for w in (weight_a, weight_b):
+        assert w.is_contiguous() and w.dtype == x.dtype, "the weight product rounds in x's dtype"
+    assert out_b.dtype == x.dtype and out_b.shape[1] == width_b and out_b.stride(1) == 1
+    assert rows_b.shape == (x.shape[0],)
+    out_a = torch.empty(x.shape[0], width_a, dtype=x.dtype, device=x.device)
+    if x.shape[0]:
+        rms_norm_pair_kernel[(x.shape[0],)](
+            x, weight_a, weight_b, out_a, out_b, rows_b, width_a, width_b, eps_a, eps_b,
+            x.stride(0), out_a.stride(0), out_b.stride(0),
+            BA=triton.next_power_of_2(width_a), BB=triton.next_power_of_2(width_b),
+            num_warps=num_warps)
+    return out_a
