@@ -286,9 +286,9 @@ def fused_moe_launches() -> list[Launch]:
 def indexer_launches() -> list[Launch]:
     """Scoring and the radix top-k (every pass) at their default launch shapes; the decode
     write, the MoE router and the state row copy."""
-    ptrs = {"q": "*bf16", "weights": "*fp32", "pool_keys": "*bf16", "page_table": "*i32",
+    ptrs = {"q": "*bf16", "weights": "*bf16", "pool_keys": "*bf16", "page_table": "*i32",
             "rows": "*i64", "positions": "*i64", "num_pools": "*i64", "scores": "*fp32",
-            "lengths": "*i32"}
+            "lengths": "*i32", "w_scale": "fp32"}
     one, chunk = indexer.ONE_QUERY, indexer.CHUNK_SCORE
     score = dict(KPOOL=4, PAGE=64, BHQ=32, BD=128, DOT=tl.bfloat16, PREC="tf32")
     out = [Launch("indexer score", indexer.indexer_score_kernel, ptrs,

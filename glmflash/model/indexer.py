@@ -54,11 +54,12 @@ class Indexer(nn.Module):
         keys = self.k_norm(key)
         self.write(keys, gates, batch, state)
         q = self.wq_b(q_latent).view(x.shape[0], self.num_heads, self.head_dim)
-        weights = head_weights.float() * self.num_heads ** -0.5
         selects = batch.cached("indexer_select", lambda: self.select_plan(batch, x.device))
-        return indexer_select(q, weights, state.pool_keys[self.layer_idx], batch.page_table,
+        # The head weights' fp32 cast and 1/sqrt(H) scale happen in the scoring kernel.
+        return indexer_select(q, head_weights, state.pool_keys[self.layer_idx], batch.page_table,
                               selects, page_size=batch.page_size, topk=self.topk,
-                              kpool=self.kpool, select_tail=self.select_tail)
+                              kpool=self.kpool, select_tail=self.select_tail,
+                              weight_scale=self.num_heads ** -0.5)
 
     def write(self, keys: torch.Tensor, gates: torch.Tensor, batch: ForwardBatch,
               state: ModelState) -> None:

@@ -105,7 +105,7 @@ def test_indexer_select_tiles_only_chunks(monkeypatch):
     seen = []
     score = triton_impl.score_pools
     monkeypatch.setattr(triton_impl, "score_pools",
-                        lambda *a: seen.append(a[-1]) or score(*a))
+                        lambda *a, **k: seen.append(a[-1]) or score(*a, **k))
     tiled = triton_impl.CHUNK_SCORE
     for new, prefix, want in (([1, 1, 1], [3, 100, 17], ONE_QUERY), ([30, 1], [0, 60], tiled),
                               ([tiled.queries - 1, 1], [40, 9], ONE_QUERY)):
@@ -118,6 +118,22 @@ def test_indexer_select_tiles_only_chunks(monkeypatch):
                                         kpool=4, select_tail=True)
         assert torch.equal(got.sort(dim=1).values, want_slots.sort(dim=1).values)
         assert seen.pop() == want, (new, prefix)
+
+
+@pytest.mark.parametrize(("new", "prefix"), [([1, 1, 1], [3, 100, 17]), ([30, 1], [0, 60])],
+                         ids=["decodes", "chunk"])
+def test_head_weights_scaled_in_the_kernel(new, prefix):
+    """16-bit head weights with `weight_scale` give the selection of the same weights cast to
+    fp32 and scaled first (the model's H^-1/2), in both scoring launches; the reference too."""
+    (q, w, pk, table), plan = _batch(new, prefix, 8, 32, 4, torch.float32)
+    w16 = (w * 8).bfloat16()
+    kwargs = dict(page_size=PAGE, topk=16, kpool=4, select_tail=True)
+    got = triton_impl.indexer_select(q, w16, pk, table, plan, weight_scale=0.125, **kwargs)
+    want = triton_impl.indexer_select(q, w16.float() * 0.125, pk, table, plan, **kwargs)
+    assert torch.equal(got, want)
+    ref = indexer_select_ref(q, w16, pk, table, plan, weight_scale=0.125, **kwargs)
+    assert torch.equal(ref, indexer_select_ref(q, w16.float() * 0.125, pk, table, plan,
+                                               **kwargs))
 
 
 def test_decode_rule_tiles_only_when_every_sm_keeps_programs(monkeypatch):
@@ -133,7 +149,8 @@ def test_decode_rule_tiles_only_when_every_sm_keeps_programs(monkeypatch):
     assert rule.pick(2, 16 * 3 * 3, 4) == narrow  # 9 blocks: 3 groups of 3, 5 of 2
     seen = []
     score = triton_impl.score_pools
-    monkeypatch.setattr(triton_impl, "score_pools", lambda *a: seen.append(a[-1]) or score(*a))
+    monkeypatch.setattr(triton_impl, "score_pools",
+                        lambda *a, **k: seen.append(a[-1]) or score(*a, **k))
     # Four decodes, the longest of 400 tokens (100 pools, 7 blocks of 16: 3 groups of 3, 4 of
     # 2): a grid of 12 or 16 programs over the interpreter's 4 SMs.
     for floor, want in ((3, wide), (4, narrow), (5, ONE_QUERY)):

@@ -70,15 +70,16 @@ def indexer_write_verify(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Ten
 
 def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor,
                    page_table: torch.Tensor, plan: SelectPlan, *, page_size: int, topk: int,
-                   kpool: int, select_tail: bool,
-                   tiling: SelectTiling | None = None) -> torch.Tensor:
+                   kpool: int, select_tail: bool, tiling: SelectTiling | None = None,
+                   weight_scale: float = 1.0) -> torch.Tensor:
     """Token slots attended by each query `[T, topk + kpool - 1]`; see `indexer_select_ref`.
-    `tiling` bounds the scoring workspace (each implementation has its default)."""
+    `tiling` bounds the scoring workspace (each implementation has its default);
+    `weight_scale` multiplies the head weights after their cast to fp32 (in the kernel)."""
     impl = indexer_select_ref
     if use_triton(q, "indexer_select", "indexer"):
         from glmflash.kernels.indexer.triton_impl import indexer_select as impl
     return impl(q, weights, pool_keys, page_table, plan, page_size=page_size, topk=topk,
-                kpool=kpool, select_tail=select_tail, tiling=tiling)
+                kpool=kpool, select_tail=select_tail, tiling=tiling, weight_scale=weight_scale)
 
 
 __all__ = ["SelectPlan", "SelectTiling", "WritePlan", "compress_pools", "decode_select_plan",

@@ -194,16 +194,19 @@ REF_TILING = SelectTiling(max_score_elems=1 << 25, pool_tile=4096)
 def indexer_select_ref(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor,
                        page_table: torch.Tensor, plan: SelectPlan, *, page_size: int,
                        topk: int, kpool: int, select_tail: bool,
-                       tiling: SelectTiling | None = None) -> torch.Tensor:
+                       tiling: SelectTiling | None = None,
+                       weight_scale: float = 1.0) -> torch.Tensor:
     """Token slots attended by each query: `[T, topk + kpool - 1]` (or `[T, topk]`), -1 padded.
 
-    q `[T, H, D]`, weights `[T, H]` fp32 (already scaled by H^-1/2). Score of pool p for query t:
+    q `[T, H, D]`, weights `[T, H]`; the head weights are `weights.float() * weight_scale`
+    (the model passes H^-1/2). Score of pool p for query t:
     sum_h w_h relu(q_h . K_p / sqrt(D)); candidates end at or before t; the best
     min(topk / kpool, candidates) pools are kept, best first, then the query's incomplete pool is
     appended. `plan` comes from `select_plan`; `tiling` bounds the scores held at once.
     """
     width = topk + (kpool - 1 if select_tail else 0)
     out = torch.full((q.shape[0], width), -1, dtype=torch.long, device=q.device)
+    weights = weights.float() * weight_scale
     scorer = _Scorer(q, weights, pool_keys, page_table, page_size, topk // kpool, kpool, width,
                      select_tail, tiling or REF_TILING)
     for group in plan.groups:

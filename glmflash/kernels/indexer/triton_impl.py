@@ -107,9 +107,10 @@ def _candidates(num_pools, positions, i_t, KPOOL: tl.constexpr):
 
 @jit
 def _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions, scores, i_t,
-                 t_begin, i_p, scale, stride_qt, stride_qh, stride_wt, stride_pk, stride_pt,
-                 stride_st, NH, D, KPOOL: tl.constexpr, PAGE: tl.constexpr, BHQ: tl.constexpr,
-                 BD: tl.constexpr, BP: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+                 t_begin, i_p, scale, w_scale, stride_qt, stride_qh, stride_wt, stride_pk,
+                 stride_pt, stride_st, NH, D, KPOOL: tl.constexpr, PAGE: tl.constexpr,
+                 BHQ: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr, DOT: tl.constexpr,
+                 PREC: tl.constexpr):
     """Scores of query i_t over its candidate pools of block i_p (none past its candidates)."""
     length = _candidates(num_pools, positions, i_t, KPOOL)
     if i_p * BP < length:
@@ -123,6 +124,7 @@ def _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions, 
         b_q = tl.load(q + i_t64 * stride_qt + o_h[:, None] * stride_qh + o_d[None, :],
                       mask=m_h[:, None] & m_d[None, :], other=0.0).to(DOT)  # [BHQ, BD]
         b_w = tl.load(weights + i_t64 * stride_wt + o_h, mask=m_h, other=0.0).to(tl.float32)
+        b_w = b_w * w_scale
         slot = _slot_of(page_table, row, o_p.to(tl.int64) * KPOOL, stride_pt, PAGE, is_cand)
         p_k = pool_keys + (slot // KPOOL)[:, None] * stride_pk + o_d[None, :]
         b_k = tl.load(p_k, mask=is_cand[:, None] & m_d[None, :], other=0.0).to(DOT)  # [BP, BD]
@@ -134,11 +136,12 @@ def _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions, 
 
 @jit(do_not_specialize=("t_begin", "stride_st"))
 def indexer_score_kernel(q, weights, pool_keys, page_table, rows, positions, num_pools, scores,
-                         lengths, t_begin, scale, stride_qt, stride_qh, stride_wt, stride_pk,
-                         stride_pt, stride_st, NH, D, KPOOL: tl.constexpr, PAGE: tl.constexpr,
+                         lengths, t_begin, scale, w_scale, stride_qt, stride_qh, stride_wt,
+                         stride_pk, stride_pt, stride_st, NH, D, KPOOL: tl.constexpr,
+                         PAGE: tl.constexpr,
                          BHQ: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr,
                          DOT: tl.constexpr, PREC: tl.constexpr):
-    """scores[t, p] = sum_h w[t, h] relu(q[t, h] . K_p * scale) for t's candidate pools
+    """scores[t, p] = sum_h w[t, h] w_scale relu(q[t, h] . K_p * scale) for t's candidate pools
     p < lengths[t] (complete and ending at or before t's position); nothing is written past a
     row's candidates (the top-k reads only them)."""
     i_t = tl.program_id(0) + t_begin
@@ -146,13 +149,13 @@ def indexer_score_kernel(q, weights, pool_keys, page_table, rows, positions, num
     if i_p == 0:
         tl.store(lengths + i_t - t_begin, _candidates(num_pools, positions, i_t, KPOOL))
     _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions, scores, i_t,
-                 t_begin, i_p, scale, stride_qt, stride_qh, stride_wt, stride_pk, stride_pt,
-                 stride_st, NH, D, KPOOL, PAGE, BHQ, BD, BP, DOT, PREC)
+                 t_begin, i_p, scale, w_scale, stride_qt, stride_qh, stride_wt, stride_pk,
+                 stride_pt, stride_st, NH, D, KPOOL, PAGE, BHQ, BD, BP, DOT, PREC)
 
 
 @jit(do_not_specialize=("t_begin", "stride_st"))
 def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, positions, num_pools,
-                               scores, lengths, t_begin, num_tokens, scale, stride_qt,
+                               scores, lengths, t_begin, num_tokens, scale, w_scale, stride_qt,
                                stride_qh, stride_wt, stride_pk, stride_pt, stride_st, NH, D,
                                KPOOL: tl.constexpr, PAGE: tl.constexpr, BQ: tl.constexpr,
                                BHQ: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr,
@@ -190,6 +193,7 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
             b_q = tl.load(q + o_rt[:, None] * stride_qt + o_rh[:, None] * stride_qh
                           + o_d[None, :], mask=m_r[:, None] & m_d[None, :], other=0.0).to(DOT)
             b_w = tl.load(weights + o_rt * stride_wt + o_rh, mask=m_r, other=0.0).to(tl.float32)
+            b_w = b_w * w_scale
             p_s = scores + (o_t - t_begin).to(tl.int64)[:, None] * stride_st
             for p0 in tl.range(p_begin, p_end, BP, num_stages=NUM_STAGES):
                 o_p = p0 + tl.arange(0, BP)
@@ -209,7 +213,8 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
                 i_t = t_first + j
                 if i_t < t_begin + num_tokens:
                     _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions,
-                                 scores, i_t, t_begin, p0 // BP, scale, stride_qt, stride_qh,
+                                 scores, i_t, t_begin, p0 // BP, scale, w_scale, stride_qt,
+                                 stride_qh,
                                  stride_wt, stride_pk, stride_pt, stride_st, NH, D, KPOOL, PAGE,
                                  BHQ, BD, BP, DOT, PREC)
 
@@ -246,9 +251,11 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
                    topk_config: TopkConfig = DEFAULT_CONFIG,
                    tiling: SelectTiling | None = None,
                    score: ScoreLaunch = CHUNK_SCORE,
-                   decode: DecodeScoreRule = DECODE_SCORE) -> torch.Tensor:
+                   decode: DecodeScoreRule = DECODE_SCORE,
+                   weight_scale: float = 1.0) -> torch.Tensor:
     """Triton `indexer_select_ref`: token slots `[T, topk + kpool - 1]` (or `[T, topk]`), -1
-    padded. q `[T, H, D]`, weights `[T, H]` fp32, pool_keys `[N / kpool, D]`.
+    padded. q `[T, H, D]`, weights `[T, H]` (any float dtype; the head weights are
+    `weights.float() * weight_scale`), pool_keys `[N / kpool, D]`.
     `score`: the scoring launch when the plan has a chunk of at least `score.queries` queries
     of one sequence; they then read each block of pooled keys once for all of them
     (`indexer_score_tiled_kernel`). Otherwise (batches of decodes) `decode` picks the launch."""
@@ -273,7 +280,7 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
             scores = torch.empty(n, max_pools, dtype=torch.float32, device=q.device)
             lengths = torch.empty(n, dtype=torch.int32, device=q.device)
             score_pools(q, weights, pool_keys, page_table, plan, scores, lengths, t0, n,
-                        page_size, kpool, launch)
+                        page_size, kpool, launch, weight_scale=weight_scale)
             pools = topk_indices(scores, lengths, num_sel, config=topk_config)
         indexer_expand_kernel[(n,)](
             pools, page_table, *per_token, out, t0, num_sel, width, page_table.stride(0),
@@ -283,7 +290,8 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
 
 
 def score_pools(q, weights, pool_keys, page_table, plan: SelectPlan, scores, lengths, t0: int,
-                n: int, page_size: int, kpool: int, launch: ScoreLaunch = ONE_QUERY) -> None:
+                n: int, page_size: int, kpool: int, launch: ScoreLaunch = ONE_QUERY, *,
+                weight_scale: float = 1.0) -> None:
     """Scores of query rows [t0, t0 + n) over their candidate pools into `scores` `[n, >=
     max_pools]` (nothing past a row's candidates), their counts into `lengths` `[n]`: one
     program per (query, pool block), or per (`launch.queries` queries, `launch.pool_blocks`
@@ -298,10 +306,11 @@ def score_pools(q, weights, pool_keys, page_table, plan: SelectPlan, scores, len
                  scores, lengths, t0)
     grid = launch.grid(n, plan.max_pools)
     if launch.queries == 1 and launch.pool_blocks == 1:
-        indexer_score_kernel[grid](*per_query, dim ** -0.5, *strides, **shapes)
+        indexer_score_kernel[grid](*per_query, dim ** -0.5, float(weight_scale), *strides,
+                                   **shapes)
     else:
         indexer_score_tiled_kernel[grid](
-            *per_query, n, dim ** -0.5, *strides, BQ=launch.queries,
+            *per_query, n, dim ** -0.5, float(weight_scale), *strides, BQ=launch.queries,
             POOL_BLOCKS=launch.pool_blocks, NUM_STAGES=launch.num_stages, **shapes)
 
 
