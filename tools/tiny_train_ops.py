@@ -35,13 +35,14 @@ import glmflash.model.kda as kda_module
 from glmflash.kernels.hyper.ref import hyper_post_ref, hyper_pre_ref
 from glmflash.kernels.indexer.ref import SelectPlan, token_slots
 from glmflash.kernels.kda.ref import causal_conv1d_ref, chunked_sequence, kda_ref, l2_normalize
+from glmflash.kernels.rms_norm import rms_norm_ref
 from glmflash.model.layers import clamped_swiglu
 from glmflash.model.moe import Experts
 from glmflash.utils.device import upload
 
 # Every op the model dispatches: the reference on every device (autograd needs it).
 REF_OPS = ("KDA", "CAUSAL_CONV1D", "KDA_GATES", "INDEXER", "INDEXER_SELECT", "SPARSE_MLA",
-           "HYPER", "RMS_NORM", "FP8_GEMM", "FUSED_MOE", "ROUTER")
+           "HYPER", "RMS_NORM", "SWIGLU", "FP8_GEMM", "FUSED_MOE", "ROUTER")
 # Queries per block of the sparse MLA reference while training (its memory is small here).
 TRAIN_QUERY_BLOCK = 1 << 15
 
@@ -128,7 +129,7 @@ def conv_fresh(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
 def select_fresh(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor,
                  page_table: torch.Tensor, plan: SelectPlan, *, page_size: int, topk: int,
                  kpool: int, select_tail: bool, tiling=None,
-                 layout: Padded | None = None) -> torch.Tensor:
+                 layout: Padded | None = None, weight_scale: float = 1.0) -> torch.Tensor:
     """`indexer_select_ref` for one forward of fresh sequences (`layout` set), all queries
     scored at once: the best `topk / kpool` complete pools before each query, then its tail."""
     with torch.no_grad():
@@ -139,7 +140,8 @@ def select_fresh(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor
         keys = pool_keys[first // kpool].float()  # [B, P, D]
         qp = layout.pad(q.float())  # [B, L, H, D]
         scores = torch.relu(torch.einsum("blhd,bpd->blhp", qp, keys) * q.shape[-1] ** -0.5)
-        scores = torch.einsum("blh,blhp->blp", layout.pad(weights.float()), scores)
+        scores = torch.einsum("blh,blhp->blp", layout.pad(weights.float() * weight_scale),
+                              scores)
         scores = layout.unpad(scores)  # [T, P]
         positions = plan.positions
         candidate = ((ordinal + 1) * kpool - 1)[None, :] <= positions[:, None]
@@ -239,9 +241,26 @@ def _compiled_ops() -> dict[str, tuple[object, str, object]]:
     """(module, name, compiled function) of the blocks `torch.compile` may fuse: mHC with its
     Sinkhorn iterations, the dense experts, one KDA chunk (shapes vary: dynamic)."""
     compile_ = lambda f: torch.compile(f, dynamic=True)  # noqa: E731
-    return {"hyper_pre": (glm_module, "hyper_pre", compile_(hyper_pre_ref)),
-            "hyper_post": (glm_module, "hyper_post", compile_(hyper_post_ref)),
+    return {"hyper_pre": (glm_module, "hyper_pre", _pre_with_norm(compile_(hyper_pre_ref))),
+            "hyper_post": (glm_module, "hyper_post",
+                           _post_with_extra(compile_(hyper_post_ref))),
             "kda_chunk": (kda_ref_module, "_chunk", compile_(kda_ref_module._chunk))}
+
+
+def _pre_with_norm(pre_ref):
+    """`hyper_pre`'s signature over a (compiled) `hyper_pre_ref`: the input norm after it."""
+    def pre(streams, fn, base, scale, *, norm=None, **kwargs):
+        post, comb, collapsed = pre_ref(streams, fn, base, scale, **kwargs)
+        return post, comb, collapsed if norm is None else rms_norm_ref(collapsed, *norm)
+    return pre
+
+
+def _post_with_extra(post_ref):
+    """`hyper_post`'s signature over a (compiled) `hyper_post_ref`: `extra` added first."""
+    def post(block_out, streams, post_weights, comb, *, extra=None):
+        out = block_out if extra is None else block_out + extra
+        return post_ref(out, streams, post_weights, comb)
+    return post
 
 
 @contextlib.contextmanager

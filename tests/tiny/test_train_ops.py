@@ -122,11 +122,33 @@ def test_select_fresh_matches_the_reference():
                       pool_keys, tail, table, plan, page_size=PAGE_SIZE)
     q, weights = torch.rand(total, heads, dim), torch.rand(total, heads)
     selects = select_plan(cu, [0] * len(lens), slots, kpool, "cpu")
-    args = dict(page_size=PAGE_SIZE, topk=topk, kpool=kpool, select_tail=True)
+    # The model passes 16-bit head weights and their scale (the kernels cast and scale them).
+    args = dict(page_size=PAGE_SIZE, topk=topk, kpool=kpool, select_tail=True,
+                weight_scale=heads ** -0.5)
+    weights = weights.bfloat16()
     want = indexer_select_ref(q, weights, pool_keys, table, selects, **args)
     got = select_fresh(q, weights, pool_keys, table, selects, layout=Padded(cu, "cpu"), **args)
     assert got.shape == want.shape
     assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
+
+
+def test_compiled_mhc_forms_take_the_model_s_arguments():
+    """The references the trainer compiles for mHC take the kernels' extra arguments (the
+    input norm, a second block output) with the dispatchers' results."""
+    from glmflash.kernels.hyper import hyper_post, hyper_post_ref, hyper_pre, hyper_pre_ref
+    from tools.tiny_train_ops import _post_with_extra, _pre_with_norm
+
+    gen = torch.Generator().manual_seed(0)
+    streams, fn = torch.randn(3, 4, 16, generator=gen), torch.randn(24, 64, generator=gen)
+    base, scale, weight = torch.randn(24, generator=gen), torch.rand(3, generator=gen), \
+        torch.rand(16, generator=gen)
+    kw = dict(norm_eps=1e-5, hc_eps=1e-6, sinkhorn_iters=5)
+    got = _pre_with_norm(hyper_pre_ref)(streams, fn, base, scale, norm=(weight, 1e-6), **kw)
+    want = hyper_pre(streams, fn, base, scale, norm=(weight, 1e-6), **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    y = torch.randn(3, 16, generator=gen)
+    assert torch.equal(_post_with_extra(hyper_post_ref)(y, streams, got[0], got[1], extra=2 * y),
+                       hyper_post(y, streams, got[0], got[1], extra=2 * y))
 
 
 def test_dense_experts_match_the_reference():
