@@ -92,6 +92,15 @@ def _conv_case(dtype=torch.float32, channels=24):
     return x, weight, conv
 
 
+def _conv_step(x, weight, out):
+    """One row's conv decode launch into `out`, as `_per_row` calls it."""
+    def step(state, row):
+        tok, slot, fresh = row[0].tolist()
+        meta = torch.tensor([[tok, tok, tok + 1, slot, fresh]], dtype=torch.int32, device=DEVICE)
+        triton_impl.causal_conv1d_decode(x, weight, state, meta, out)
+    return step
+
+
 @pytest.mark.parametrize("keep", [True, False], ids=["scratch", "no_scratch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_conv_verify_equals_decode_per_row_bit_for_bit(keep, dtype):
@@ -100,13 +109,7 @@ def test_conv_verify_equals_decode_per_row_bit_for_bit(keep, dtype):
     saved = _nan_like(conv, len(SEQS) * NUM_STEPS) if keep else None
     want_conv, want_saved = conv.clone(), None if saved is None else saved.clone()
     want = torch.full_like(x, float("nan"))
-
-    def step(state, row):
-        tok, slot, fresh = row[0].tolist()
-        meta = torch.tensor([[tok, tok, tok + 1, slot, fresh]], dtype=torch.int32, device=DEVICE)
-        triton_impl.causal_conv1d_decode(x, weight, state, meta, want)
-
-    _per_row(step, want_conv, want_saved, rows, seqs)
+    _per_row(_conv_step(x, weight, want), want_conv, want_saved, rows, seqs)
     got = verify_triton.causal_conv1d_verify(x, weight, conv, rows, seqs, saved, NUM_STEPS)
     assert torch.equal(got, want)
     assert torch.equal(conv, want_conv)
@@ -177,13 +180,7 @@ def test_conv_verify_release_shape_gpu():
     saved = torch.zeros(len(seqs) * NUM_STEPS, channels, 3, dtype=torch.bfloat16, device=DEVICE)
     want_conv, want_saved = conv.clone(), saved.clone()
     want = torch.empty_like(x)
-
-    def step(state, row):
-        tok, slot, fresh = row[0].tolist()
-        meta = torch.tensor([[tok, tok, tok + 1, slot, fresh]], dtype=torch.int32, device=DEVICE)
-        triton_impl.causal_conv1d_decode(x, weight, state, meta, want)
-
-    _per_row(step, want_conv, want_saved, rows, seq_meta)
+    _per_row(_conv_step(x, weight, want), want_conv, want_saved, rows, seq_meta)
     got = verify_triton.causal_conv1d_verify(x, weight, conv, rows, seq_meta, saved, NUM_STEPS)
     assert torch.equal(got, want) and torch.equal(conv, want_conv)
     assert torch.equal(saved, want_saved)

@@ -26,15 +26,23 @@ def kda_gates_kernel(f, dt_bias, a_log, b, g, beta, lower_bound, stride_f, strid
     m_d = o_d < D
     i_t64 = i_t.to(tl.int64)
     b_f = tl.load(f + i_t64 * stride_f + i_h * D + o_d, mask=m_d, other=0.0).to(tl.float32)
-    b_f += tl.load(dt_bias + i_h * D + o_d, mask=m_d, other=0.0)
-    rate = tl.exp(tl.load(a_log + i_h).to(tl.float32))
-    if HAS_LOWER_BOUND:
-        b_g = lower_bound * tl.sigmoid(rate * b_f)
-    else:
-        b_g = -rate * tl.where(b_f > 20.0, b_f, tl.log(1.0 + tl.exp(b_f)))
+    b_g = log_decay(b_f, dt_bias, a_log, lower_bound, i_h, o_d, m_d, D, HAS_LOWER_BOUND)
     tl.store(g + (i_t64 * H + i_h) * D + o_d, b_g, mask=m_d)
     b_b = tl.load(b + i_t64 * stride_b + i_h).to(tl.float32)
     tl.store(beta + i_t64 * H + i_h, tl.sigmoid(b_b).to(beta.dtype.element_ty))
+
+
+@jit
+def log_decay(b_f, dt_bias, a_log, lower_bound, i_h, o_d, m_d, D: tl.constexpr,
+              HAS_LOWER_BOUND: tl.constexpr):
+    """Head i_h's log-decay from its forget-gate pre-activations `b_f` (fp32, channels o_d):
+    lb * sigmoid(exp(A_log) * (f + dt_bias)), or -exp(A_log) * softplus(f + dt_bias). The gates
+    kernel and the decode step both call it, so their gates are the same bits."""
+    b_f += tl.load(dt_bias + i_h * D + o_d, mask=m_d, other=0.0)
+    rate = tl.exp(tl.load(a_log + i_h).to(tl.float32))
+    if HAS_LOWER_BOUND:
+        return lower_bound * tl.sigmoid(rate * b_f)
+    return -rate * tl.where(b_f > 20.0, b_f, tl.log(1.0 + tl.exp(b_f)))
 
 
 @jit

@@ -16,6 +16,7 @@ import torch
 from glmflash.kernels.kda import chunk_stages
 from glmflash.kernels.kda.chunk_stages import StagedConfig
 from glmflash.kernels.kda.chunk_walk import CHUNK
+from glmflash.kernels.kda.gates_triton import log_decay
 from glmflash.kernels.kda.ref import GateParams
 from glmflash.utils.device import upload
 
@@ -118,18 +119,13 @@ def splat(like, value):
 def token_gates(g, beta, tok, i_h, o_k, dt_bias, a_log, lower_bound, stride_g, stride_b,
                 K: tl.constexpr, GATES: tl.constexpr, HAS_LB: tl.constexpr):
     """Token `tok`'s log-decay `[BK]` and beta of head `i_h` (fp32): loaded, or with GATES
-    formed from the pre-activations as kda_gates_kernel forms them (the same ops, so the same
+    formed from the pre-activations as kda_gates_kernel forms them (`log_decay`, so the same
     bits)."""
     m_k = o_k < K
     b_g = tl.load(g + tok * stride_g + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_beta = tl.load(beta + tok * stride_b + i_h).to(tl.float32)
     if GATES:
-        b_g += tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0)
-        rate = tl.exp(tl.load(a_log + i_h).to(tl.float32))
-        if HAS_LB:
-            b_g = lower_bound * tl.sigmoid(rate * b_g)
-        else:
-            b_g = -rate * tl.where(b_g > 20.0, b_g, tl.log(1.0 + tl.exp(b_g)))
+        b_g = log_decay(b_g, dt_bias, a_log, lower_bound, i_h, o_k, m_k, K, HAS_LB)
         b_beta = tl.sigmoid(b_beta).to(beta.dtype.element_ty).to(tl.float32)
     return b_g, b_beta
 
