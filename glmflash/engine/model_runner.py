@@ -23,6 +23,7 @@ from glmflash.model.forward_batch import (
     pack_decode,
 )
 from glmflash.model.glm import GlmForCausalLM
+from glmflash.model.layers import stack_weights
 from glmflash.model.moe import Experts
 from glmflash.model.snapshots import StateSnapshots, copy_pages
 from glmflash.model.state import ModelState
@@ -70,6 +71,7 @@ def place_model(model: GlmForCausalLM, device: torch.device, options: EngineConf
 
         move_all_but_experts(model, device)
         place_experts(model, plan_placement(model, options, device, warmup_ids), device)
+    stack_weights(model)
     return model.eval()
 
 

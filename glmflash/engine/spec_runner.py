@@ -23,6 +23,7 @@ from glmflash.engine.spec_draft_graph import DraftGraphMixin
 from glmflash.model.dummy_weights import fill_dummy_weights
 from glmflash.model.forward_batch import ForwardBatch, build_forward_batch, token_slots_of
 from glmflash.model.glm import GlmForCausalLM
+from glmflash.model.layers import stack_weights
 from glmflash.model.mtp import GlmMtp, load_mtp
 from glmflash.model.verify import (
     VerifyHostRows,
@@ -55,6 +56,7 @@ def load_mtp_module(path: Path, model: GlmForCausalLM, device: torch.device,
         experts = mtp.layer.mlp.experts
         if experts.gate_proj.fp8_block:
             experts.build_cpu_kernel(options.kt_cpuinfer, options.kt_threadpool_count).warmup()
+    stack_weights(mtp)
     logger.info("MTP layer %d loaded for speculative decoding (%d drafts per step)",
                 model.config.num_hidden_layers, options.num_speculative_steps)
     return mtp.eval()

@@ -46,10 +46,7 @@ class Indexer(nn.Module):
 
         Returns the attended slots `[T, W]`.
         """
-        # The three products of x (key, pool gate, head weights) as one over stacked weights.
-        stacked = stacked_parameters((self.wk.weight, self.index_kpool_compress_gate,
-                                      self.weights_proj.weight))
-        key, gates, head_weights = nn.functional.linear(x, stacked).split(
+        key, gates, head_weights = nn.functional.linear(x, self.stack_weights()).split(
             [self.head_dim, self.head_dim, self.num_heads], dim=-1)
         keys = self.k_norm(key)
         self.write(keys, gates, batch, state)
@@ -60,6 +57,12 @@ class Indexer(nn.Module):
                               selects, page_size=batch.page_size, topk=self.topk,
                               kpool=self.kpool, select_tail=self.select_tail,
                               weight_scale=self.num_heads ** -0.5)
+
+    def stack_weights(self) -> torch.Tensor:
+        """The weights of the three products of x (key, pool gate, head weights), stacked so
+        that one product gives all three (built once)."""
+        return stacked_parameters((self.wk.weight, self.index_kpool_compress_gate,
+                                   self.weights_proj.weight))
 
     def write(self, keys: torch.Tensor, gates: torch.Tensor, batch: ForwardBatch,
               state: ModelState) -> None:

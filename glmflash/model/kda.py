@@ -53,9 +53,9 @@ class KimiDeltaAttention(nn.Module):
         heads, d = self.num_heads, self.head_dim
         # q, k, v in one product; the small projections of x (forget gate, output gate, beta)
         # in another; the two gates' up-projections in a third (`_gate_projections`).
-        mixed = nn.functional.linear(x, fused_weight((self.q_proj, self.k_proj, self.v_proj)))
-        small = nn.functional.linear(x, fused_weight((self.f_a_proj, self.g_a_proj,
-                                                      self.b_proj)))
+        qkv_weight, small_weight, _ = self.stack_weights()
+        mixed = nn.functional.linear(x, qkv_weight)
+        small = nn.functional.linear(x, small_weight)
         f, out_gate = self._gate_projections(small[:, : 2 * d])
         b = small[:, 2 * d:]
         conv_state, recurrent = state.conv[self.layer_idx], state.recurrent[self.layer_idx]
@@ -87,9 +87,15 @@ class KimiDeltaAttention(nn.Module):
         (f `[T, H * d]`, output gate `[T, H * d]`)."""
         width, d = self.f_b_proj.weight.shape
         halves = low_rank.unflatten(-1, (2, d)).transpose(0, 1)  # [2, T, d], a view
-        weights = stacked_parameters((self.f_b_proj.weight, self.g_b_proj.weight))
-        up = torch.bmm(halves, weights.view(2, width, d).transpose(1, 2))
+        up = torch.bmm(halves, self.stack_weights()[2].view(2, width, d).transpose(1, 2))
         return up[0], up[1]
+
+    def stack_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stacked weights of the layer's joined products (built once): q, k, v; the small
+        projections of x (forget gate, output gate, beta); the two gates' up-projections."""
+        return (fused_weight((self.q_proj, self.k_proj, self.v_proj)),
+                fused_weight((self.f_a_proj, self.g_a_proj, self.b_proj)),
+                stacked_parameters((self.f_b_proj.weight, self.g_b_proj.weight)))
 
     def conv_weight(self) -> torch.Tensor:
         """The q, k, v conv filters stacked `[3 * width, kernel]` (fp32), made once."""

@@ -86,10 +86,26 @@ class MLP(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pair = (self.gate_proj, self.up_proj)
-        if self.gate_proj.bias is not None or not can_stack(pair):
+        if not self.stacks():
             return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
-        return self.down_proj(clamped_swiglu_stacked(stacked_linear(pair)(x), self.limit))
+        return self.down_proj(clamped_swiglu_stacked(self.stack_weights()(x), self.limit))
+
+    def stacks(self) -> bool:
+        return can_stack((self.gate_proj, self.up_proj))
+
+    def stack_weights(self) -> Linear | None:
+        """The gate and up projections' stacked Linear (built once; None where they do not
+        stack)."""
+        return stacked_linear((self.gate_proj, self.up_proj)) if self.stacks() else None
+
+
+def stack_weights(model: nn.Module) -> None:
+    """Build every module's stacked weights now, after loading and placing, rather than in the
+    first forward: the separate tensors are given back before the memory plan measures, and the
+    stacked ones are not made under inference mode (modules with a `stack_weights` method)."""
+    for module in model.modules():
+        if module is not model and hasattr(module, "stack_weights"):
+            module.stack_weights()
 
 
 def can_stack(projections: tuple[Linear, ...]) -> bool:

@@ -66,10 +66,16 @@ class MultiLatentAttention(nn.Module):
         """The query latent (normed), with the key-value latent (normed) written into the cache
         at the tokens' slots. Where the two down projections stack (`stacked_linear`), one
         product and one launch for both norms and the cache write (`rms_norm_pair`)."""
-        pair = (self.q_a_proj, self.kv_a_proj_with_mqa)
-        if not can_stack(pair):
+        down = self.stack_weights()
+        if down is None:
             latent_cache[token_slots] = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x)).to(
                 latent_cache.dtype)
             return self.q_a_layernorm(self.q_a_proj(x))
-        return rms_norm_pair(stacked_linear(pair)(x), *self.q_a_layernorm.as_pair(),
+        return rms_norm_pair(down(x), *self.q_a_layernorm.as_pair(),
                              *self.kv_a_layernorm.as_pair(), latent_cache, token_slots)
+
+    def stack_weights(self) -> Linear | None:
+        """The two down projections' stacked Linear (built once; None where they do not
+        stack)."""
+        pair = (self.q_a_proj, self.kv_a_proj_with_mqa)
+        return stacked_linear(pair) if can_stack(pair) else None

@@ -96,3 +96,18 @@ def test_release_width_bf16_gpu():
     want = clamped_swiglu_ref(*gate_up.chunk(2, dim=-1), LIMIT).float()
     ulp = want.abs().clamp(min=1e-30) * 2.0 ** -7
     assert ((got - want).abs() <= 2 * ulp).all() and (got == want).float().mean() > 0.99
+
+
+def test_stack_weights_builds_them_before_any_forward():
+    """`stack_weights(model)` (run after loading and placing) builds each module's stacked
+    weights: the forward then finds them, and nothing is stacked under inference mode."""
+    from glmflash.model.layers import stack_weights
+
+    mlp = _mlp(fp8=True)
+    stack_weights(torch.nn.Sequential(mlp))
+    joined = mlp.stack_weights()
+    assert mlp.gate_proj.weight.data_ptr() == joined.weight.data_ptr()
+    assert not joined.weight.is_inference()
+    with torch.inference_mode():
+        mlp(torch.randn(2, 64))
+    assert mlp.stack_weights() is joined
