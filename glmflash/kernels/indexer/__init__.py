@@ -29,6 +29,7 @@ from glmflash.kernels.indexer.ref import (
 from glmflash.kernels.indexer.ref import (
     indexer_write_decode as decode_write_ref,
 )
+from glmflash.kernels.verify_rows import reference_rows
 
 indexer_write = indexer_write_ref
 
@@ -59,13 +60,12 @@ def indexer_write_verify(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Ten
         impl(keys, gates, ape, pool_keys, tail, page_table, slots, positions, seqs, saved,
              num_steps, page_size=page_size)
         return
-    for first, count, scratch_row in seqs.tolist():
-        for j in range(count):
-            row = slice(first + j, first + j + 1)
-            decode_write_ref(keys[row], gates[row], ape, pool_keys, tail, page_table, slots[row],
-                             positions[row], page_size=page_size)
-            if saved is not None and scratch_row >= 0 and j < count - 1:
-                saved[scratch_row * num_steps + j] = tail[int(slots[first + j])]
+    for r, kept in reference_rows(seqs, num_steps):
+        row = slice(r, r + 1)
+        decode_write_ref(keys[row], gates[row], ape, pool_keys, tail, page_table, slots[row],
+                         positions[row], page_size=page_size)
+        if saved is not None and kept is not None:
+            saved[kept] = tail[int(slots[r])]
 
 
 def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor,

@@ -21,6 +21,7 @@ except ImportError:  # the package must import without triton; the launchers nee
     triton = None
 
 from glmflash.kernels.triton_utils import jit
+from glmflash.kernels.verify_rows import keeps_copy, sequence_rows
 
 
 @jit
@@ -91,9 +92,7 @@ def indexer_write_verify_kernel(keys, gates, ape, pool_keys, tail, saved, page_t
     each row but the last, the slot's tail is copied to scratch row `scratch_row * num_steps
     + j` of `saved`."""
     i_b = tl.program_id(0)
-    first = tl.load(seqs + i_b * 3)
-    num_rows = tl.load(seqs + i_b * 3 + 1)
-    scratch_row = tl.load(seqs + i_b * 3 + 2).to(tl.int64)
+    first, num_rows, scratch_row = sequence_rows(seqs, i_b)
     o_t = tl.arange(0, BTAIL)
     m_t = o_t < (KPOOL - 1) * 2 * D
     for j in range(0, num_rows):
@@ -104,7 +103,7 @@ def indexer_write_verify_kernel(keys, gates, ape, pool_keys, tail, saved, page_t
                     stride_g, stride_pk, stride_ts, stride_pt, KPOOL, KP, PAGE, BD)
         tl.debug_barrier()  # the tail row is written before any thread reads the tail again
         if SAVE:
-            keep = ((scratch_row >= 0) & (j < num_rows - 1)).to(tl.int32)
+            keep = keeps_copy(scratch_row, j, num_rows)
             m_keep = m_t & ((o_t * 0 + keep) != 0)
             b_tail = tl.load(tail + row * stride_ts + o_t, mask=m_keep, other=0.0)
             tl.store(saved + (scratch_row * num_steps + j) * ((KPOOL - 1) * 2 * D) + o_t,

@@ -17,6 +17,7 @@ from glmflash.kernels.kda.ref import (
     kda_gates_ref,
     kda_ref,
 )
+from glmflash.kernels.verify_rows import reference_rows
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
@@ -107,12 +108,10 @@ def kda_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         g, beta = kda_gates_ref(g, gates.dt_bias, gates.a_log, beta, gates.lower_bound)
     if out is None:
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-    for first, count, scratch_row in seqs.tolist():
-        for j in range(count):
-            row = rows[first + j: first + j + 1]
-            kda_decode(q, k, v, g, beta, state, row, out)
-            if saved is not None and scratch_row >= 0 and j < count - 1:
-                saved[scratch_row * num_steps + j] = state[int(row[0, 1])]
+    for r, kept in reference_rows(seqs, num_steps):
+        kda_decode(q, k, v, g, beta, state, rows[r: r + 1], out)
+        if saved is not None and kept is not None:
+            saved[kept] = state[int(rows[r, 1])]
     return out
 
 
@@ -126,13 +125,12 @@ def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
         return impl(x, weight, conv_state, rows, seqs, saved, num_steps, out)
     if out is None:
         out = torch.empty_like(x)
-    for first, count, scratch_row in seqs.tolist():
-        for j in range(count):
-            tok, slot, fresh = rows[first + j].tolist()
-            meta = torch.tensor([[tok, tok, tok + 1, slot, fresh]], dtype=torch.int32)
-            causal_conv1d_decode(x, weight, conv_state, meta, out)
-            if saved is not None and scratch_row >= 0 and j < count - 1:
-                saved[scratch_row * num_steps + j] = conv_state[slot]
+    for r, kept in reference_rows(seqs, num_steps):
+        tok, slot, fresh = rows[r].tolist()
+        meta = torch.tensor([[tok, tok, tok + 1, slot, fresh]], dtype=torch.int32)
+        causal_conv1d_decode(x, weight, conv_state, meta, out)
+        if saved is not None and kept is not None:
+            saved[kept] = conv_state[slot]
     return out
 
 

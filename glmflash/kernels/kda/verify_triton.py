@@ -30,6 +30,7 @@ from glmflash.kernels.kda.triton_impl import (
     splat,
 )
 from glmflash.kernels.triton_utils import jit
+from glmflash.kernels.verify_rows import keeps_copy, sequence_rows
 
 try:
     import triton
@@ -46,9 +47,7 @@ def kda_verify_kernel(q, k, v, g, beta, state, saved, o, rows, seqs, dt_bias, a_
                       GATES: tl.constexpr, HAS_LB: tl.constexpr):
     """One (sequence, head, value block): the rows of the sequence one after another."""
     i_b, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    first = tl.load(seqs + i_b * 3)
-    num_rows = tl.load(seqs + i_b * 3 + 1)
-    scratch_row = tl.load(seqs + i_b * 3 + 2).to(tl.int64)
+    first, num_rows, scratch_row = sequence_rows(seqs, i_b)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_s = (o_k < K)[:, None] & (o_v < V)[None, :]
@@ -73,7 +72,7 @@ def kda_verify_kernel(q, k, v, g, beta, state, saved, o, rows, seqs, dt_bias, a_
                              lower_bound, scale, stride_q, stride_k, stride_v, stride_g,
                              stride_b, stride_o, K, V, GATES, HAS_LB)
         if SAVE:
-            keep = ((scratch_row >= 0) & (j < num_rows - 1)).to(tl.int32)
+            keep = keeps_copy(scratch_row, j, num_rows)
             tl.store(saved + (scratch_row * num_steps + j) * slot_size + tile, b_s,
                      mask=m_s & (splat(o_k, keep)[:, None] != 0))
         held = slot
@@ -87,9 +86,7 @@ def conv_verify_kernel(x, weight, conv_state, saved, out, rows, seqs, num_steps,
     """One (sequence, channel block): the rows of the sequence one after another, each a decode
     step of the short conv (its output, then the slot's new history)."""
     i_b, i_c = tl.program_id(0), tl.program_id(1)
-    first = tl.load(seqs + i_b * 3)
-    num_rows = tl.load(seqs + i_b * 3 + 1)
-    scratch_row = tl.load(seqs + i_b * 3 + 2).to(tl.int64)
+    first, num_rows, scratch_row = sequence_rows(seqs, i_b)
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
     o_j = tl.arange(0, HP)
@@ -104,7 +101,7 @@ def conv_verify_kernel(x, weight, conv_state, saved, out, rows, seqs, num_steps,
         b_hist = conv_state_update(x, conv_state, stride_x, C, tok, tok + 1, slot, fresh, o_c,
                                    m_c, HIST, HP)
         if SAVE:
-            keep = ((scratch_row >= 0) & (j < num_rows - 1)).to(tl.int32)
+            keep = keeps_copy(scratch_row, j, num_rows)
             p_saved = saved + ((scratch_row * num_steps + j) * C + o_c)[:, None] * HIST
             tl.store(p_saved + o_j[None, :], b_hist,
                      mask=m_c[:, None] & (o_j < HIST)[None, :] & (splat(o_j, keep)[None, :] != 0))
