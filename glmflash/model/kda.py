@@ -53,10 +53,10 @@ class KimiDeltaAttention(nn.Module):
         heads, d = self.num_heads, self.head_dim
         # q, k, v in one product; the small projections of x (forget gate, output gate, beta)
         # in another; the two gates' up-projections in a third (`_gate_projections`).
-        qkv_weight, small_weight, _ = self.stack_weights()
+        qkv_weight, small_weight, up_weight = self.stack_weights()
         mixed = nn.functional.linear(x, qkv_weight)
         small = nn.functional.linear(x, small_weight)
-        f, out_gate = self._gate_projections(small[:, : 2 * d])
+        f, out_gate = self._gate_projections(small[:, : 2 * d], up_weight)
         b = small[:, 2 * d:]
         conv_state, recurrent = state.conv[self.layer_idx], state.recurrent[self.layer_idx]
         if batch.verify is not None:
@@ -81,13 +81,14 @@ class KimiDeltaAttention(nn.Module):
                     batch.is_fresh)
         return self.o_proj(gated_rms_norm(o, out_gate, self.o_norm.weight, self.norm_eps))
 
-    def _gate_projections(self, low_rank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gate_projections(self, low_rank: torch.Tensor, up_weight: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """The forget gate's and the output gate's up-projections of their low-rank halves of
-        `low_rank` `[T, 2d]` (f_a then g_a), as one batched product over the stacked weights:
-        (f `[T, H * d]`, output gate `[T, H * d]`)."""
+        `low_rank` `[T, 2d]` (f_a then g_a), as one batched product over their stacked weights
+        `up_weight` `[2 * H * d, d]`: (f `[T, H * d]`, output gate `[T, H * d]`)."""
         width, d = self.f_b_proj.weight.shape
         halves = low_rank.unflatten(-1, (2, d)).transpose(0, 1)  # [2, T, d], a view
-        up = torch.bmm(halves, self.stack_weights()[2].view(2, width, d).transpose(1, 2))
+        up = torch.bmm(halves, up_weight.view(2, width, d).transpose(1, 2))
         return up[0], up[1]
 
     def stack_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

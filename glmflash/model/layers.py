@@ -86,17 +86,16 @@ class MLP(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.stacks():
+        gate_up = self.stack_weights()
+        if gate_up is None:
             return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
-        return self.down_proj(clamped_swiglu_stacked(self.stack_weights()(x), self.limit))
-
-    def stacks(self) -> bool:
-        return can_stack((self.gate_proj, self.up_proj))
+        return self.down_proj(clamped_swiglu_stacked(gate_up(x), self.limit))
 
     def stack_weights(self) -> Linear | None:
         """The gate and up projections' stacked Linear (built once; None where they do not
         stack)."""
-        return stacked_linear((self.gate_proj, self.up_proj)) if self.stacks() else None
+        pair = (self.gate_proj, self.up_proj)
+        return stacked_linear(pair) if can_stack(pair) else None
 
 
 def stack_weights(model: nn.Module) -> None:
@@ -132,15 +131,9 @@ def stacked_linear(projections: tuple[Linear, ...]) -> Linear:
     rows, cols = sum(p.weight.shape[0] for p in projections), first.weight.shape[1]
     with torch.device("meta"):  # its parameters take the stacked tensors below
         joined = Linear(cols, rows, first.weight.dtype, fp8_block=first.fp8_block)
-    names = ("weight", "weight_scale_inv") if first.fp8_block else ("weight",)
-    for name in names:
-        stacked = torch.cat([getattr(p, name).data for p in projections])
+    for name in ("weight", "weight_scale_inv") if first.fp8_block else ("weight",):
+        stacked = stacked_parameters(tuple(getattr(p, name) for p in projections))
         setattr(joined, name, nn.Parameter(stacked, requires_grad=False))
-        offset = 0
-        for p in projections:
-            part = getattr(p, name)
-            part.data = stacked[offset: offset + part.shape[0]]
-            offset += part.shape[0]
     # Kept outside the module tree: not a submodule, no second state-dict entry.
     first.__dict__["_stacked_linear"] = (_storage_key(tuple(p.weight for p in projections)),
                                          joined)

@@ -93,8 +93,6 @@ def _rows(copies: torch.Tensor) -> torch.Tensor:
 class VerifyInputs:
     """What the layers of a verify forward read (`ForwardBatch.verify`)."""
 
-    num_tokens: list[int]
-    """Rows of each sequence (back to back in the batch)."""
     rows: torch.Tensor
     """`[T, 3]` int32 (token row, state slot, fresh) of every row: the decode rows'."""
     seqs: torch.Tensor
@@ -156,8 +154,8 @@ def verify_batch(packed: torch.Tensor, num_tokens: list[int], page_table: torch.
     num, num_seqs = sum(num_tokens), len(num_tokens)
     batch = decode_batch(packed[: DECODE_WIDTH * num], page_table, page_size, max_pools)
     seqs = packed[DECODE_WIDTH * num:][: (3 * num_seqs + 1) // 2].view(torch.int32)
-    batch.verify = VerifyInputs(list(num_tokens), batch.decode.kda_meta,
-                                seqs[: 3 * num_seqs].view(num_seqs, 3), scratch)
+    batch.verify = VerifyInputs(batch.decode.kda_meta, seqs[: 3 * num_seqs].view(num_seqs, 3),
+                                scratch)
     return batch
 
 
