@@ -28,10 +28,16 @@ class ClientDisconnected(Exception):
     """The client closed the connection before the response was ready."""
 
 
+# Characters that JSON leaves raw but that line readers split on (Python's str.splitlines, as
+# httpx's `aiter_lines` does): escaped, so that generated text holding one cannot cut a `data:`
+# line in two for such a client. Any JSON parser reads the escapes back as the same characters.
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
 def sse_event(payload: dict[str, Any], *, is_named: bool = False) -> bytes:
     """One SSE frame; `is_named` adds an `event:` line naming the payload's type (the Responses
     API's framing; an error payload is the `error` event)."""
-    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
     if is_named:
         return f"event: {payload.get('type', 'error')}\ndata: {text}\n\n".encode()
     return f"data: {text}\n\n".encode()

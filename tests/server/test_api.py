@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import threading
 import time
 
@@ -177,6 +178,20 @@ def test_completions_stream(client):
                                                     stream=True, logprobs=1, **GREEDY)
                if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
     assert len(offsets) == 4 and offsets[0] == 0 and offsets == sorted(offsets)
+
+
+def test_stream_lines_survive_line_separators_in_the_text(live):
+    """Generated text holding U+2028, U+2029 or U+0085 (JSON leaves them raw) must not cut a
+    `data:` line for a client that splits lines as str.splitlines does (httpx's aiter_lines):
+    every line still parses, and the text comes back whole."""
+    text = "a\u2028b\u2029c\x85d"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": f"SCRIPT:</think>{text}"}],
+            "max_tokens": 50, "stream": True}
+    with httpx.stream("POST", f"{live.url}/v1/chat/completions", json=body, timeout=60) as resp:
+        lines = [line for line in resp.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == text
 
 
 def test_health_and_metrics(live, client):
