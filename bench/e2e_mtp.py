@@ -33,10 +33,14 @@ import torch
 from bench.common import add_fake_context_requests
 from bench.e2e_probes import cpu_read_gbs, hbm_copy_gbs, moe_layers, step_bytes
 from glmflash import Engine, SamplingParams
+from glmflash.engine import spec_capture, spec_runner
+from glmflash.model import verify
 from glmflash.model.glm import GlmForCausalLM
 from glmflash.model.moe import Router
 
 RELEASE_DEPTH = 45
+VERIFY_BUILDERS = (spec_capture, spec_runner)
+"""The engine modules that build verify batches (`verify.verify_batch`)."""
 
 
 class ForcedRouting:
@@ -51,14 +55,28 @@ class ForcedRouting:
         model.hidden_states = self._hidden_states
         for router, forward in zip(self.routers, self.forwards, strict=True):
             router.forward = self._routed(forward)
+        # The verify batch keeps its rows per sequence on the device only; the host counts are
+        # taken where the engine builds it.
+        self.rows_of: dict[int, list[int]] = {}
+        for module in VERIFY_BUILDERS:
+            module.verify_batch = self._recording(verify.verify_batch)
 
     def close(self) -> None:
         self.model.hidden_states = self.hidden_states
         for router, forward in zip(self.routers, self.forwards, strict=True):
             router.forward = forward
+        for module in VERIFY_BUILDERS:
+            module.verify_batch = verify.verify_batch
+
+    def _recording(self, build):
+        def build_and_record(packed, num_tokens, *args):
+            batch = build(packed, num_tokens, *args)
+            self.rows_of[id(batch.verify)] = list(num_tokens)
+            return batch
+        return build_and_record
 
     def _hidden_states(self, batch, state, **kwargs):
-        self.num_tokens = batch.verify.num_tokens if batch.verify is not None else None
+        self.num_tokens = None if batch.verify is None else self.rows_of[id(batch.verify)]
         return self.hidden_states(batch, state, **kwargs)
 
     def _routed(self, forward):
