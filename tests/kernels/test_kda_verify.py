@@ -9,6 +9,8 @@ a `gpu` case adds the release shape (64 heads x 128, bf16 inputs, one draft per 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -152,15 +154,20 @@ def _release_rows(num: int) -> tuple[list, list]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("num", [1, 16], ids=["narrow", "wide"])
 def test_kda_verify_release_shape_gpu(num):
-    """64 heads x 128, bf16 inputs: bit for bit a decode launch per row, in the narrow and
-    the wide launch shapes."""
+    """64 heads x 128, bf16 inputs: bit for bit a decode launch per row in the launch shape a
+    decode of as many sequences takes (narrow, or wide from `decode_wide_batch`: another warp
+    count sums the products over dk in another order)."""
     seqs, row_slots = _release_rows(num)
+    wide = len(seqs) >= triton_impl.DEFAULT_CONFIG.decode_wide_batch
+    same_shape = dataclasses.replace(triton_impl.DEFAULT_CONFIG,
+                                     decode_wide_batch=1 if wide else len(row_slots) + 1)
     q, k, v, g, beta, state = kda_inputs([1] * len(row_slots), 64, 128, torch.bfloat16)
     rows, seq_meta = _metas(seqs, row_slots)
     saved = torch.zeros(len(seqs) * NUM_STEPS, 64, 128, 128, device=DEVICE)
     want_state, want_saved = state.clone(), saved.clone()
     want = torch.empty(len(row_slots), 64, 128, dtype=torch.bfloat16, device=DEVICE)
-    _per_row(lambda s, row: triton_impl.kda_decode(q, k, v, g, beta, s, row, want), want_state,
+    _per_row(lambda s, row: triton_impl.kda_decode(q, k, v, g, beta, s, row, want,
+                                                    config=same_shape), want_state,
              want_saved, rows, seq_meta)
     got = verify_triton.kda_verify(q, k, v, g, beta, state, rows, seq_meta, saved, NUM_STEPS)
     assert torch.equal(got, want) and torch.equal(state, want_state)
