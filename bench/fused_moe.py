@@ -35,6 +35,7 @@ from glmflash.kernels.fp8_gemm.triton_impl import (  # noqa: E402
     quantize_activations,
 )
 from glmflash.kernels.fused_moe.triton_impl import (  # noqa: E402
+    DECODE_CONFIG,
     DEFAULT_DISPATCH,
     PREFILL_CONFIG,
     FusedMoeConfig,
@@ -244,7 +245,7 @@ def decode_sweep(token_counts: list[int]) -> None:
                          f"{cfg.num_warps}{' fp16 codes' if cfg.fp16_codes else ''}",
                          f"{us:.1f}", f"{gbs:.0f} ({gbs / copy_gbs:.2f})"])
             print(rows[-1], flush=True)
-    print(f"HBM copy {copy_gbs:.0f} GB/s (read + write); default {FusedMoeConfig()}")
+    print(f"HBM copy {copy_gbs:.0f} GB/s (read + write); decode default {DECODE_CONFIG}")
     print(table(["tokens", "block n / k / stages / warps", "us (graph)",
                  "expert GB/s (of copy)"], rows))
 

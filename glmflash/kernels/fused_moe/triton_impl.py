@@ -57,9 +57,10 @@ class FusedMoeConfig:
     the scale block."""
 
 
-# Decode: few pairs per expert, so 16-row blocks (the smallest tensor-core product) waste least.
-# Every shape fits the shared memory of sm_89 / sm_120 (tools/smem_check.py).
-DECODE_CONFIG = FusedMoeConfig()
+# Decode: few pairs per expert, so 16-row blocks (the smallest tensor-core product) waste least;
+# the weights enter as fp16 codes (README.md, "The fp16-codes decode form"). Every shape fits the
+# shared memory of sm_89 / sm_120 (tools/smem_check.py).
+DECODE_CONFIG = FusedMoeConfig(block_n=128, fp16_codes=True)
 PREFILL_CONFIG = FusedMoeConfig(block_m=64, block_k=64)
 # fp32 operands (the tiny models' tests): FMA products, small tiles keep them out of spills.
 FP32_CONFIG = FusedMoeConfig(block_n=32, block_k=32, num_stages=2)
