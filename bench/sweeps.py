@@ -2,12 +2,13 @@
 
     PYTHONPATH=. python bench/sweeps.py
         [--ops kda,kda_prefill,kda_profile,topk,indexer_prefill,indexer_decode,mla,fp8,fp8row,
-               fp8rules,moe,moe_aux]
+               fp8codes,fp8rules,moe,moe_aux]
 
 `kda_profile`: each kernel's GPU time in fla's prefill and the candidates' (first length);
 `moe`: fused MoE prefill at 8192 tokens by parts: both sorts, the GEMMs (bench/fused_moe.py);
 `moe_aux`: its launches around the GEMMs (sort, quantiser and gather, weighted sum) by shape;
 `fp8rules`: FP8 linear at 16 rows, the streaming grid and the per-shape rules over it;
+`fp8codes`: FP8 linear at 2-32 rows, the fp16-codes weight-only form against the streaming one;
 `indexer_prefill`: the indexer's scoring of a prefill chunk at long context, by launch shape
 (`indexer.triton_impl.ScoreLaunch`: queries and pool blocks per program, stages);
 `indexer_decode`: the same for decodes (one query per sequence) at 128K and 1M.
@@ -126,6 +127,36 @@ def sweep_fp8_one_row() -> None:
                            ti.fp8_linear_weight_only(x, w, ws, 128, c) for w in wqs])
             print(f"fp8 one row {k}->{n} fma={fma} BN={bn} waves={waves}: "
                   f"{ms * 1e3:.1f} us {n * k / ms / 1e6:.0f} GB/s", flush=True)
+
+
+def sweep_fp8_codes(rows=(2, 4, 8, 16, 32)) -> None:
+    """A few rows: the weight-only kernel on fp16 codes by columns and waves against the W8A8
+    streaming form (its H200 rule) and per-tensor `_scaled_mm` (at 16 rows, cuBLAS's minimum;
+    weights rotated past L2)."""
+    from bench.kernels import _scaled_mm
+    from glmflash.kernels.fp8_gemm import quantize_block_fp8
+    from glmflash.kernels.fp8_gemm import triton_impl as ti
+
+    stream = dataclasses.replace(ti.DEFAULT_CONFIG, codes_max_rows=0)
+    for k, n in FP8_SHAPES:
+        wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda"))
+        wqs = rotated(wq)
+        for m in rows:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            ref = graph_ms([_scaled_mm(x.to(torch.float8_e4m3fn), w) for w in wqs])
+            w8a8 = graph_ms([lambda x=x, w=w, ws=ws: ti.fp8_linear(x, w, ws, config=stream)
+                             for w in wqs])
+            cells = []
+            for bn, waves in itertools.product((64, 128), (2.0, 4.0, 8.0)):
+                config = dataclasses.replace(ti.DEFAULT_CONFIG, codes_max_rows=m,
+                                             wdq_block_n=bn, wdq_waves=waves)
+                ms = graph_ms([lambda x=x, w=w, ws=ws, c=config:
+                               ti.fp8_linear(x, w, ws, config=c) for w in wqs])
+                cells.append(f"{bn}/{waves:g} {ms * 1e3:.1f}")
+            print(f"fp8 codes {k}->{n} M={m}: per-tensor _scaled_mm {ref * 1e3:.1f} us, W8A8 "
+                  f"stream {w8a8 * 1e3:.1f}, codes by columns/waves: {', '.join(cells)}",
+                  flush=True)
+        del wqs
 
 
 # Weight-streaming launch shapes at 16 rows: (block_n, waves, min split blocks, warps, stages).
@@ -428,6 +459,8 @@ def main() -> None:
         sweep_fp8(not args.no_w8a8)
     if "fp8row" in ops:
         sweep_fp8_one_row()
+    if "fp8codes" in ops:
+        sweep_fp8_codes()
     if "fp8rules" in ops:
         sweep_fp8_rules()
     if "moe_aux" in ops:

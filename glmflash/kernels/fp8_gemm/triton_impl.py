@@ -1,11 +1,13 @@
 """Triton block-FP8 linear: `y = x W^T`, W in e4m3 with one fp32 scale per 128x128 block.
 
-Three paths, picked by the number of rows (README.md has the measurements):
+Four paths, picked by the number of rows (README.md has the measurements):
 - one row (decode at batch 1): the weight is dequantised in registers and multiplied by FMA in
   fp32, split over K so that enough programs stream the weight (fp32 activations, and GPUs
   without FP8 products, take this weight-only kernel at every size, with bf16 products);
-- a few rows (2..63): activations are quantised per row and 128-channel group (DeepSeek / HF
-  style) inside the weight-streaming FP8 x FP8 kernel of triton_stream.py;
+- a few rows (2..`codes_max_rows`, 16-bit x): the same split weight-only kernel, its products
+  on tensor cores with the e4m3 codes as fp16 and each K block's product scaled once;
+- up to 63 rows: activations are quantised per row and 128-channel group (DeepSeek / HF style)
+  inside the weight-streaming FP8 x FP8 kernel of triton_stream.py;
 - many rows (prefill): the same quantisation by a small kernel, then an FP8 x FP8 GEMM that
   applies both scales per K block: cuBLASLt's block-scaled `torch._scaled_mm` on SM90, this
   file's Triton GEMM elsewhere.
@@ -60,6 +62,10 @@ class Fp8LinearConfig:
     """Weight-only: rows up to which products are FMAs instead of tensor-core products (0:
     never); one row needs no product and skips the dequantised tile's layout change."""
     wdq_fma_block_n: int = 32
+    codes_max_rows: int = 16
+    """16-bit activations of `act_min_rows` up to this many rows take the weight-only kernel
+    on fp16 codes (`_codes_range`: exact weights, x rounded to fp16, so |x| < 65504) instead of
+    the W8A8 streaming form (0: never)."""
     one_row_rule: StreamRule | None = H200_ONE_ROW_RULE
     """Per-weight-shape launch shapes of the one-row FMA kernel on the rule's GPU (its
     columns, waves, split blocks, warps and stages; None: the `wdq_*` fields everywhere)."""
@@ -96,6 +102,28 @@ def _dot_range(x, w, ws_row, o_m, o_n, m_m, m_n, k_begin, k_end, K, stride_xm, s
 
 
 @jit
+def _codes_range(x, w, ws_row, o_m, o_n, m_m, m_n, k_begin, k_end, K, stride_xm, stride_wn,
+                 BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """x[rows, range] W[cols, range]^T with the e4m3 codes in the product as fp16 (exact)
+    against x rounded to fp16, each K block's fp32 product times its weight scale: no weight is
+    dequantised in registers. The scale of the next block is loaded a step ahead, so that the
+    step's last multiply does not wait on it."""
+    o_k = tl.arange(0, BLOCK)
+    b_acc = tl.zeros([BM, BN], dtype=tl.float32)
+    b_s = tl.load(ws_row + k_begin // BLOCK, mask=k_begin < k_end, other=0.0)
+    for k0 in range(k_begin, k_end, BLOCK):
+        b_s_next = tl.load(ws_row + k0 // BLOCK + 1, mask=k0 + BLOCK < k_end, other=0.0)
+        m_k = k0 + o_k < K
+        b_x = tl.load(x + o_m[:, None].to(tl.int64) * stride_xm + k0 + o_k[None, :],
+                      mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_w = tl.load(w + o_n[:, None].to(tl.int64) * stride_wn + k0 + o_k[None, :],
+                      mask=m_n[:, None] & m_k[None, :], other=0.0)
+        b_acc += tl.dot(b_x.to(tl.float16), tl.trans(b_w.to(tl.float16))) * b_s
+        b_s = b_s_next
+    return b_acc
+
+
+@jit
 def _fma_range(x, w, ws_row, o_n, m_n, k_begin, k_end, K, stride_wn, BLOCK: tl.constexpr,
                BN: tl.constexpr):
     """One row of x against W[cols, range] by FMA: each weight times x * scale in fp32 (no
@@ -115,10 +143,11 @@ def _fma_range(x, w, ws_row, o_n, m_n, k_begin, k_end, K, stride_wn, BLOCK: tl.c
 def fp8_wdq_gemm_kernel(x, w, ws, y, part, arrivals, M, N, K, stride_xm, stride_wn, stride_wsn,
                         stride_ym, K_PER_SPLIT, SPLITS, BLOCK: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
-                        PREC: tl.constexpr, FMA: tl.constexpr):
+                        PREC: tl.constexpr, FMA: tl.constexpr, CODES: tl.constexpr):
     """y = x W_dequant^T over one K range per program; W dequantised block by block in
-    registers (FMA: one row, BM = 1, no products). With SPLITS > 1 each range's fp32 sum goes to
-    `part` and the range that arrives last at `arrivals[tile]` writes y from all of them."""
+    registers (FMA: one row, BM = 1, no products; CODES: not dequantised, `_codes_range`). With
+    SPLITS > 1 each range's fp32 sum goes to `part` and the range that arrives last at
+    `arrivals[tile]` writes y from all of them."""
     i_m, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_m = i_m * BM + tl.arange(0, BM)
     o_n = i_n * BN + tl.arange(0, BN)
@@ -130,6 +159,9 @@ def fp8_wdq_gemm_kernel(x, w, ws, y, part, arrivals, M, N, K, stride_xm, stride_
     if FMA:
         b_acc = _fma_range(x + i_m.to(tl.int64) * stride_xm, w, ws_row, o_n, m_n, k_begin, k_end,
                            K, stride_wn, BLOCK, BN)
+    elif CODES:
+        b_acc = _codes_range(x, w, ws_row, o_m, o_n, m_m, m_n, k_begin, k_end, K, stride_xm,
+                             stride_wn, BLOCK, BM, BN)
     else:
         b_acc = _dot_range(x, w, ws_row, o_m, o_n, m_m, m_n, k_begin, k_end, K, stride_xm,
                            stride_wn, BLOCK, BM, BN, DOT, PREC)
@@ -198,6 +230,7 @@ def fp8_linear_weight_only(x2: torch.Tensor, weight: torch.Tensor, scale_inv: to
     fp32 = x2.dtype == torch.float32 or interpreting()
     dot = tl.float32 if fp32 else (tl.float16 if x2.dtype == torch.float16 else tl.bfloat16)
     fma = m <= config.wdq_fma_rows
+    codes = not fma and x2.dtype != torch.float32 and m <= config.codes_max_rows
     bm = 1 if fma else (16 if m <= 16 else (32 if m <= 32 else 64))
     shape = _weight_only_shape(config, fma, weight.shape, x2.device)
     bn = min(shape.block_n, block)
@@ -210,7 +243,7 @@ def fp8_linear_weight_only(x2: torch.Tensor, weight: torch.Tensor, scale_inv: to
         x2, weight, scale_inv, out, part, arrivals if splits > 1 else out, m, n, k, x2.stride(0),
         weight.stride(0), scale_inv.stride(0), out.stride(0), k_per_split, splits,
         BLOCK=block, BM=bm, BN=bn, DOT=dot, PREC="ieee" if fp32 else "tf32", FMA=fma,
-        num_warps=shape.num_warps, num_stages=shape.num_stages)
+        CODES=codes, num_warps=shape.num_warps, num_stages=shape.num_stages)
     return out
 
 
@@ -290,9 +323,9 @@ def scaled_mm_fits(x2: torch.Tensor, weight: torch.Tensor, block: int) -> bool:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, *,
                block: int = 128, config: Fp8LinearConfig | None = None) -> torch.Tensor:
     """Triton `fp8_linear_ref`: `y = x W^T`, x `[..., K]`, weight `[N, K]` e4m3, scale_inv
-    `[ceil(N/block), ceil(K/block)]` fp32. Weight-only below `config.act_min_rows` rows, W8A8
-    from there: weight-streaming below `config.gemm_min_rows`, tiled from there (`config`:
-    DEFAULT_CONFIG, read at call time)."""
+    `[ceil(N/block), ceil(K/block)]` fp32. Weight-only below `config.act_min_rows` rows and (on
+    fp16 codes) up to `config.codes_max_rows`, W8A8 beyond: weight-streaming below
+    `config.gemm_min_rows`, tiled from there (`config`: DEFAULT_CONFIG, read at call time)."""
     config = config or DEFAULT_CONFIG
     _check(x, weight, scale_inv, block)
     lead = x.shape[:-1]
@@ -307,12 +340,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, *
 
 def _linear_2d(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: int,
                config: Fp8LinearConfig) -> torch.Tensor:
-    """The path by rows: weight-only, weight-streaming W8A8, or a tiled W8A8 GEMM (cuBLASLt's
-    where it fits); fp32 activations, the interpreter and GPUs without FP8 products (before
-    SM89) stay weight-only."""
+    """The path by rows: weight-only (FMA at one row, fp16 codes up to `codes_max_rows`),
+    weight-streaming W8A8, or a tiled W8A8 GEMM (cuBLASLt's where it fits); fp32 activations,
+    the interpreter and GPUs without FP8 products (before SM89) stay weight-only."""
     m = x2.shape[0]
-    if m < config.act_min_rows or x2.dtype == torch.float32 or interpreting() \
-            or not has_fp8_products(x2.device):
+    if m < config.act_min_rows or m <= config.codes_max_rows or x2.dtype == torch.float32 \
+            or interpreting() or not has_fp8_products(x2.device):
         return fp8_linear_weight_only(x2, weight, scale_inv, block, config)
     if m < config.gemm_min_rows:
         n, k = weight.shape
