@@ -224,6 +224,7 @@ def fp8_launches() -> list[Launch]:
            for bm, bn, codes in ((1, fp8.DEFAULT_CONFIG.wdq_fma_block_n, False), (1, 64, False),
                                  (16, fp8.DEFAULT_CONFIG.wdq_block_n, False),
                                  (16, fp8.DEFAULT_CONFIG.wdq_block_n, True), (16, 128, True),
+                                 (32, fp8.DEFAULT_CONFIG.wdq_block_n, True),
                                  (64, fp8.DEFAULT_CONFIG.wdq_block_n, False))]
     stream = fp8.DEFAULT_CONFIG.stream
     out += [Launch(f"fp8 stream w8a8 BN{stream.block_n} BM{bm} finish {group}",

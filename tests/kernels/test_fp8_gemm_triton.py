@@ -76,11 +76,11 @@ def test_one_row_bf16_paths(fma_rows, nan_empty):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("m", [2, 5, 16])
+@pytest.mark.parametrize("m", [2, 5, 16, 17, 32])
 def test_codes_rows_have_exact_weights(m, dtype, nan_empty):
-    """2-16 rows of 16-bit x: the e4m3 codes enter the products as fp16 and each K block's
-    product is scaled once, so the result is x (in fp16) times the exact weights, rounded once
-    (ragged columns and K, split over K)."""
+    """2-32 rows of 16-bit x (16- and 32-row tiles): the e4m3 codes enter the products as fp16
+    and each K block's product is scaled once, so the result is x (in fp16) times the exact
+    weights, rounded once (ragged columns and K, split over K)."""
     x, w, s = _case(m, 130, 1100, dtype)
     got = triton_impl.fp8_linear(x, w, s).float()
     exact = (x.half().double() @ dequantize_block_fp8(w, s).double().T).float()
@@ -136,7 +136,7 @@ def test_split_k_last_arrival_gpu(m, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 2, 16, 17, 2048])
+@pytest.mark.parametrize("m", [1, 2, 16, 17, 32, 33, 2048])
 @pytest.mark.parametrize("n,k", [(1536, 4096), (4096, 16384)], ids=["4096-1536", "16384-4096"])
 def test_release_shapes_gpu(m, n, k):
     x, w, s = _case(m, n, k, torch.bfloat16)

@@ -166,7 +166,7 @@ def test_linear_follows_the_rule():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [2, 16, 63])
+@pytest.mark.parametrize("m", [2, 16, 33, 63])
 @pytest.mark.parametrize("n,k", [(1536, 4096), (16384, 1536), (4096, 16384), (4096, 4096),
                                  (24576, 4096)])
 def test_release_shapes_gpu(m, n, k):

@@ -62,7 +62,7 @@ class Fp8LinearConfig:
     """Weight-only: rows up to which products are FMAs instead of tensor-core products (0:
     never); one row needs no product and skips the dequantised tile's layout change."""
     wdq_fma_block_n: int = 32
-    codes_max_rows: int = 16
+    codes_max_rows: int = 32
     """16-bit activations of `act_min_rows` up to this many rows take the weight-only kernel
     on fp16 codes (`_codes_range`: exact weights, x rounded to fp16, so |x| < 65504) instead of
     the W8A8 streaming form (0: never)."""
