@@ -149,13 +149,14 @@ def sweep_fp8_codes(rows=(2, 4, 8, 16, 32)) -> None:
             cells = []
             for bn, waves in itertools.product((64, 128), (2.0, 4.0, 8.0)):
                 config = dataclasses.replace(ti.DEFAULT_CONFIG, codes_max_rows=m,
-                                             wdq_block_n=bn, wdq_waves=waves)
+                                             wdq_block_n=bn, wdq_waves=waves, codes_rule=None)
                 ms = graph_ms([lambda x=x, w=w, ws=ws, c=config:
                                ti.fp8_linear(x, w, ws, config=c) for w in wqs])
                 cells.append(f"{bn}/{waves:g} {ms * 1e3:.1f}")
+            rule = graph_ms([lambda x=x, w=w, ws=ws: ti.fp8_linear(x, w, ws) for w in wqs])
             print(f"fp8 codes {k}->{n} M={m}: per-tensor _scaled_mm {ref * 1e3:.1f} us, W8A8 "
-                  f"stream {w8a8 * 1e3:.1f}, codes by columns/waves: {', '.join(cells)}",
-                  flush=True)
+                  f"stream {w8a8 * 1e3:.1f}, fp8_linear {rule * 1e3:.1f}, codes by "
+                  f"columns/waves: {', '.join(cells)}", flush=True)
         del wqs
 
 

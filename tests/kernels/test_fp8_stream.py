@@ -126,10 +126,29 @@ def test_one_row_shape_by_rule_on_its_gpu(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d, c=capability: c)
         got = triton_impl._weight_only_shape(config, True, (4096, 16384), cuda)
         assert (got.block_n, got.waves) == ((64, 8.0) if rule else (32, 4.0))
-    # products (more than one row) and CPU tensors keep the wdq_* fields
+    # products past the codes rows and CPU tensors keep the wdq_* fields
     assert triton_impl._weight_only_shape(config, False, (4096, 16384), cuda).block_n == 64
     assert triton_impl._weight_only_shape(config, True, (4096, 16384),
                                           torch.device("cpu")).waves == 4.0
+
+
+# The fp16-codes sweep's fastest (columns, waves) per release shape on the H200, summed over 2,
+# 8, 16 and 32 rows (bench/sweeps.py --ops fp8codes, session 24).
+H200_CODES_FASTEST = {(4096, 1536): (64, 2.0), (1536, 16384): (64, 2.0),
+                      (16384, 4096): (64, 4.0), (4096, 4096): (64, 4.0),
+                      (4096, 24576): (64, 2.0)}
+
+
+@pytest.mark.parametrize("k,n", H200_CODES_FASTEST.keys(),
+                         ids=[f"{k}->{n}" for k, n in H200_CODES_FASTEST])
+def test_h200_codes_rule_picks_the_fastest_shape(k, n, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d: (9, 0))
+    config = triton_impl.DEFAULT_CONFIG
+    shape = triton_impl._weight_only_shape(config, False, (n, k), torch.device("cuda"), True)
+    assert (shape.block_n, shape.waves) == H200_CODES_FASTEST[k, n]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d: (12, 0))
+    other = triton_impl._weight_only_shape(config, False, (n, k), torch.device("cuda"), True)
+    assert (other.block_n, other.waves) == (config.wdq_block_n, config.wdq_waves)
 
 
 @pytest.mark.gpu

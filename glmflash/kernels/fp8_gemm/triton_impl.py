@@ -33,6 +33,7 @@ from glmflash.kernels.fp8_gemm.triton_common import (
     store_split,
 )
 from glmflash.kernels.fp8_gemm.triton_stream import (
+    H200_CODES_RULE,
     H200_ONE_ROW_RULE,
     H200_STREAM_RULE,
     STREAM_CONFIG,
@@ -66,6 +67,9 @@ class Fp8LinearConfig:
     """16-bit activations of `act_min_rows` up to this many rows take the weight-only kernel
     on fp16 codes (`_codes_range`: exact weights, x rounded to fp16, so |x| < 65504) instead of
     the W8A8 streaming form (0: never)."""
+    codes_rule: StreamRule | None = H200_CODES_RULE
+    """Per-weight-shape launch shapes of the fp16-codes rows on the rule's GPU (columns, waves,
+    split blocks, warps, stages; None: the `wdq_*` fields everywhere)."""
     one_row_rule: StreamRule | None = H200_ONE_ROW_RULE
     """Per-weight-shape launch shapes of the one-row FMA kernel on the rule's GPU (its
     columns, waves, split blocks, warps and stages; None: the `wdq_*` fields everywhere)."""
@@ -232,7 +236,7 @@ def fp8_linear_weight_only(x2: torch.Tensor, weight: torch.Tensor, scale_inv: to
     fma = m <= config.wdq_fma_rows
     codes = not fma and x2.dtype != torch.float32 and m <= config.codes_max_rows
     bm = 1 if fma else (16 if m <= 16 else (32 if m <= 32 else 64))
-    shape = _weight_only_shape(config, fma, weight.shape, x2.device)
+    shape = _weight_only_shape(config, fma, weight.shape, x2.device, codes)
     bn = min(shape.block_n, block)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     splits, k_per_split, arrivals = plan_splits(x2.device, tiles, k, block, shape.waves,
@@ -248,16 +252,17 @@ def fp8_linear_weight_only(x2: torch.Tensor, weight: torch.Tensor, scale_inv: to
 
 
 def _weight_only_shape(config: Fp8LinearConfig, fma: bool, weight_shape: torch.Size,
-                       device: torch.device) -> StreamConfig:
-    """The weight-only launch: the one-row rule's shape for this weight on its GPU (FMA), else
-    the `wdq_*` fields."""
+                       device: torch.device, codes: bool = False) -> StreamConfig:
+    """The weight-only launch: the one-row rule's shape for this weight on its GPU (FMA), the
+    codes rule's (fp16 codes), else the `wdq_*` fields."""
     block_n = config.wdq_fma_block_n if fma else config.wdq_block_n
     fields = StreamConfig(block_n=block_n, waves=config.wdq_waves,
                           min_split_blocks=config.wdq_min_split_blocks,
                           num_warps=config.wdq_warps, num_stages=config.wdq_stages)
-    if not fma or config.one_row_rule is None or device.type != "cuda":
+    rule = config.one_row_rule if fma else config.codes_rule if codes else None
+    if rule is None or device.type != "cuda":
         return fields
-    return config.one_row_rule.pick_for(*weight_shape, device, fields)
+    return rule.pick_for(*weight_shape, device, fields)
 
 
 def quantize_activations(x2: torch.Tensor, fp8_dtype: torch.dtype, block: int,

@@ -107,6 +107,18 @@ H200_ONE_ROW_RULE = StreamRule(
     capability=(9, 0))
 
 
+# The H200's rule for the weight-only kernel on fp16 codes, 2-32 rows (bench/sweeps.py --ops
+# fp8codes; README.md, "A few rows on fp16 codes"): the fastest of 64 / 128 columns x 2 / 4 / 8
+# waves summed over 2, 8, 16 and 32 rows at each release shape. K up to 4096 with N up to 2048
+# or above 4096 splits K into half as many ranges; the rest keeps the `wdq_*` fields' shape.
+H200_CODES_RULE = StreamRule(
+    entries=((0, _ANY, 2048, StreamConfig(block_n=64, waves=2.0)),
+             (0, 4096, 4096, StreamConfig(block_n=64, waves=4.0)),
+             (0, 4096, _ANY, StreamConfig(block_n=64, waves=2.0))),
+    default=StreamConfig(block_n=64, waves=4.0),
+    capability=(9, 0))
+
+
 @jit
 def fp8_stream_gemm_kernel(x, w, ws, y, part, arrivals, M, N, K, stride_xm, stride_wn,
                            stride_wsn, stride_ym, K_PER_SPLIT, SPLITS, BLOCK: tl.constexpr,
@@ -163,5 +175,5 @@ def fp8_linear_stream(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.T
     return out
 
 
-__all__ = ["H200_ONE_ROW_RULE", "H200_STREAM_RULE", "STREAM_CONFIG", "StreamConfig", "StreamRule",
-           "fp8_linear_stream", "fp8_stream_gemm_kernel"]
+__all__ = ["H200_CODES_RULE", "H200_ONE_ROW_RULE", "H200_STREAM_RULE", "STREAM_CONFIG",
+           "StreamConfig", "StreamRule", "fp8_linear_stream", "fp8_stream_gemm_kernel"]
