@@ -46,10 +46,12 @@ from glmflash.kernels.triton_utils import grouped_tile, interpreting, jit
 
 @dataclass(frozen=True)
 class Fp8LinearConfig:
-    """Launch shapes of the two paths (README.md has the sweeps that chose them)."""
+    """Which path takes how many rows, and their launch shapes (README.md has the sweeps that
+    chose them)."""
 
     act_min_rows: int = 2
-    """Rows from which activations are quantised to FP8 (below: weight-only dequantisation)."""
+    """Rows from which 16-bit activations leave the one-row kernel: the fp16-codes rows up to
+    `codes_max_rows`, then activations quantised to FP8 (W8A8)."""
     gemm_min_rows: int = 64
     """Rows from which the tiled FP8 GEMM runs (below: the weight-streaming W8A8 form)."""
     stream: StreamConfig = STREAM_CONFIG
