@@ -319,16 +319,17 @@ def indexer_launches() -> list[Launch]:
                       {**write, "saved": "*bf16", "seqs": "*i32"},
                       dict(KPOOL=4, KP=4, PAGE=64, BD=128, BTAIL=1024, SAVE=True), 1,
                       aligned=("D",)))
-    scores = {"x": "*bf16", "w": "*bf16", "scores": "*fp32"}
-    for tokens in (1, 64):
-        cfg = router.default_score_config(tokens)
-        out.append(Launch(f"router scores BT{cfg.block_t}", router.router_scores_kernel, scores,
-                          dict(BT=cfg.block_t, BE=cfg.block_e, BK=cfg.block_k), cfg.num_warps,
-                          aligned=("K",)))
     select = {"scores": "*fp32", "bias": "*fp32", "ids": "*i64", "weights": "*fp32",
               "scaling": "fp32"}
-    out.append(Launch("router select", router.router_select_kernel, select,
-                      dict(G=1, GP=1, EGP=512, TOPK_GROUPS=1, TOPK=8, KP=8, RENORM=True), 4))
+    choice = dict(G=1, GP=1, EGP=512, TOPK_GROUPS=1, TOPK=8, KP=8, RENORM=True)
+    scores = {"x": "*bf16", "w": "*bf16", "arrivals": "*i32", **select}
+    for tokens in (1, 64):
+        cfg = router.default_score_config(tokens)
+        out.append(Launch(f"router scores BT{cfg.block_t} with the choice",
+                          router.router_scores_kernel, scores,
+                          dict(BT=cfg.block_t, BE=cfg.block_e, BK=cfg.block_k, SELECT=True,
+                               **choice), cfg.num_warps, aligned=("K",)))
+    out.append(Launch("router select", router.router_select_kernel, select, choice, 4))
     out.append(Launch("rms_norm pair (MLA latents)", rms_norm.rms_norm_pair_kernel,
                       dict.fromkeys(("x", "weight_a", "weight_b", "out_a", "out_b"), "*bf16")
                       | {"rows_b": "*i64", "eps_a": "fp32", "eps_b": "fp32"},

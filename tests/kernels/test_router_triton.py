@@ -3,11 +3,18 @@ within a token may differ). Interpreter on the CPU, compiled with CUDA."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from glmflash.kernels.router import RouterSpec, route_ref
-from glmflash.kernels.router.triton_impl import SCORE_TOKENS, ScoreConfig, route
+from glmflash.kernels.router import RouterSpec, route_ref, triton_impl
+from glmflash.kernels.router.triton_impl import (
+    SCORE_TOKENS,
+    ScoreConfig,
+    default_score_config,
+    route,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -87,6 +94,24 @@ def test_nan_scores_still_choose_distinct_real_experts():
     assert weights[1].isnan().all() and not weights[[0, 2]].isnan().any()
 
 
+def _two_launches(tokens: int) -> ScoreConfig:
+    return dataclasses.replace(default_score_config(tokens), fused_select=False)
+
+
+@pytest.mark.parametrize("tokens,name", [(1, "release_like"), (5, "release_like"),
+                                         (5, "four_groups"), (SCORE_TOKENS, "four_groups")])
+def test_choice_in_the_scores_launch_equals_its_own_launch(tokens, name, monkeypatch):
+    """The last expert block of each token block chooses (ragged last block at 5 tokens): the
+    choices of the separate launch bit for bit, no second launch, the counters back at zero."""
+    experts, hidden, spec = SPECS[name]
+    x, weight, bias = _case(tokens, experts, hidden, torch.float32)
+    want = route(x, weight, bias, spec=spec, score_config=_two_launches(tokens))
+    monkeypatch.setattr(triton_impl, "router_select_kernel", None)  # a launch would fail
+    got = route(x, weight, bias, spec=spec)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert int(triton_impl._ARRIVALS[x.device].count_nonzero()) == 0
+
+
 def test_no_tokens():
     experts, hidden, spec = SPECS["tiny"]
     x, weight, bias = _case(0, experts, hidden, torch.float32)
@@ -105,3 +130,10 @@ def test_release_shape_bf16(tokens):
     # fp32 sums of exact products in another order: a choice could flip only at a near tie.
     assert torch.equal(got[0], want[0])
     torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-4)
+    if tokens <= SCORE_TOKENS:
+        # Which expert block arrives last varies from call to call here; the choice must not.
+        two = route(x, weight, bias, spec=spec, score_config=_two_launches(tokens))
+        for _ in range(10):
+            again = route(x, weight, bias, spec=spec)
+            assert torch.equal(again[0], two[0]) and torch.equal(again[1], two[1])
+        assert int(triton_impl._ARRIVALS[x.device].count_nonzero()) == 0

@@ -1,7 +1,9 @@
 """Triton MoE routing: the sigmoid scores of few tokens (fp32 FMA over the model-dtype weight,
-whose products are exact in fp32) and the choice (bias, group limit, top-k, weights) in one
-launch of a program per token. Above `SCORE_TOKENS` tokens the scores are one fp32 GEMM, as in
-the reference. Ties choose the lower expert index; the reference's top-k leaves that open."""
+whose products are exact in fp32) and the choice (bias, group limit, top-k, weights). Up to
+`SCORE_TOKENS` tokens one launch: the expert block of a token block that finishes its scores
+last makes that block's choices. Above, the scores are one fp32 GEMM, as in the reference, and
+the choice a launch of a program per token. Ties choose the lower expert index; the
+reference's top-k leaves that open."""
 
 from __future__ import annotations
 
@@ -16,10 +18,13 @@ except ImportError:  # the package must import without triton; the launchers nee
     triton = None
 
 from glmflash.kernels.router.ref import RouterSpec, scores_ref
-from glmflash.kernels.triton_utils import jit
+from glmflash.kernels.triton_utils import ArrivalCounters, jit
 
 # Up to this many tokens the scores come from router_scores_kernel; above, from cuBLAS.
 SCORE_TOKENS = 64
+# Per-device counters of the expert blocks done per token block (every launch leaves them at
+# zero; allocated once, so captured graphs stay valid).
+_ARRIVALS = ArrivalCounters(1 << 8)
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,9 @@ class ScoreConfig:
     block_k: int
     num_warps: int = 4
     select_warps: int = 4
+    fused_select: bool = True
+    """The last expert block of a token block to finish makes its tokens' choices (one launch);
+    False: the choice is a second launch of a program per token."""
 
 
 def default_score_config(num_tokens: int) -> ScoreConfig:
@@ -43,10 +51,14 @@ def default_score_config(num_tokens: int) -> ScoreConfig:
 
 
 @jit
-def router_scores_kernel(x, w, scores, T, E, K, stride_x, stride_w, stride_s, BT: tl.constexpr,
-                         BE: tl.constexpr, BK: tl.constexpr):
+def router_scores_kernel(x, w, scores, bias, ids, weights, arrivals, T, E, K, stride_x,
+                         stride_w, stride_s, EG, scaling, BT: tl.constexpr, BE: tl.constexpr,
+                         BK: tl.constexpr, SELECT: tl.constexpr, G: tl.constexpr,
+                         GP: tl.constexpr, EGP: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+                         TOPK: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr):
     """scores[t, e] = sigmoid(x[t] . w[e]) in fp32 for tokens [i_t * BT, +BT), experts
-    [i_e * BE, +BE): products into a [BT, BE, BK] tile, reduced once."""
+    [i_e * BE, +BE): products into a [BT, BE, BK] tile, reduced once. SELECT: the expert block
+    that arrives last at `arrivals[i_t]` makes the token block's choices (`_choose`)."""
     i_e, i_t = tl.program_id(0), tl.program_id(1)
     o_t = i_t * BT + tl.arange(0, BT)
     o_e = i_e * BE + tl.arange(0, BE)
@@ -63,21 +75,40 @@ def router_scores_kernel(x, w, scores, T, E, K, stride_x, stride_w, stride_s, BT
     b_s = tl.sigmoid(tl.sum(b_acc, 2))
     p_s = scores + o_t[:, None].to(tl.int64) * stride_s + o_e[None, :]
     tl.store(p_s, b_s, mask=m_t[:, None] & m_e[None, :])
+    if SELECT:
+        # Every warp's scores are written before the release; the last block reads them all.
+        tl.debug_barrier()
+        if tl.atomic_add(arrivals + i_t, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            for j in tl.static_range(BT):
+                if i_t * BT + j < T:
+                    _choose(scores, bias, ids, weights, (i_t * BT + j).to(tl.int64), stride_s,
+                            EG, scaling, G, GP, EGP, TOPK_GROUPS, TOPK, KP, RENORM)
+            tl.atomic_xchg(arrivals + i_t, 0, sem="relaxed")
 
 
 @jit
 def router_select_kernel(scores, bias, ids, weights, stride_s, EG, scaling, G: tl.constexpr,
                          GP: tl.constexpr, EGP: tl.constexpr, TOPK_GROUPS: tl.constexpr,
                          TOPK: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr):
-    """Token t: choice = scores + bias over a [groups, experts per group] tile; keep the
+    """Token t = program 0's choice (`_choose`)."""
+    _choose(scores, bias, ids, weights, tl.program_id(0).to(tl.int64), stride_s, EG, scaling, G,
+            GP, EGP, TOPK_GROUPS, TOPK, KP, RENORM)
+
+
+@jit
+def _choose(scores, bias, ids, weights, i_t, stride_s, EG, scaling, G: tl.constexpr,
+            GP: tl.constexpr, EGP: tl.constexpr, TOPK_GROUPS: tl.constexpr, TOPK: tl.constexpr,
+            KP: tl.constexpr, RENORM: tl.constexpr):
+    """Token i_t: choice = scores + bias over a [groups, experts per group] tile; keep the
     TOPK_GROUPS groups whose two best choices sum highest; the TOPK best kept experts; their
-    scores (renormalised) times `scaling`."""
-    i_t = tl.program_id(0).to(tl.int64)
+    scores (renormalised) times `scaling`. The scores are read past L1 (other programs may
+    have just written them)."""
     o_g = tl.arange(0, GP)
     o_j = tl.arange(0, EGP)
     m = (o_g < G)[:, None] & (o_j < EG)[None, :]
     expert = o_g[:, None] * EG + o_j[None, :]
-    b_s = tl.load(scores + i_t * stride_s + expert, mask=m, other=0.0)  # [GP, EGP]
+    b_s = tl.load(scores + i_t * stride_s + expert, mask=m, other=0.0,
+                  cache_modifier=".cg")  # [GP, EGP]
     b_c = b_s + tl.load(bias + expert, mask=m, other=0.0)
     # A NaN score ranks below every number but above the padding and the experts taken (-inf),
     # so a token's k choices stay distinct real experts; its weights carry the NaN on.
@@ -114,8 +145,9 @@ def router_select_kernel(scores, bias, ids, weights, stride_s, EG, scaling, G: t
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, spec: RouterSpec,
           weight_fp32: torch.Tensor | None = None, score_config: ScoreConfig | None = None
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton `route_ref`: x `[T, D]`, weight `[E, D]` (model dtype), bias `[E]` fp32. Two
-    launches, no host sync."""
+    """Triton `route_ref`: x `[T, D]`, weight `[E, D]` (model dtype), bias `[E]` fp32. One
+    launch up to `SCORE_TOKENS` tokens (`ScoreConfig.fused_select`), two above; no host
+    sync."""
     num_tokens, dim = x.shape
     num_experts = weight.shape[0]
     assert x.stride(1) == 1 and weight.stride(1) == 1 and bias.is_contiguous()
@@ -125,20 +157,25 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, spec: Ro
     if num_tokens == 0:
         return ids, weights
     cfg = score_config or default_score_config(num_tokens)
+    per_group = num_experts // spec.num_groups
+    choice = dict(G=spec.num_groups, GP=triton.next_power_of_2(spec.num_groups),
+                  EGP=triton.next_power_of_2(per_group), TOPK_GROUPS=spec.topk_groups,
+                  TOPK=spec.top_k, KP=triton.next_power_of_2(spec.top_k),
+                  RENORM=spec.renormalize)
     if num_tokens <= SCORE_TOKENS:
         scores = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
-        router_scores_kernel[(triton.cdiv(num_experts, cfg.block_e),
-                              triton.cdiv(num_tokens, cfg.block_t))](
-            x, weight, scores, num_tokens, num_experts, dim, x.stride(0), weight.stride(0),
-            scores.stride(0), BT=cfg.block_t, BE=cfg.block_e, BK=cfg.block_k,
-            num_warps=cfg.num_warps)
+        token_blocks = triton.cdiv(num_tokens, cfg.block_t)
+        arrivals = _ARRIVALS.get(x.device, token_blocks) if cfg.fused_select else None
+        router_scores_kernel[(triton.cdiv(num_experts, cfg.block_e), token_blocks)](
+            x, weight, scores, bias, ids, weights, scores if arrivals is None else arrivals,
+            num_tokens, num_experts, dim, x.stride(0), weight.stride(0), scores.stride(0),
+            per_group, float(spec.scaling), BT=cfg.block_t, BE=cfg.block_e, BK=cfg.block_k,
+            SELECT=arrivals is not None, **choice, num_warps=cfg.num_warps)
+        if arrivals is not None:
+            return ids, weights
     else:
         scores = scores_ref(x, weight, weight_fp32)
-    per_group = num_experts // spec.num_groups
     router_select_kernel[(num_tokens,)](
-        scores, bias, ids, weights, scores.stride(0), per_group, float(spec.scaling),
-        G=spec.num_groups, GP=triton.next_power_of_2(spec.num_groups),
-        EGP=triton.next_power_of_2(per_group), TOPK_GROUPS=spec.topk_groups, TOPK=spec.top_k,
-        KP=triton.next_power_of_2(spec.top_k), RENORM=spec.renormalize,
+        scores, bias, ids, weights, scores.stride(0), per_group, float(spec.scaling), **choice,
         num_warps=cfg.select_warps)
     return ids, weights
