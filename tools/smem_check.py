@@ -215,17 +215,17 @@ def kda_staged_launches() -> list[Launch]:
 def fp8_launches() -> list[Launch]:
     wdq = {"x": "*bf16", "w": "*fp8e4nv", "ws": "*fp32", "y": "*bf16", "part": "*fp32",
            "arrivals": "*i32"}
+    fma_n, wdq_n = fp8.DEFAULT_CONFIG.wdq_fma_block_n, fp8.DEFAULT_CONFIG.wdq_block_n
     out = [Launch(f"fp8 weight-only BM{bm} BN{bn}{' FMA' if bm == 1 else ''}"
-                  f"{' fp16 codes' if codes else ''}",
-                  fp8.fp8_wdq_gemm_kernel, wdq,
+                  f"{' fp16 codes' if codes else ''}{' of the SwiGLU' if swiglu else ''}",
+                  fp8.fp8_wdq_gemm_kernel, dict(wdq, limit="fp32"),
                   dict(BLOCK=128, BM=bm, BN=bn, DOT=tl.bfloat16, PREC="tf32",
-                       FMA=bm == 1, CODES=codes), fp8.DEFAULT_CONFIG.wdq_warps,
+                       FMA=bm == 1, CODES=codes, SWIGLU=swiglu), fp8.DEFAULT_CONFIG.wdq_warps,
                   fp8.DEFAULT_CONFIG.wdq_stages, aligned=("N", "K", "K_PER_SPLIT"))
-           for bm, bn, codes in ((1, fp8.DEFAULT_CONFIG.wdq_fma_block_n, False), (1, 64, False),
-                                 (16, fp8.DEFAULT_CONFIG.wdq_block_n, False),
-                                 (16, fp8.DEFAULT_CONFIG.wdq_block_n, True), (16, 128, True),
-                                 (32, fp8.DEFAULT_CONFIG.wdq_block_n, True),
-                                 (64, fp8.DEFAULT_CONFIG.wdq_block_n, False))]
+           for bm, bn, codes, swiglu in (
+               (1, fma_n, False, False), (1, 64, False, False), (1, fma_n, False, True),
+               (16, wdq_n, False, False), (16, wdq_n, True, False), (16, 128, True, False),
+               (16, wdq_n, True, True), (32, wdq_n, True, False), (64, wdq_n, False, False))]
     stream = fp8.DEFAULT_CONFIG.stream
     out += [Launch(f"fp8 stream w8a8 BN{stream.block_n} BM{bm} finish {group}",
                    fp8_stream.fp8_stream_gemm_kernel, dict(wdq, x="*bf16"),

@@ -64,6 +64,15 @@ class Linear(nn.Module):
             y = nn.functional.linear(x, self.dequantized(x.dtype))
         return y if self.bias is None else y + self.bias
 
+    def of_swiglu(self, gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+        """This projection of the clamped SwiGLU of `gate_up` (`[..., 2 * in]`, gate then up):
+        on the Triton FP8 path the activation is formed as the product reads its input (no
+        launch of its own), elsewhere applied first."""
+        if self.fp8_block and self.bias is None and fp8_linear_on_triton(gate_up):
+            return fp8_linear(gate_up, self.weight, self.weight_scale_inv, block=self.fp8_block,
+                              swiglu_limit=limit)
+        return self(clamped_swiglu_stacked(gate_up, limit))
+
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The FP8 weight dequantised to `dtype`, kept while the weight and scales stay."""
         key = (self.weight.data_ptr(), self.weight_scale_inv.data_ptr(), dtype,
@@ -75,7 +84,8 @@ class Linear(nn.Module):
 class MLP(nn.Module):
     """SwiGLU with the GLM clamp: dense layers, the shared expert, the vision MLPs (biased).
     Without biases the gate and up projections run as one product over their stacked weights
-    (`stacked_linear`) and the activation as one op over it."""
+    (`stacked_linear`) and the activation as one op over it, or inside the down projection's
+    product (`Linear.of_swiglu`)."""
 
     def __init__(self, hidden: int, width: int, limit: float, dtype: torch.dtype,
                  fp8_block: int | None, *, bias: bool = False) -> None:
@@ -89,7 +99,7 @@ class MLP(nn.Module):
         gate_up = self.stack_weights()
         if gate_up is None:
             return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
-        return self.down_proj(clamped_swiglu_stacked(gate_up(x), self.limit))
+        return self.down_proj.of_swiglu(gate_up(x), self.limit)
 
     def stack_weights(self) -> Linear | None:
         """The gate and up projections' stacked Linear (built once; None where they do not

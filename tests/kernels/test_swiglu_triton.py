@@ -57,9 +57,9 @@ def test_leading_dims_and_the_cpu_dispatch():
                                atol=1e-6)
 
 
-def _mlp(fp8: bool) -> MLP:
+def _mlp(fp8: bool, dtype: torch.dtype = torch.float32) -> MLP:
     gen = torch.Generator().manual_seed(1)
-    mlp = MLP(64, 256, LIMIT, torch.float32, 128 if fp8 else None)
+    mlp = MLP(64, 256, LIMIT, dtype, 128 if fp8 else None)
     for linear in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
         weight = torch.randn(linear.weight.shape, generator=gen) * 0.2
         if fp8:
@@ -111,3 +111,41 @@ def test_stack_weights_builds_them_before_any_forward():
     with torch.inference_mode():
         mlp(torch.randn(2, 64))
     assert mlp.stack_weights() is joined
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40], ids=["one-row-fma", "codes", "products"])
+@pytest.mark.parametrize("width", [200, 1100], ids=["ragged", "split-k"])
+def test_fp8_linear_forms_the_swiglu_as_it_reads(rows, width, nan_empty):
+    """The FP8 linear of a stacked [gate | up] product with `swiglu_limit` gives the bits of
+    the SwiGLU launch followed by the linear (on the GPU, 40 rows take the W8A8 form after
+    the SwiGLU launch), and the dispatcher's reference path the reference's."""
+    from glmflash.kernels import fp8_gemm
+    from glmflash.kernels.fp8_gemm import triton_impl as fp8_triton
+
+    gate_up = _gate_up(rows, width, torch.bfloat16)
+    codes, scales = quantize_block_fp8(torch.randn(96, width) * 0.1, block=128)
+    codes, scales = codes.to(DEVICE), scales.to(DEVICE)
+    got = fp8_triton.fp8_linear(gate_up, codes, scales, swiglu_limit=LIMIT)
+    want = fp8_triton.fp8_linear(clamped_swiglu_stacked(gate_up, LIMIT), codes, scales)
+    assert torch.equal(got, want)
+    if DEVICE == "cpu":
+        ref = fp8_gemm.fp8_linear(gate_up, codes, scales, swiglu_limit=LIMIT)
+        assert torch.equal(ref, fp8_gemm.fp8_linear_ref(
+            clamped_swiglu_ref(*gate_up.chunk(2, dim=-1), LIMIT), codes, scales))
+
+
+def test_mlp_down_projection_takes_the_stacked_product(monkeypatch):
+    """On the Triton FP8 path the MLP launches no SwiGLU of its own: the down projection forms
+    it, with the bits of the launch it replaces."""
+    from glmflash.kernels.swiglu import triton_impl as swiglu_triton
+
+    monkeypatch.setenv("GLMFLASH_KERNEL_FP8_GEMM", "triton")
+    monkeypatch.setenv("GLMFLASH_KERNEL_SWIGLU", "triton")
+    mlp = _mlp(fp8=True, dtype=torch.bfloat16)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    with torch.no_grad():
+        gate_up = mlp.stack_weights()(x)
+        want = mlp.down_proj(clamped_swiglu_stacked(gate_up, LIMIT))
+        monkeypatch.setattr(swiglu_triton, "swiglu_kernel", None)  # a launch would fail
+        got = mlp(x)
+    assert torch.equal(got, want)

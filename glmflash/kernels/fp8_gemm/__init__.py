@@ -17,6 +17,7 @@ from glmflash.kernels.fp8_gemm.ref import (
     fp8_linear_ref,
     quantize_block_fp8,
 )
+from glmflash.kernels.swiglu import clamped_swiglu_stacked
 
 
 def fp8_linear_on_triton(x: torch.Tensor) -> bool:
@@ -26,12 +27,17 @@ def fp8_linear_on_triton(x: torch.Tensor) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, *,
-               block: int = 128) -> torch.Tensor:
-    """`y = x W^T` with W in block-scaled FP8; see `fp8_linear_ref`."""
+               block: int = 128, swiglu_limit: float | None = None) -> torch.Tensor:
+    """`y = x W^T` with W in block-scaled FP8; see `fp8_linear_ref`. With `swiglu_limit`, x is
+    a stacked [gate | up] product and y the product of its clamped SwiGLU
+    (`clamped_swiglu_stacked`), which the Triton weight-only kernel forms as it reads x."""
     if fp8_linear_on_triton(x):
         from glmflash.kernels.fp8_gemm import triton_impl
 
-        return triton_impl.fp8_linear(x, weight, scale_inv, block=block)
+        return triton_impl.fp8_linear(x, weight, scale_inv, block=block,
+                                      swiglu_limit=swiglu_limit)
+    if swiglu_limit is not None:
+        x = clamped_swiglu_stacked(x, swiglu_limit)
     return fp8_linear_ref(x, weight, scale_inv, block=block)
 
 

@@ -41,6 +41,7 @@ from glmflash.kernels.fp8_gemm.triton_stream import (
     StreamRule,
     fp8_linear_stream,
 )
+from glmflash.kernels.swiglu.triton_impl import clamped_swiglu_stacked, swiglu_values
 from glmflash.kernels.triton_utils import grouped_tile, interpreting, jit
 
 
@@ -89,16 +90,26 @@ DEFAULT_CONFIG = Fp8LinearConfig()
 
 
 @jit
+def _x_values(p_x, mask, K, limit, SWIGLU: tl.constexpr):
+    """x at `p_x` in its dtype; with SWIGLU x is the stacked [gate | up] product (K columns
+    each) and the values are its clamped SwiGLU, as the SwiGLU kernel rounds it."""
+    if SWIGLU:
+        return swiglu_values(tl.load(p_x, mask=mask, other=0.0),
+                             tl.load(p_x + K, mask=mask, other=0.0), limit)
+    return tl.load(p_x, mask=mask, other=0.0)
+
+
+@jit
 def _dot_range(x, w, ws_row, o_m, o_n, m_m, m_n, k_begin, k_end, K, stride_xm, stride_wn,
-               BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
-               PREC: tl.constexpr):
+               limit, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               DOT: tl.constexpr, PREC: tl.constexpr, SWIGLU: tl.constexpr):
     """x[rows, range] W_dequant[cols, range]^T, the weight rounded to DOT as the reference does."""
     o_k = tl.arange(0, BLOCK)
     b_acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK):
         m_k = k0 + o_k < K
-        b_x = tl.load(x + o_m[:, None].to(tl.int64) * stride_xm + k0 + o_k[None, :],
-                      mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_x = _x_values(x + o_m[:, None].to(tl.int64) * stride_xm + k0 + o_k[None, :],
+                        m_m[:, None] & m_k[None, :], K, limit, SWIGLU)
         b_w = tl.load(w + o_n[:, None].to(tl.int64) * stride_wn + k0 + o_k[None, :],
                       mask=m_n[:, None] & m_k[None, :], other=0.0)
         b_s = tl.load(ws_row + k0 // BLOCK)
@@ -109,7 +120,8 @@ def _dot_range(x, w, ws_row, o_m, o_n, m_m, m_n, k_begin, k_end, K, stride_xm, s
 
 @jit
 def _codes_range(x, w, ws_row, o_m, o_n, m_m, m_n, k_begin, k_end, K, stride_xm, stride_wn,
-                 BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                 limit, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 SWIGLU: tl.constexpr):
     """x[rows, range] W[cols, range]^T with the e4m3 codes in the product as fp16 (exact)
     against x rounded to fp16, each K block's fp32 product times its weight scale: no weight is
     dequantised in registers. The scale of the next block is loaded a step ahead, so that the
@@ -120,8 +132,8 @@ def _codes_range(x, w, ws_row, o_m, o_n, m_m, m_n, k_begin, k_end, K, stride_xm,
     for k0 in range(k_begin, k_end, BLOCK):
         b_s_next = tl.load(ws_row + k0 // BLOCK + 1, mask=k0 + BLOCK < k_end, other=0.0)
         m_k = k0 + o_k < K
-        b_x = tl.load(x + o_m[:, None].to(tl.int64) * stride_xm + k0 + o_k[None, :],
-                      mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_x = _x_values(x + o_m[:, None].to(tl.int64) * stride_xm + k0 + o_k[None, :],
+                        m_m[:, None] & m_k[None, :], K, limit, SWIGLU)
         b_w = tl.load(w + o_n[:, None].to(tl.int64) * stride_wn + k0 + o_k[None, :],
                       mask=m_n[:, None] & m_k[None, :], other=0.0)
         b_acc += tl.dot(b_x.to(tl.float16), tl.trans(b_w.to(tl.float16))) * b_s
@@ -130,8 +142,8 @@ def _codes_range(x, w, ws_row, o_m, o_n, m_m, m_n, k_begin, k_end, K, stride_xm,
 
 
 @jit
-def _fma_range(x, w, ws_row, o_n, m_n, k_begin, k_end, K, stride_wn, BLOCK: tl.constexpr,
-               BN: tl.constexpr):
+def _fma_range(x, w, ws_row, o_n, m_n, k_begin, k_end, K, stride_wn, limit,
+               BLOCK: tl.constexpr, BN: tl.constexpr, SWIGLU: tl.constexpr):
     """One row of x against W[cols, range] by FMA: each weight times x * scale in fp32 (no
     rounding of the weight to bf16), summed in a [BN, BLOCK] tile reduced once at the end."""
     o_k = tl.arange(0, BLOCK)
@@ -139,7 +151,7 @@ def _fma_range(x, w, ws_row, o_n, m_n, k_begin, k_end, K, stride_wn, BLOCK: tl.c
     b_acc = tl.zeros([BN, BLOCK], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK):
         b_w = tl.load(p_w + k0, mask=m_n[:, None] & (k0 + o_k < k_end)[None, :], other=0.0)
-        b_x = tl.load(x + k0 + o_k, mask=k0 + o_k < K, other=0.0).to(tl.float32)
+        b_x = _x_values(x + k0 + o_k, k0 + o_k < K, K, limit, SWIGLU).to(tl.float32)
         b_s = tl.load(ws_row + k0 // BLOCK)
         b_acc += b_w.to(tl.float32) * (b_x * b_s)[None, :]
     return tl.sum(b_acc, 1)[None, :]
@@ -147,13 +159,15 @@ def _fma_range(x, w, ws_row, o_n, m_n, k_begin, k_end, K, stride_wn, BLOCK: tl.c
 
 @jit
 def fp8_wdq_gemm_kernel(x, w, ws, y, part, arrivals, M, N, K, stride_xm, stride_wn, stride_wsn,
-                        stride_ym, K_PER_SPLIT, SPLITS, BLOCK: tl.constexpr,
+                        stride_ym, K_PER_SPLIT, SPLITS, limit, BLOCK: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
-                        PREC: tl.constexpr, FMA: tl.constexpr, CODES: tl.constexpr):
+                        PREC: tl.constexpr, FMA: tl.constexpr, CODES: tl.constexpr,
+                        SWIGLU: tl.constexpr):
     """y = x W_dequant^T over one K range per program; W dequantised block by block in
     registers (FMA: one row, BM = 1, no products; CODES: not dequantised, `_codes_range`). With
     SPLITS > 1 each range's fp32 sum goes to `part` and the range that arrives last at
-    `arrivals[tile]` writes y from all of them."""
+    `arrivals[tile]` writes y from all of them. SWIGLU: x is a stacked [gate | up] product and
+    the product's input its clamped SwiGLU (`_x_values`)."""
     i_m, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_m = i_m * BM + tl.arange(0, BM)
     o_n = i_n * BN + tl.arange(0, BN)
@@ -164,13 +178,13 @@ def fp8_wdq_gemm_kernel(x, w, ws, y, part, arrivals, M, N, K, stride_xm, stride_
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
     if FMA:
         b_acc = _fma_range(x + i_m.to(tl.int64) * stride_xm, w, ws_row, o_n, m_n, k_begin, k_end,
-                           K, stride_wn, BLOCK, BN)
+                           K, stride_wn, limit, BLOCK, BN, SWIGLU)
     elif CODES:
         b_acc = _codes_range(x, w, ws_row, o_m, o_n, m_m, m_n, k_begin, k_end, K, stride_xm,
-                             stride_wn, BLOCK, BM, BN)
+                             stride_wn, limit, BLOCK, BM, BN, SWIGLU)
     else:
         b_acc = _dot_range(x, w, ws_row, o_m, o_n, m_m, m_n, k_begin, k_end, K, stride_xm,
-                           stride_wn, BLOCK, BM, BN, DOT, PREC)
+                           stride_wn, limit, BLOCK, BM, BN, DOT, PREC, SWIGLU)
     o_y = o_m[:, None].to(tl.int64) * stride_ym + o_n[None, :]
     store_split(b_acc, y, o_y, m_m[:, None] & m_n[None, :], part, arrivals,
                 i_m * tl.num_programs(1) + i_n, i_s, SPLITS, BM, BN)
@@ -228,11 +242,15 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block
 
 
 def fp8_linear_weight_only(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-                           block: int, config: Fp8LinearConfig = DEFAULT_CONFIG) -> torch.Tensor:
+                           block: int, config: Fp8LinearConfig = DEFAULT_CONFIG,
+                           swiglu_limit: float | None = None) -> torch.Tensor:
     """[M, K] x dequantised [N, K] -> [M, N], K split into ranges so that enough programs stream
-    the weight. Launches on one device must run in stream order (they share the counters)."""
-    m, k = x2.shape
-    n = weight.shape[0]
+    the weight. With `swiglu_limit` x2 is `[M, 2K]`, a stacked [gate | up] product, and its
+    clamped SwiGLU is formed as it is read. Launches on one device must run in stream order
+    (they share the counters)."""
+    m = x2.shape[0]
+    n, k = weight.shape
+    assert x2.shape[1] == (k if swiglu_limit is None else 2 * k), (tuple(x2.shape), k)
     fp32 = x2.dtype == torch.float32 or interpreting()
     dot = tl.float32 if fp32 else (tl.float16 if x2.dtype == torch.float16 else tl.bfloat16)
     fma = m <= config.wdq_fma_rows
@@ -248,8 +266,9 @@ def fp8_linear_weight_only(x2: torch.Tensor, weight: torch.Tensor, scale_inv: to
     fp8_wdq_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), splits)](
         x2, weight, scale_inv, out, part, arrivals if splits > 1 else out, m, n, k, x2.stride(0),
         weight.stride(0), scale_inv.stride(0), out.stride(0), k_per_split, splits,
-        BLOCK=block, BM=bm, BN=bn, DOT=dot, PREC="ieee" if fp32 else "tf32", FMA=fma,
-        CODES=codes, num_warps=shape.num_warps, num_stages=shape.num_stages)
+        0.0 if swiglu_limit is None else float(swiglu_limit), BLOCK=block, BM=bm, BN=bn, DOT=dot,
+        PREC="ieee" if fp32 else "tf32", FMA=fma, CODES=codes, SWIGLU=swiglu_limit is not None,
+        num_warps=shape.num_warps, num_stages=shape.num_stages)
     return out
 
 
@@ -328,32 +347,40 @@ def scaled_mm_fits(x2: torch.Tensor, weight: torch.Tensor, block: int) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, *,
-               block: int = 128, config: Fp8LinearConfig | None = None) -> torch.Tensor:
+               block: int = 128, config: Fp8LinearConfig | None = None,
+               swiglu_limit: float | None = None) -> torch.Tensor:
     """Triton `fp8_linear_ref`: `y = x W^T`, x `[..., K]`, weight `[N, K]` e4m3, scale_inv
     `[ceil(N/block), ceil(K/block)]` fp32. Weight-only below `config.act_min_rows` rows and (on
     fp16 codes) up to `config.codes_max_rows`, W8A8 beyond: weight-streaming below
-    `config.gemm_min_rows`, tiled from there (`config`: DEFAULT_CONFIG, read at call time)."""
+    `config.gemm_min_rows`, tiled from there (`config`: DEFAULT_CONFIG, read at call time).
+    With `swiglu_limit`, x `[..., 2K]` is a stacked [gate | up] product and the product is of
+    its clamped SwiGLU (`clamped_swiglu_stacked`): the weight-only kernel forms it as it reads
+    x, the other paths launch it first."""
     config = config or DEFAULT_CONFIG
-    _check(x, weight, scale_inv, block)
+    if swiglu_limit is not None:
+        assert x.shape[-1] == 2 * weight.shape[1], f"x {tuple(x.shape)} is not [gate | up]"
+    _check(x if swiglu_limit is None else x[..., : weight.shape[1]], weight, scale_inv, block)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     if x2.shape[0] == 0:
         return x.new_empty(*lead, weight.shape[0])
-    out = _linear_2d(x2, weight, scale_inv.float(), block, config)
+    out = _linear_2d(x2, weight, scale_inv.float(), block, config, swiglu_limit)
     return out.view(*lead, weight.shape[0])
 
 
 def _linear_2d(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: int,
-               config: Fp8LinearConfig) -> torch.Tensor:
+               config: Fp8LinearConfig, swiglu_limit: float | None = None) -> torch.Tensor:
     """The path by rows: weight-only (FMA at one row, fp16 codes up to `codes_max_rows`),
     weight-streaming W8A8, or a tiled W8A8 GEMM (cuBLASLt's where it fits); fp32 activations,
     the interpreter and GPUs without FP8 products (before SM89) stay weight-only."""
     m = x2.shape[0]
     if m < config.act_min_rows or m <= config.codes_max_rows or x2.dtype == torch.float32 \
             or interpreting() or not has_fp8_products(x2.device):
-        return fp8_linear_weight_only(x2, weight, scale_inv, block, config)
+        return fp8_linear_weight_only(x2, weight, scale_inv, block, config, swiglu_limit)
+    if swiglu_limit is not None:
+        x2 = clamped_swiglu_stacked(x2, swiglu_limit)
     if m < config.gemm_min_rows:
         n, k = weight.shape
         rule = config.stream_rule

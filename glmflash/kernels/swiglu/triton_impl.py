@@ -18,19 +18,28 @@ BLOCK = 1024
 
 
 @jit
+def swiglu_values(g, u, limit):
+    """silu(min(g, L)) * clip(u, -L, L) in g's dtype, the silu rounded to it before the product
+    (torch rounds each op's result). Also the FP8 linear's input when it takes the stacked
+    product (fp8_gemm/triton_impl.py), so both give the same bits."""
+    dt = g.dtype
+    b_g = tl.minimum(g.to(tl.float32), limit)
+    b_u = tl.minimum(tl.maximum(u.to(tl.float32), -limit), limit)
+    act = (b_g / (1.0 + tl.exp(-b_g))).to(dt).to(tl.float32)
+    return (act * b_u).to(dt)
+
+
+@jit
 def swiglu_kernel(gate_up, out, width, stride_in, stride_out, limit, BLOCK: tl.constexpr):
-    """Row `i`, features [j * BLOCK, +BLOCK): out = silu(min(g, L)) * clip(u, -L, L), with the
-    silu rounded to out's dtype before the product (torch rounds each op's result)."""
+    """Row `i`, features [j * BLOCK, +BLOCK): out = `swiglu_values` of the row's gate and up
+    halves (out has gate_up's dtype)."""
     i, j = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o = j * BLOCK + tl.arange(0, BLOCK)
     m = o < width
     p_row = gate_up + i * stride_in
-    g = tl.minimum(tl.load(p_row + o, mask=m, other=0.0).to(tl.float32), limit)
-    u = tl.load(p_row + width + o, mask=m, other=0.0).to(tl.float32)
-    u = tl.minimum(tl.maximum(u, -limit), limit)
-    dt = out.dtype.element_ty
-    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    tl.store(out + i * stride_out + o, (act * u).to(dt), mask=m)
+    g = tl.load(p_row + o, mask=m, other=0.0)
+    u = tl.load(p_row + width + o, mask=m, other=0.0)
+    tl.store(out + i * stride_out + o, swiglu_values(g, u, limit), mask=m)
 
 
 def clamped_swiglu_stacked(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
