@@ -362,10 +362,12 @@ def hyper_launches() -> list[Launch]:
                           aligned=("D", "stride_fn", "K_PER_SPLIT")))
     post = {"y": "*bf16", "y2": "*bf16", "x": "*bf16", "post": "*fp32", "comb": "*fp32",
             "out": "*bf16"}
-    for tokens in (1, 2048):
+    post = post | {"ids": "*i64", "weights": "*fp32"}
+    for tokens, top_k in ((1, 0), (1, 8), (2048, 0)):
         cfg = hyper.default_post_config(tokens)
-        out.append(Launch(f"hyper_post BD{cfg.block_d}", hyper.hyper_post_kernel, post,
-                          dict(S=4, BD=cfg.block_d, TWO=True), cfg.num_warps,
+        rows = " summing 8 routed rows" if top_k else ""
+        out.append(Launch(f"hyper_post BD{cfg.block_d}{rows}", hyper.hyper_post_kernel, post,
+                          dict(S=4, BD=cfg.block_d, TWO=True, TOP_K=top_k), cfg.num_warps,
                           aligned=("D", "stride_y", "stride_y2")))
     return out
 

@@ -59,16 +59,18 @@ class ExpertShard(Experts):
         self.down_proj = StackedWeight(count, d, i, dtype, fp8_block)
         self.first, self.count = first, count
 
-    def start(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> object:
+    def start(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+              rows: bool = False) -> object:
         local = ids - self.first
         local = torch.where((local >= 0) & (local < self.count), local, -1)
-        return super().start(x, local, weights)
+        return super().start(x, local, weights, rows)
 
 
 class NoExperts(nn.Module):
     """A rank without routed experts (they run on rank 0): it adds zeros to the all-reduce."""
 
-    def start(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def start(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+              rows: bool = False) -> torch.Tensor:
         return torch.zeros_like(x)
 
     def finish(self, pending: torch.Tensor) -> torch.Tensor:

@@ -61,7 +61,7 @@ class DecoderLayer(nn.Module):
         post, comb, x = hyper_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
                                   norm=self.post_attention_layernorm.as_pair(), **self.hc_kwargs)
         if isinstance(self.mlp, MoE) and self.mlp.sum_in_consumer:
-            routed, shared = self.mlp.parts(x)
+            routed, shared = self.mlp.parts(x, unsummed=True)
             return hyper_post(routed, streams, post, comb, extra=shared), selection
         return hyper_post(self.mlp(x), streams, post, comb), selection
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from glmflash.config import ModelConfig
 from glmflash.kernels.fp8_gemm import FP8_DTYPE, block_scale_shape, dequantize_block_fp8
-from glmflash.kernels.fused_moe import fused_moe
+from glmflash.kernels.fused_moe import ExpertRows, fused_moe
 from glmflash.kernels.router import RouterSpec, route, route_ref
 from glmflash.model.layers import MLP, clamped_swiglu
 from glmflash.utils.derived import kept
@@ -99,18 +99,20 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return self.finish(self.start(x, ids, weights))
 
-    def start(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> object:
-        """Begin the routed experts of `x` `[T, D]`; returns what `finish` takes."""
+    def start(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+              rows: bool = False) -> object:
+        """Begin the routed experts of `x` `[T, D]`; returns what `finish` takes. `rows`: the
+        caller sums them itself where it can (the GPU experts' `ExpertRows`)."""
         if self.backend is not None:
             return self.backend.start(x, ids, weights)
         if x.device.type != "cpu":
-            return grouped_experts(x, ids, weights, self.projections(), self.limit)
+            return grouped_experts(x, ids, weights, self.projections(), self.limit, rows)
         if self.gate_proj.fp8_block:
             return self.cpu_experts().forward(x, ids, weights).to(x.dtype)
         return self.loop_forward(x, ids, weights)
 
-    def finish(self, pending: object) -> torch.Tensor:
-        """The routed experts' sum `[T, D]` begun by `start`."""
+    def finish(self, pending: object) -> torch.Tensor | ExpertRows:
+        """The routed experts' sum `[T, D]` begun by `start` (or their rows, see `start`)."""
         if self.backend is not None:
             return self.backend.finish(pending)
         return pending
@@ -147,12 +149,14 @@ class Experts(nn.Module):
 
 
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                    projections: tuple, limit: float) -> torch.Tensor:
+                    projections: tuple, limit: float, rows: bool = False
+                    ) -> torch.Tensor | ExpertRows:
     """`fused_moe` over (gate, up, down) objects with `weight` `[E, N, K]`, `scale` (None:
-    plain weights) and `fp8_block`; ids index their E experts, < 0 skip."""
+    plain weights) and `fp8_block`; ids index their E experts, < 0 skip. `rows`: the rows
+    before their sum where the Triton kernels run (`ExpertRows`)."""
     gate, up, down = projections
     return fused_moe(x, ids, weights, gate.weight, gate.scale, up.weight, up.scale, down.weight,
-                     down.scale, limit=limit, block=gate.fp8_block or 128)
+                     down.scale, limit=limit, block=gate.fp8_block or 128, rows=rows)
 
 
 def experts_loop(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -191,12 +195,14 @@ class MoE(nn.Module):
         routed, shared = self.parts(x)
         return routed + shared
 
-    def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def parts(self, x: torch.Tensor, unsummed: bool = False
+              ) -> tuple[torch.Tensor | ExpertRows, torch.Tensor]:
         """(routed experts' output, shared expert's output): `forward` is their sum, which a
-        caller may fold into its next kernel (the decoder layer's hyper_post)."""
+        caller may fold into its next kernel (the decoder layer's hyper_post). `unsummed`: the
+        GPU experts' rows may come before their sum (`ExpertRows`; hyper_post sums them)."""
         ids, weights = self.gate(x)
         # The routed experts start first: CPU experts (hybrid placement) are handed off as soon
         # as routing is known, and run while the GPU computes the shared expert.
-        pending = self.experts.start(x, ids, weights)
+        pending = self.experts.start(x, ids, weights, rows=unsummed)
         shared = self.shared_experts(x)
         return self.experts.finish(pending), shared

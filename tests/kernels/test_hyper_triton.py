@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from glmflash.kernels import hyper
+from glmflash.kernels.fused_moe.expert_rows import ExpertRows, sum_rows
 from glmflash.kernels.hyper import hyper_post_ref, hyper_pre_ref, triton_impl
 from glmflash.kernels.hyper.triton_impl import (
     HyperPostConfig,
@@ -202,6 +203,43 @@ def test_hyper_post_adds_a_second_block_output(dtype, nan_empty):
     summed = _round(y.float() + y2.float(), dtype)
     assert torch.equal(got, hyper_post(summed, streams, post, comb))
     assert not torch.equal(got, hyper_post(y, streams, post, comb))
+
+
+def _expert_rows(tokens: int, d: int, dtype: torch.dtype) -> ExpertRows:
+    """Three slots a token over 5 experts, two of them skipped (-1 and 5); the skipped pairs'
+    rows NaN (never written by the MoE: never read)."""
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 5, (tokens, 3), generator=gen)
+    ids[0, 1], ids[-1, 2] = -1, 5
+    rows = (torch.randn(tokens * 3, d, generator=gen) * 2).to(dtype)
+    rows[(ids.view(-1) < 0) | (ids.view(-1) >= 5)] = float("nan")
+    weights = torch.rand(tokens, 3, generator=gen)
+    return ExpertRows(rows.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), 5)
+
+
+@pytest.mark.parametrize("extra", [False, True], ids=["alone", "with_shared"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_hyper_post_sums_the_routed_rows(dtype, extra, nan_empty):
+    """Routed experts' rows before their sum (`ExpertRows`): the bits of the sum's own launch
+    followed by the post, with and without the shared expert's output."""
+    streams, fn, base, scale, y = _case(5, 4, 200, dtype)
+    post, comb, _ = hyper_pre(streams, fn, base, scale, **KW)
+    routed = _expert_rows(5, 200, dtype)
+    shared = y if extra else None
+    got = hyper_post(routed, streams, post, comb, extra=shared)
+    assert torch.equal(got, hyper_post(sum_rows(routed), streams, post, comb, extra=shared))
+    assert not got.isnan().any()
+
+
+def test_hyper_post_routed_rows_reference_dispatch(monkeypatch):
+    if DEVICE != "cpu":
+        pytest.skip("the dispatcher takes Triton on CUDA")
+    monkeypatch.setenv("GLMFLASH_KERNEL_HYPER", "ref")
+    streams, fn, base, scale, y = _case(5, 4, 64, torch.float32)
+    post, comb, _ = hyper_pre_ref(streams, fn, base, scale, **KW)
+    routed = _expert_rows(5, 64, torch.float32)
+    got = hyper.hyper_post(routed, streams, post, comb, extra=y)
+    assert torch.equal(got, hyper_post_ref(sum_rows(routed) + y, streams, post, comb))
 
 
 def test_hyper_post_second_output_reference_dispatch():

@@ -10,21 +10,23 @@ from __future__ import annotations
 import torch
 
 from glmflash.kernels.dispatch import use_triton
+from glmflash.kernels.fused_moe.expert_rows import ExpertRows
 from glmflash.kernels.fused_moe.ref import fused_moe_ref
 
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
               s_gate: torch.Tensor | None, w_up: torch.Tensor, s_up: torch.Tensor | None,
               w_down: torch.Tensor, s_down: torch.Tensor | None, *, limit: float,
-              block: int = 128) -> torch.Tensor:
+              block: int = 128, rows: bool = False) -> torch.Tensor | ExpertRows:
     """Sum over each token's experts (ids < 0 skipped) of weight * clamped-SwiGLU expert;
-    see `fused_moe_ref`."""
+    see `fused_moe_ref`. `rows`: on the Triton path the pairs' rows before that sum
+    (`ExpertRows`), for a consumer that forms it as it reads them; the reference sums."""
     args = (x, ids, weights, w_gate, s_gate, w_up, s_up, w_down, s_down)
     if use_triton(x, "fused_moe"):
         from glmflash.kernels.fused_moe import triton_impl
 
-        return triton_impl.fused_moe(*args, limit=limit, block=block)
+        return triton_impl.fused_moe(*args, limit=limit, block=block, rows=rows)
     return fused_moe_ref(*args, limit=limit, block=block)
 
 
-__all__ = ["fused_moe", "fused_moe_ref"]
+__all__ = ["ExpertRows", "fused_moe", "fused_moe_ref"]

@@ -26,6 +26,12 @@ except ImportError:  # the package must import without triton; the launchers nee
 
 from glmflash.kernels.fp8_gemm.triton_common import has_fp8_products
 from glmflash.kernels.fp8_gemm.triton_impl import quantize_activations
+from glmflash.kernels.fused_moe.expert_rows import (  # noqa: F401 (the sum's, re-exported)
+    SUM_BLOCK,
+    ExpertRows,
+    fused_moe_sum_kernel,
+    sum_rows,
+)
 from glmflash.kernels.fused_moe.gluon_w8a8 import (
     GLUON_W8A8_CONFIG,
     GluonMoeConfig,
@@ -64,9 +70,8 @@ DECODE_CONFIG = FusedMoeConfig(block_n=128, fp16_codes=True)
 PREFILL_CONFIG = FusedMoeConfig(block_m=64, block_k=64)
 # fp32 operands (the tiny models' tests): FMA products, small tiles keep them out of spills.
 FP32_CONFIG = FusedMoeConfig(block_n=32, block_k=32, num_stages=2)
-# Pairs per step of the alignment scan and output columns per program of the sum.
+# Pairs per step of the alignment scan.
 ALIGN_BLOCK = 256
-SUM_BLOCK = 1024
 
 
 @dataclass(frozen=True)
@@ -298,26 +303,6 @@ def fused_moe_down_kernel(h, sorted_pairs, block_expert, w, s, y, num_pairs, N, 
     tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_r[:, None] & m_n[None, :])
 
 
-@jit
-def fused_moe_sum_kernel(y, ids, weights, out, num_experts, D, stride_ym, stride_om,
-                         TOP_K: tl.constexpr, BD: tl.constexpr):
-    """out[t] = sum over slots j (in order) of weights[t, j] * y[t * TOP_K + j]; a skipped
-    slot's row of y is never read (it was never written)."""
-    i_t, i_d = tl.program_id(0), tl.program_id(1)
-    o_d = i_d * BD + tl.arange(0, BD)
-    m_d = o_d < D
-    b_acc = tl.zeros([BD], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        i_p = i_t * TOP_K + j
-        b_e = tl.load(ids + i_p) + o_d * 0  # [BD], the slot's expert in every lane
-        m_y = m_d & (b_e >= 0) & (b_e < num_experts)
-        w = tl.load(weights + i_p).to(tl.float32)
-        b_y = tl.load(y + i_p.to(tl.int64) * stride_ym + o_d, mask=m_y, other=0.0)
-        b_acc += tl.where(m_y, w * b_y.to(tl.float32), 0.0)
-    tl.store(out + i_t.to(tl.int64) * stride_om + o_d, b_acc.to(out.dtype.element_ty), mask=m_d)
-
-
-
 def _check(x, ids, weights, w_gate, s_gate, w_up, s_up, w_down, s_down, block: int) -> None:
     num_experts, inter, hidden = w_gate.shape
     assert x.ndim == 2 and x.shape[1] == hidden, f"x {tuple(x.shape)} vs hidden {hidden}"
@@ -408,20 +393,32 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
               w_down: torch.Tensor, s_down: torch.Tensor | None, *, limit: float,
               block: int = 128,
               config: FusedMoeConfig | W8A8MoeConfig | GluonMoeConfig | None = None,
-              sort: SortConfig | None = None) -> torch.Tensor:
+              sort: SortConfig | None = None, rows: bool = False
+              ) -> torch.Tensor | ExpertRows:
     """Triton `fused_moe_ref`; see ref.py for shapes. `config`: the form and launch shape
     (default: `default_config`); a `W8A8MoeConfig` takes the FP8-activation form, a
     `GluonMoeConfig` the same form on the Gluon GEMM (SM90). `sort`: the
-    sort's choice (default: DEFAULT_DISPATCH.sort)."""
+    sort's choice (default: DEFAULT_DISPATCH.sort). `rows`: return the pairs' rows before
+    their sum (`ExpertRows`, for a consumer that sums them as it reads)."""
     _check(x, ids, weights, w_gate, s_gate, w_up, s_up, w_down, s_down, block)
     num_tokens, hidden = x.shape
     num_experts = w_gate.shape[0]
     top_k = ids.shape[1]
-    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    if num_tokens == 0 or top_k == 0:
-        return out.zero_()
-    x = x if x.stride(1) == 1 else x.contiguous()
     ids, weights = ids.contiguous(), weights.contiguous()
+    if num_tokens == 0 or top_k == 0:
+        y = x.new_empty(0, hidden)
+    else:
+        y = _expert_rows(x, ids, weights, w_gate, s_gate, w_up, s_up, w_down, s_down,
+                         limit=limit, block=block, config=config, sort=sort)
+    expert_rows = ExpertRows(y, ids, weights, num_experts)
+    return expert_rows if rows else sum_rows(expert_rows)
+
+
+def _expert_rows(x, ids, weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *, limit, block,
+                 config, sort) -> torch.Tensor:
+    """Each pair's expert output `[T * k, D]` (rows of skipped pairs unwritten)."""
+    num_experts, top_k = w_gate.shape[0], ids.shape[1]
+    x = x if x.stride(1) == 1 else x.contiguous()
     cfg = config or default_config(ids.numel(), num_experts, x, s_gate is not None, block,
                                    inter=w_gate.shape[1])
     sorted_pairs, block_expert = sort_pairs(ids, num_experts, cfg.block_m, sort)
@@ -438,12 +435,9 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
     else:
         y = _dequant_experts(x, sorted_pairs, block_expert, top_k, w_gate, s_gate, w_up, s_up,
                              w_down, s_down, limit=limit, block=block, config=cfg)
-    fused_moe_sum_kernel[(num_tokens, triton.cdiv(hidden, SUM_BLOCK))](
-        y, ids, weights, out, num_experts, hidden, y.stride(0), out.stride(0), TOP_K=top_k,
-        BD=SUM_BLOCK, num_warps=4)
-    return out
+    return y
 
 
-__all__ = ["DECODE_CONFIG", "DEFAULT_DISPATCH", "FP32_CONFIG", "PREFILL_CONFIG", "FusedMoeConfig",
-           "GluonMoeConfig", "MoeDispatchConfig", "SortConfig", "W8A8MoeConfig", "default_config",
-           "fused_moe", "sort_pairs"]
+__all__ = ["DECODE_CONFIG", "DEFAULT_DISPATCH", "FP32_CONFIG", "PREFILL_CONFIG", "ExpertRows",
+           "FusedMoeConfig", "GluonMoeConfig", "MoeDispatchConfig", "SortConfig", "W8A8MoeConfig",
+           "default_config", "fused_moe", "sort_pairs"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from glmflash.kernels.dispatch import use_triton
+from glmflash.kernels.fused_moe.expert_rows import ExpertRows
 from glmflash.kernels.hyper.ref import hyper_post_ref, hyper_pre_ref
 from glmflash.kernels.rms_norm import rms_norm
 
@@ -30,15 +31,18 @@ def hyper_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale
     return post, comb, collapsed if norm is None else rms_norm(collapsed, *norm)
 
 
-def hyper_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+def hyper_post(block_out: torch.Tensor | ExpertRows, streams: torch.Tensor, post: torch.Tensor,
                comb: torch.Tensor, *, extra: torch.Tensor | None = None) -> torch.Tensor:
     """New streams `[T, S, D]` from the block output and the pre weights; see `hyper_post_ref`.
     `extra`: a second block output, added to the first (the Triton kernel adds it in the same
-    launch)."""
+    launch). `block_out` may be routed experts' rows before their sum (`ExpertRows`, from the
+    Triton fused MoE), which the Triton kernel sums as it reads them."""
     if use_triton(streams, "hyper"):
         from glmflash.kernels.hyper import triton_impl
 
         return triton_impl.hyper_post(block_out, streams, post, comb, extra=extra)
+    if isinstance(block_out, ExpertRows):
+        block_out = block_out.summed()
     return hyper_post_ref(block_out if extra is None else block_out + extra, streams, post, comb)
 
 

@@ -23,6 +23,7 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
+from glmflash.kernels.fused_moe.expert_rows import ExpertRows, routed_sum
 from glmflash.kernels.triton_utils import ArrivalCounters, interpreting, jit, num_sms
 
 # Per-device arrival counters of the split reduction, one per token block; every launch leaves
@@ -258,18 +259,24 @@ def hyper_pre_kernel(x, fn, base, scale, post, comb, out, part, arrivals, norm_w
 
 
 @jit
-def hyper_post_kernel(y, y2, x, post, comb, out, D, stride_y, stride_y2, S: tl.constexpr,
-                      BD: tl.constexpr, TWO: tl.constexpr):
+def hyper_post_kernel(y, y2, x, post, comb, out, ids, weights, num_experts, D, stride_y,
+                      stride_y2, S: tl.constexpr, BD: tl.constexpr, TWO: tl.constexpr,
+                      TOP_K: tl.constexpr):
     """out[t, j, d] = post[t, j] y[t, d] + sum_i comb[t, i, j] x[t, i, d], features
     [i_d * BD, +BD); the weights rounded to the streams' dtype first, as the reference does.
     With TWO the block output is y + y2 rounded to the streams' dtype (a MoE's routed and shared
-    parts, added as the reference adds them)."""
+    parts, added as the reference adds them). With TOP_K > 0, y holds the routed experts' rows
+    before their sum (`ExpertRows`), summed here as their own launch would (`routed_sum`)."""
     i_t, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_s = tl.arange(0, S)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
     dt = out.dtype.element_ty
-    b_y = tl.load(y + i_t * stride_y + o_d, mask=m_d, other=0.0).to(tl.float32)
+    if TOP_K > 0:
+        b_y = routed_sum(y, ids, weights, i_t, o_d, m_d, num_experts, stride_y, TOP_K)
+        b_y = b_y.to(dt).to(tl.float32)
+    else:
+        b_y = tl.load(y + i_t * stride_y + o_d, mask=m_d, other=0.0).to(tl.float32)
     if TWO:
         b_y2 = tl.load(y2 + i_t * stride_y2 + o_d, mask=m_d, other=0.0).to(tl.float32)
         b_y = (b_y + b_y2).to(dt).to(tl.float32)
@@ -393,16 +400,26 @@ def hyper_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale
     return post, comb, out
 
 
-def hyper_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+def hyper_post(block_out: torch.Tensor | ExpertRows, streams: torch.Tensor, post: torch.Tensor,
                comb: torch.Tensor, *, extra: torch.Tensor | None = None,
                config: HyperPostConfig | None = None) -> torch.Tensor:
     """Triton `hyper_post_ref`: block_out `[T, D]`, streams `[T, S, D]`, post `[T, S]`, comb
     `[T, S, S]` -> `[T, S, D]` in the streams' dtype. `extra` `[T, D]`: a second block output
-    added first (`block_out + extra`, rounded as torch rounds it). One launch, no host sync."""
+    added first (`block_out + extra`, rounded as torch rounds it). block_out may be routed
+    experts' rows before their sum (`ExpertRows`): the sum is formed here, with the bits of
+    its own launch. One launch, no host sync."""
     assert streams.dim() == 3 and streams.is_contiguous(), "streams must be contiguous [T, S, D]"
     num_tokens, s, d = streams.shape
     assert s & (s - 1) == 0, f"the stream count must be a power of two, got {s}"
-    for y in (block_out,) if extra is None else (block_out, extra):
+    routed = block_out if isinstance(block_out, ExpertRows) else None
+    if routed is not None and routed.ids.shape[1] == 0:
+        block_out, routed = routed.summed(), None  # no experts: zeros
+    if routed is not None:
+        assert routed.num_tokens == num_tokens and routed.ids.is_contiguous()
+        block_out = routed.rows
+        assert block_out.shape[1:] == (d,) and block_out.stride(1) == 1
+        assert block_out.dtype == streams.dtype, "block outputs and streams share the model dtype"
+    for y in (() if routed is not None else (block_out,)) + (() if extra is None else (extra,)):
         assert y.shape == (num_tokens, d) and y.stride(1) == 1
         assert y.dtype == streams.dtype, "block outputs and streams share the model dtype"
     assert post.shape == (num_tokens, s) and post.is_contiguous()
@@ -412,9 +429,12 @@ def hyper_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tenso
         return out
     cfg = config or default_post_config(num_tokens)
     y2 = block_out if extra is None else extra
+    ids, weights = (post, post) if routed is None else (routed.ids, routed.weights)
     hyper_post_kernel[(num_tokens, triton.cdiv(d, cfg.block_d))](
-        block_out, y2, streams, post, comb, out, d, block_out.stride(0), y2.stride(0), S=s,
-        BD=cfg.block_d, TWO=extra is not None, num_warps=cfg.num_warps)
+        block_out, y2, streams, post, comb, out, ids, weights,
+        0 if routed is None else routed.num_experts, d, block_out.stride(0), y2.stride(0), S=s,
+        BD=cfg.block_d, TWO=extra is not None,
+        TOP_K=0 if routed is None else routed.ids.shape[1], num_warps=cfg.num_warps)
     return out
 
 
