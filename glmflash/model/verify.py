@@ -101,6 +101,14 @@ class VerifyInputs:
     """Where the state after each position but a sequence's last is kept; None when nothing is
     kept (the MTP layer's draft forward, whose rows past the committed ones are padding)."""
 
+    def kept_rows(self, kind: str, layer: int) -> tuple[torch.Tensor | None, int]:
+        """(the scratch rows `[rows * steps, ...]` of `layer`'s state of `kind` - recurrent,
+        conv or index_tail - and the steps a sequence has there), or (None, 0) without one,
+        as the verify kernels take them."""
+        if self.scratch is None:
+            return None, 0
+        return _rows(getattr(self.scratch, kind)[layer]), self.scratch.num_steps
+
 
 class VerifyHostRows(NamedTuple):
     """A verify batch on the host: the rows of each sequence back to back (its last accepted
@@ -188,8 +196,7 @@ def verify_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                 verify: VerifyInputs, layer: int) -> torch.Tensor:
     """The conv decode step over every row of x `[T, C]`, each sequence's rows in order, the
     window after each but a sequence's last kept in the scratch."""
-    saved = _rows(verify.scratch.conv[layer]) if verify.scratch else None
-    num_steps = verify.scratch.num_steps if verify.scratch else 0
+    saved, num_steps = verify.kept_rows("conv", layer)
     return causal_conv1d_verify(x, weight, conv_state, verify.rows, verify.seqs, saved,
                                 num_steps)
 
@@ -200,8 +207,7 @@ def verify_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     """The KDA decode step over every row (each sequence's rows in order, the state after each
     but a sequence's last kept in the scratch); o `[T, H, dv]`. `gates`: g and beta are the
     gates' pre-activations (`kda_decode`)."""
-    saved = _rows(verify.scratch.recurrent[layer]) if verify.scratch else None
-    num_steps = verify.scratch.num_steps if verify.scratch else 0
+    saved, num_steps = verify.kept_rows("recurrent", layer)
     return kda_verify(q, k, v, g, beta, state, verify.rows, verify.seqs, saved, num_steps,
                       gates=gates)
 
@@ -212,9 +218,7 @@ def verify_indexer_write(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Ten
     """The indexer's decode write over every row, each sequence's rows in order (pools
     completed by a draft are written; a rejected one is never read before the real tokens
     rewrite it), the tail after each but a sequence's last kept in the scratch."""
-    verify = batch.verify
-    saved = _rows(verify.scratch.index_tail[layer]) if verify.scratch else None
-    num_steps = verify.scratch.num_steps if verify.scratch else 0
+    saved, num_steps = batch.verify.kept_rows("index_tail", layer)
     indexer_write_verify(keys, gates, ape, pool_keys, tail, page_table, batch.decode.state_slots,
-                         batch.decode.positions, verify.seqs, saved, num_steps,
+                         batch.decode.positions, batch.verify.seqs, saved, num_steps,
                          page_size=page_size)
