@@ -417,10 +417,9 @@ def hyper_post(block_out: torch.Tensor | ExpertRows, streams: torch.Tensor, post
     if routed is not None:
         assert routed.num_tokens == num_tokens and routed.ids.is_contiguous()
         block_out = routed.rows
-        assert block_out.shape[1:] == (d,) and block_out.stride(1) == 1
-        assert block_out.dtype == streams.dtype, "block outputs and streams share the model dtype"
-    for y in (() if routed is not None else (block_out,)) + (() if extra is None else (extra,)):
-        assert y.shape == (num_tokens, d) and y.stride(1) == 1
+    outputs = [(block_out, num_tokens * (1 if routed is None else routed.ids.shape[1]))]
+    for y, rows in outputs + ([] if extra is None else [(extra, num_tokens)]):
+        assert y.shape == (rows, d) and y.stride(1) == 1
         assert y.dtype == streams.dtype, "block outputs and streams share the model dtype"
     assert post.shape == (num_tokens, s) and post.is_contiguous()
     assert comb.shape == (num_tokens, s, s) and comb.is_contiguous()

@@ -8,6 +8,5 @@ import torch
 def copy_rows_ref(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,
                   dst_rows: torch.Tensor) -> None:
     """`copy_rows` in torch ops: rows skipped by a negative source keep what they held."""
-    targets = dst_rows
     keep = (src_rows >= 0).view(-1, *[1] * (src.dim() - 1))
-    dst[targets] = torch.where(keep, src[src_rows.clamp(min=0)], dst[targets])
+    dst[dst_rows] = torch.where(keep, src[src_rows.clamp(min=0)], dst[dst_rows])
