@@ -138,9 +138,8 @@ def _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions, 
 def indexer_score_kernel(q, weights, pool_keys, page_table, rows, positions, num_pools, scores,
                          lengths, t_begin, scale, w_scale, stride_qt, stride_qh, stride_wt,
                          stride_pk, stride_pt, stride_st, NH, D, KPOOL: tl.constexpr,
-                         PAGE: tl.constexpr,
-                         BHQ: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr,
-                         DOT: tl.constexpr, PREC: tl.constexpr):
+                         PAGE: tl.constexpr, BHQ: tl.constexpr, BD: tl.constexpr,
+                         BP: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
     """scores[t, p] = sum_h w[t, h] w_scale relu(q[t, h] . K_p * scale) for t's candidate pools
     p < lengths[t] (complete and ending at or before t's position); nothing is written past a
     row's candidates (the top-k reads only them)."""
@@ -214,9 +213,8 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
                 if i_t < t_begin + num_tokens:
                     _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions,
                                  scores, i_t, t_begin, p0 // BP, scale, w_scale, stride_qt,
-                                 stride_qh,
-                                 stride_wt, stride_pk, stride_pt, stride_st, NH, D, KPOOL, PAGE,
-                                 BHQ, BD, BP, DOT, PREC)
+                                 stride_qh, stride_wt, stride_pk, stride_pt, stride_st, NH, D,
+                                 KPOOL, PAGE, BHQ, BD, BP, DOT, PREC)
 
 
 @jit(do_not_specialize=("t_begin", "num_sel", "stride_pot"))

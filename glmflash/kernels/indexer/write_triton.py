@@ -35,8 +35,7 @@ def indexer_write_decode_kernel(keys, gates, ape, pool_keys, tail, page_table, s
     row = tl.load(slots + i * stride_slots).to(tl.int64)
     pos = tl.load(positions + i * stride_pos).to(tl.int64)
     write_token(keys, gates, ape, pool_keys, tail, page_table, row, pos, i.to(tl.int64), D,
-                stride_k,
-                stride_g, stride_pk, stride_ts, stride_pt, KPOOL, KP, PAGE, BD)
+                stride_k, stride_g, stride_pk, stride_ts, stride_pt, KPOOL, KP, PAGE, BD)
 
 
 @jit
@@ -118,13 +117,9 @@ def indexer_write_decode(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Ten
     of the sequence in page-table row / state slot `rows[i]`. One launch, nothing read on the
     host. `num_warps`: default 4 for keys wider than 256, else 1 (a program holds a [kpool, D]
     tile)."""
-    kpool, dim = ape.shape
+    kpool, dim = _check_write(keys, gates, ape, pool_keys, tail, page_table, page_size)
     num = rows.numel()
     assert positions.numel() == num and keys.shape[0] >= num
-    assert keys.stride(-1) == 1 and gates.stride(-1) == 1 and ape.is_contiguous()
-    assert tail.shape[1:] == (kpool - 1, 2 * dim) and tail[0].is_contiguous()
-    assert pool_keys.stride(1) == 1 and page_table.stride(1) == 1
-    assert page_size % kpool == 0, "a pool never straddles pages"
     if num == 0:
         return
     indexer_write_decode_kernel[(num,)](
@@ -144,11 +139,7 @@ def indexer_write_verify(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Ten
     `positions[r]`), each sequence's in order in one program (`seqs` `[B, 3]` int32: first
     row, rows, scratch row or -1); the tail after each row but a sequence's last goes to
     `saved` `[R * num_steps, kpool - 1, 2D]` (None: nothing kept). One launch."""
-    kpool, dim = ape.shape
-    assert keys.stride(-1) == 1 and gates.stride(-1) == 1 and ape.is_contiguous()
-    assert tail.shape[1:] == (kpool - 1, 2 * dim) and tail[0].is_contiguous()
-    assert pool_keys.stride(1) == 1 and page_table.stride(1) == 1
-    assert page_size % kpool == 0, "a pool never straddles pages"
+    kpool, dim = _check_write(keys, gates, ape, pool_keys, tail, page_table, page_size)
     assert slots.is_contiguous() and positions.is_contiguous()
     assert seqs.dtype == torch.int32 and seqs.is_contiguous() and seqs.shape[1:] == (3,)
     if saved is not None:
@@ -162,3 +153,15 @@ def indexer_write_verify(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Ten
         PAGE=page_size, BD=max(16, triton.next_power_of_2(dim)),
         BTAIL=triton.next_power_of_2((kpool - 1) * 2 * dim), SAVE=saved is not None,
         num_warps=num_warps or (4 if dim > 256 else 1))
+
+
+def _check_write(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor,
+                 pool_keys: torch.Tensor, tail: torch.Tensor, page_table: torch.Tensor,
+                 page_size: int) -> tuple[int, int]:
+    """The layouts both write launchers take; (kpool, D)."""
+    kpool, dim = ape.shape
+    assert keys.stride(-1) == 1 and gates.stride(-1) == 1 and ape.is_contiguous()
+    assert tail.shape[1:] == (kpool - 1, 2 * dim) and tail[0].is_contiguous()
+    assert pool_keys.stride(1) == 1 and page_table.stride(1) == 1
+    assert page_size % kpool == 0, "a pool never straddles pages"
+    return kpool, dim
