@@ -98,6 +98,10 @@ def _two_launches(tokens: int) -> ScoreConfig:
     return dataclasses.replace(default_score_config(tokens), fused_select=False)
 
 
+def _one_launch(tokens: int) -> ScoreConfig:
+    return dataclasses.replace(default_score_config(tokens), fused_select=True)
+
+
 @pytest.mark.parametrize("tokens,name", [(1, "release_like"), (5, "release_like"),
                                          (5, "four_groups"), (SCORE_TOKENS, "four_groups")])
 def test_choice_in_the_scores_launch_equals_its_own_launch(tokens, name, monkeypatch):
@@ -107,7 +111,7 @@ def test_choice_in_the_scores_launch_equals_its_own_launch(tokens, name, monkeyp
     x, weight, bias = _case(tokens, experts, hidden, torch.float32)
     want = route(x, weight, bias, spec=spec, score_config=_two_launches(tokens))
     monkeypatch.setattr(triton_impl, "router_select_kernel", None)  # a launch would fail
-    got = route(x, weight, bias, spec=spec)
+    got = route(x, weight, bias, spec=spec, score_config=_one_launch(tokens))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert int(triton_impl._ARRIVALS[x.device].count_nonzero()) == 0
 
@@ -134,6 +138,6 @@ def test_release_shape_bf16(tokens):
         # Which expert block arrives last varies from call to call here; the choice must not.
         two = route(x, weight, bias, spec=spec, score_config=_two_launches(tokens))
         for _ in range(10):
-            again = route(x, weight, bias, spec=spec)
+            again = route(x, weight, bias, spec=spec, score_config=_one_launch(tokens))
             assert torch.equal(again[0], two[0]) and torch.equal(again[1], two[1])
         assert int(triton_impl._ARRIVALS[x.device].count_nonzero()) == 0

@@ -40,14 +40,15 @@ class ScoreConfig:
     select_warps: int = 4
     fused_select: bool = True
     """The last expert block of a token block to finish makes its tokens' choices (one launch);
-    False: the choice is a second launch of a program per token."""
+    False: the choice is a second launch of a program per token (faster from two tokens)."""
 
 
 def default_score_config(num_tokens: int) -> ScoreConfig:
-    """Two experts a program and a [BT, BE, BK] product tile of 4K values (README.md says
-    why)."""
+    """Two experts a program and a [BT, BE, BK] product tile of 4K values; the choice inside the
+    scores launch at one token only (README.md says why)."""
     bt = min(4, triton.next_power_of_2(max(num_tokens, 1)))
-    return ScoreConfig(block_t=bt, block_e=2, block_k=max(128, min(2048, 4096 // (bt * 2))))
+    return ScoreConfig(block_t=bt, block_e=2, block_k=max(128, min(2048, 4096 // (bt * 2))),
+                       fused_select=num_tokens == 1)
 
 
 @jit
@@ -146,7 +147,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, spec: Ro
           weight_fp32: torch.Tensor | None = None, score_config: ScoreConfig | None = None
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `route_ref`: x `[T, D]`, weight `[E, D]` (model dtype), bias `[E]` fp32. One
-    launch up to `SCORE_TOKENS` tokens (`ScoreConfig.fused_select`), two above; no host
+    launch at one token (`ScoreConfig.fused_select`), two above; no host
     sync."""
     num_tokens, dim = x.shape
     num_experts = weight.shape[0]
