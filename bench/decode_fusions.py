@@ -36,7 +36,7 @@ def router_rows(tokens: int) -> list:
     x = torch.randn(tokens, HIDDEN, device=DEVICE).bfloat16()
     weight = (torch.randn(EXPERTS, HIDDEN, device=DEVICE) / 64).bfloat16()
     bias = torch.randn(EXPERTS, device=DEVICE) * 0.1
-    fused = default_score_config(tokens)
+    fused = dataclasses.replace(default_score_config(tokens), fused_select=True)
     apart = dataclasses.replace(fused, fused_select=False)
     return [_row("router", f"{tokens} tokens",
                  lambda: route(x, weight, bias, spec=spec, score_config=apart),
@@ -45,7 +45,11 @@ def router_rows(tokens: int) -> list:
 
 def swiglu_rows(tokens: int) -> list:
     from glmflash.kernels.fp8_gemm import quantize_block_fp8
-    from glmflash.kernels.fp8_gemm.triton_impl import fp8_linear
+    from glmflash.kernels.fp8_gemm.triton_impl import DEFAULT_CONFIG, fp8_linear
+
+    # The fold wherever the weight-only kernel runs (the default folds only at one row, K 4096).
+    fold_everywhere = dataclasses.replace(DEFAULT_CONFIG, swiglu_fold_max_k=1 << 30,
+                                          swiglu_fold_max_rows=DEFAULT_CONFIG.codes_max_rows)
     from glmflash.kernels.swiglu.triton_impl import clamped_swiglu_stacked
 
     rows = []
@@ -55,7 +59,8 @@ def swiglu_rows(tokens: int) -> list:
         rows.append(_row("SwiGLU + down", f"{name}, {tokens} rows",
                          lambda g=gate_up, w=w, s=s: fp8_linear(
                              clamped_swiglu_stacked(g, LIMIT), w, s),
-                         lambda g=gate_up, w=w, s=s: fp8_linear(g, w, s, swiglu_limit=LIMIT)))
+                         lambda g=gate_up, w=w, s=s: fp8_linear(
+                             g, w, s, swiglu_limit=LIMIT, config=fold_everywhere)))
     return rows
 
 

@@ -66,6 +66,12 @@ class Fp8LinearConfig:
     """Weight-only: rows up to which products are FMAs instead of tensor-core products (0:
     never); one row needs no product and skips the dequantised tile's layout change."""
     wdq_fma_block_n: int = 32
+    swiglu_fold_max_rows: int = 1
+    swiglu_fold_max_k: int = 4096
+    """With `swiglu_limit`, the weight-only kernel forms the SwiGLU as it reads x up to these
+    rows (at most `codes_max_rows`) and this K (the shared expert's 2048); other products
+    launch the SwiGLU first (README.md: from 2 rows, and at one row of the dense MLP's K
+    12288, the fold is slower)."""
     codes_max_rows: int = 32
     """16-bit activations of `act_min_rows` up to this many rows take the weight-only kernel
     on fp16 codes (`_codes_range`: exact weights, x rounded to fp16, so |x| < 65504) instead of
@@ -245,15 +251,19 @@ def fp8_linear_weight_only(x2: torch.Tensor, weight: torch.Tensor, scale_inv: to
                            block: int, config: Fp8LinearConfig = DEFAULT_CONFIG,
                            swiglu_limit: float | None = None) -> torch.Tensor:
     """[M, K] x dequantised [N, K] -> [M, N], K split into ranges so that enough programs stream
-    the weight. With `swiglu_limit` x2 is `[M, 2K]`, a stacked [gate | up] product, and its
-    clamped SwiGLU is formed as it is read. Launches on one device must run in stream order
-    (they share the counters)."""
+    the weight. With `swiglu_limit` x2 is `[M, 2K]`, a stacked [gate | up] product: its
+    clamped SwiGLU is formed as it is read up to `config.swiglu_fold_max_rows` and
+    `swiglu_fold_max_k`, launched first otherwise. Launches on one device must run in
+    stream order (they share the counters)."""
     m = x2.shape[0]
     n, k = weight.shape
     assert x2.shape[1] == (k if swiglu_limit is None else 2 * k), (tuple(x2.shape), k)
+    fma = m <= config.wdq_fma_rows
+    if swiglu_limit is not None and not (m <= config.swiglu_fold_max_rows
+                                         and k <= config.swiglu_fold_max_k):
+        x2, swiglu_limit = clamped_swiglu_stacked(x2, swiglu_limit), None
     fp32 = x2.dtype == torch.float32 or interpreting()
     dot = tl.float32 if fp32 else (tl.float16 if x2.dtype == torch.float16 else tl.bfloat16)
-    fma = m <= config.wdq_fma_rows
     codes = not fma and x2.dtype != torch.float32 and m <= config.codes_max_rows
     bm = 1 if fma else (16 if m <= 16 else (32 if m <= 32 else 64))
     shape = _weight_only_shape(config, fma, weight.shape, x2.device, codes)
