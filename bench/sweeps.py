@@ -2,13 +2,14 @@
 
     PYTHONPATH=. python bench/sweeps.py
         [--ops kda,kda_prefill,kda_profile,topk,indexer_prefill,indexer_decode,mla,fp8,fp8row,
-               fp8codes,fp8rules,moe,moe_aux]
+               fp8codes,fp8codes_grid,fp8rules,moe,moe_aux]
 
 `kda_profile`: each kernel's GPU time in fla's prefill and the candidates' (first length);
 `moe`: fused MoE prefill at 8192 tokens by parts: both sorts, the GEMMs (bench/fused_moe.py);
 `moe_aux`: its launches around the GEMMs (sort, quantiser and gather, weighted sum) by shape;
 `fp8rules`: FP8 linear at 16 rows, the streaming grid and the per-shape rules over it;
 `fp8codes`: FP8 linear at 2-32 rows, the fp16-codes weight-only form against the streaming one;
+`fp8codes_grid`: the fp16-codes form at 16 rows over columns, waves, warps and stages;
 `indexer_prefill`: the indexer's scoring of a prefill chunk at long context, by launch shape
 (`indexer.triton_impl.ScoreLaunch`: queries and pool blocks per program, stages);
 `indexer_decode`: the same for decodes (one query per sequence) at 128K and 1M.
@@ -157,6 +158,39 @@ def sweep_fp8_codes(rows=(2, 4, 8, 16, 32)) -> None:
             print(f"fp8 codes {k}->{n} M={m}: per-tensor _scaled_mm {ref * 1e3:.1f} us, W8A8 "
                   f"stream {w8a8 * 1e3:.1f}, fp8_linear {rule * 1e3:.1f}, codes by "
                   f"columns/waves: {', '.join(cells)}", flush=True)
+        del wqs
+
+
+# fp16-codes launch shapes at 16 rows: block_n x waves x (warps, stages).
+CODES_GRID = list(itertools.product((32, 64, 128), (1.0, 2.0, 4.0), ((4, 4), (4, 6), (8, 4))))
+
+
+def sweep_fp8_codes_grid(m: int = 16) -> None:
+    """The fp16-codes weight-only form at `m` rows over `CODES_GRID` (columns, programs per SM,
+    warps and stages), per release shape, against per-tensor `_scaled_mm` and the rule's
+    `fp8_linear`; the best three shapes printed per release shape."""
+    from bench.kernels import _scaled_mm
+    from glmflash.kernels.fp8_gemm import quantize_block_fp8
+    from glmflash.kernels.fp8_gemm import triton_impl as ti
+
+    for k, n in FP8_SHAPES:
+        wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda"))
+        wqs = rotated(wq)
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        ref = graph_ms([_scaled_mm(x.to(torch.float8_e4m3fn), w) for w in wqs])
+        rule = graph_ms([lambda x=x, w=w, ws=ws: ti.fp8_linear(x, w, ws) for w in wqs])
+        timed = []
+        for bn, waves, (warps, stages) in CODES_GRID:
+            config = dataclasses.replace(ti.DEFAULT_CONFIG, codes_max_rows=m, wdq_block_n=bn,
+                                         wdq_waves=waves, wdq_warps=warps, wdq_stages=stages,
+                                         codes_rule=None)
+            ms = graph_ms([lambda x=x, w=w, ws=ws, c=config: ti.fp8_linear(x, w, ws, config=c)
+                           for w in wqs])
+            timed.append((ms, f"{bn}/{waves:g}/{warps}w/{stages}s"))
+        best = ", ".join(f"{name} {ms * 1e3:.1f}" for ms, name in sorted(timed)[:3])
+        print(f"fp8 codes grid {k}->{n} M={m}: per-tensor _scaled_mm {ref * 1e3:.1f} us, "
+              f"fp8_linear {rule * 1e3:.1f} ({ref / rule:.2f}), best: {best} "
+              f"({ref / sorted(timed)[0][0]:.2f})", flush=True)
         del wqs
 
 
@@ -462,6 +496,8 @@ def main() -> None:
         sweep_fp8_one_row()
     if "fp8codes" in ops:
         sweep_fp8_codes()
+    if "fp8codes_grid" in ops:
+        sweep_fp8_codes_grid()
     if "fp8rules" in ops:
         sweep_fp8_rules()
     if "moe_aux" in ops:
