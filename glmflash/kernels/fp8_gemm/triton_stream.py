@@ -110,10 +110,13 @@ H200_ONE_ROW_RULE = StreamRule(
 # The H200's rule for the weight-only kernel on fp16 codes, 2-32 rows (bench/sweeps.py --ops
 # fp8codes; README.md, "A few rows on fp16 codes"): the fastest of 64 / 128 columns x 2 / 4 / 8
 # waves summed over 2, 8, 16 and 32 rows at each release shape. K up to 4096 with N up to 2048
-# or above 4096 splits K into half as many ranges; the rest keeps the `wdq_*` fields' shape.
+# or above 4096 splits K into half as many ranges; short K (up to 2048) with N above 4096 is not
+# split at all (one wave: 256 column tiles at 1536->16384, from --ops fp8codes_grid at 16 rows);
+# the rest keeps the `wdq_*` fields' shape.
 H200_CODES_RULE = StreamRule(
     entries=((0, _ANY, 2048, StreamConfig(block_n=64, waves=2.0)),
              (0, 4096, 4096, StreamConfig(block_n=64, waves=4.0)),
+             (0, 2048, _ANY, StreamConfig(block_n=64, waves=1.0)),
              (0, 4096, _ANY, StreamConfig(block_n=64, waves=2.0))),
     default=StreamConfig(block_n=64, waves=4.0),
     capability=(9, 0))
