@@ -1,6 +1,6 @@
 """mHC pre/post at release shapes (S = 4, D = 4096, bf16): Triton against the reference.
 
-    PYTHONPATH=. python bench/hyper.py [--tokens 1,4,32,2048] [--sweep] [--out FILE]
+    PYTHONPATH=. python bench/hyper.py [--tokens 1,4,32,2048] [--sweep] [--parts] [--out FILE]
 
 One row per (op, tokens): the median of triton.testing.do_bench (L2 flushed between reps; at
 decode sizes this includes the host launch), the kernel alone replayed from a CUDA graph over
@@ -8,7 +8,10 @@ copies of the inputs that keep replays out of L2 (each sub-layer has its own fn)
 reference's do_bench median, the bytes the kernel must move (read + written), the bandwidth that
 gives at the graph time against a device-to-device copy measured in the same run, and the
 largest difference from the reference in fp32. --sweep also prints graph times of other launch
-shapes. The table is printed and appended to bench/RESULTS.md (or to --out).
+shapes; --parts the graph time of hyper_pre with one part of its finish changed at a time
+(input norm on as the model runs it, Sinkhorn iterations 1 against 20, the K split), to see
+where a latency-bound decode launch goes. The table is printed and appended to bench/RESULTS.md
+(or to --out).
 """
 
 from __future__ import annotations
@@ -63,12 +66,13 @@ def _post_bytes(tokens: int) -> int:
     return 2 * (tokens * D + 2 * tokens * S * D) + 4 * tokens * (S + S * S)
 
 
-def _pre_graph_us(x: dict, config=None) -> float:
-    """Graph replays of hyper_pre over distinct (streams, fn) copies."""
+def _pre_graph_us(x: dict, config=None, **changes) -> float:
+    """Graph replays of hyper_pre over distinct (streams, fn) copies; `changes` replace KW's
+    arguments or add hyper_pre's (`norm`)."""
     from glmflash.kernels.hyper import triton_impl as ti
 
     calls = [functools.partial(ti.hyper_pre, x["streams"].clone(), x["fn"].clone(), x["base"],
-                               x["scale"], **KW, config=config)
+                               x["scale"], **{**KW, **changes}, config=config)
              for _ in range(copies(_pre_bytes(x["streams"].shape[0])))]
     return graph_ms(calls) * 1e3
 
@@ -150,18 +154,46 @@ def sweep(token_counts: list[int]) -> None:
         torch.cuda.empty_cache()
 
 
+def parts(token_counts: list[int]) -> None:
+    """hyper_pre's decode launch with one part changed at a time (graph us, printed)."""
+    import dataclasses
+
+    from glmflash.kernels.hyper.triton_impl import default_pre_config
+    from glmflash.kernels.triton_utils import num_sms
+
+    for tokens in token_counts:
+        x = _inputs(tokens)
+        norm = (torch.ones(D, device="cuda").bfloat16(), 1e-5)
+        base = default_pre_config(tokens, S, num_sms(torch.device("cuda")))
+        cases = [("default, no norm", None, {}), ("with the input norm (model)", None,
+                                                  {"norm": norm}),
+                 ("sinkhorn_iters 1", None, {"sinkhorn_iters": 1}),
+                 ("no prefetch", dataclasses.replace(base, prefetch_streams=False), {})]
+        cases += [(f"{n} ranges", dataclasses.replace(base, splits=n), {})
+                  for n in (1, 8, 16, 32, 128)]
+        for name, cfg, changes in cases:
+            print(f"parts pre T={tokens} {name}: {_pre_graph_us(x, cfg, **changes):.1f} us",
+                  flush=True)
+        print(f"parts post T={tokens}: {_post_graph_us(x):.1f} us", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,4,32,2048",
                         help="comma-separated token counts (default: %(default)s)")
     parser.add_argument("--sweep", action="store_true",
                         help="also print graph times of other launch shapes")
+    parser.add_argument("--parts", action="store_true",
+                        help="only hyper_pre's graph time with one part changed at a time")
     parser.add_argument("--out", type=Path, default=None,
                         help="append the table here instead of to bench/RESULTS.md")
     args = parser.parse_args()
     token_counts = [int(t) for t in args.tokens.split(",")]
     if not torch.cuda.is_available():
         sys.exit("bench/hyper.py needs a CUDA device")
+    if args.parts:
+        parts(token_counts)
+        return
     copy_gbs = copy_bandwidth()
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s", flush=True)
     rows = []
