@@ -82,13 +82,7 @@ class Usage(NamedTuple):
 
 
 def usage(launch: Launch, arch: int) -> Usage:
-    params = inspect.signature(launch.kernel.fn).parameters
-    # Constexprs with defaults keep them, but PDL is on where the engine turns it on (SM90+).
-    defaults = {p: v.default for p, v in params.items() if v.default is not inspect.Parameter.empty}
-    if "PDL" in defaults:
-        defaults["PDL"] = arch >= 90
-    launch = launch._replace(constexprs=defaults | launch.constexprs)
-    params = list(params)
+    params = list(inspect.signature(launch.kernel.fn).parameters)
     signature = {p: "constexpr" if p in launch.constexprs else launch.pointers.get(p, "i32")
                  for p in params}
     for name in ("scale", "limit"):

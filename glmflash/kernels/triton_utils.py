@@ -1,16 +1,13 @@
 """What the Triton launchers share: the jit wrapper, module constants kernels read, interpreter
 detection, the operand type and precision of products, the device's SM count, per-device
-arrival counters for launches whose last program finishes the work, the grouped tile order
-of the GEMM kernels, and programmatic dependent launch (`pdl_start`, `pdl_options`)."""
+arrival counters for launches whose last program finishes the work, and the grouped tile order
+of the GEMM kernels."""
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
-
-from glmflash.utils.env import pdl_enabled
 
 try:
     import triton
@@ -99,33 +96,3 @@ def grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
     first_m = (pid // width) * GROUP_M
     size_m = tl.minimum(num_m - first_m, GROUP_M)
     return first_m + (pid % width) % size_m, (pid % width) // size_m
-
-
-@jit
-def pdl_start(PDL: tl.constexpr):
-    """Programmatic dependent launch (SM90 and later), the first statement of a kernel that
-    takes part: wait until the kernel before it in the stream has finished and its writes are
-    visible, then let the next kernel's programs be scheduled (they in turn wait here). No
-    memory is touched before the wait, so every order of the plain launch holds; what is saved
-    is the next launch's start-up, which now runs under this kernel. A no-op without PDL."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-def pdl_options(device: torch.device) -> dict:
-    """Launch options of a kernel that starts with `pdl_start`: `PDL` and Triton's
-    `launch_pdl` on CUDA devices of SM90 and later, none elsewhere, under the interpreter, or
-    with GLMFLASH_PDL=0."""
-    if device.type != "cuda" or interpreting() or not pdl_enabled():
-        return {}
-    return _PDL_ON if _has_pdl(device.index if device.index is not None
-                               else torch.cuda.current_device()) else {}
-
-
-_PDL_ON = {"PDL": True, "launch_pdl": True}
-
-
-@functools.cache
-def _has_pdl(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)

@@ -27,12 +27,6 @@ def cpu_moe_decode() -> str | None:
     return value.lower() if value else None
 
 
-def pdl_enabled() -> bool:
-    """GLMFLASH_PDL=0 turns programmatic dependent launch off (on by default where the GPU has
-    it, SM90 and later: kernels/triton_utils.py `pdl_options`)."""
-    return os.environ.get("GLMFLASH_PDL", "1") != "0"
-
-
 def log_level() -> str:
     return os.environ.get("GLMFLASH_LOG_LEVEL", "INFO").upper()
 

@@ -42,7 +42,7 @@ from glmflash.kernels.fp8_gemm.triton_stream import (
     fp8_linear_stream,
 )
 from glmflash.kernels.swiglu.triton_impl import clamped_swiglu_stacked, swiglu_values
-from glmflash.kernels.triton_utils import grouped_tile, interpreting, jit, pdl_options, pdl_start
+from glmflash.kernels.triton_utils import grouped_tile, interpreting, jit
 
 
 @dataclass(frozen=True)
@@ -168,13 +168,12 @@ def fp8_wdq_gemm_kernel(x, w, ws, y, part, arrivals, M, N, K, stride_xm, stride_
                         stride_ym, K_PER_SPLIT, SPLITS, limit, BLOCK: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr,
                         PREC: tl.constexpr, FMA: tl.constexpr, CODES: tl.constexpr,
-                        SWIGLU: tl.constexpr, PDL: tl.constexpr = False):
+                        SWIGLU: tl.constexpr):
     """y = x W_dequant^T over one K range per program; W dequantised block by block in
     registers (FMA: one row, BM = 1, no products; CODES: not dequantised, `_codes_range`). With
     SPLITS > 1 each range's fp32 sum goes to `part` and the range that arrives last at
     `arrivals[tile]` writes y from all of them. SWIGLU: x is a stacked [gate | up] product and
     the product's input its clamped SwiGLU (`_x_values`)."""
-    pdl_start(PDL)
     i_m, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_m = i_m * BM + tl.arange(0, BM)
     o_n = i_n * BN + tl.arange(0, BN)
@@ -279,7 +278,7 @@ def fp8_linear_weight_only(x2: torch.Tensor, weight: torch.Tensor, scale_inv: to
         weight.stride(0), scale_inv.stride(0), out.stride(0), k_per_split, splits,
         0.0 if swiglu_limit is None else float(swiglu_limit), BLOCK=block, BM=bm, BN=bn, DOT=dot,
         PREC="ieee" if fp32 else "tf32", FMA=fma, CODES=codes, SWIGLU=swiglu_limit is not None,
-        num_warps=shape.num_warps, num_stages=shape.num_stages, **pdl_options(x2.device))
+        num_warps=shape.num_warps, num_stages=shape.num_stages)
     return out
 
 

@@ -26,7 +26,7 @@ from glmflash.kernels.fp8_gemm.triton_common import (
     split_buffer,
     store_split,
 )
-from glmflash.kernels.triton_utils import jit, pdl_options, pdl_start
+from glmflash.kernels.triton_utils import jit
 
 
 @dataclass(frozen=True)
@@ -125,12 +125,10 @@ H200_CODES_RULE = StreamRule(
 @jit
 def fp8_stream_gemm_kernel(x, w, ws, y, part, arrivals, M, N, K, stride_xm, stride_wn,
                            stride_wsn, stride_ym, K_PER_SPLIT, SPLITS, BLOCK: tl.constexpr,
-                           BN: tl.constexpr, BM: tl.constexpr, GROUP: tl.constexpr,
-                           PDL: tl.constexpr = False):
+                           BN: tl.constexpr, BM: tl.constexpr, GROUP: tl.constexpr):
     """y[rows, cols]^T = sum over the K blocks of one range of (W_kb xq_kb^T) * ws[col block, kb]
     * xs[row, kb]: weight rows as the product's M, activation rows (quantised here per block)
     as its N."""
-    pdl_start(PDL)
     i_n, i_m, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_n = i_n * BN + tl.arange(0, BN)
     o_m = i_m * BM + tl.arange(0, BM)
@@ -176,7 +174,7 @@ def fp8_linear_stream(x2: torch.Tensor, weight: torch.Tensor, scale_inv: torch.T
         x2, weight, scale_inv, out, part, out if arrivals is None else arrivals, m, n, k,
         x2.stride(0), weight.stride(0), scale_inv.stride(0), out.stride(0), k_per_split, splits,
         BLOCK=block, BN=bn, BM=bm, GROUP=config.finish_group(bn, bm), num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl_options(x2.device))
+        num_stages=config.num_stages)
     return out
 
 

@@ -16,7 +16,7 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
-from glmflash.kernels.triton_utils import jit, pdl_options, pdl_start
+from glmflash.kernels.triton_utils import jit
 
 # Output columns per program of the sum.
 SUM_BLOCK = 1024
@@ -57,9 +57,8 @@ def routed_sum(y, ids, weights, i_t, o_d, m_d, num_experts, stride_ym, TOP_K: tl
 
 @jit
 def fused_moe_sum_kernel(y, ids, weights, out, num_experts, D, stride_ym, stride_om,
-                         TOP_K: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
+                         TOP_K: tl.constexpr, BD: tl.constexpr):
     """out[t] = `routed_sum` of token t, rounded to out's dtype."""
-    pdl_start(PDL)
     i_t, i_d = tl.program_id(0), tl.program_id(1)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
@@ -77,7 +76,7 @@ def sum_rows(rows: ExpertRows, out: torch.Tensor | None = None) -> torch.Tensor:
         return out.zero_()
     fused_moe_sum_kernel[(num_tokens, triton.cdiv(hidden, SUM_BLOCK))](
         rows.rows, rows.ids, rows.weights, out, rows.num_experts, hidden, rows.rows.stride(0),
-        out.stride(0), TOP_K=top_k, BD=SUM_BLOCK, num_warps=4, **pdl_options(out.device))
+        out.stride(0), TOP_K=top_k, BD=SUM_BLOCK, num_warps=4)
     return out
 
 

@@ -40,14 +40,7 @@ from glmflash.kernels.fused_moe.gluon_w8a8 import (
 )
 from glmflash.kernels.fused_moe.triton_sort import SORT_CONFIG, SortConfig, sort_pairs_scan
 from glmflash.kernels.fused_moe.triton_w8a8 import W8A8_CONFIG, W8A8MoeConfig, w8a8_experts
-from glmflash.kernels.triton_utils import (
-    dot_operand_type,
-    interpreting,
-    jit,
-    pdl_options,
-    pdl_start,
-    product_precision,
-)
+from glmflash.kernels.triton_utils import dot_operand_type, interpreting, jit, product_precision
 
 
 @dataclass(frozen=True)
@@ -125,12 +118,10 @@ def default_config(num_pairs: int, num_experts: int, x: torch.Tensor, has_scale:
 
 @jit
 def fused_moe_align_kernel(ids, sorted_pairs, block_expert, num_pairs, num_experts, max_blocks,
-                           BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
-                           PDL: tl.constexpr = False):
+                           BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr):
     """Program e counts every expert's pairs, then writes expert e's group: its pairs in pair
     order, padding rows (`num_pairs`) up to a multiple of BLOCK_M, and its blocks' expert id.
     Program 0 also marks the blocks past the last group unused (-1)."""
-    pdl_start(PDL)
     e = tl.program_id(0)
     o_p = tl.arange(0, BLOCK)
     o_e = tl.arange(0, BINS)
@@ -241,10 +232,9 @@ def fused_moe_gate_up_kernel(x, sorted_pairs, block_expert, w_gate, s_gate, w_up
                              stride_sn, stride_hm, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
                              HAS_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                              BK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                             CODES: tl.constexpr, PDL: tl.constexpr = False):
+                             CODES: tl.constexpr):
     """h[rows, cols] = silu(min(x Wg^T, L)) * clip(x Wu^T, -L, L) for the rows of one block,
     all of one expert; a block without an expert returns before reading any weight."""
-    pdl_start(PDL)
     i_b, i_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert + i_b)
     if e < 0:
@@ -285,10 +275,9 @@ def fused_moe_down_kernel(h, sorted_pairs, block_expert, w, s, y, num_pairs, N, 
                           stride_we, stride_wn, stride_se, stride_sn, stride_ym,
                           BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr, BM: tl.constexpr,
                           BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-                          PREC: tl.constexpr, CODES: tl.constexpr, PDL: tl.constexpr = False):
+                          PREC: tl.constexpr, CODES: tl.constexpr):
     """y[pair, cols] = h[row] W_down^T for the rows of one block, each row into its pair's
     row of y; a block without an expert returns before reading any weight."""
-    pdl_start(PDL)
     i_b, i_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert + i_b)
     if e < 0:
@@ -361,8 +350,7 @@ def sort_pairs(ids: torch.Tensor, num_experts: int, block_m: int,
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
     fused_moe_align_kernel[(num_experts,)](
         ids, sorted_pairs, block_expert, num_pairs, num_experts, max_blocks, BLOCK_M=block_m,
-        BLOCK=ALIGN_BLOCK, BINS=triton.next_power_of_2(num_experts + 1), num_warps=4,
-        **pdl_options(ids.device))
+        BLOCK=ALIGN_BLOCK, BINS=triton.next_power_of_2(num_experts + 1), num_warps=4)
     return sorted_pairs, block_expert
 
 
@@ -391,12 +379,12 @@ def _dequant_experts(x: torch.Tensor, sorted_pairs: torch.Tensor, block_expert: 
     fused_moe_gate_up_kernel[(max_blocks, triton.cdiv(inter, config.block_n))](
         x, sorted_pairs, block_expert, w_gate, gate_args[0], w_up, _weight_args(w_up, s_up)[0],
         h, num_pairs, inter, hidden, float(limit), x.stride(0), *gate_args[1:], h.stride(0),
-        TOP_K=top_k, **shape, **pdl_options(x.device))
+        TOP_K=top_k, **shape)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     down_args = _weight_args(w_down, s_down)
     fused_moe_down_kernel[(max_blocks, triton.cdiv(hidden, config.block_n))](
         h, sorted_pairs, block_expert, w_down, down_args[0], y, num_pairs, hidden, inter,
-        h.stride(0), *down_args[1:], y.stride(0), **shape, **pdl_options(x.device))
+        h.stride(0), *down_args[1:], y.stride(0), **shape)
     return y
 
 

@@ -24,14 +24,7 @@ except ImportError:  # the package must import without triton; the launchers nee
     triton = None
 
 from glmflash.kernels.fused_moe.expert_rows import ExpertRows, routed_sum
-from glmflash.kernels.triton_utils import (
-    ArrivalCounters,
-    interpreting,
-    jit,
-    num_sms,
-    pdl_options,
-    pdl_start,
-)
+from glmflash.kernels.triton_utils import ArrivalCounters, interpreting, jit, num_sms
 
 # Per-device arrival counters of the split reduction, one per token block; every launch leaves
 # them at zero. Allocated once and never replaced, so CUDA graphs that captured a launch stay
@@ -213,13 +206,12 @@ def hyper_pre_kernel(x, fn, base, scale, post, comb, out, part, arrivals, norm_w
                      NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
                      USE_DOT: tl.constexpr, USE_SPLIT: tl.constexpr, RB: tl.constexpr,
                      DOT: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
-                     NORM: tl.constexpr, PDL: tl.constexpr = False):
+                     NORM: tl.constexpr):
     """mHC pre for tokens [i_t * BT, +BT), columns [i_s * K_PER_SPLIT, +K_PER_SPLIT) of the
     flattened streams; the last range of the token block finishes it (see the module doc).
     PREFETCH: the finishing program loads the collapse's first chunk of streams before the
     ranges' partials, so that its latency runs under theirs and the weights'. NORM: the
     collapsed rows are RMS-normalised with `norm_w` (the sub-layer's input norm)."""
-    pdl_start(PDL)
     i_t, i_s = tl.program_id(0), tl.program_id(1)
     N: tl.constexpr = (2 + S) * S
     K = S * D
@@ -269,13 +261,12 @@ def hyper_pre_kernel(x, fn, base, scale, post, comb, out, part, arrivals, norm_w
 @jit
 def hyper_post_kernel(y, y2, x, post, comb, out, ids, weights, num_experts, D, stride_y,
                       stride_y2, S: tl.constexpr, BD: tl.constexpr, TWO: tl.constexpr,
-                      TOP_K: tl.constexpr, PDL: tl.constexpr = False):
+                      TOP_K: tl.constexpr):
     """out[t, j, d] = post[t, j] y[t, d] + sum_i comb[t, i, j] x[t, i, d], features
     [i_d * BD, +BD); the weights rounded to the streams' dtype first, as the reference does.
     With TWO the block output is y + y2 rounded to the streams' dtype (a MoE's routed and shared
     parts, added as the reference adds them). With TOP_K > 0, y holds the routed experts' rows
     before their sum (`ExpertRows`), summed here as their own launch would (`routed_sum`)."""
-    pdl_start(PDL)
     i_t, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_s = tl.arange(0, S)
     o_d = i_d * BD + tl.arange(0, BD)
@@ -405,8 +396,7 @@ def hyper_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale
         ITERS=sinkhorn_iters, NP=np_, BT=cfg.block_t, BK=cfg.block_k, BD=cfg.block_d,
         USE_DOT=cfg.block_t >= 16, USE_SPLIT=splits > 1,
         RB=range_block(splits, cfg.block_t, np_, cfg.partial_values), DOT=dot, PREC=prec,
-        PREFETCH=cfg.prefetch_streams, NORM=norm is not None, num_warps=cfg.num_warps,
-        **pdl_options(dev))
+        PREFETCH=cfg.prefetch_streams, NORM=norm is not None, num_warps=cfg.num_warps)
     return post, comb, out
 
 
@@ -443,8 +433,7 @@ def hyper_post(block_out: torch.Tensor | ExpertRows, streams: torch.Tensor, post
         block_out, y2, streams, post, comb, out, ids, weights,
         0 if routed is None else routed.num_experts, d, block_out.stride(0), y2.stride(0), S=s,
         BD=cfg.block_d, TWO=extra is not None,
-        TOP_K=0 if routed is None else routed.ids.shape[1], num_warps=cfg.num_warps,
-        **pdl_options(streams.device))
+        TOP_K=0 if routed is None else routed.ids.shape[1], num_warps=cfg.num_warps)
     return out
 
 

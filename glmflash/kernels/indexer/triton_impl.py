@@ -25,14 +25,7 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
-from glmflash.kernels.triton_utils import (
-    dot_operand_type,
-    jit,
-    num_sms,
-    pdl_options,
-    pdl_start,
-    product_precision,
-)
+from glmflash.kernels.triton_utils import dot_operand_type, jit, num_sms, product_precision
 
 # fp32 scores held at once (512 MiB): rows of queries are scored together over every pool of
 # their longest sequence, as many rows as fit; the workspace is bounded whatever the context.
@@ -227,11 +220,9 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
 @jit(do_not_specialize=("t_begin", "num_sel", "stride_pot"))
 def indexer_expand_kernel(pools, page_table, rows, positions, out, t_begin, num_sel, width,
                           stride_pt, stride_pot, stride_ot, KPOOL: tl.constexpr,
-                          PAGE: tl.constexpr, SELECT_TAIL: tl.constexpr, BW: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          PAGE: tl.constexpr, SELECT_TAIL: tl.constexpr, BW: tl.constexpr):
     """Row t of the selection: the slots of each chosen pool's KPOOL tokens, then the tail
     (the query's own incomplete pool), then -1, as the reference lays it out."""
-    pdl_start(PDL)
     i_t = tl.program_id(0) + t_begin
     row = tl.load(rows + i_t)
     pos = tl.load(positions + i_t)
@@ -292,8 +283,7 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
         indexer_expand_kernel[(n,)](
             pools, page_table, *per_token, out, t0, num_sel, width, page_table.stride(0),
             max(pools.stride(0), 1), out.stride(0), KPOOL=kpool, PAGE=page_size,
-            SELECT_TAIL=select_tail, BW=triton.next_power_of_2(width), num_warps=4,
-            **pdl_options(out.device))
+            SELECT_TAIL=select_tail, BW=triton.next_power_of_2(width), num_warps=4)
     return out
 
 

@@ -12,7 +12,7 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
-from glmflash.kernels.triton_utils import jit, pdl_options, pdl_start
+from glmflash.kernels.triton_utils import jit
 
 
 @jit
@@ -47,9 +47,8 @@ def log_decay(b_f, dt_bias, a_log, lower_bound, i_h, o_d, m_d, D: tl.constexpr,
 
 @jit
 def gated_rms_norm_kernel(o, gate, weight, out, eps, stride_o, stride_gate, stride_out,
-                          D: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
+                          D: tl.constexpr, BD: tl.constexpr):
     """Head i_h of token i_t: w * o * rsqrt(mean(o^2) + eps) * sigmoid(gate), in fp32."""
-    pdl_start(PDL)
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
@@ -90,7 +89,7 @@ def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     if num_tokens:
         gated_rms_norm_kernel[(num_tokens, heads)](
             o, gate, weight, out, eps, o.stride(0), gate.stride(0), out.stride(0), D=dim,
-            BD=triton.next_power_of_2(dim), num_warps=1, **pdl_options(o.device))
+            BD=triton.next_power_of_2(dim), num_warps=1)
     return out
 
 

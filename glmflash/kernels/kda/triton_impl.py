@@ -26,7 +26,7 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
-from glmflash.kernels.triton_utils import jit, pdl_options, pdl_start
+from glmflash.kernels.triton_utils import jit
 
 
 @dataclass(frozen=True)
@@ -92,10 +92,8 @@ def _check_heads(t: torch.Tensor, name: str) -> None:
 def kda_decode_kernel(q, k, v, g, beta, state, o, meta, dt_bias, a_log, lower_bound, scale,
                       stride_q, stride_k, stride_v, stride_g, stride_b, stride_o,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                      BV: tl.constexpr, GATES: tl.constexpr, HAS_LB: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                      BV: tl.constexpr, GATES: tl.constexpr, HAS_LB: tl.constexpr):
     """One token per sequence: l2norm, decay, delta-rule update and output, state in place."""
-    pdl_start(PDL)
     i_b, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     tok = tl.load(meta + i_b * 3).to(tl.int64)
     slot = tl.load(meta + i_b * 3 + 1).to(tl.int64)
@@ -233,17 +231,16 @@ def _launch_decode(q, k, v, g, beta, state, out, meta: torch.Tensor, num_decode:
                             dk ** -0.5, q.stride(0), k.stride(0), v.stride(0), stride_g,
                             stride_b, out.stride(0), H=heads, K=dk, V=dv,
                             BK=triton.next_power_of_2(dk), BV=bv, GATES=fused, HAS_LB=has_lb,
-                            num_warps=warps, **pdl_options(q.device))
+                            num_warps=warps)
 
 
 @jit
 def causal_conv1d_kernel(x, weight, conv_state, out, meta, stride_x, stride_o, C,
                          HIST: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr,
-                         BC: tl.constexpr, WRITE_STATE: tl.constexpr, PDL: tl.constexpr = False):
+                         BC: tl.constexpr, WRITE_STATE: tl.constexpr):
     """Depthwise causal conv + SiLU over one (token block of one sequence, channel block).
     History comes from the slot (zeros if fresh); with WRITE_STATE the block holds its whole
     sequence and also stores the new history."""
-    pdl_start(PDL)
     i_blk, i_c = tl.program_id(0), tl.program_id(1)
     t0 = tl.load(meta + i_blk * 5)
     start = tl.load(meta + i_blk * 5 + 1)
@@ -356,7 +353,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
         causal_conv1d_kernel[(num_blocks, grid_c)](
             x, weight, conv_state, out, meta, x.stride(0), out.stride(0), channels,
             HIST=hist, HP=triton.next_power_of_2(hist), BT=block, BC=bc, WRITE_STATE=fused,
-            num_warps=4, **pdl_options(x.device))
+            num_warps=4)
     if not fused:
         causal_conv1d_state_kernel[(num_seqs, grid_c)](
             x, conv_state, meta[num_blocks * 5:], x.stride(0), channels, HIST=hist,
@@ -379,8 +376,7 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     if meta.shape[0]:
         causal_conv1d_kernel[(meta.shape[0], triton.cdiv(channels, 256))](
             x, weight, conv_state, out, meta, x.stride(0), out.stride(0), channels, HIST=hist,
-            HP=triton.next_power_of_2(hist), BT=1, BC=256, WRITE_STATE=True, num_warps=4,
-            **pdl_options(x.device))
+            HP=triton.next_power_of_2(hist), BT=1, BC=256, WRITE_STATE=True, num_warps=4)
     return out
 
 

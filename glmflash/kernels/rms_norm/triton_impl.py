@@ -13,7 +13,7 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
-from glmflash.kernels.triton_utils import jit, pdl_options, pdl_start
+from glmflash.kernels.triton_utils import jit
 
 
 class RmsNormConfig(NamedTuple):
@@ -27,11 +27,9 @@ DEFAULT_CONFIG = RmsNormConfig()
 
 @jit
 def rms_norm_kernel(x, weight, out, num_rows, D, eps, stride_x, stride_o,
-                    HAS_WEIGHT: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr,
-                    PDL: tl.constexpr = False):
+                    HAS_WEIGHT: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr):
     """Rows i_r*ROWS .. +ROWS of x `[R, D]`: y = x * rsqrt(mean(x^2) + eps) in fp32, rounded to
     out's dtype, then w * y rounded again (products of two 16-bit values are exact in fp32)."""
-    pdl_start(PDL)
     i_r = tl.program_id(0)
     for r in range(ROWS):
         row = i_r * ROWS + r
@@ -55,11 +53,9 @@ def norm_row(x, weight, out, D, eps, HAS_WEIGHT: tl.constexpr, BD: tl.constexpr)
 
 @jit
 def rms_norm_pair_kernel(x, weight_a, weight_b, out_a, out_b, rows_b, A, B, eps_a, eps_b,
-                         stride_x, stride_a, stride_b, BA: tl.constexpr, BB: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         stride_x, stride_a, stride_b, BA: tl.constexpr, BB: tl.constexpr):
     """Row i of x `[R, A + B]`: its first A values normalised into row i of out_a, its last B
     into row `rows_b[i]` of out_b (a cache written in place)."""
-    pdl_start(PDL)
     i = tl.program_id(0).to(tl.int64)
     norm_row(x + i * stride_x, weight_a, out_a + i * stride_a, A, eps_a, True, BA)
     target = tl.load(rows_b + i).to(tl.int64)
@@ -82,7 +78,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
         rms_norm_kernel[grid](x2, weight if weight is not None else x2, out, rows, dim, eps,
                               x2.stride(0), out.stride(0), HAS_WEIGHT=weight is not None,
                               ROWS=config.rows_per_program, BD=triton.next_power_of_2(dim),
-                              num_warps=config.num_warps, **pdl_options(x2.device))
+                              num_warps=config.num_warps)
     return out.view(x.shape)
 
 
@@ -102,5 +98,5 @@ def rms_norm_pair(x: torch.Tensor, weight_a: torch.Tensor, eps_a: float,
             x, weight_a, weight_b, out_a, out_b, rows_b, width_a, width_b, eps_a, eps_b,
             x.stride(0), out_a.stride(0), out_b.stride(0),
             BA=triton.next_power_of_2(width_a), BB=triton.next_power_of_2(width_b),
-            num_warps=num_warps, **pdl_options(x.device))
+            num_warps=num_warps)
     return out_a

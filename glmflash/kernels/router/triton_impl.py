@@ -18,7 +18,7 @@ except ImportError:  # the package must import without triton; the launchers nee
     triton = None
 
 from glmflash.kernels.router.ref import RouterSpec, scores_ref
-from glmflash.kernels.triton_utils import ArrivalCounters, jit, pdl_options, pdl_start
+from glmflash.kernels.triton_utils import ArrivalCounters, jit
 
 # Up to this many tokens the scores come from router_scores_kernel; above, from cuBLAS.
 SCORE_TOKENS = 64
@@ -56,12 +56,10 @@ def router_scores_kernel(x, w, scores, bias, ids, weights, arrivals, T, E, K, st
                          stride_w, stride_s, EG, scaling, BT: tl.constexpr, BE: tl.constexpr,
                          BK: tl.constexpr, SELECT: tl.constexpr, G: tl.constexpr,
                          GP: tl.constexpr, EGP: tl.constexpr, TOPK_GROUPS: tl.constexpr,
-                         TOPK: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         TOPK: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr):
     """scores[t, e] = sigmoid(x[t] . w[e]) in fp32 for tokens [i_t * BT, +BT), experts
     [i_e * BE, +BE): products into a [BT, BE, BK] tile, reduced once. SELECT: the expert block
     that arrives last at `arrivals[i_t]` makes the token block's choices (`_choose`)."""
-    pdl_start(PDL)
     i_e, i_t = tl.program_id(0), tl.program_id(1)
     o_t = i_t * BT + tl.arange(0, BT)
     o_e = i_e * BE + tl.arange(0, BE)
@@ -92,10 +90,8 @@ def router_scores_kernel(x, w, scores, bias, ids, weights, arrivals, T, E, K, st
 @jit
 def router_select_kernel(scores, bias, ids, weights, stride_s, EG, scaling, G: tl.constexpr,
                          GP: tl.constexpr, EGP: tl.constexpr, TOPK_GROUPS: tl.constexpr,
-                         TOPK: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         TOPK: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr):
     """Token t = program 0's choice (`_choose`)."""
-    pdl_start(PDL)
     _choose(scores, bias, ids, weights, tl.program_id(0).to(tl.int64), stride_s, EG, scaling, G,
             GP, EGP, TOPK_GROUPS, TOPK, KP, RENORM)
 
@@ -175,13 +171,12 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, spec: Ro
             x, weight, scores, bias, ids, weights, scores if arrivals is None else arrivals,
             num_tokens, num_experts, dim, x.stride(0), weight.stride(0), scores.stride(0),
             per_group, float(spec.scaling), BT=cfg.block_t, BE=cfg.block_e, BK=cfg.block_k,
-            SELECT=arrivals is not None, **choice, num_warps=cfg.num_warps,
-            **pdl_options(x.device))
+            SELECT=arrivals is not None, **choice, num_warps=cfg.num_warps)
         if arrivals is not None:
             return ids, weights
     else:
         scores = scores_ref(x, weight, weight_fp32)
     router_select_kernel[(num_tokens,)](
         scores, bias, ids, weights, scores.stride(0), per_group, float(spec.scaling), **choice,
-        num_warps=cfg.select_warps, **pdl_options(x.device))
+        num_warps=cfg.select_warps)
     return ids, weights

@@ -18,13 +18,13 @@ except ImportError:  # the package must import without triton; the launchers nee
     triton = None
 
 from glmflash.kernels.sparse_mla.plan import SparseMlaConfig, SparseMlaWorkspace, head_block
-from glmflash.kernels.triton_utils import jit, pdl_options, pdl_start
+from glmflash.kernels.triton_utils import jit
 
 
 @jit(do_not_specialize=("NUM_SPLITS", "lse_elem_stride"))
 def sparse_mla_combine_kernel(part_o, part_lse, o, H, R, NUM_SPLITS, stride_ot, stride_oh,
                               lse_elem_stride, BH: tl.constexpr, BC: tl.constexpr,
-                              SP: tl.constexpr, PDL: tl.constexpr = False):
+                              SP: tl.constexpr):
     """out[query, BH heads, BC columns] from the NUM_SPLITS (<= SP) partials that
     `sparse_mla_kernel` wrote. The splits are unrolled loops over `[BH, BC]` tiles, so every
     thread sums its own elements' splits (no reduction across threads, no shared memory); the
@@ -35,7 +35,6 @@ def sparse_mla_combine_kernel(part_o, part_lse, o, H, R, NUM_SPLITS, stride_ot, 
     run-time value, so that Triton does not see those addresses as contiguous along the heads.
     It would then lay the load out heads-fastest, unlike the partials, and move every split's
     weights between the two layouts through shared memory (one barrier per split)."""
-    pdl_start(PDL)
     i_t, i_h, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     o_h = i_h * BH + tl.arange(0, BH)
     o_c = i_c * BC + tl.arange(0, BC)
@@ -85,4 +84,4 @@ def combine(workspace: SparseMlaWorkspace, out: torch.Tensor, num_splits: int,
     sparse_mla_combine_kernel[(num_queries, triton.cdiv(heads, bh), triton.cdiv(rank, bc))](
         workspace.partial_out, workspace.partial_lse, out, heads, rank, num_splits,
         out.stride(0), out.stride(1), workspace.partial_lse.stride(1), BH=bh, BC=bc,
-        SP=splits_block(num_splits), num_warps=4, **pdl_options(out.device))
+        SP=splits_block(num_splits), num_warps=4)

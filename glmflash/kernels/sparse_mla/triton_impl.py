@@ -34,14 +34,7 @@ from glmflash.kernels.sparse_mla.plan import (
     split_plan,
     wanted_splits,
 )
-from glmflash.kernels.triton_utils import (
-    dot_operand_type,
-    jit,
-    num_sms,
-    pdl_options,
-    pdl_start,
-    product_precision,
-)
+from glmflash.kernels.triton_utils import dot_operand_type, jit, num_sms, product_precision
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +95,7 @@ def sparse_mla_kernel(q, latent, slots, o, part_o, part_lse, scale_log2, H, W, R
                       stride_qh, stride_l, stride_s, stride_ot, stride_oh, NUM_SPLITS, STEPS_PER,
                       EXTRA_STEPS, FULL_W, BH: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
                       TAIL_BN: tl.constexpr, NUM_STAGES: tl.constexpr, IS_SPLIT: tl.constexpr,
-                      DOT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
+                      DOT: tl.constexpr, PREC: tl.constexpr):
     """Online-softmax attention of q[t, head block] over latent[slots[t, split's range]].
 
     Split s attends whole BN steps (STEPS_PER of them, one more for s < EXTRA_STEPS); the last
@@ -110,7 +103,6 @@ def sparse_mla_kernel(q, latent, slots, o, part_o, part_lse, scale_log2, H, W, R
     the normalised partial output and log2-sum-exp2 per (query, split, head), merged by the
     combine kernel (combine_triton.py).
     """
-    pdl_start(PDL)
     i_t, i_hb, i_s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     o_h = i_hb * BH + tl.arange(0, BH)
     o_r = tl.arange(0, BR)
@@ -238,8 +230,7 @@ def _attend(q_lat, latent, slots, out, scale: float, shape: SparseMlaLaunch, pla
         BN=shape.block_slots, TAIL_BN=shape.tail, NUM_STAGES=shape.num_stages,
         IS_SPLIT=workspace is not None,
         DOT=dot_operand_type(q_lat.dtype),
-        PREC=product_precision(q_lat.dtype), num_warps=shape.num_warps,
-        **pdl_options(q_lat.device))
+        PREC=product_precision(q_lat.dtype), num_warps=shape.num_warps)
 
 
 __all__ = ["DEFAULT_CONFIG", "SparseMlaConfig", "SparseMlaLaunch", "SparseMlaWorkspace",

@@ -11,7 +11,7 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
-from glmflash.kernels.triton_utils import jit, pdl_options, pdl_start
+from glmflash.kernels.triton_utils import jit
 
 # Features per program: small rows (decode) still spread over several programs.
 BLOCK = 1024
@@ -30,11 +30,9 @@ def swiglu_values(g, u, limit):
 
 
 @jit
-def swiglu_kernel(gate_up, out, width, stride_in, stride_out, limit, BLOCK: tl.constexpr,
-                  PDL: tl.constexpr = False):
+def swiglu_kernel(gate_up, out, width, stride_in, stride_out, limit, BLOCK: tl.constexpr):
     """Row `i`, features [j * BLOCK, +BLOCK): out = `swiglu_values` of the row's gate and up
     halves (out has gate_up's dtype)."""
-    pdl_start(PDL)
     i, j = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o = j * BLOCK + tl.arange(0, BLOCK)
     m = o < width
@@ -57,5 +55,5 @@ def clamped_swiglu_stacked(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
         block = min(BLOCK, triton.next_power_of_2(width))
         swiglu_kernel[(rows, triton.cdiv(width, block))](
             gate_up, out, width, gate_up.stride(0), width, limit, BLOCK=block,
-            num_warps=4, **pdl_options(out.device))
+            num_warps=4)
     return out
