@@ -356,7 +356,7 @@ def hyper_launches() -> list[Launch]:
         consts = dict(S=4, ITERS=20, NP=32, BT=cfg.block_t, BK=cfg.block_k, BD=cfg.block_d,
                       USE_DOT=dot, USE_SPLIT=True, RB=hyper.range_block(64, cfg.block_t, 32),
                       DOT=tl.bfloat16, PREC="tf32", PREFETCH=cfg.prefetch_streams,
-                      NORM=True, CHUNKS=triton.cdiv(4096, cfg.block_d))
+                      NORM=True)
         out.append(Launch(f"hyper_pre BT{cfg.block_t} {'dot' if dot else 'FMA'}",
                           hyper.hyper_pre_kernel, pre, consts, cfg.num_warps,
                           aligned=("D", "stride_fn", "K_PER_SPLIT")))

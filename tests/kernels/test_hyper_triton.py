@@ -143,12 +143,8 @@ def _norm_weight(d: int, dtype: torch.dtype) -> torch.Tensor:
     return (1 + 0.5 * torch.randn(d, generator=gen)).to(dtype).to(DEVICE)
 
 
-# Rows of one or two collapse steps keep them in registers for the norm (the default, and
-# 128-feature steps of 192 or 200 features: the second one with a tail), longer rows normalise
-# in place (32- and 64-feature steps).
 NORM_CONFIGS = {"default": None, "dot_bt16_3_ranges": PRE_CONFIGS["dot_bt16_3_ranges"],
-                "fma_bt4_late_streams": PRE_CONFIGS["fma_bt4_7_ranges_late_streams"],
-                "fma_bt2_two_steps": PRE_CONFIGS["fma_bt2_default_ranges"]}
+                "fma_bt4_late_streams": PRE_CONFIGS["fma_bt4_7_ranges_late_streams"]}
 
 
 @pytest.mark.parametrize("config", NORM_CONFIGS.values(), ids=NORM_CONFIGS.keys())

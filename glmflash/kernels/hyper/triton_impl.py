@@ -158,57 +158,20 @@ def _stream_chunk(x, o_t, m_t, d0, D, S: tl.constexpr, BD: tl.constexpr):
 
 @jit
 def _collapse(x, out, b_pre, b_first, norm_w, rms_eps, o_t, m_t, D, S: tl.constexpr,
-              BD: tl.constexpr, NORM: tl.constexpr, CHUNKS: tl.constexpr):
+              BD: tl.constexpr, NORM: tl.constexpr):
     """out[t, :] = sum_s pre[t, s] x[t, s, :] in fp32, rounded once; b_pre [BT, S]; b_first
     the first chunk of the streams (`_stream_chunk` at 0), the rest loaded here. With NORM the
-    rows are then RMS-normalised: in registers when they span at most two chunks (CHUNKS, the
-    decode shape), else in place (`_normalise`)."""
-    if NORM and CHUNKS <= 2:
-        _collapse_normed(x, out, b_pre, b_first, norm_w, rms_eps, o_t, m_t, D, S, BD, CHUNKS)
-    else:
-        b_sq = _collapse_chunk(out, b_pre, b_first, o_t, m_t, 0, D, BD)
-        for d0 in range(BD, D, BD):
-            b_sq += _collapse_chunk(out, b_pre, _stream_chunk(x, o_t, m_t, d0, D, S, BD), o_t,
-                                    m_t, d0, D, BD)
-        if NORM:
-            # Every thread's rounded values are written before any thread reads its chunk back.
-            tl.debug_barrier()
-            b_rstd = tl.rsqrt(b_sq / D + rms_eps)
-            for d0 in range(0, D, BD):
-                _normalise(out, norm_w, b_rstd, o_t, m_t, d0, D, BD)
-
-
-@jit
-def _collapse_normed(x, out, b_pre, b_first, norm_w, rms_eps, o_t, m_t, D, S: tl.constexpr,
-                     BD: tl.constexpr, CHUNKS: tl.constexpr):
-    """The collapse and its RMSNorm for rows of at most two chunks: the rounded collapsed
-    values stay in registers (no store, barrier and reload), with `_normalise`'s roundings and
-    sum of squares, so the same bits."""
-    o_d = tl.arange(0, BD)
-    b_w0 = tl.load(norm_w + o_d, mask=o_d < D, other=0.0).to(tl.float32)
-    b_o0 = tl.sum(b_first.to(tl.float32) * b_pre[:, :, None], 1).to(out.dtype.element_ty)
-    b_r0 = b_o0.to(tl.float32)
-    b_sq = tl.sum(b_r0 * b_r0, 1)
-    if CHUNKS == 2:
-        b_w1 = tl.load(norm_w + BD + o_d, mask=BD + o_d < D, other=0.0).to(tl.float32)
-        b_x1 = _stream_chunk(x, o_t, m_t, BD, D, S, BD)
-        b_o1 = tl.sum(b_x1.to(tl.float32) * b_pre[:, :, None], 1).to(out.dtype.element_ty)
-        b_r1 = b_o1.to(tl.float32)
-        b_sq += tl.sum(b_r1 * b_r1, 1)
-    b_rstd = tl.rsqrt(b_sq / D + rms_eps)[:, None]
-    _store_normed(out, b_r0, b_w0, b_rstd, o_t, m_t, 0, D, BD)
-    if CHUNKS == 2:
-        _store_normed(out, b_r1, b_w1, b_rstd, o_t, m_t, BD, D, BD)
-
-
-@jit
-def _store_normed(out, b_r, b_w, b_rstd, o_t, m_t, d0, D, BD: tl.constexpr):
-    """`_normalise` of one chunk held in registers: r * rstd rounded, times the weight, rounded."""
-    o_d = d0 + tl.arange(0, BD)
-    dt = out.dtype.element_ty
-    b_y = (b_r * b_rstd).to(dt)
-    tl.store(out + o_t.to(tl.int64)[:, None] * D + o_d[None, :],
-             (b_w[None, :] * b_y.to(tl.float32)).to(dt), mask=m_t[:, None] & (o_d < D)[None, :])
+    rows are then RMS-normalised in place (`_normalise`)."""
+    b_sq = _collapse_chunk(out, b_pre, b_first, o_t, m_t, 0, D, BD)
+    for d0 in range(BD, D, BD):
+        b_sq += _collapse_chunk(out, b_pre, _stream_chunk(x, o_t, m_t, d0, D, S, BD), o_t, m_t,
+                                d0, D, BD)
+    if NORM:
+        # Every thread's rounded values are written before any thread reads its chunk back.
+        tl.debug_barrier()
+        b_rstd = tl.rsqrt(b_sq / D + rms_eps)
+        for d0 in range(0, D, BD):
+            _normalise(out, norm_w, b_rstd, o_t, m_t, d0, D, BD)
 
 
 @jit
@@ -243,13 +206,12 @@ def hyper_pre_kernel(x, fn, base, scale, post, comb, out, part, arrivals, norm_w
                      NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
                      USE_DOT: tl.constexpr, USE_SPLIT: tl.constexpr, RB: tl.constexpr,
                      DOT: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
-                     NORM: tl.constexpr, CHUNKS: tl.constexpr):
+                     NORM: tl.constexpr):
     """mHC pre for tokens [i_t * BT, +BT), columns [i_s * K_PER_SPLIT, +K_PER_SPLIT) of the
     flattened streams; the last range of the token block finishes it (see the module doc).
     PREFETCH: the finishing program loads the collapse's first chunk of streams before the
     ranges' partials, so that its latency runs under theirs and the weights'. NORM: the
-    collapsed rows are RMS-normalised with `norm_w` (the sub-layer's input norm); CHUNKS: the
-    collapse steps of BD features a row takes (up to two keep the row in registers)."""
+    collapsed rows are RMS-normalised with `norm_w` (the sub-layer's input norm)."""
     i_t, i_s = tl.program_id(0), tl.program_id(1)
     N: tl.constexpr = (2 + S) * S
     K = S * D
@@ -293,7 +255,7 @@ def hyper_pre_kernel(x, fn, base, scale, post, comb, out, part, arrivals, norm_w
                          ITERS, NP, BT)
         if not PREFETCH:
             b_first = _stream_chunk(x, o_t, m_t, 0, D, S, BD)
-        _collapse(x, out, b_pre, b_first, norm_w, rms_eps, o_t, m_t, D, S, BD, NORM, CHUNKS)
+        _collapse(x, out, b_pre, b_first, norm_w, rms_eps, o_t, m_t, D, S, BD, NORM)
 
 
 @jit
@@ -434,8 +396,7 @@ def hyper_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale
         ITERS=sinkhorn_iters, NP=np_, BT=cfg.block_t, BK=cfg.block_k, BD=cfg.block_d,
         USE_DOT=cfg.block_t >= 16, USE_SPLIT=splits > 1,
         RB=range_block(splits, cfg.block_t, np_, cfg.partial_values), DOT=dot, PREC=prec,
-        PREFETCH=cfg.prefetch_streams, NORM=norm is not None, CHUNKS=triton.cdiv(d, cfg.block_d),
-        num_warps=cfg.num_warps)
+        PREFETCH=cfg.prefetch_streams, NORM=norm is not None, num_warps=cfg.num_warps)
     return post, comb, out
 
 
