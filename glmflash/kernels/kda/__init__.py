@@ -60,8 +60,7 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         from glmflash.kernels.kda import triton_impl
 
         return triton_impl.kda_decode(q, k, v, g, beta, state, meta, out, gates=gates)
-    if gates is not None:
-        g, beta = kda_gates_ref(g, gates.dt_bias, gates.a_log, beta, gates.lower_bound)
+    g, beta = _gates_ref(g, beta, gates)
     rows = meta.tolist()
     tokens = [r[0] for r in rows]
     o = kda_ref(q[tokens], k[tokens], v[tokens], g[tokens], beta[tokens], state,
@@ -90,6 +89,14 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     return out
 
 
+def _gates_ref(g: torch.Tensor, beta: torch.Tensor, gates: GateParams | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gates as given, or formed from their pre-activations (`kda_gates_ref`)."""
+    if gates is None:
+        return g, beta
+    return kda_gates_ref(g, gates.dt_bias, gates.a_log, beta, gates.lower_bound)
+
+
 def kda_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                beta: torch.Tensor, state: torch.Tensor, rows: torch.Tensor, seqs: torch.Tensor,
                saved: torch.Tensor | None, num_steps: int, out: torch.Tensor | None = None, *,
@@ -104,8 +111,7 @@ def kda_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         from glmflash.kernels.kda.verify_triton import kda_verify as impl
 
         return impl(q, k, v, g, beta, state, rows, seqs, saved, num_steps, out, gates=gates)
-    if gates is not None:
-        g, beta = kda_gates_ref(g, gates.dt_bias, gates.a_log, beta, gates.lower_bound)
+    g, beta = _gates_ref(g, beta, gates)
     if out is None:
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     for r, kept in reference_rows(seqs, num_steps):

@@ -202,36 +202,53 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     return out
 
 
-def gate_operands(g: torch.Tensor, beta: torch.Tensor, gates: GateParams | None) -> tuple:
-    """(g, beta, dt_bias, a_log, lower bound, GATES, HAS_LB, g's row stride, beta's row
-    stride) for the decode and verify kernels: the gates as given, or their pre-activations
-    and parameters."""
+class GateOperands(NamedTuple):
+    """The gate arguments of the decode and verify kernels (`gate_operands`)."""
+
+    dt_bias: torch.Tensor
+    a_log: torch.Tensor
+    bound: float
+    fused: bool  # GATES: g and beta are pre-activations, the kernel forms the gates
+    has_lb: bool  # HAS_LB
+    stride_g: int
+    stride_b: int
+
+
+def gate_operands(g: torch.Tensor, beta: torch.Tensor, gates: GateParams | None) -> GateOperands:
+    """The decode and verify kernels' gate arguments: the gates as given (g and beta), or
+    their pre-activations and parameters."""
     heads = beta.shape[1]
     assert beta.stride(1) == 1 and g.stride(-1) == 1
     if gates is None:
         assert g.dim() == 3 and g.stride(1) == g.shape[2], "g must be [T, H, dk], heads dense"
-        return g, beta, g, g, 0.0, False, False, g.stride(0), beta.stride(0)
+        return GateOperands(g, g, 0.0, False, False, g.stride(0), beta.stride(0))
     assert g.dim() == 2 and g.shape[1] % heads == 0, "f must be [T, H * dk]"
     assert gates.dt_bias.dtype == torch.float32 and gates.dt_bias.is_contiguous()
     bound = gates.lower_bound
-    return (g, beta, gates.dt_bias, gates.a_log, 0.0 if bound is None else float(bound), True,
-            bound is not None, g.stride(0), beta.stride(0))
+    return GateOperands(gates.dt_bias, gates.a_log, 0.0 if bound is None else float(bound), True,
+                        bound is not None, g.stride(0), beta.stride(0))
+
+
+def decode_shape(config: KdaConfig, num_seqs: int, dv: int) -> tuple[int, int]:
+    """(value columns a program, warps) of a decode or verify launch over `num_seqs`
+    sequences: the wide shape from `config.decode_wide_batch` sequences, else the narrow one
+    (decode and verify of the same sequences take the same shape, so the same sums)."""
+    bv, warps = config.decode_wide if num_seqs >= config.decode_wide_batch \
+        else config.decode_narrow
+    return min(bv, triton.next_power_of_2(dv)), warps
 
 
 def _launch_decode(q, k, v, g, beta, state, out, meta: torch.Tensor, num_decode: int,
                    config: KdaConfig, gates: GateParams | None = None) -> None:
     heads, dk, dv = q.shape[1], q.shape[2], v.shape[2]
-    wide = num_decode >= config.decode_wide_batch
-    bv, warps = config.decode_wide if wide else config.decode_narrow
-    bv = min(bv, triton.next_power_of_2(dv))
-    g, beta, dt_bias, a_log, bound, fused, has_lb, stride_g, stride_b = \
-        gate_operands(g, beta, gates)
+    bv, warps = decode_shape(config, num_decode, dv)
+    ops = gate_operands(g, beta, gates)
     grid = (num_decode, heads, triton.cdiv(dv, bv))
-    kda_decode_kernel[grid](q, k, v, g, beta, state, out, meta, dt_bias, a_log, bound,
-                            dk ** -0.5, q.stride(0), k.stride(0), v.stride(0), stride_g,
-                            stride_b, out.stride(0), H=heads, K=dk, V=dv,
-                            BK=triton.next_power_of_2(dk), BV=bv, GATES=fused, HAS_LB=has_lb,
-                            num_warps=warps)
+    kda_decode_kernel[grid](q, k, v, g, beta, state, out, meta, ops.dt_bias, ops.a_log,
+                            ops.bound, dk ** -0.5, q.stride(0), k.stride(0), v.stride(0),
+                            ops.stride_g, ops.stride_b, out.stride(0), H=heads, K=dk, V=dv,
+                            BK=triton.next_power_of_2(dk), BV=bv, GATES=ops.fused,
+                            HAS_LB=ops.has_lb, num_warps=warps)
 
 
 @jit

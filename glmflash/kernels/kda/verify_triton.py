@@ -25,6 +25,7 @@ from glmflash.kernels.kda.triton_impl import (
     _check_heads,
     conv_block,
     conv_state_update,
+    decode_shape,
     gate_operands,
     kda_token_step,
     splat,
@@ -144,16 +145,14 @@ def kda_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     assert out.shape == (q.shape[0], heads, dv) and out.stride(2) == 1 and out.stride(1) == dv
     num_seqs = seqs.shape[0]
     if num_seqs:
-        wide = num_seqs >= config.decode_wide_batch
-        bv, warps = config.decode_wide if wide else config.decode_narrow
-        bv = min(bv, triton.next_power_of_2(dv))
-        g, beta, dt_bias, a_log, bound, fused, has_lb, stride_g, stride_b = \
-            gate_operands(g, beta, gates)
+        bv, warps = decode_shape(config, num_seqs, dv)
+        ops = gate_operands(g, beta, gates)
         kda_verify_kernel[(num_seqs, heads, triton.cdiv(dv, bv))](
-            q, k, v, g, beta, state, target, out, rows, seqs, dt_bias, a_log, bound,
-            dk ** -0.5, num_steps, q.stride(0), k.stride(0), v.stride(0), stride_g, stride_b,
-            out.stride(0), H=heads, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=bv,
-            SAVE=saved is not None, GATES=fused, HAS_LB=has_lb, num_warps=warps)
+            q, k, v, g, beta, state, target, out, rows, seqs, ops.dt_bias, ops.a_log,
+            ops.bound, dk ** -0.5, num_steps, q.stride(0), k.stride(0), v.stride(0),
+            ops.stride_g, ops.stride_b, out.stride(0), H=heads, K=dk, V=dv,
+            BK=triton.next_power_of_2(dk), BV=bv, SAVE=saved is not None, GATES=ops.fused,
+            HAS_LB=ops.has_lb, num_warps=warps)
     return out
 
 
