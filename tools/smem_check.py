@@ -226,6 +226,16 @@ def fp8_launches() -> list[Launch]:
                (1, fma_n, False, False), (1, 64, False, False), (1, fma_n, False, True),
                (16, wdq_n, False, False), (16, wdq_n, True, False), (16, 128, True, False),
                (16, wdq_n, True, True), (32, wdq_n, True, False), (64, wdq_n, False, False))]
+    # fp32 activations (the tiny models' GPU tests) take the weight-only kernel at every size,
+    # on fp32 products in their own tile; one row may form the SwiGLU as it reads.
+    fp32_rows, fp32_stages = fp8.DEFAULT_CONFIG.wdq_fp32_tile
+    out += [Launch(f"fp8 weight-only fp32 BM{bm}{' FMA' if bm == 1 else ''}"
+                   f"{' of the SwiGLU' if bm == 1 else ''}", fp8.fp8_wdq_gemm_kernel,
+                   dict(wdq, x="*fp32", y="*fp32", limit="fp32"),
+                   dict(BLOCK=128, BM=bm, BN=fma_n if bm == 1 else wdq_n, DOT=tl.float32,
+                        PREC="ieee", FMA=bm == 1, CODES=False, SWIGLU=bm == 1),
+                   fp8.DEFAULT_CONFIG.wdq_warps, stages, aligned=("N", "K", "K_PER_SPLIT"))
+            for bm, stages in ((1, fp8.DEFAULT_CONFIG.wdq_stages), (fp32_rows, fp32_stages))]
     stream = fp8.DEFAULT_CONFIG.stream
     out += [Launch(f"fp8 stream w8a8 BN{stream.block_n} BM{bm} finish {group}",
                    fp8_stream.fp8_stream_gemm_kernel, dict(wdq, x="*bf16"),

@@ -174,3 +174,28 @@ def test_scale_rows_cublas_misreads_stay_on_triton_gpu():
     got = triton_impl.fp8_linear(x, w, s)
     want = fp8_linear_ref(x.float(), w, s)
     assert ((got.float() - want).norm() / want.norm()).item() < 3e-2
+
+
+class _Recorder:
+    """Stands in for a Triton kernel: records each launch's grid and keywords."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, kwargs))
+
+
+@pytest.mark.parametrize("rows", [2, 40, 70])
+def test_fp32_activations_take_their_own_tile(rows, monkeypatch):
+    """fp32 rows run in `wdq_fp32_tile` (16 rows, one stage: pipelined fp32 tiles spill and
+    overflow sm_89 / sm_120's shared memory); 16-bit rows keep the row-count rule."""
+    recorder = _Recorder()
+    monkeypatch.setattr(triton_impl, "fp8_wdq_gemm_kernel", recorder)
+    x, w, s = _case(rows, 130, 256, torch.float32)
+    triton_impl.fp8_linear_weight_only(x, w, s, 128)
+    triton_impl.fp8_linear_weight_only(x.bfloat16(), w, s, 128)
+    (grid32, fp32), (_, bf16) = recorder.launches
+    assert (fp32["BM"], fp32["num_stages"]) == triton_impl.DEFAULT_CONFIG.wdq_fp32_tile
+    assert grid32[0] == -(-rows // 16)
+    assert bf16["BM"] == (16 if rows <= 16 else 32 if rows <= 32 else 64)

@@ -15,6 +15,7 @@ Four paths, picked by the number of rows (README.md has the measurements):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +89,10 @@ class Fp8LinearConfig:
     """Weight-only: scale blocks per K range at least."""
     wdq_stages: int = 4
     wdq_warps: int = 4
+    wdq_fp32_tile: tuple[int, int] = (16, 1)
+    """Weight-only on fp32 activations (fp32 models: the tiny models' GPU tests), products on
+    fp32 operands: rows a program and stages. Pipelined fp32 tiles spill and, from 32 rows,
+    need more than the 99 KB of shared memory of sm_89 / sm_120 (tools/smem_check.py)."""
     w8a8_tile: tuple[int, int, int, int] = (64, 128, 4, 4)
     """W8A8 GEMM: rows, columns, warps, stages."""
 
@@ -267,6 +272,9 @@ def fp8_linear_weight_only(x2: torch.Tensor, weight: torch.Tensor, scale_inv: to
     codes = not fma and x2.dtype != torch.float32 and m <= config.codes_max_rows
     bm = 1 if fma else (16 if m <= 16 else (32 if m <= 32 else 64))
     shape = _weight_only_shape(config, fma, weight.shape, x2.device, codes)
+    if x2.dtype == torch.float32 and not fma:
+        bm, stages = config.wdq_fp32_tile
+        shape = dataclasses.replace(shape, num_stages=stages)
     bn = min(shape.block_n, block)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     splits, k_per_split, arrivals = plan_splits(x2.device, tiles, k, block, shape.waves,
