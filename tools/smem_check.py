@@ -360,16 +360,20 @@ def hyper_launches() -> list[Launch]:
            "comb": "*fp32", "out": "*bf16", "part": "*fp32", "arrivals": "*i32",
            "norm_w": "*bf16", "norm_eps": "fp32", "hc_eps": "fp32", "rms_eps": "fp32"}
     out = []
-    for tokens in (1, 64, 2048, 8192):
-        cfg = hyper.default_pre_config(tokens, 4, 132)
+    # bf16 at the release shapes; fp32 (the tiny models' GPU tests) at a decode and a prefill.
+    cases = [(tokens, "bf16") for tokens in (1, 64, 2048, 8192)] + [(1, "fp32"), (2048, "fp32")]
+    for tokens, dtype in cases:
+        fp32 = dtype == "fp32"
+        cfg = hyper.default_pre_config(tokens, 4, 132, fp32_products=fp32)
         dot = cfg.block_t >= 16
         consts = dict(S=4, ITERS=20, NP=32, BT=cfg.block_t, BK=cfg.block_k, BD=cfg.block_d,
                       USE_DOT=dot, USE_SPLIT=True, RB=hyper.range_block(64, cfg.block_t, 32),
-                      DOT=tl.bfloat16, PREC="tf32", PREFETCH=cfg.prefetch_streams,
-                      NORM=True)
-        out.append(Launch(f"hyper_pre BT{cfg.block_t} {'dot' if dot else 'FMA'}",
-                          hyper.hyper_pre_kernel, pre, consts, cfg.num_warps,
-                          aligned=("D", "stride_fn", "K_PER_SPLIT")))
+                      DOT=tl.float32 if fp32 else tl.bfloat16, PREC="ieee" if fp32 else "tf32",
+                      PREFETCH=cfg.prefetch_streams, NORM=True)
+        ptrs = pre | (dict.fromkeys(("x", "fn", "out", "norm_w"), "*fp32") if fp32 else {})
+        out.append(Launch(f"hyper_pre BT{cfg.block_t} {'dot' if dot else 'FMA'}"
+                          f"{' fp32' if fp32 else ''}", hyper.hyper_pre_kernel, ptrs, consts,
+                          cfg.num_warps, aligned=("D", "stride_fn", "K_PER_SPLIT")))
     post = {"y": "*bf16", "y2": "*bf16", "x": "*bf16", "post": "*fp32", "comb": "*fp32",
             "out": "*bf16"}
     post = post | {"ids": "*i64", "weights": "*fp32"}
