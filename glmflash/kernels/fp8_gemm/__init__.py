@@ -30,7 +30,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, *
                block: int = 128, swiglu_limit: float | None = None) -> torch.Tensor:
     """`y = x W^T` with W in block-scaled FP8; see `fp8_linear_ref`. With `swiglu_limit`, x is
     a stacked [gate | up] product and y the product of its clamped SwiGLU
-    (`clamped_swiglu_stacked`), which the Triton weight-only kernel forms as it reads x."""
+    (`clamped_swiglu_stacked`), which the Triton one-row kernel forms as it reads x (up to
+    `Fp8LinearConfig.swiglu_fold_max_k`; other shapes apply it first)."""
     if fp8_linear_on_triton(x):
         from glmflash.kernels.fp8_gemm import triton_impl
 

@@ -373,7 +373,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, *
     `config.gemm_min_rows`, tiled from there (`config`: DEFAULT_CONFIG, read at call time).
     With `swiglu_limit`, x `[..., 2K]` is a stacked [gate | up] product and the product is of
     its clamped SwiGLU (`clamped_swiglu_stacked`): the weight-only kernel forms it as it reads
-    x, the other paths launch it first."""
+    x within `swiglu_fold_max_rows` / `swiglu_fold_max_k`, the other shapes launch it first."""
     config = config or DEFAULT_CONFIG
     if swiglu_limit is not None:
         assert x.shape[-1] == 2 * weight.shape[1], f"x {tuple(x.shape)} is not [gate | up]"

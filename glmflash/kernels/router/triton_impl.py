@@ -1,9 +1,9 @@
 """Triton MoE routing: the sigmoid scores of few tokens (fp32 FMA over the model-dtype weight,
-whose products are exact in fp32) and the choice (bias, group limit, top-k, weights). Up to
-`SCORE_TOKENS` tokens one launch: the expert block of a token block that finishes its scores
-last makes that block's choices. Above, the scores are one fp32 GEMM, as in the reference, and
-the choice a launch of a program per token. Ties choose the lower expert index; the
-reference's top-k leaves that open."""
+whose products are exact in fp32) and the choice (bias, group limit, top-k, weights). At one
+token one launch: the expert block that finishes its scores last makes the choice. From two
+tokens the choice is a launch of a program per token, after the scores launch (up to
+`SCORE_TOKENS` tokens) or, above, one fp32 GEMM as in the reference. Ties choose the lower
+expert index; the reference's top-k leaves that open."""
 
 from __future__ import annotations
 
