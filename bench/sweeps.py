@@ -130,6 +130,14 @@ def sweep_fp8_one_row() -> None:
                   f"{ms * 1e3:.1f} us {n * k / ms / 1e6:.0f} GB/s", flush=True)
 
 
+def _fp8_linear_ms(x: torch.Tensor, weights: list[torch.Tensor], scale: torch.Tensor,
+                   config=None) -> float:
+    """Graph ms of `fp8_linear` over the rotated weight copies (`config`: its default)."""
+    from glmflash.kernels.fp8_gemm import triton_impl as ti
+
+    return graph_ms([lambda w=w: ti.fp8_linear(x, w, scale, config=config) for w in weights])
+
+
 def sweep_fp8_codes(rows=(2, 4, 8, 16, 32)) -> None:
     """A few rows: the weight-only kernel on fp16 codes by columns and waves against the W8A8
     streaming form (its H200 rule) and per-tensor `_scaled_mm` (at 16 rows, cuBLAS's minimum;
@@ -145,16 +153,14 @@ def sweep_fp8_codes(rows=(2, 4, 8, 16, 32)) -> None:
         for m in rows:
             x = torch.randn(m, k, device="cuda").bfloat16()
             ref = graph_ms([_scaled_mm(x.to(torch.float8_e4m3fn), w) for w in wqs])
-            w8a8 = graph_ms([lambda x=x, w=w, ws=ws: ti.fp8_linear(x, w, ws, config=stream)
-                             for w in wqs])
+            w8a8 = _fp8_linear_ms(x, wqs, ws, stream)
             cells = []
             for bn, waves in itertools.product((64, 128), (2.0, 4.0, 8.0)):
                 config = dataclasses.replace(ti.DEFAULT_CONFIG, codes_max_rows=m,
                                              wdq_block_n=bn, wdq_waves=waves, codes_rule=None)
-                ms = graph_ms([lambda x=x, w=w, ws=ws, c=config:
-                               ti.fp8_linear(x, w, ws, config=c) for w in wqs])
+                ms = _fp8_linear_ms(x, wqs, ws, config)
                 cells.append(f"{bn}/{waves:g} {ms * 1e3:.1f}")
-            rule = graph_ms([lambda x=x, w=w, ws=ws: ti.fp8_linear(x, w, ws) for w in wqs])
+            rule = _fp8_linear_ms(x, wqs, ws)
             print(f"fp8 codes {k}->{n} M={m}: per-tensor _scaled_mm {ref * 1e3:.1f} us, W8A8 "
                   f"stream {w8a8 * 1e3:.1f}, fp8_linear {rule * 1e3:.1f}, codes by "
                   f"columns/waves: {', '.join(cells)}", flush=True)
@@ -178,15 +184,14 @@ def sweep_fp8_codes_grid(m: int = 16) -> None:
         wqs = rotated(wq)
         x = torch.randn(m, k, device="cuda").bfloat16()
         ref = graph_ms([_scaled_mm(x.to(torch.float8_e4m3fn), w) for w in wqs])
-        rule = graph_ms([lambda x=x, w=w, ws=ws: ti.fp8_linear(x, w, ws) for w in wqs])
+        rule = _fp8_linear_ms(x, wqs, ws)
         timed = []
         for bn, waves, (warps, stages) in CODES_GRID:
             config = dataclasses.replace(ti.DEFAULT_CONFIG, codes_max_rows=m, wdq_block_n=bn,
                                          wdq_waves=waves, wdq_warps=warps, wdq_stages=stages,
                                          codes_rule=None)
-            ms = graph_ms([lambda x=x, w=w, ws=ws, c=config: ti.fp8_linear(x, w, ws, config=c)
-                           for w in wqs])
-            timed.append((ms, f"{bn}/{waves:g}/{warps}w/{stages}s"))
+            timed.append((_fp8_linear_ms(x, wqs, ws, config),
+                          f"{bn}/{waves:g}/{warps}w/{stages}s"))
         best = ", ".join(f"{name} {ms * 1e3:.1f}" for ms, name in sorted(timed)[:3])
         print(f"fp8 codes grid {k}->{n} M={m}: per-tensor _scaled_mm {ref * 1e3:.1f} us, "
               f"fp8_linear {rule * 1e3:.1f} ({ref / rule:.2f}), best: {best} "
