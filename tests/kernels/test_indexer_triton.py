@@ -104,6 +104,7 @@ def test_indexer_select_tiles_only_chunks(monkeypatch):
     per program; a batch of decodes (or only shorter chunks) one per program."""
     seen = []
     score = triton_impl.score_pools
+    monkeypatch.setattr(triton_impl, "num_sms", lambda device: 4)  # the interpreter's count
     monkeypatch.setattr(triton_impl, "score_pools",
                         lambda *a, **k: seen.append(a[-1]) or score(*a, **k))
     tiled = triton_impl.CHUNK_SCORE
@@ -149,10 +150,11 @@ def test_decode_rule_tiles_only_when_every_sm_keeps_programs(monkeypatch):
     assert rule.pick(2, 16 * 3 * 3, 4) == narrow  # 9 blocks: 3 groups of 3, 5 of 2
     seen = []
     score = triton_impl.score_pools
+    monkeypatch.setattr(triton_impl, "num_sms", lambda device: 4)  # the interpreter's count
     monkeypatch.setattr(triton_impl, "score_pools",
                         lambda *a, **k: seen.append(a[-1]) or score(*a, **k))
     # Four decodes, the longest of 400 tokens (100 pools, 7 blocks of 16: 3 groups of 3, 4 of
-    # 2): a grid of 12 or 16 programs over the interpreter's 4 SMs.
+    # 2): a grid of 12 or 16 programs over 4 SMs (the interpreter's count, also on a GPU).
     for floor, want in ((3, wide), (4, narrow), (5, ONE_QUERY)):
         _check([1, 1, 1, 1], [150, 399, 260, 201], score=triton_impl.CHUNK_SCORE,
                decode=triton_impl.DecodeScoreRule((wide, narrow), min_programs_per_sm=floor))
