@@ -303,15 +303,19 @@ def indexer_launches() -> list[Launch]:
             "rows": "*i64", "positions": "*i64", "num_pools": "*i64", "scores": "*fp32",
             "lengths": "*i32", "w_scale": "fp32"}
     one, chunk = indexer.ONE_QUERY, indexer.CHUNK_SCORE
-    score = dict(KPOOL=4, PAGE=64, BHQ=32, BD=128, DOT=tl.bfloat16, PREC="tf32")
-    out = [Launch("indexer score", indexer.indexer_score_kernel, ptrs,
-                  dict(score, BP=one.block_pools), 4, aligned=("NH", "D"))]
-    out += [Launch(f"indexer score {tiled.queries} queries x {tiled.pool_blocks} blocks",
-                   indexer.indexer_score_tiled_kernel, ptrs,
-                   dict(score, BP=tiled.block_pools, BQ=tiled.queries,
-                        POOL_BLOCKS=tiled.pool_blocks, NUM_STAGES=tiled.num_stages),
-                   4, tiled.num_stages, aligned=("NH", "D"))
-            for tiled in (chunk, *indexer.DECODE_SCORE.tiled)]
+    out = []
+    for keys, fp8_keys in (("", False), (", FP8 keys", True)):
+        key_ptrs = dict(ptrs, pool_keys="*u8") if fp8_keys else ptrs
+        score = dict(KPOOL=4, PAGE=64, BHQ=32, BD=128, PREC="tf32", FP8_KEYS=fp8_keys,
+                     DOT=tl.float16 if fp8_keys else tl.bfloat16, Q_POW2=fp8_keys)
+        out += [Launch(f"indexer score{keys}", indexer.indexer_score_kernel, key_ptrs,
+                       dict(score, BP=one.block_pools), 4, aligned=("NH", "D"))]
+        out += [Launch(f"indexer score {tiled.queries} queries x {tiled.pool_blocks} blocks"
+                       f"{keys}", indexer.indexer_score_tiled_kernel, key_ptrs,
+                       dict(score, BP=tiled.block_pools, BQ=tiled.queries,
+                            POOL_BLOCKS=tiled.pool_blocks, NUM_STAGES=tiled.num_stages),
+                       4, tiled.num_stages, aligned=("NH", "D"))
+                for tiled in (chunk, *indexer.DECODE_SCORE.tiled)]
     topk = {"scores": "*fp32", "lengths": "*i32", "hist": "*i32", "seg_hist": "*i32",
             "above": "*i32", "cand": "*i32", "num_cand": "*i32", "out": "*i32"}
     config = indexer_topk.DEFAULT_CONFIG
@@ -323,12 +327,15 @@ def indexer_launches() -> list[Launch]:
                    consts, warps) for warps in (config.num_warps, config.few_programs_warps)]
     write = {"keys": "*bf16", "gates": "*bf16", "ape": "*bf16", "pool_keys": "*bf16",
              "tail": "*bf16", "page_table": "*i32", "slots": "*i64", "positions": "*i64"}
-    out.append(Launch("indexer write decode", indexer_write.indexer_write_decode_kernel, write,
-                      dict(KPOOL=4, KP=4, PAGE=64, BD=128), 1, aligned=("D",)))
-    out.append(Launch("indexer write verify", indexer_write.indexer_write_verify_kernel,
-                      {**write, "saved": "*bf16", "seqs": "*i32"},
-                      dict(KPOOL=4, KP=4, PAGE=64, BD=128, BTAIL=1024, SAVE=True), 1,
-                      aligned=("D",)))
+    for keys, fp8_keys in (("", False), (", FP8 keys", True)):
+        key_write = dict(write, pool_keys="*u8") if fp8_keys else write
+        out.append(Launch(f"indexer write decode{keys}", indexer_write.indexer_write_decode_kernel,
+                          key_write, dict(KPOOL=4, KP=4, PAGE=64, BD=128, FP8_KEYS=fp8_keys), 1,
+                          aligned=("D",)))
+        out.append(Launch(f"indexer write verify{keys}", indexer_write.indexer_write_verify_kernel,
+                          {**key_write, "saved": "*bf16", "seqs": "*i32"},
+                          dict(KPOOL=4, KP=4, PAGE=64, BD=128, BTAIL=1024, SAVE=True,
+                               FP8_KEYS=fp8_keys), 1, aligned=("D",)))
     select = {"scores": "*fp32", "bias": "*fp32", "ids": "*i64", "weights": "*fp32",
               "scaling": "fp32"}
     choice = dict(G=1, GP=1, EGP=512, TOPK_GROUPS=1, TOPK=8, KP=8, RENORM=True)

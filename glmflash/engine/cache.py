@@ -25,6 +25,8 @@ class CachePlan:
     """Pages of the longest sequence (the width of the runner's page table)."""
     num_snapshots: int = 0
     """State snapshots of the prefix cache (0: no prefix cache)."""
+    fp8_index_keys: bool = False
+    """Pooled indexer keys as FP8 rows (`--index-key-dtype fp8`)."""
 
     @property
     def num_token_slots(self) -> int:

@@ -27,6 +27,7 @@ LOAD_FORMATS = ("auto", "dummy")
 SPECULATIVE_ALGORITHMS = ("NEXTN", "EAGLE")
 """EAGLE is SGLang's name for the same thing here: chain drafts from the checkpoint's MTP layer."""
 EXPERT_PLACEMENTS = ("front", "frequency")
+INDEX_KEY_DTYPES = ("auto", "fp8")
 # --help sections of the flags.
 MODEL, ENGINE, CPU_EXPERTS, MEDIA, SPECULATIVE = (
     "model", "engine", "routed experts on the CPU (GPU machines: hybrid)", "images and video",
@@ -71,6 +72,11 @@ class EngineConfig:
     cache_budget_gb: float = option(
         2.0, "CPU: GiB for the cache (MLA pages and per-sequence state slots)",
         type=positive_float)
+    index_key_dtype: str = option(
+        "auto", "the DSA indexer's pooled keys: auto (the model dtype, as the reference keeps "
+        "them) or fp8 (e4m3 and a scale per key: half the bytes a long-context decode's "
+        "indexer reads; a selection can differ from the reference's where pools score within "
+        "e4m3 rounding of each other)", choices=INDEX_KEY_DTYPES)
     disable_radix_cache: bool = option(
         False, "turn the prefix cache off (every prompt is computed from its start)",
         action="store_true")
@@ -217,6 +223,8 @@ class EngineConfig:
              "kt_expert_placement 'frequency' needs tp_size 1 (its warm-up runs on one rank)"),
             (self.load_format in LOAD_FORMATS,
              f"load_format {self.load_format!r} must be one of {LOAD_FORMATS}"),
+            (self.index_key_dtype in INDEX_KEY_DTYPES,
+             f"index_key_dtype {self.index_key_dtype!r} must be one of {INDEX_KEY_DTYPES}"),
         ]
         require(checks)
         self._check_speculative()

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from glmflash.config import MLA, ModelConfig
+from glmflash.kernels.indexer import key_format
 
 
 class ModelState:
@@ -24,7 +25,10 @@ class ModelState:
     STATE_KINDS = ("recurrent", "conv", "index_tail")
 
     def __init__(self, config: ModelConfig, *, num_token_slots: int, num_state_slots: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str,
+                 fp8_index_keys: bool = False) -> None:
+        """`fp8_index_keys`: pooled indexer keys as FP8 rows (kernels/indexer/key_format.py)
+        instead of the model dtype."""
         kpool = config.index_kpool
         if num_token_slots % kpool:
             raise ValueError(f"num_token_slots {num_token_slots} must be a multiple of {kpool}")
@@ -37,8 +41,9 @@ class ModelState:
                 self.latent[i] = torch.zeros(num_token_slots, config.kv_lora_rank, dtype=dtype,
                                              device=device)
                 if config.indexer_types[i] == "full":
-                    self.pool_keys[i] = torch.zeros(num_token_slots // kpool, config.index_head_dim,
-                                                    dtype=dtype, device=device)
+                    self.pool_keys[i] = key_format.allocate(
+                        num_token_slots // kpool, config.index_head_dim, fp8_index_keys, dtype,
+                        device)
         self.blocks: dict[str, StateBlock] = {
             kind: StateBlock.allocate(layers, num_state_slots, shape, dtype_, device)
             for kind, (layers, shape, dtype_) in state_rows(config, dtype).items()}
@@ -75,7 +80,8 @@ def state_rows(config: ModelConfig, dtype: torch.dtype
             "index_tail": (tails, (kpool - 1, 2 * config.index_head_dim), dtype)}
 
 
-def cache_bytes(config: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
+def cache_bytes(config: ModelConfig, dtype: torch.dtype,
+                fp8_index_keys: bool = False) -> tuple[int, int]:
     """(bytes per token slot, bytes per state slot) of a ModelState, from the config alone."""
     item = torch.empty(0, dtype=dtype).element_size()
     per_token = 0
@@ -84,7 +90,8 @@ def cache_bytes(config: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
             per_token += config.kv_lora_rank * item
             if config.indexer_types[i] == "full":
                 # One pooled key per kpool token slots (the raw tail is per sequence).
-                per_token += -(-config.index_head_dim * item // config.index_kpool)
+                per_token += -(-key_format.row_bytes(config.index_head_dim, fp8_index_keys,
+                                                     dtype) // config.index_kpool)
     per_slot = sum(len(layers) * math.prod(shape) * torch.empty(0, dtype=kind_dtype).element_size()
                    for layers, shape, kind_dtype in state_rows(config, dtype).values())
     return per_token, per_slot

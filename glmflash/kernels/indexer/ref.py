@@ -4,8 +4,9 @@ Cache layout: a sequence's token at position p lives in cache slot
 `page_table[row, p // page_size] * page_size + p % page_size`, where `row` is its state slot;
 page_size is a multiple of kpool, so the kpool tokens of one pool occupy kpool consecutive slots
 starting at a multiple of kpool, and the pooled key of that pool lives at
-`pool_keys[slot // kpool]`. The raw (key, gate) rows of a sequence's incomplete pool live in
-`tail[row]` (`[kpool - 1, 2 * head_dim]`); their count is `context_len % kpool`.
+`pool_keys[slot // kpool]`, in the model dtype or as an FP8 row (key_format.py). The raw
+(key, gate) rows of a sequence's incomplete pool live in `tail[row]` (`[kpool - 1, 2 *
+head_dim]`); their count is `context_len % kpool`.
 Host lists delimit sequences: `cu_seqlens` (new tokens), `prefix_lens` (cached before),
 `state_slots` (page-table rows). Nothing here reads a device value on the host.
 """
@@ -17,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from glmflash.kernels.indexer import key_format
 from glmflash.utils.device import upload
 
 
@@ -86,8 +88,8 @@ def indexer_write_ref(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor
                         torch.cat([keys, gates], dim=-1).to(tail.dtype)])
     pending = source[plan.pool_sources]  # [P, kpool, 2D]
     slots = token_slots(page_table, plan.pool_rows, plan.pool_starts, page_size)
-    pool_keys[slots // kpool] = compress_pools(pending[..., :dim], pending[..., dim:], ape).to(
-        pool_keys.dtype)
+    pool_keys[slots // kpool] = key_format.encode(
+        pool_keys, compress_pools(pending[..., :dim], pending[..., dim:], ape))
     tail.view(-1, 2 * dim)[plan.tail_targets] = source[plan.tail_sources]
 
 
@@ -107,7 +109,7 @@ def indexer_write_decode(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Ten
     offset = positions % kpool
     completes = (offset == kpool - 1)[:, None]
     pool = torch.cat([tail[rows], new[:, None]], dim=1)  # [B, kpool, 2D]
-    pooled = compress_pools(pool[..., :dim], pool[..., dim:], ape).to(pool_keys.dtype)
+    pooled = key_format.encode(pool_keys, compress_pools(pool[..., :dim], pool[..., dim:], ape))
     # A pool starts at a multiple of kpool, so its first token's slot locates its key.
     target = token_slots(page_table, rows, positions - offset, page_size) // kpool
     pool_keys[target] = torch.where(completes, pooled, pool_keys[target])
@@ -291,13 +293,18 @@ class _Scorer:
         sequences (page-table `rows`, one row when the group is `shared`)."""
         first_token = token_slots(self.page_table, rows[:, None], ordinal * self.kpool,
                                   self.page_size)  # [n or 1, P]
-        keys = self.pool_keys[first_token // self.kpool].float()
+        rows = self.pool_keys[first_token // self.kpool]
+        # FP8 keys: the scores of the codes, times each key's scale after the sum over heads
+        # (relu commutes with a positive factor), as the Triton kernels take them.
+        keys, key_scales = key_format.split(rows) if key_format.is_fp8(rows) else \
+            (rows.float(), None)
         q = self.q[idx]
         if shared:
             scores = torch.relu(torch.einsum("nhd,pd->nhp", q, keys[0]) * self.scale)
         else:
             scores = torch.relu(torch.einsum("nhd,npd->nhp", q, keys) * self.scale)
-        return torch.einsum("nh,nhp->np", self.weights[idx], scores)
+        scores = torch.einsum("nh,nhp->np", self.weights[idx], scores)
+        return scores if key_scales is None else scores * key_scales
 
     def _expand(self, pools: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
                 ) -> torch.Tensor:

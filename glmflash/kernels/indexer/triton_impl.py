@@ -6,7 +6,8 @@ query's candidate pools only) + the radix top-k of topk_triton.py over each quer
 pool). Pools and tokens are found through the page table; the per-query plan (row, position,
 complete pools) comes from `ref.select_plan` or `ref.decode_select_plan`. Each query's number of
 candidates stays on the device, so a CUDA graph captured at a wide `max_pools` pays only for
-the pools that exist. Ties may choose and order differently from the reference.
+the pools that exist. Ties may choose and order differently from the reference. Pooled keys
+come in either format of key_format.py (the model dtype, or FP8 rows: `FP8_KEYS`).
 `indexer_write` stays the reference (a few rows per sequence).
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from glmflash.kernels.indexer import key_format
 from glmflash.kernels.indexer.ref import SelectPlan, SelectTiling, indexer_write_ref
 from glmflash.kernels.indexer.topk_triton import DEFAULT_CONFIG, TopkConfig, topk_indices
 
@@ -106,11 +108,48 @@ def _candidates(num_pools, positions, i_t, KPOOL: tl.constexpr):
 
 
 @jit
+def _load_keys(pool_keys, pools, m_p, o_d, m_d, stride_pk, D, FP8_KEYS: tl.constexpr,
+               DOT: tl.constexpr):
+    """Pooled keys `pools` `[BP]` as product operands `[BP, BD]`, and (FP8 rows, key_format.py)
+    their scales `[BP]`, which the caller applies after the sum over heads; zeros where `m_p`
+    is off."""
+    p_row = pool_keys + pools.to(tl.int64) * stride_pk  # [BP]
+    m_k = m_p[:, None] & m_d[None, :]
+    if FP8_KEYS:
+        # Byte loads of 16-byte aligned rows (vectorised), reinterpreted as e4m3.
+        b_k = tl.load(p_row[:, None] + o_d[None, :], mask=m_k, other=0)
+        b_k = b_k.to(tl.float8e4nv, bitcast=True)
+        b_ks = tl.load((p_row + D).to(tl.pointer_type(tl.float32)), mask=m_p, other=0.0)
+    else:
+        b_k = tl.load(p_row[:, None] + o_d[None, :], mask=m_k, other=0.0)
+        b_ks = tl.zeros_like(m_p.to(tl.float32))
+    return b_k.to(DOT), b_ks
+
+
+@jit
+def _query_rows(b_q, DOT: tl.constexpr, Q_POW2: tl.constexpr):
+    """Query rows `[R, BD]` (fp32) as product operands, and the factor `[R]` each row's
+    products take afterwards. Q_POW2 (fp16 products beside FP8 keys, whose codes convert to
+    fp16 in one instruction per two and to bf16 in several): each row is scaled by the power
+    of two that brings its largest element into [2^14, 2^15), so fp16 holds its bf16 values
+    exactly (8 significant bits within 11, nothing past 65504; only elements below 2^-31 of
+    the row's largest can round), and the factor undoes it exactly."""
+    if Q_POW2:
+        b_amax = tl.max(tl.abs(b_q), 1)
+        b_e = ((b_amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        b_e = tl.minimum(tl.maximum(b_e, -100), 127)
+        b_up = ((127 + 14 - b_e) << 23).to(tl.float32, bitcast=True)
+        b_down = ((127 - 14 + b_e) << 23).to(tl.float32, bitcast=True)
+        return (b_q * b_up[:, None]).to(DOT), b_down
+    return b_q.to(DOT), tl.full([b_q.shape[0]], 1.0, tl.float32)
+
+
+@jit
 def _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions, scores, i_t,
                  t_begin, i_p, scale, w_scale, stride_qt, stride_qh, stride_wt, stride_pk,
                  stride_pt, stride_st, NH, D, KPOOL: tl.constexpr, PAGE: tl.constexpr,
                  BHQ: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr, DOT: tl.constexpr,
-                 PREC: tl.constexpr):
+                 PREC: tl.constexpr, FP8_KEYS: tl.constexpr, Q_POW2: tl.constexpr):
     """Scores of query i_t over its candidate pools of block i_p (none past its candidates)."""
     length = _candidates(num_pools, positions, i_t, KPOOL)
     if i_p * BP < length:
@@ -122,14 +161,18 @@ def _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions, 
         m_h, m_d = o_h < NH, o_d < D
         i_t64 = i_t.to(tl.int64)
         b_q = tl.load(q + i_t64 * stride_qt + o_h[:, None] * stride_qh + o_d[None, :],
-                      mask=m_h[:, None] & m_d[None, :], other=0.0).to(DOT)  # [BHQ, BD]
+                      mask=m_h[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+        b_q, b_qf = _query_rows(b_q, DOT, Q_POW2)  # [BHQ, BD], [BHQ]
         b_w = tl.load(weights + i_t64 * stride_wt + o_h, mask=m_h, other=0.0).to(tl.float32)
         b_w = b_w * w_scale
         slot = _slot_of(page_table, row, o_p.to(tl.int64) * KPOOL, stride_pt, PAGE, is_cand)
-        p_k = pool_keys + (slot // KPOOL)[:, None] * stride_pk + o_d[None, :]
-        b_k = tl.load(p_k, mask=is_cand[:, None] & m_d[None, :], other=0.0).to(DOT)  # [BP, BD]
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale  # [BHQ, BP]
+        b_k, b_ks = _load_keys(pool_keys, slot // KPOOL, is_cand, o_d, m_d, stride_pk, D,
+                               FP8_KEYS, DOT)  # [BP, BD], [BP]
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)  # [BHQ, BP]
+        b_s = b_s * (b_qf * scale)[:, None] if Q_POW2 else b_s * scale
         b_s = tl.sum(tl.maximum(b_s, 0.0) * b_w[:, None], 0)
+        if FP8_KEYS:
+            b_s = b_s * b_ks
         p_s = scores + (i_t - t_begin).to(tl.int64) * stride_st + o_p
         tl.store(p_s, b_s, mask=is_cand)
 
@@ -139,7 +182,8 @@ def indexer_score_kernel(q, weights, pool_keys, page_table, rows, positions, num
                          lengths, t_begin, scale, w_scale, stride_qt, stride_qh, stride_wt,
                          stride_pk, stride_pt, stride_st, NH, D, KPOOL: tl.constexpr,
                          PAGE: tl.constexpr, BHQ: tl.constexpr, BD: tl.constexpr,
-                         BP: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+                         BP: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                         FP8_KEYS: tl.constexpr, Q_POW2: tl.constexpr):
     """scores[t, p] = sum_h w[t, h] w_scale relu(q[t, h] . K_p * scale) for t's candidate pools
     p < lengths[t] (complete and ending at or before t's position); nothing is written past a
     row's candidates (the top-k reads only them)."""
@@ -149,7 +193,8 @@ def indexer_score_kernel(q, weights, pool_keys, page_table, rows, positions, num
         tl.store(lengths + i_t - t_begin, _candidates(num_pools, positions, i_t, KPOOL))
     _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions, scores, i_t,
                  t_begin, i_p, scale, w_scale, stride_qt, stride_qh, stride_wt, stride_pk,
-                 stride_pt, stride_st, NH, D, KPOOL, PAGE, BHQ, BD, BP, DOT, PREC)
+                 stride_pt, stride_st, NH, D, KPOOL, PAGE, BHQ, BD, BP, DOT, PREC, FP8_KEYS,
+                 Q_POW2)
 
 
 @jit(do_not_specialize=("t_begin", "stride_st"))
@@ -159,7 +204,8 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
                                KPOOL: tl.constexpr, PAGE: tl.constexpr, BQ: tl.constexpr,
                                BHQ: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr,
                                POOL_BLOCKS: tl.constexpr, NUM_STAGES: tl.constexpr,
-                               DOT: tl.constexpr, PREC: tl.constexpr):
+                               DOT: tl.constexpr, PREC: tl.constexpr, FP8_KEYS: tl.constexpr,
+                               Q_POW2: tl.constexpr):
     """`indexer_score_kernel` for BQ consecutive queries and POOL_BLOCKS blocks of BP pools per
     program: the queries' heads are the M of one product (BQ x BHQ rows), so a block of pooled
     keys is loaded once for them all, and the queries once for all the blocks. The keys are the
@@ -190,7 +236,8 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
             o_rh = o_r % BHQ
             m_r = (o_rt < t_begin + num_tokens) & (o_rh < NH)
             b_q = tl.load(q + o_rt[:, None] * stride_qt + o_rh[:, None] * stride_qh
-                          + o_d[None, :], mask=m_r[:, None] & m_d[None, :], other=0.0).to(DOT)
+                          + o_d[None, :], mask=m_r[:, None] & m_d[None, :], other=0.0)
+            b_q, b_qf = _query_rows(b_q.to(tl.float32), DOT, Q_POW2)
             b_w = tl.load(weights + o_rt * stride_wt + o_rh, mask=m_r, other=0.0).to(tl.float32)
             b_w = b_w * w_scale
             p_s = scores + (o_t - t_begin).to(tl.int64)[:, None] * stride_st
@@ -199,11 +246,14 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
                 is_key = o_p < longest
                 slot = _slot_of(page_table, row0, o_p.to(tl.int64) * KPOOL, stride_pt, PAGE,
                                 is_key)
-                p_k = pool_keys + (slot // KPOOL)[:, None] * stride_pk + o_d[None, :]
-                b_k = tl.load(p_k, mask=is_key[:, None] & m_d[None, :], other=0.0).to(DOT)
-                b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale  # [BQ*BHQ, BP]
+                b_k, b_ks = _load_keys(pool_keys, slot // KPOOL, is_key, o_d, m_d, stride_pk,
+                                       D, FP8_KEYS, DOT)
+                b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)  # [BQ*BHQ, BP]
+                b_s = b_s * (b_qf * scale)[:, None] if Q_POW2 else b_s * scale
                 b_s = tl.maximum(b_s, 0.0) * b_w[:, None]
                 b_s = tl.sum(tl.reshape(b_s, [BQ, BHQ, BP]), 1)  # [BQ, BP]
+                if FP8_KEYS:
+                    b_s = b_s * b_ks[None, :]
                 tl.store(p_s + o_p[None, :], b_s,
                          mask=m_t[:, None] & (o_p[None, :] < length[:, None]))
     else:
@@ -214,7 +264,7 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
                     _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions,
                                  scores, i_t, t_begin, p0 // BP, scale, w_scale, stride_qt,
                                  stride_qh, stride_wt, stride_pk, stride_pt, stride_st, NH, D,
-                                 KPOOL, PAGE, BHQ, BD, BP, DOT, PREC)
+                                 KPOOL, PAGE, BHQ, BD, BP, DOT, PREC, FP8_KEYS, Q_POW2)
 
 
 @jit(do_not_specialize=("t_begin", "num_sel", "stride_pot"))
@@ -263,6 +313,7 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
     if num_tokens == 0:
         return out
     assert q.stride(2) == 1 and weights.stride(1) == 1 and pool_keys.stride(1) == 1
+    assert key_format.key_dim(pool_keys) == dim
     assert page_table.stride(1) == 1 and plan.rows.numel() == num_tokens
     max_pools = plan.max_pools
     num_sel = min(topk // kpool, max_pools)
@@ -297,9 +348,13 @@ def score_pools(q, weights, pool_keys, page_table, plan: SelectPlan, scores, len
     heads, dim = q.shape[1], q.shape[2]
     strides = (q.stride(0), q.stride(1), weights.stride(0), pool_keys.stride(0),
                page_table.stride(0), scores.stride(0), heads, dim)
+    fp8 = key_format.is_fp8(pool_keys)
+    # FP8 keys beside 16-bit queries: fp16 products (`_query_rows`), also in the interpreter.
+    q_pow2 = fp8 and q.dtype in (torch.bfloat16, torch.float16)
     shapes = dict(KPOOL=kpool, PAGE=page_size, BHQ=max(16, triton.next_power_of_2(heads)),
                   BD=max(16, triton.next_power_of_2(dim)), BP=launch.block_pools,
-                  DOT=dot_operand_type(q.dtype), PREC=product_precision(q.dtype), num_warps=4)
+                  DOT=tl.float16 if q_pow2 else dot_operand_type(q.dtype),
+                  PREC=product_precision(q.dtype), FP8_KEYS=fp8, Q_POW2=q_pow2, num_warps=4)
     per_query = (q, weights, pool_keys, page_table, plan.rows, plan.positions, plan.num_pools,
                  scores, lengths, t0)
     grid = launch.grid(n, plan.max_pools)

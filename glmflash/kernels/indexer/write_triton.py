@@ -7,7 +7,8 @@ A program owns one token. At pool offset `p % kpool < kpool - 1` it stores the t
 gate) row into its sequence's tail; at the pool's last offset it compresses the tail rows and the
 token (per-channel softmax over the pool of gate + ape, in fp32; probabilities, products and the
 sum rounded as the reference rounds them) and stores the pooled key where the pool's first
-token's slot says.
+token's slot says, in the cache's format (key_format.py: the model dtype, or FP8 codes and a
+scale).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
+from glmflash.kernels.fp8_gemm.triton_common import quantize_rows
+from glmflash.kernels.indexer import key_format
 from glmflash.kernels.triton_utils import jit
 from glmflash.kernels.verify_rows import keeps_copy, sequence_rows
 
@@ -28,20 +31,20 @@ from glmflash.kernels.verify_rows import keeps_copy, sequence_rows
 def indexer_write_decode_kernel(keys, gates, ape, pool_keys, tail, page_table, slots, positions,
                                 D, stride_k, stride_g, stride_pk, stride_ts, stride_pt,
                                 stride_slots, stride_pos, KPOOL: tl.constexpr, KP: tl.constexpr,
-                                PAGE: tl.constexpr, BD: tl.constexpr):
+                                PAGE: tl.constexpr, BD: tl.constexpr, FP8_KEYS: tl.constexpr):
     """Token i: `tail[slots[i], offset] = (key, gate)`, or the pooled key of its pool when the
     token completes it (offset = kpool - 1). Tail rows are `[kpool - 1, 2D]`, contiguous."""
     i = tl.program_id(0)
     row = tl.load(slots + i * stride_slots).to(tl.int64)
     pos = tl.load(positions + i * stride_pos).to(tl.int64)
     write_token(keys, gates, ape, pool_keys, tail, page_table, row, pos, i.to(tl.int64), D,
-                stride_k, stride_g, stride_pk, stride_ts, stride_pt, KPOOL, KP, PAGE, BD)
+                stride_k, stride_g, stride_pk, stride_ts, stride_pt, KPOOL, KP, PAGE, BD, FP8_KEYS)
 
 
 @jit
 def write_token(keys, gates, ape, pool_keys, tail, page_table, row, pos, t, D, stride_k,
                 stride_g, stride_pk, stride_ts, stride_pt, KPOOL: tl.constexpr,
-                KP: tl.constexpr, PAGE: tl.constexpr, BD: tl.constexpr):
+                KP: tl.constexpr, PAGE: tl.constexpr, BD: tl.constexpr, FP8_KEYS: tl.constexpr):
     """Row `t` of keys / gates, at position `pos` of the sequence in page-table row / state
     slot `row`, into that slot's tail or, when it completes its pool, the pooled key."""
     o_d = tl.arange(0, BD)
@@ -76,8 +79,16 @@ def write_token(keys, gates, ape, pool_keys, tail, page_table, row, pos, t, D, s
         start = pos - offset
         page = tl.load(page_table + row * stride_pt + start // PAGE).to(tl.int64)
         target = (page * PAGE + start % PAGE) // KPOOL
-        tl.store(pool_keys + target * stride_pk + o_d,
-                 b_pooled.to(pool_keys.dtype.element_ty), mask=m_d)
+        p_key = pool_keys + target * stride_pk
+        if FP8_KEYS:
+            # e4m3 codes, then the fp32 scale in the four bytes after them (key_format.py).
+            b_code, b_scale = quantize_rows(b_pooled.to(tl.float32)[None, :], tl.float8e4nv)
+            tl.store(p_key + o_d[None, :], b_code.to(tl.uint8, bitcast=True),
+                     mask=m_d[None, :])
+            tl.store((p_key + D).to(tl.pointer_type(tl.float32)) + tl.zeros([1], tl.int32),
+                     b_scale)
+        else:
+            tl.store(p_key + o_d, b_pooled.to(pool_keys.dtype.element_ty), mask=m_d)
 
 
 @jit
@@ -85,7 +96,7 @@ def indexer_write_verify_kernel(keys, gates, ape, pool_keys, tail, saved, page_t
                                 positions, seqs, num_steps, D, stride_k, stride_g, stride_pk,
                                 stride_ts, stride_pt, KPOOL: tl.constexpr, KP: tl.constexpr,
                                 PAGE: tl.constexpr, BD: tl.constexpr, BTAIL: tl.constexpr,
-                                SAVE: tl.constexpr):
+                                SAVE: tl.constexpr, FP8_KEYS: tl.constexpr):
     """One sequence of a speculative verify: its rows in order (`seqs[b]`: first row, rows,
     scratch row or -1), each written as `indexer_write_decode_kernel` writes a token; after
     each row but the last, the slot's tail is copied to scratch row `scratch_row * num_steps
@@ -99,7 +110,7 @@ def indexer_write_verify_kernel(keys, gates, ape, pool_keys, tail, saved, page_t
         row = tl.load(slots + t).to(tl.int64)
         pos = tl.load(positions + t).to(tl.int64)
         write_token(keys, gates, ape, pool_keys, tail, page_table, row, pos, t, D, stride_k,
-                    stride_g, stride_pk, stride_ts, stride_pt, KPOOL, KP, PAGE, BD)
+                    stride_g, stride_pk, stride_ts, stride_pt, KPOOL, KP, PAGE, BD, FP8_KEYS)
         tl.debug_barrier()  # the tail row is written before any thread reads the tail again
         if SAVE:
             keep = keeps_copy(scratch_row, j, num_rows)
@@ -127,7 +138,7 @@ def indexer_write_decode(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Ten
         gates.stride(0), pool_keys.stride(0), tail.stride(0), page_table.stride(0),
         rows.stride(0), positions.stride(0), KPOOL=kpool, KP=triton.next_power_of_2(kpool),
         PAGE=page_size, BD=max(16, triton.next_power_of_2(dim)),
-        num_warps=num_warps or (4 if dim > 256 else 1))
+        FP8_KEYS=key_format.is_fp8(pool_keys), num_warps=num_warps or (4 if dim > 256 else 1))
 
 
 def indexer_write_verify(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor,
@@ -152,7 +163,7 @@ def indexer_write_verify(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Ten
         tail.stride(0), page_table.stride(0), KPOOL=kpool, KP=triton.next_power_of_2(kpool),
         PAGE=page_size, BD=max(16, triton.next_power_of_2(dim)),
         BTAIL=triton.next_power_of_2((kpool - 1) * 2 * dim), SAVE=saved is not None,
-        num_warps=num_warps or (4 if dim > 256 else 1))
+        FP8_KEYS=key_format.is_fp8(pool_keys), num_warps=num_warps or (4 if dim > 256 else 1))
 
 
 def _check_write(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor,
@@ -163,5 +174,6 @@ def _check_write(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor,
     assert keys.stride(-1) == 1 and gates.stride(-1) == 1 and ape.is_contiguous()
     assert tail.shape[1:] == (kpool - 1, 2 * dim) and tail[0].is_contiguous()
     assert pool_keys.stride(1) == 1 and page_table.stride(1) == 1
+    assert key_format.key_dim(pool_keys) == dim
     assert page_size % kpool == 0, "a pool never straddles pages"
     return kpool, dim

@@ -1,0 +1,69 @@
+"""`index_key_dtype="fp8"` through the engine: the pooled-key cache is FP8 rows, the plan counts
+their bytes, and a prompt gives the same greedy tokens whether it is prefilled whole or in
+chunks of 7 with preemption-sized pages (every write path quantises the same pooled keys)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glmflash import Engine, SamplingParams
+from glmflash.engine.options import EngineConfig
+
+# Prompts past the tiny model's 16 selected tokens (4 pools of 4), so the indexer chooses.
+LENGTHS = (40, 29, 52)
+
+
+def _engine(tiny_dir, device="cpu", **options):
+    return Engine(tiny_dir, device=device, dtype="float32", context_length=96, page_size=8,
+                  max_running_requests=3, background_loop=False, check_integrity=True,
+                  **options)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+def _tokens(tiny_dir, prompts, device="cpu", **options) -> list[list[int]]:
+    engine = _engine(tiny_dir, device, index_key_dtype="fp8", **options)
+    assert all(t.dtype == torch.uint8 for t in engine.runner.state.pool_keys.values())
+    assert engine.cache.plan.fp8_index_keys
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    results = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert all(len(r.token_ids) == 12 for r in results)
+    return [r.token_ids for r in results]
+
+
+def test_fp8_keys_chunked_equals_whole_prefill(tiny_dirs, prompts):
+    tiny = tiny_dirs["embedded"]
+    assert _tokens(tiny, prompts, chunked_prefill_size=7) == \
+        _tokens(tiny, prompts, chunked_prefill_size=2048)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_keys_gpu_graphs_and_chunks(tiny_dirs, prompts):
+    """The Triton writes and scoring: whole prompts with decodes replayed from CUDA graphs,
+    chunks of 7 with eager decodes, the same tokens."""
+    tiny = tiny_dirs["embedded"]
+    assert _tokens(tiny, prompts, "cuda", chunked_prefill_size=2048) == \
+        _tokens(tiny, prompts, "cuda", chunked_prefill_size=7, disable_cuda_graph=True)
+
+
+def test_fp8_keys_plan_fewer_bytes_per_token(tiny_dirs):
+    from glmflash.config import MLA, ModelConfig
+    from glmflash.model.state import cache_bytes
+
+    config = ModelConfig.from_hf(tiny_dirs["embedded"])
+    plain, fp8 = (cache_bytes(config, torch.bfloat16, flag)[0] for flag in (False, True))
+    full = sum(1 for kind, index in zip(config.layer_types, config.indexer_types, strict=True)
+               if kind == MLA and index == "full")
+    dim, kpool = config.index_head_dim, config.index_kpool
+    assert plain - fp8 == full * (-(-2 * dim // kpool) - -(-(dim + 16) // kpool))
+
+
+def test_index_key_dtype_checked():
+    with pytest.raises(ValueError, match="index_key_dtype"):
+        EngineConfig(index_key_dtype="fp16")
