@@ -95,14 +95,17 @@ INDEXER_SHAPES = [(131072, 1), (1048576, 32)]  # (context tokens, decoding seque
 
 
 def bench_indexer(shapes: list[tuple[int, int]], copy_gbs: float) -> str:
+    """Per shape, the pooled keys in bf16 (the reference's) and as FP8 rows
+    (`--index-key-dtype fp8`)."""
     rows = []
     for ctx_len, b in shapes:
-        rows.append(_indexer_row(ctx_len, b, copy_gbs))
-        print(rows[-1], flush=True)
-        torch.cuda.empty_cache()
-    return table(["context", "queries", "select us (goal 40 / 400)", "radix top-k us",
+        for fp8 in (False, True):
+            rows.append(_indexer_row(ctx_len, b, copy_gbs, fp8))
+            print(rows[-1], flush=True)
+            torch.cuda.empty_cache()
+    return table(["context", "queries", "keys", "select us (goal 40 / 400)", "radix top-k us",
                   "torch.topk us", "pool-key read at copy BW us", "torch ref us",
-                  "same set as ref"], rows)
+                  "same set as ref", "share of the bf16 keys' selection"], rows)
 
 
 # Indexer release shapes: heads, head dim, tokens per pool, page size; tokens selected.
@@ -132,16 +135,18 @@ def indexer_decode_plan(ctx_len: int, b: int):
                               ctx_len // kpool)
 
 
-def _indexer_row(ctx_len: int, b: int, copy_gbs: float) -> list:
-    """Decodes of `b` sequences of `ctx_len` tokens each, as a CUDA graph runs them."""
-    from glmflash.kernels.indexer import indexer_select_ref
+def _indexer_row(ctx_len: int, b: int, copy_gbs: float, fp8: bool) -> list:
+    """Decodes of `b` sequences of `ctx_len` tokens each, as a CUDA graph runs them, over
+    bf16 pooled keys or (`fp8`) the same keys as FP8 rows."""
+    from glmflash.kernels.indexer import indexer_select_ref, key_format
     from glmflash.kernels.indexer import triton_impl as ti
     from glmflash.kernels.indexer.topk_triton import topk_indices
 
     _, _, kpool, page = INDEXER_SHAPE
     topk = INDEXER_TOPK
     pools = ctx_len // kpool
-    pool_keys, table_, q, w = indexer_inputs(b, b, ctx_len)
+    plain_keys, table_, q, w = indexer_inputs(b, b, ctx_len)
+    pool_keys = key_format.quantize(plain_keys) if fp8 else plain_keys
     args = (q, w, pool_keys, table_, indexer_decode_plan(ctx_len, b))
     kw = dict(page_size=page, topk=topk, kpool=kpool, select_tail=True)
     ms = graph_ms(lambda: ti.indexer_select(*args, **kw))
@@ -149,17 +154,27 @@ def _indexer_row(ctx_len: int, b: int, copy_gbs: float) -> list:
     lengths = torch.full((b,), pools, dtype=torch.int32, device="cuda")
     radix_ms = graph_ms(lambda: topk_indices(scores, lengths, topk // kpool))
     torch_ms = graph_ms(lambda: scores.topk(topk // kpool, dim=1))
-    floor_ms = pool_keys.numel() * 2 / copy_gbs / 1e6
-    row = [ctx_len, b, f"{ms * 1e3:.0f}", f"{radix_ms * 1e3:.0f}", f"{torch_ms * 1e3:.0f}",
-           f"{floor_ms * 1e3:.0f}"]
+    floor_ms = pool_keys.numel() * pool_keys.element_size() / copy_gbs / 1e6
+    row = [ctx_len, b, "fp8" if fp8 else "bf16", f"{ms * 1e3:.0f}", f"{radix_ms * 1e3:.0f}",
+           f"{torch_ms * 1e3:.0f}", f"{floor_ms * 1e3:.0f}"]
+    got = ti.indexer_select(*args, **kw)
     if b * ctx_len <= 131072:
         ref_ms = bench_ms(lambda: indexer_select_ref(*args, **kw), rep=50)
-        same = torch.equal(ti.indexer_select(*args, **kw).sort(1).values,
-                           indexer_select_ref(*args, **kw).sort(1).values)
+        same = torch.equal(got.sort(1).values, indexer_select_ref(*args, **kw).sort(1).values)
         row += [f"{ref_ms * 1e3:.0f}", str(same)]
     else:
         row += ["-", "-"]
+    plain = ti.indexer_select(q, w, plain_keys, table_, args[4], **kw) if fp8 else got
+    row.append(f"{_selection_share(got, plain):.3f}" if fp8 else "-")
     return row
+
+
+def _selection_share(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Share of the slots `want` selects that `got` also selects (rows alike, -1 padding)."""
+    hits = torch.stack([torch.isin(w_row, g_row) for w_row, g_row in zip(want, got,
+                                                                          strict=True)])
+    real = want >= 0
+    return float((hits & real).sum() / real.sum().clamp_min(1))
 
 
 FP8_SHAPES = [(4096, 1536), (1536, 16384), (16384, 4096), (4096, 4096), (4096, 24576)]

@@ -16,6 +16,7 @@ OP and its sizes:
     glu:M:K:N           the Gluon block-scaled GEMM (fp8_gemm/gluon_sm90.py) of the same operands
     moe:TOKENS          the fused MoE at release shapes, uniform routing
     idx:CONTEXT:QUERIES indexer select, one decode query per sequence
+    idx8:CONTEXT:QUERIES the same over FP8 pooled keys (`--index-key-dtype fp8`)
 With none: kda, mla, fp8:1 and fp8:2048. Each op runs twice (the first compiles); only the
 shapes are chosen here, the launch parameters are the kernels' own defaults.
 """
@@ -95,19 +96,22 @@ def moe(num_tokens: int):
     return lambda: fused_moe(x, ids, weights, *w, limit=LIMIT)
 
 
-def indexer(context: int, queries: int):
+def indexer(context: int, queries: int, fp8: bool = False):
     from bench.kernels import INDEXER_SHAPE, INDEXER_TOPK, indexer_decode_plan, indexer_inputs
+    from glmflash.kernels.indexer import key_format
     from glmflash.kernels.indexer import triton_impl as ti
 
     _, _, kpool, page = INDEXER_SHAPE
     keys, table, q, w = indexer_inputs(queries, queries, context)
+    keys = key_format.quantize(keys) if fp8 else keys
     plan = indexer_decode_plan(context, queries)
     return lambda: ti.indexer_select(q, w, keys, table, plan, page_size=page,
                                      topk=INDEXER_TOPK, kpool=kpool, select_tail=True)
 
 
 OPS = {"kda": kda_prefill, "mla": sparse_mla, "fp8": fp8_linear, "smm": scaled_mm,
-       "bsm": block_scaled_mm, "glu": gluon_gemm, "moe": moe, "idx": indexer}
+       "bsm": block_scaled_mm, "glu": gluon_gemm, "moe": moe, "idx": indexer,
+       "idx8": lambda context, queries: indexer(context, queries, fp8=True)}
 DEFAULT_TARGETS = ("kda", "mla", "fp8:1", "fp8:2048")
 
 

@@ -355,9 +355,10 @@ def _indexer_prefill_case(ctx_len: int, chunk: int, peak: float) -> None:
               f"(bf16 peak {peak:.0f}), same scores {same}", flush=True)
 
 
-# Scoring launches for decodes: (queries, pool blocks per program, stages); one query and one
-# block per program first.
-INDEXER_DECODE_GRID = [(1, 1, 1), (1, 4, 2), (1, 8, 2), (1, 16, 2), (1, 16, 3)]
+# Scoring launches for decodes: (queries, pool blocks per program, stages[, pools a block]);
+# one query and one block per program first.
+INDEXER_DECODE_GRID = [(1, 1, 1), (1, 4, 2), (1, 8, 2), (1, 16, 2), (1, 16, 3), (1, 16, 4),
+                       (1, 8, 2, 128), (1, 8, 3, 128)]
 # (context, sequences): one query at 128K and 32 sequences at 1M (the issue's decode shapes),
 # and the sizes between, where DECODE_SCORE's program floor decides.
 INDEXER_DECODE_SHAPES = ((131072, 1), (131072, 8), (131072, 32), (1048576, 1), (1048576, 4),
@@ -366,25 +367,30 @@ INDEXER_DECODE_SHAPES = ((131072, 1), (131072, 8), (131072, 32), (1048576, 1), (
 
 def sweep_indexer_decode() -> None:
     """The scoring of decodes (one query per sequence) at each launch shape, against reading
-    the pooled keys once at the copy bandwidth of the same run."""
+    the pooled keys once at the copy bandwidth of the same run; bf16 keys, then FP8 rows."""
     copy = copy_bandwidth()
-    for ctx_len, b in INDEXER_DECODE_SHAPES:
-        _indexer_decode_case(ctx_len, b, copy)
-        torch.cuda.empty_cache()
+    for fp8 in (False, True):
+        for ctx_len, b in INDEXER_DECODE_SHAPES:
+            _indexer_decode_case(ctx_len, b, copy, fp8)
+            torch.cuda.empty_cache()
 
 
-def _indexer_decode_case(ctx_len: int, b: int, copy_gbs: float) -> None:
+def _indexer_decode_case(ctx_len: int, b: int, copy_gbs: float, fp8: bool) -> None:
+    from glmflash.kernels.indexer import key_format
     from glmflash.kernels.indexer.triton_impl import DECODE_SCORE, ScoreLaunch, score_pools
     from glmflash.kernels.triton_utils import num_sms
 
     _, _, kpool, page = INDEXER_SHAPE
     pools = ctx_len // kpool
     pool_keys, table_, q, w = indexer_inputs(b, b, ctx_len)
+    if fp8:
+        pool_keys = key_format.quantize(pool_keys)
     lengths = torch.empty(b, dtype=torch.int32, device="cuda")
     plan = indexer_decode_plan(ctx_len, b)
-    floor_us = pool_keys.numel() * 2 / copy_gbs / 1e3
+    floor_us = pool_keys.numel() * pool_keys.element_size() / copy_gbs / 1e3
     picked = DECODE_SCORE.pick(b, pools, num_sms(q.device))
-    print(f"indexer decode scoring ctx={ctx_len} queries={b}: DECODE_SCORE picks "
+    keys = "fp8" if fp8 else "bf16"
+    print(f"indexer decode scoring ctx={ctx_len} queries={b} {keys}: DECODE_SCORE picks "
           f"{(picked.queries, picked.pool_blocks, picked.num_stages)}", flush=True)
     first = None
     for shape in INDEXER_DECODE_GRID:
@@ -394,7 +400,7 @@ def _indexer_decode_case(ctx_len: int, b: int, copy_gbs: float) -> None:
             q, w, pool_keys, table_, plan, s, lengths, 0, b, page, kpool, c)) * 1e3
         first = scores if first is None else first
         same = torch.allclose(scores, first, rtol=1e-3, atol=1e-3)
-        print(f"indexer decode scoring ctx={ctx_len} queries={b} {shape}: {us:.0f} us "
+        print(f"indexer decode scoring ctx={ctx_len} queries={b} {keys} {shape}: {us:.0f} us "
               f"(key read at copy bandwidth {floor_us:.0f} us), same scores {same}", flush=True)
 
 
