@@ -221,8 +221,9 @@ def test_indexer_select_graph_replay_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("score", [ONE_QUERY, ScoreLaunch(4), ScoreLaunch(8),
                                    triton_impl.CHUNK_SCORE, ScoreLaunch(4, 16, 3),
-                                   ScoreLaunch(1, 16, 2)],
-                         ids=["one", "4q", "8q", "default", "4q_16_blocks", "1q_16_blocks"])
+                                   ScoreLaunch(1, 16, 2), ScoreLaunch(1, 8, 3, 128)],
+                         ids=["one", "4q", "8q", "default", "4q_16_blocks", "1q_16_blocks",
+                              "1q_8_blocks_of_128"])
 def test_indexer_select_release_shape_gpu(score):
     # 32 heads x 128, kpool 4, top-2048: a 6000-token context makes the selection sparse.
     _check([1, 1, 300], [6000, 2100, 5000], heads=32, dim=128, topk=2048, dtype=torch.float32,

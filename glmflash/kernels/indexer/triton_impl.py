@@ -78,8 +78,10 @@ class DecodeScoreRule:
     blocks, whose gathers are pipelined), else one query and one pool block per program
     (short work needs every program it can get). README.md has the measurements."""
 
-    tiled: tuple[ScoreLaunch, ...] = (ScoreLaunch(queries=1, pool_blocks=16, num_stages=2),
-                                      ScoreLaunch(queries=1, pool_blocks=4, num_stages=2))
+    tiled: tuple[ScoreLaunch, ...] = (
+        ScoreLaunch(queries=1, pool_blocks=8, num_stages=3, block_pools=128),
+        ScoreLaunch(queries=1, pool_blocks=16, num_stages=2),
+        ScoreLaunch(queries=1, pool_blocks=4, num_stages=2))
     min_programs_per_sm: int = 8
 
     def pick(self, queries: int, max_pools: int, sms: int) -> ScoreLaunch:
