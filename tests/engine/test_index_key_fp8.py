@@ -26,13 +26,13 @@ def prompts():
     return [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in LENGTHS]
 
 
-def _tokens(tiny_dir, prompts, device="cpu", **options) -> list[list[int]]:
+def _tokens(tiny_dir, prompts, device="cpu", max_tokens=12, **options) -> list[list[int]]:
     engine = _engine(tiny_dir, device, index_key_dtype="fp8", **options)
     assert all(t.dtype == torch.uint8 for t in engine.runner.state.pool_keys.values())
     assert engine.cache.plan.fp8_index_keys
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     results = engine.generate(prompt_token_ids=prompts, sampling_params=params)
-    assert all(len(r.token_ids) == 12 for r in results)
+    assert all(len(r.token_ids) == max_tokens for r in results)
     return [r.token_ids for r in results]
 
 
@@ -67,3 +67,33 @@ def test_fp8_keys_plan_fewer_bytes_per_token(tiny_dirs):
 def test_index_key_dtype_checked():
     with pytest.raises(ValueError, match="index_key_dtype"):
         EngineConfig(index_key_dtype="fp16")
+
+
+def test_fp8_keys_prefix_cache_hits_keep_the_tokens(tiny_dirs, prompts):
+    """Cached prefixes (pages of FP8 rows copied for a new reader, state snapshots) give the
+    tokens of prefilling the whole prompt."""
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    longer = [p + prompts[1][:13] for p in prompts[:2]]
+    cached = _engine(tiny_dirs["embedded"], index_key_dtype="fp8", chunked_prefill_size=16)
+    cached.generate(prompt_token_ids=prompts[:2], sampling_params=params)
+    hits = cached.generate(prompt_token_ids=longer, sampling_params=params)
+    assert all(r.num_cached_tokens > 0 for r in hits)
+    assert [r.token_ids for r in hits] == _tokens(tiny_dirs["embedded"], longer,
+                                                  chunked_prefill_size=16,
+                                                  disable_radix_cache=True, max_tokens=8)
+
+
+def test_fp8_keys_mtp_keeps_the_tokens_of_mtp_off():
+    """Drafts verified over FP8 pooled keys (the verify write, its scratch tails) give the
+    greedy tokens of decoding without drafts, over chunks and preemption."""
+    from tests.engine.spec_helpers import SPEC, TEXTS, run_arrivals, spec_engine
+
+    outputs = {}
+    for name, extra in (("off", {}), ("on", {**SPEC, "disable_speculative_speed_check": True})):
+        engine = spec_engine(index_key_dtype="fp8", **extra)
+        prompts = [engine.tokenizer.encode(t) for t in TEXTS[:4]]
+        params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+        results = run_arrivals(engine, prompts, [0, 0, 1, 3], params)
+        outputs[name] = [c.result().token_ids for c in results]
+    assert outputs["on"] == outputs["off"]
+    assert engine.stats().speculative.num_draft_tokens > 10

@@ -45,6 +45,9 @@ def row_bytes(dim: int, fp8: bool, dtype: torch.dtype) -> int:
 def quantize(keys: torch.Tensor) -> torch.Tensor:
     """Keys `[..., D]` (any float dtype) -> FP8 rows `[..., D + 16]` uint8."""
     x = keys.float()
+    if x.numel() == 0:  # (no pools: torch may give the empty scale a stride of 0)
+        return torch.zeros(*x.shape[:-1], x.shape[-1] + TAIL_BYTES, dtype=torch.uint8,
+                           device=x.device)
     scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / FP8_MAX
     codes = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     pad = torch.zeros(*x.shape[:-1], TAIL_BYTES - 4, dtype=torch.uint8, device=x.device)
