@@ -355,10 +355,10 @@ def _indexer_prefill_case(ctx_len: int, chunk: int, peak: float) -> None:
               f"(bf16 peak {peak:.0f}), same scores {same}", flush=True)
 
 
-# Scoring launches for decodes: (queries, pool blocks per program, stages[, pools a block]);
-# one query and one block per program first.
+# Scoring launches for decodes: (queries, pool blocks per program, stages[, pools a block[,
+# warps]]); one query and one block per program first.
 INDEXER_DECODE_GRID = [(1, 1, 1), (1, 4, 2), (1, 8, 2), (1, 16, 2), (1, 16, 3), (1, 16, 4),
-                       (1, 8, 2, 128), (1, 8, 3, 128)]
+                       (1, 8, 2, 128), (1, 8, 3, 128), (1, 8, 3, 128, 8), (1, 4, 3, 256, 8)]
 # (context, sequences): one query at 128K and 32 sequences at 1M (the decode shapes),
 # and the sizes between, where DECODE_SCORE's program floor decides.
 INDEXER_DECODE_SHAPES = ((131072, 1), (131072, 8), (131072, 32), (1048576, 1), (1048576, 4),

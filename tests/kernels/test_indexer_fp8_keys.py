@@ -101,7 +101,8 @@ def _select_both(new, prefix, *, heads=4, dim=32, topk=16, score=ONE_QUERY, dtyp
 
 
 TILED = {"one": ONE_QUERY, "4q": ScoreLaunch(4), "4q_3_blocks": ScoreLaunch(4, 3, 2, 16),
-         "1q_3_blocks": ScoreLaunch(1, 3, 2, 16)}
+         "1q_3_blocks": ScoreLaunch(1, 3, 2, 16),
+         "1q_3_blocks_8_warps": ScoreLaunch(1, 3, 2, 16, 8)}
 
 
 @pytest.mark.parametrize("score", TILED.values(), ids=TILED.keys())
@@ -143,8 +144,9 @@ def test_fp8_selection_stays_close_to_model_dtype_keys():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("score", [ONE_QUERY, CHUNK_SCORE, ScoreLaunch(1, 16, 2),
-                                   ScoreLaunch(1, 8, 3, 128)],
-                         ids=["one", "chunk", "1q_16_blocks", "1q_8_blocks_of_128"])
+                                   ScoreLaunch(1, 8, 3, 128), ScoreLaunch(1, 8, 3, 128, 8)],
+                         ids=["one", "chunk", "1q_16_blocks", "1q_8_blocks_of_128",
+                              "1q_8_blocks_of_128_8_warps"])
 def test_release_shape_fp8_gpu(score):
     want, got, plain = _select_both([1, 1, 300], [6000, 2100, 5000], heads=32, dim=128,
                                     topk=2048, score=score, dtype=torch.bfloat16)

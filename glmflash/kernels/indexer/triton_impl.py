@@ -48,6 +48,7 @@ class ScoreLaunch:
     """Software pipeline depth of that loop (gathers of the next blocks in flight)."""
     block_pools: int = 64
     """Pools per block: the N of each product (a power of two, at least 16)."""
+    num_warps: int = 4
 
     def grid(self, num_queries: int, max_pools: int) -> tuple[int, int]:
         """Programs along the queries and along the pools for `num_queries` rows scoring up
@@ -356,7 +357,8 @@ def score_pools(q, weights, pool_keys, page_table, plan: SelectPlan, scores, len
     shapes = dict(KPOOL=kpool, PAGE=page_size, BHQ=max(16, triton.next_power_of_2(heads)),
                   BD=max(16, triton.next_power_of_2(dim)), BP=launch.block_pools,
                   DOT=tl.float16 if q_pow2 else dot_operand_type(q.dtype),
-                  PREC=product_precision(q.dtype), FP8_KEYS=fp8, Q_POW2=q_pow2, num_warps=4)
+                  PREC=product_precision(q.dtype), FP8_KEYS=fp8, Q_POW2=q_pow2,
+                  num_warps=launch.num_warps)
     per_query = (q, weights, pool_keys, page_table, plan.rows, plan.positions, plan.num_pools,
                  scores, lengths, t0)
     grid = launch.grid(n, plan.max_pools)
