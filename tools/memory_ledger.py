@@ -23,7 +23,7 @@ from glmflash.config import ModelConfig  # noqa: E402
 from glmflash.engine.cuda_graph import graph_batch_sizes  # noqa: E402
 from glmflash.engine.memory_ledger import GIB, PINNED, MemoryLedger  # noqa: E402
 from glmflash.engine.memory_plan import DeviceMemory, plan_memory  # noqa: E402
-from glmflash.engine.options import EngineConfig  # noqa: E402
+from glmflash.engine.options import INDEX_KEY_DTYPES, EngineConfig  # noqa: E402
 from glmflash.model.glm import GlmForCausalLM  # noqa: E402
 from glmflash.model.moe import Experts  # noqa: E402
 
@@ -93,6 +93,7 @@ def main() -> None:
     p.add_argument("--kt-num-gpu-experts", type=int, default=None)
     p.add_argument("--kt-gpu-prefill-token-threshold", type=int, default=None)
     p.add_argument("--cuda-graph-bs", type=int, nargs="+", default=None)
+    p.add_argument("--index-key-dtype", default="auto", choices=INDEX_KEY_DTYPES)
     args = p.parse_args()
     options = EngineConfig(context_length=args.context_length,
                            max_running_requests=args.max_running_requests,
@@ -101,7 +102,7 @@ def main() -> None:
                            kt_num_gpu_experts=args.kt_num_gpu_experts,
                            kt_gpu_prefill_token_threshold=args.kt_gpu_prefill_token_threshold,
                            cuda_graph_bs=tuple(args.cuda_graph_bs) if args.cuda_graph_bs
-                           else None)
+                           else None, index_key_dtype=args.index_key_dtype)
     print(release_ledger(options, args.gpu_gib, args.config).table())
 
 
