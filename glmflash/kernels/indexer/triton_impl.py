@@ -49,6 +49,7 @@ class ScoreLaunch:
     block_pools: int = 64
     """Pools per block: the N of each product (a power of two, at least 16)."""
     num_warps: int = 4
+    """Warps a program."""
 
     def grid(self, num_queries: int, max_pools: int) -> tuple[int, int]:
         """Programs along the queries and along the pools for `num_queries` rows scoring up
