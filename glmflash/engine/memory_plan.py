@@ -114,7 +114,7 @@ def plan_memory(model_config: ModelConfig, options: EngineConfig, max_seq_len: i
     plan = CachePlan(num_pages=num_pages, page_size=shape.page_size,
                      num_state_slots=shape.num_slots, max_pages_per_seq=shape.pages_per_seq,
                      num_snapshots=num_snapshots,
-                     fp8_index_keys=options.index_key_dtype == "fp8")
+                     fp8_index_keys=options.fp8_index_keys)
     if num_pages < shape.pages_per_seq or ledger.left < 0:
         raise MemoryPlanError(refusal(ledger, options, shape, max_seq_len, on_gpu))
     logger.info("%s", ledger.table())
@@ -124,7 +124,7 @@ def plan_memory(model_config: ModelConfig, options: EngineConfig, max_seq_len: i
 def _cache_shape(config: ModelConfig, options: EngineConfig, max_seq_len: int,
                  dtype: torch.dtype) -> CacheShape:
     page = -(-options.page_size // config.index_kpool) * config.index_kpool
-    per_token, per_slot = cache_bytes(config, dtype, options.index_key_dtype == "fp8")
+    per_token, per_slot = cache_bytes(config, dtype, options.fp8_index_keys)
     return CacheShape(page, per_token, per_slot, options.max_running_requests,
                       -(-max_seq_len // page))
 

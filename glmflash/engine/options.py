@@ -169,6 +169,11 @@ class EngineConfig:
     """Debug: verify cache ownership after every step."""
 
     @property
+    def fp8_index_keys(self) -> bool:
+        """The pooled indexer keys are FP8 rows (kernels/indexer/key_format.py)."""
+        return self.index_key_dtype == "fp8"
+
+    @property
     def num_speculative_steps(self) -> int:
         """Draft tokens per sequence and step (0: speculative decoding is off)."""
         if self.speculative_algorithm is None:
