@@ -18,7 +18,8 @@ draws). `record_eval` (train_tiny.py --eval) measures a checkpoint at the CI tes
 writes the figures into its manifest, where the tests read their floors.
 
 `--mtp-acceptance STEPS` instead measures speculative decoding's acceptance (STEPS chained
-drafts) on the task prompts, beside the MTP agreement over the same outputs.
+drafts) on the task prompts, beside the MTP agreement over the same outputs; `--index-keys`
+the template tasks with FP8 pooled indexer keys against the model dtype's.
 """
 
 from __future__ import annotations
@@ -171,6 +172,25 @@ def mtp_acceptance(checkpoint: Path, seed: int, per_family: int, num_steps: int 
                 mtp_agreement=mtp_agreement(checkpoint, tasks["sequences"], tasks["prompt_lens"]))
 
 
+def index_keys_check(checkpoint: Path, seed: int, per_family: int) -> dict:
+    """The held-out template tasks with the pooled indexer keys in the model dtype (the
+    reference's) and as FP8 rows (`--index-key-dtype fp8`): each one's exact match, and how far
+    the FP8 keys' greedy outputs follow the others."""
+    exact, outputs = {}, {}
+    for keys in ("auto", "fp8"):
+        engine = Engine(checkpoint, device="cpu", dtype="float32", context_length=2048,
+                        skip_kernel_warmup=True, index_key_dtype=keys)
+        try:
+            report = eval_tasks(engine, held_out_tasks(seed, per_family))
+        finally:
+            engine.shutdown()
+        exact[keys] = report["exact_match"]
+        outputs[keys] = [s[n:] for s, n in zip(report["sequences"], report["prompt_lens"],
+                                               strict=True)]
+    return dict(exact_match=exact, fp8_vs_model_dtype=greedy_agreement(outputs["auto"],
+                                                                       outputs["fp8"]))
+
+
 def gpu_agreement(checkpoint: Path, max_tokens: int = GPU_CHECK_TOKENS) -> dict:
     """Greedy tokens of the whole model in bf16 on the GPU (Triton kernels) against the CPU fp32
     reference, on 8 held-out questions and 8 held-out tool requests."""
@@ -255,6 +275,9 @@ def main() -> None:
     parser.add_argument("--tools", type=int, default=48)
     parser.add_argument("--mtp-acceptance", type=int, metavar="STEPS", default=None,
                         help="only measure speculative decoding's acceptance with STEPS drafts")
+    parser.add_argument("--index-keys", action="store_true",
+                        help="only compare the template tasks with FP8 pooled indexer keys "
+                        "against the model dtype's")
     parser.add_argument("--record", action="store_true",
                         help="measure at the CI test's sizes and write the figures into the "
                         "checkpoint's manifest (the tests' floors)")
@@ -265,6 +288,9 @@ def main() -> None:
     if args.mtp_acceptance:
         print(json.dumps(mtp_acceptance(checkpoint, args.seed, args.per_family,
                                         args.mtp_acceptance), indent=2))
+        return
+    if args.index_keys:
+        print(json.dumps(index_keys_check(checkpoint, args.seed, args.per_family), indent=2))
         return
     if args.record:
         record_eval(checkpoint, gpu_check=args.gpu_check)
