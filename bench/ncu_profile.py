@@ -30,6 +30,7 @@ DEFAULT_TARGETS = (
     "fp8:2048:4096:1536=fp8_act_quant|nvjet|gemm|xmma|cutlass=2",
     "smm:2048:4096:1536=nvjet|gemm|xmma|cutlass",
     "moe:8192=fused_moe_w8a8=2", "idx:1048576:32=indexer_score|topk=6",
+    "idx8:1048576:32=indexer_score=1",
 )
 STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio")
 TENSOR = re.compile(r"sm__pipe_tensor\w*_cycles_active\.avg\.pct_of_peak_sustained_active")
