@@ -161,6 +161,18 @@ def test_decode_rule_tiles_only_when_every_sm_keeps_programs(monkeypatch):
         assert seen.pop() == want
 
 
+def test_decode_rule_picks_the_measured_shapes_on_132_sms():
+    """DECODE_SCORE at the H200's sizes picks what indexer/README.md's table measured fastest:
+    (context x sequences) -> launch."""
+    pick = triton_impl.DECODE_SCORE.pick
+    kpool = 4
+    picks = {(131072, 1): ONE_QUERY, (131072, 8): ONE_QUERY,
+             (131072, 32): ScoreLaunch(1, 4, 2), (1048576, 1): ONE_QUERY,
+             (1048576, 4): ScoreLaunch(1, 4, 2), (1048576, 32): ScoreLaunch(1, 8, 3, 128)}
+    for (context, sequences), want in picks.items():
+        assert pick(sequences, context // kpool, 132) == want, (context, sequences)
+
+
 def test_indexer_select_follows_page_table():
     """A decode whose context spans several scrambled pages selects slots of its own pages."""
     (q, w, pk, table), plan = _batch([1], [100], 4, 32, 4, torch.float32)
