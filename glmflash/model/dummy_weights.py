@@ -16,7 +16,7 @@ import time
 import torch
 from torch import nn
 
-from glmflash.kernels.fp8_gemm import FP8_DTYPE
+from glmflash.kernels.fp8_gemm.ref import FP8_DTYPE, FP8_MAX
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,6 @@ WEIGHT_STD = 0.02
 CODE_STD = 448 / 4.25
 FP8_SCALE = WEIGHT_STD / CODE_STD
 """Typical `weight_scale_inv` (~1.9e-4): dequantised FP8 weights have WEIGHT_STD too."""
-FP8_MAX = 448.0
 HC_SCALE = 0.1
 """mHC `scale`: keeps the pre/post gates near sigmoid's middle and the mixing near uniform."""
 

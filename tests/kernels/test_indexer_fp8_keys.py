@@ -32,7 +32,7 @@ def test_round_trip_within_half_a_code_step():
     assert rows.dtype == torch.uint8 and rows.shape == (64, 144)
     assert (rows[:, 132:] == 0).all()
     codes, scales = key_format.split(rows)
-    back = key_format.key_values(rows)
+    back = codes * scales[:, None]
     ref = keys.to(torch.bfloat16).float()
     assert torch.equal(back[3], torch.zeros(128)) and scales[3] > 0
     assert (codes.abs().amax(dim=1)[scales * 448 > 1e-11] == 448).all()
@@ -45,10 +45,6 @@ def test_round_trip_within_half_a_code_step():
     assert key_format.quantize(torch.zeros(0, 16)).shape == (0, 32)
 
 
-def _fp8_copy(pool_keys):
-    return key_format.quantize(pool_keys)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decode_write_stores_the_quantized_key(dtype):
     """Triton and the reference: the FP8 cache after a write is `quantize` of the model-dtype
@@ -56,7 +52,7 @@ def test_decode_write_stores_the_quantized_key(dtype):
     tensors = _case([0, 1, 2, 3, 62, 63, 17, 40], 128, 4, dtype)
     keys, gates, ape, pool_keys, tail, table, slots, pos = tensors
     for write in (indexer_write_decode, write_ref):
-        plain, fp8 = pool_keys.clone(), _fp8_copy(pool_keys)
+        plain, fp8 = pool_keys.clone(), key_format.quantize(pool_keys)
         write(keys, gates, ape, plain, tail.clone(), table, slots, pos, page_size=_page(4))
         write(keys, gates, ape, fp8, tail.clone(), table, slots, pos, page_size=_page(4))
         assert torch.equal(fp8, key_format.quantize(plain)), write.__module__
@@ -65,7 +61,7 @@ def test_decode_write_stores_the_quantized_key(dtype):
 
 def test_verify_write_stores_the_quantized_key():
     keys, gates, ape, pool_keys, tail, table, slots, positions, seqs = _verify_case(dim=128)
-    plain, fp8 = pool_keys.clone(), _fp8_copy(pool_keys)
+    plain, fp8 = pool_keys.clone(), key_format.quantize(pool_keys)
     for cache in (plain, fp8):
         indexer_write_verify(keys, gates, ape, cache, tail.clone(), table, slots, positions,
                              seqs, None, 3, page_size=_page(4))
@@ -82,7 +78,7 @@ def test_prefill_write_stores_the_quantized_key():
     pool_keys, tail = torch.randn(48 // kpool * 4, dim, generator=gen), \
         torch.randn(3, kpool - 1, 2 * dim, generator=gen)
     plan = write_plan(cu, prefix, slots, 3, kpool, torch.device("cpu"))
-    plain, fp8 = pool_keys.clone(), _fp8_copy(pool_keys)
+    plain, fp8 = pool_keys.clone(), key_format.quantize(pool_keys)
     for cache in (plain, fp8):
         indexer_write_ref(keys, gates, ape, cache, tail.clone(), table, plan, page_size=page)
     assert torch.equal(fp8, key_format.quantize(plain))

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-FP8_MAX = 448.0
+from glmflash.kernels.fp8_gemm.ref import FP8_DTYPE, FP8_MAX
+
 TAIL_BYTES = 16
 """Bytes after the codes: the fp32 scale, then zeros to the next 16-byte boundary."""
 
@@ -49,7 +50,7 @@ def quantize(keys: torch.Tensor) -> torch.Tensor:
         return torch.zeros(*x.shape[:-1], x.shape[-1] + TAIL_BYTES, dtype=torch.uint8,
                            device=x.device)
     scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / FP8_MAX
-    codes = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    codes = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     pad = torch.zeros(*x.shape[:-1], TAIL_BYTES - 4, dtype=torch.uint8, device=x.device)
     return torch.cat([codes.view(torch.uint8), scale.view(torch.uint8), pad], dim=-1)
 
@@ -57,17 +58,9 @@ def quantize(keys: torch.Tensor) -> torch.Tensor:
 def split(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 rows `[..., D + 16]` -> (codes as fp32 `[..., D]`, scales `[...]`)."""
     dim = rows.shape[-1] - TAIL_BYTES
-    codes = rows[..., :dim].contiguous().view(torch.float8_e4m3fn).float()
+    codes = rows[..., :dim].contiguous().view(FP8_DTYPE).float()
     scales = rows[..., dim:dim + 4].contiguous().view(torch.float32)[..., 0]
     return codes, scales
-
-
-def key_values(rows: torch.Tensor) -> torch.Tensor:
-    """Rows of either format -> the keys they hold, fp32 `[..., D]`."""
-    if not is_fp8(rows):
-        return rows.float()
-    codes, scales = split(rows)
-    return codes * scales[..., None]
 
 
 def encode(pool_keys: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -79,5 +72,5 @@ def key_dim(pool_keys: torch.Tensor) -> int:
     return pool_keys.shape[-1] - (TAIL_BYTES if is_fp8(pool_keys) else 0)
 
 
-__all__ = ["FP8_MAX", "allocate", "encode", "is_fp8", "key_dim", "key_values",
-           "quantize", "row_bytes", "row_width", "split"]
+__all__ = ["allocate", "encode", "is_fp8", "key_dim", "quantize", "row_bytes", "row_width",
+           "split"]
