@@ -32,6 +32,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from glmflash.kernels.fp8_gemm import triton_impl as fp8  # noqa: E402
 from glmflash.kernels.fp8_gemm import triton_stream as fp8_stream  # noqa: E402
+from glmflash.kernels.fused_moe import expert_rows  # noqa: E402
 from glmflash.kernels.fused_moe import triton_impl as moe  # noqa: E402
 from glmflash.kernels.fused_moe import triton_sort as moe_sort  # noqa: E402
 from glmflash.kernels.fused_moe import triton_w8a8 as moe_w8a8  # noqa: E402
@@ -290,9 +291,9 @@ def fused_moe_launches() -> list[Launch]:
                    cfg.gate_up_warps, cfg.gate_up_stages, aligned=("N", "K")),
             Launch(f"fused_moe w8a8 BM{cfg.block_m} down", moe_w8a8.fused_moe_w8a8_down_kernel,
                    down, consts, cfg.down_warps, cfg.down_stages, aligned=("N", "K"))]
-    out.append(Launch("fused_moe sum", moe.fused_moe_sum_kernel,
+    out.append(Launch("fused_moe sum", expert_rows.fused_moe_sum_kernel,
                       {"y": "*bf16", "ids": "*i64", "weights": "*fp32", "out": "*bf16"},
-                      dict(TOP_K=8, BD=moe.SUM_BLOCK), 4, aligned=("D",)))
+                      dict(TOP_K=8, BD=expert_rows.SUM_BLOCK), 4, aligned=("D",)))
     return out
 
 
@@ -382,8 +383,7 @@ def hyper_launches() -> list[Launch]:
                           f"{' fp32' if fp32 else ''}", hyper.hyper_pre_kernel, ptrs, consts,
                           cfg.num_warps, aligned=("D", "stride_fn", "K_PER_SPLIT")))
     post = {"y": "*bf16", "y2": "*bf16", "x": "*bf16", "post": "*fp32", "comb": "*fp32",
-            "out": "*bf16"}
-    post = post | {"ids": "*i64", "weights": "*fp32"}
+            "out": "*bf16", "ids": "*i64", "weights": "*fp32"}
     for tokens, top_k in ((1, 0), (1, 8), (2048, 0)):
         cfg = hyper.default_post_config(tokens)
         rows = " summing 8 routed rows" if top_k else ""

@@ -7,7 +7,8 @@ Four launches (README.md has the layout and why it needs no sync):
 2. `fused_moe_gate_up_kernel`: per row block, its expert's gate and up projections of its rows
    (weights dequantised in registers), clamped SwiGLU, h in x's dtype;
 3. `fused_moe_down_kernel`: h W_down^T, one output row per pair, in x's dtype;
-4. `fused_moe_sum_kernel`: each token's pairs times their routing weights, summed in slot order.
+4. `fused_moe_sum_kernel` (expert_rows.py): each token's pairs times their routing weights,
+   summed in slot order.
 Prefill with FP8 weights on GPUs with FP8 products replaces 2 and 3 by the W8A8 form
 (triton_w8a8.py: activations and h quantised to e4m3, FP8 x FP8 products).
 """
@@ -26,12 +27,7 @@ except ImportError:  # the package must import without triton; the launchers nee
 
 from glmflash.kernels.fp8_gemm.triton_common import has_fp8_products
 from glmflash.kernels.fp8_gemm.triton_impl import quantize_activations
-from glmflash.kernels.fused_moe.expert_rows import (  # noqa: F401 (the sum's, re-exported)
-    SUM_BLOCK,
-    ExpertRows,
-    fused_moe_sum_kernel,
-    sum_rows,
-)
+from glmflash.kernels.fused_moe.expert_rows import ExpertRows, sum_rows
 from glmflash.kernels.fused_moe.gluon_w8a8 import (
     GLUON_W8A8_CONFIG,
     GluonMoeConfig,

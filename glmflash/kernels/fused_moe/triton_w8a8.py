@@ -9,7 +9,7 @@ Launches (README.md has the layout and the numerics):
    gathered token rows, the clamped SwiGLU, and h quantised per row over those 128 columns
    (one program's columns are one scale block of the down projection);
 4. `fused_moe_w8a8_down_kernel`: h W_down^T, 256 columns per program, one row per pair;
-5. `fused_moe_sum_kernel` (triton_impl.py): each token's pairs times their routing weights.
+5. `fused_moe_sum_kernel` (expert_rows.py): each token's pairs times their routing weights.
 """
 
 from __future__ import annotations
