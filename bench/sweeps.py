@@ -315,33 +315,40 @@ def sweep_topk(k: int = 512) -> None:
 INDEXER_PREFILL_SHAPES = ((131072, 512), (1048576, 512))
 
 
-# Scoring launches for a prefill chunk: (queries, pool blocks per program, stages); first the
-# one-query kernel, then the default.
-INDEXER_CHUNK_GRID = [(1, 1, 1), (4, 1, 1), (4, 4, 2), (4, 8, 2), (4, 16, 2), (4, 16, 3),
-                      (4, 32, 3), (8, 8, 2), (2, 16, 3)]
+# Scoring launches for a prefill chunk: (queries, pool blocks per program, stages[, pools a
+# block[, warps[, keys first]]]); first the one-query kernel, then the default, then the
+# default with the queries first (`ScoreLaunch.keys_first`).
+INDEXER_CHUNK_GRID = [(1, 1, 1), (4, 16, 2), (4, 16, 2, 64, 4, False), (4, 1, 1), (4, 4, 2),
+                      (4, 8, 2), (4, 16, 3), (4, 32, 3), (8, 8, 2), (2, 16, 3), (4, 8, 2, 128)]
+# The FP8 keys' pass: the first three.
+INDEXER_CHUNK_GRID_FP8 = INDEXER_CHUNK_GRID[:3]
 
 
 def sweep_indexer_prefill() -> None:
     """The scoring kernel over a chunk of one sequence's queries at each launch shape, against
-    the bf16 tensor peak (the chunk's products) of the same run."""
+    the bf16 tensor peak (the chunk's products) of the same run; bf16 keys, then FP8 rows."""
     peak = bf16_peak_tflops()
-    for ctx_len, chunk in INDEXER_PREFILL_SHAPES:
-        _indexer_prefill_case(ctx_len, chunk, peak)
-        torch.cuda.empty_cache()
+    for fp8, grid in ((False, INDEXER_CHUNK_GRID), (True, INDEXER_CHUNK_GRID_FP8)):
+        for ctx_len, chunk in INDEXER_PREFILL_SHAPES:
+            _indexer_prefill_case(ctx_len, chunk, peak, fp8, grid)
+            torch.cuda.empty_cache()
 
 
-def _indexer_prefill_case(ctx_len: int, chunk: int, peak: float) -> None:
-    from glmflash.kernels.indexer import select_plan
+def _indexer_prefill_case(ctx_len: int, chunk: int, peak: float, fp8: bool,
+                          grid: list[tuple]) -> None:
+    from glmflash.kernels.indexer import key_format, select_plan
     from glmflash.kernels.indexer.triton_impl import ScoreLaunch, score_pools
 
     heads, dim, kpool, page = INDEXER_SHAPE
     plan = select_plan([0, chunk], [ctx_len - chunk], [0], kpool, torch.device("cuda"))
     pool_keys, table_, q, w = indexer_inputs(chunk, 1, ctx_len)
+    if fp8:
+        pool_keys = key_format.quantize(pool_keys)
     lengths = torch.empty(chunk, dtype=torch.int32, device="cuda")
     pools = sum((p + 1) // kpool for p in range(ctx_len - chunk, ctx_len))
     flops = 2 * heads * dim * pools
     base, first = None, None
-    for shape in INDEXER_CHUNK_GRID:
+    for shape in grid:
         launch = ScoreLaunch(*shape)
         scores = torch.full((chunk, plan.max_pools), float("nan"), device="cuda")
         us = graph_ms(lambda s=scores, c=launch: score_pools(
@@ -350,15 +357,18 @@ def _indexer_prefill_case(ctx_len: int, chunk: int, peak: float) -> None:
         cand = ~torch.isnan(first)
         same = torch.allclose(scores[cand], first[cand], rtol=1e-3, atol=1e-3)
         base = base or us
-        print(f"indexer prefill ctx={ctx_len} chunk={chunk} {shape}: {us:.0f} us "
+        print(f"indexer prefill ctx={ctx_len} chunk={chunk} {'fp8' if fp8 else 'bf16'} "
+              f"{shape}: {us:.0f} us "
               f"({base / us:.2f}x of one query), {flops / us / 1e6:.0f} TFLOP/s "
               f"(bf16 peak {peak:.0f}), same scores {same}", flush=True)
 
 
 # Scoring launches for decodes: (queries, pool blocks per program, stages[, pools a block[,
-# warps]]); one query and one block per program first.
+# warps[, keys first]]]); one query and one block per program first, the queries-first forms
+# of it and of the tiled default last.
 INDEXER_DECODE_GRID = [(1, 1, 1), (1, 4, 2), (1, 8, 2), (1, 16, 2), (1, 16, 3), (1, 16, 4),
-                       (1, 8, 2, 128), (1, 8, 3, 128), (1, 8, 3, 128, 8), (1, 4, 3, 256, 8)]
+                       (1, 8, 2, 128), (1, 8, 3, 128), (1, 8, 4, 128), (1, 8, 3, 128, 8),
+                       (1, 4, 3, 256, 8), (1, 1, 1, 64, 4, False), (1, 8, 3, 128, 4, False)]
 # (context, sequences): one query at 128K and 32 sequences at 1M (the issue's decode shapes),
 # and the sizes between, where DECODE_SCORE's program floor decides.
 INDEXER_DECODE_SHAPES = ((131072, 1), (131072, 8), (131072, 32), (1048576, 1), (1048576, 4),
@@ -391,7 +401,7 @@ def _indexer_decode_case(ctx_len: int, b: int, copy_gbs: float, fp8: bool) -> No
     picked = DECODE_SCORE.pick(b, pools, num_sms(q.device))
     keys = "fp8" if fp8 else "bf16"
     print(f"indexer decode scoring ctx={ctx_len} queries={b} {keys}: DECODE_SCORE picks "
-          f"{(picked.queries, picked.pool_blocks, picked.num_stages)}", flush=True)
+          f"{picked}", flush=True)
     first = None
     for shape in INDEXER_DECODE_GRID:
         scores = torch.full((b, pools), float("nan"), device="cuda")

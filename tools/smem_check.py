@@ -310,12 +310,14 @@ def indexer_launches() -> list[Launch]:
         score = dict(KPOOL=4, PAGE=64, BHQ=32, BD=128, PREC="tf32", FP8_KEYS=fp8_keys,
                      DOT=tl.float16 if fp8_keys else tl.bfloat16, Q_POW2=fp8_keys)
         out += [Launch(f"indexer score{keys}", indexer.indexer_score_kernel, key_ptrs,
-                       dict(score, BP=one.block_pools), 4, aligned=("NH", "D"))]
+                       dict(score, BP=one.block_pools, KEYS_FIRST=one.keys_first), 4,
+                       aligned=("NH", "D"))]
         out += [Launch(f"indexer score {tiled.queries} queries x {tiled.pool_blocks} blocks"
                        f"{keys}", indexer.indexer_score_tiled_kernel, key_ptrs,
                        dict(score, BP=tiled.block_pools, BQ=tiled.queries,
-                            POOL_BLOCKS=tiled.pool_blocks, NUM_STAGES=tiled.num_stages),
-                       4, tiled.num_stages, aligned=("NH", "D"))
+                            POOL_BLOCKS=tiled.pool_blocks, NUM_STAGES=tiled.num_stages,
+                            KEYS_FIRST=tiled.keys_first),
+                       tiled.num_warps, tiled.num_stages, aligned=("NH", "D"))
                 for tiled in (chunk, *indexer.DECODE_SCORE.tiled)]
     topk = {"scores": "*fp32", "lengths": "*i32", "hist": "*i32", "seg_hist": "*i32",
             "above": "*i32", "cand": "*i32", "num_cand": "*i32", "out": "*i32"}

@@ -98,7 +98,10 @@ def _select_both(new, prefix, *, heads=4, dim=32, topk=16, score=ONE_QUERY, dtyp
 
 TILED = {"one": ONE_QUERY, "4q": ScoreLaunch(4), "4q_3_blocks": ScoreLaunch(4, 3, 2, 16),
          "1q_3_blocks": ScoreLaunch(1, 3, 2, 16),
-         "1q_3_blocks_8_warps": ScoreLaunch(1, 3, 2, 16, 8)}
+         "1q_3_blocks_8_warps": ScoreLaunch(1, 3, 2, 16, 8),
+         "one_queries_first": ScoreLaunch(1, keys_first=False),
+         "4q_3_blocks_queries_first": ScoreLaunch(4, 3, 2, 16, keys_first=False),
+         "1q_3_blocks_queries_first": ScoreLaunch(1, 3, 2, 16, keys_first=False)}
 
 
 @pytest.mark.parametrize("score", TILED.values(), ids=TILED.keys())
@@ -111,7 +114,9 @@ def test_triton_select_on_fp8_keys_matches_ref(new, prefix, score):
 
 
 @pytest.mark.parametrize("q_scale", [1.0, 3e5, 1e-6], ids=["unit", "past_fp16", "tiny"])
-@pytest.mark.parametrize("score", [ONE_QUERY, ScoreLaunch(4, 3, 2, 16)], ids=["one", "tiled"])
+@pytest.mark.parametrize("score", [ONE_QUERY, ScoreLaunch(4, 3, 2, 16),
+                                   ScoreLaunch(4, 3, 2, 16, keys_first=False)],
+                         ids=["one", "tiled", "tiled_queries_first"])
 def test_bf16_queries_take_fp16_products_exactly(score, q_scale):
     """bf16 queries over FP8 keys: fp16 products after a power-of-two scale per row
     (`_query_rows`), so queries far outside fp16's range select as the reference does."""
@@ -140,9 +145,13 @@ def test_fp8_selection_stays_close_to_model_dtype_keys():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("score", [ONE_QUERY, CHUNK_SCORE, ScoreLaunch(1, 16, 2),
-                                   ScoreLaunch(1, 8, 3, 128), ScoreLaunch(1, 8, 3, 128, 8)],
+                                   ScoreLaunch(1, 8, 3, 128), ScoreLaunch(1, 8, 3, 128, 8),
+                                   ScoreLaunch(1, keys_first=False),
+                                   ScoreLaunch(4, 16, 2, keys_first=False),
+                                   ScoreLaunch(1, 8, 3, 128, keys_first=False)],
                          ids=["one", "chunk", "1q_16_blocks", "1q_8_blocks_of_128",
-                              "1q_8_blocks_of_128_8_warps"])
+                              "1q_8_blocks_of_128_8_warps", "one_queries_first",
+                              "chunk_queries_first", "1q_8_blocks_of_128_queries_first"])
 def test_release_shape_fp8_gpu(score):
     want, got, plain = _select_both([1, 1, 300], [6000, 2100, 5000], heads=32, dim=128,
                                     topk=2048, score=score, dtype=torch.bfloat16)

@@ -73,7 +73,10 @@ def test_indexer_select_matches_ref(new, prefix):
 # boundary (scored query by query), a last tile with fewer queries, and decodes; one or several
 # pool blocks per program (16 pools a block: 50 pools in the odd chunk).
 TILED = {"2q": ScoreLaunch(2), "4q": ScoreLaunch(4), "4q_3_blocks": ScoreLaunch(4, 3, 2, 16),
-         "2q_2_blocks": ScoreLaunch(2, 2, 1, 16), "1q_3_blocks": ScoreLaunch(1, 3, 2, 16)}
+         "2q_2_blocks": ScoreLaunch(2, 2, 1, 16), "1q_3_blocks": ScoreLaunch(1, 3, 2, 16),
+         "one_queries_first": ScoreLaunch(1, keys_first=False),
+         "4q_3_blocks_queries_first": ScoreLaunch(4, 3, 2, 16, keys_first=False),
+         "1q_3_blocks_queries_first": ScoreLaunch(1, 3, 2, 16, keys_first=False)}
 
 
 @pytest.mark.parametrize("score", TILED.values(), ids=TILED.keys())
@@ -101,12 +104,14 @@ def test_indexer_select_several_queries_per_program(new, prefix, score):
 
 def test_indexer_select_tiles_only_chunks(monkeypatch):
     """By default a plan with a chunk of at least CHUNK_SCORE.queries queries scores that many
-    per program; a batch of decodes (or only shorter chunks) one per program."""
+    per program; a batch of decodes (or only shorter chunks) takes the decode rule's launch
+    (here, with the floor out of reach, one query per program)."""
     seen = []
     score = triton_impl.score_pools
     monkeypatch.setattr(triton_impl, "num_sms", lambda device: 4)  # the interpreter's count
     monkeypatch.setattr(triton_impl, "score_pools",
                         lambda *a, **k: seen.append(a[-1]) or score(*a, **k))
+    one_only = triton_impl.DecodeScoreRule(min_programs_per_sm=1 << 20)
     tiled = triton_impl.CHUNK_SCORE
     for new, prefix, want in (([1, 1, 1], [3, 100, 17], ONE_QUERY), ([30, 1], [0, 60], tiled),
                               ([tiled.queries - 1, 1], [40, 9], ONE_QUERY)):
@@ -114,7 +119,7 @@ def test_indexer_select_tiles_only_chunks(monkeypatch):
         # such ties decide the last place here (their order is free).
         (q, w, pk, table), plan = _batch(new, prefix, 8, 32, 4, torch.float32)
         got = triton_impl.indexer_select(q, w, pk, table, plan, page_size=PAGE, topk=16,
-                                         kpool=4, select_tail=True)
+                                         kpool=4, select_tail=True, decode=one_only)
         want_slots = indexer_select_ref(q, w, pk, table, plan, page_size=PAGE, topk=16,
                                         kpool=4, select_tail=True)
         assert torch.equal(got.sort(dim=1).values, want_slots.sort(dim=1).values)
@@ -166,9 +171,10 @@ def test_decode_rule_picks_the_measured_shapes_on_132_sms():
     (context x sequences) -> launch."""
     pick = triton_impl.DECODE_SCORE.pick
     kpool = 4
-    picks = {(131072, 1): ONE_QUERY, (131072, 8): ONE_QUERY,
-             (131072, 32): ScoreLaunch(1, 4, 2), (1048576, 1): ONE_QUERY,
-             (1048576, 4): ScoreLaunch(1, 4, 2), (1048576, 32): ScoreLaunch(1, 8, 3, 128)}
+    tiled = ScoreLaunch(1, 8, 3, 128)
+    picks = {(131072, 1): ONE_QUERY, (131072, 4): ONE_QUERY, (131072, 8): tiled,
+             (131072, 32): tiled, (1048576, 1): tiled, (1048576, 4): tiled,
+             (1048576, 32): tiled}
     for (context, sequences), want in picks.items():
         assert pick(sequences, context // kpool, 132) == want, (context, sequences)
 
@@ -233,9 +239,13 @@ def test_indexer_select_graph_replay_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("score", [ONE_QUERY, ScoreLaunch(4), ScoreLaunch(8),
                                    triton_impl.CHUNK_SCORE, ScoreLaunch(4, 16, 3),
-                                   ScoreLaunch(1, 16, 2), ScoreLaunch(1, 8, 3, 128)],
+                                   ScoreLaunch(1, 16, 2), ScoreLaunch(1, 8, 3, 128),
+                                   ScoreLaunch(1, keys_first=False),
+                                   ScoreLaunch(4, 16, 2, keys_first=False),
+                                   ScoreLaunch(1, 8, 3, 128, keys_first=False)],
                          ids=["one", "4q", "8q", "default", "4q_16_blocks", "1q_16_blocks",
-                              "1q_8_blocks_of_128"])
+                              "1q_8_blocks_of_128", "one_queries_first",
+                              "default_queries_first", "1q_8_blocks_of_128_queries_first"])
 def test_indexer_select_release_shape_gpu(score):
     # 32 heads x 128, kpool 4, top-2048: a 6000-token context makes the selection sparse.
     _check([1, 1, 300], [6000, 2100, 5000], heads=32, dim=128, topk=2048, dtype=torch.float32,

@@ -50,6 +50,11 @@ class ScoreLaunch:
     """Pools per block: the N of each product (a power of two, at least 16)."""
     num_warps: int = 4
     """Warps a program."""
+    keys_first: bool = True
+    """The pooled keys are the product's first operand (`[pools, heads]` scores): on SM90 a
+    product whose first operand sits in registers runs on the warpgroup tensor cores (FP8 keys
+    are converted there), and the sum over heads stays within a thread's row. Otherwise the
+    queries come first (`[heads, pools]`), measured slower at every shape (README.md)."""
 
     def grid(self, num_queries: int, max_pools: int) -> tuple[int, int]:
         """Programs along the queries and along the pools for `num_queries` rows scoring up
@@ -66,8 +71,8 @@ class ScoreLaunch:
             raise ValueError(f"block_pools {self.block_pools}: a power of two >= 16")
 
 
-# Prefill chunks: 4 queries and 16 pool blocks per program, two stages (README: 2.05-2.13x one
-# query per program at a 512-query chunk, 128K and 1M context, on the H200).
+# Prefill chunks: 4 queries and 16 pool blocks per program, two stages (README: 2.9x one query
+# per program at a 512-query chunk, 128K and 1M context, on the H200).
 CHUNK_SCORE = ScoreLaunch(queries=4, pool_blocks=16, num_stages=2)
 ONE_QUERY = ScoreLaunch(queries=1)
 
@@ -81,10 +86,8 @@ class DecodeScoreRule:
     (short work needs every program it can get). README.md has the measurements."""
 
     tiled: tuple[ScoreLaunch, ...] = (
-        ScoreLaunch(queries=1, pool_blocks=8, num_stages=3, block_pools=128),
-        ScoreLaunch(queries=1, pool_blocks=16, num_stages=2),
-        ScoreLaunch(queries=1, pool_blocks=4, num_stages=2))
-    min_programs_per_sm: int = 8
+        ScoreLaunch(queries=1, pool_blocks=8, num_stages=3, block_pools=128),)
+    min_programs_per_sm: int = 1
 
     def pick(self, queries: int, max_pools: int, sms: int) -> ScoreLaunch:
         for launch in self.tiled:
@@ -149,11 +152,31 @@ def _query_rows(b_q, DOT: tl.constexpr, Q_POW2: tl.constexpr):
 
 
 @jit
+def _head_sums(b_q, b_qf, b_w, b_k, scale, BQ: tl.constexpr, BHQ: tl.constexpr,
+               BP: tl.constexpr, PREC: tl.constexpr, Q_POW2: tl.constexpr,
+               KEYS_FIRST: tl.constexpr):
+    """`[BQ, BP]`: for each of BQ queries (head rows `b_q` `[BQ * BHQ, BD]`, their factors
+    `b_qf` (`_query_rows`) and weights `b_w` `[BQ * BHQ]`) and each key row of `b_k`
+    `[BP, BD]`, sum_h w relu(q_h . k * scale). KEYS_FIRST: the product is taken as
+    `[BP, BQ * BHQ]` (`ScoreLaunch.keys_first`)."""
+    if KEYS_FIRST:
+        b_st = tl.dot(b_k, tl.trans(b_q), input_precision=PREC)  # [BP, BQ*BHQ]
+        b_st = b_st * (b_qf * scale)[None, :] if Q_POW2 else b_st * scale
+        b_st = tl.maximum(b_st, 0.0) * b_w[None, :]
+        return tl.trans(tl.sum(tl.reshape(b_st, [BP, BQ, BHQ]), 2))
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)  # [BQ*BHQ, BP]
+    b_s = b_s * (b_qf * scale)[:, None] if Q_POW2 else b_s * scale
+    b_s = tl.maximum(b_s, 0.0) * b_w[:, None]
+    return tl.sum(tl.reshape(b_s, [BQ, BHQ, BP]), 1)
+
+
+@jit
 def _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions, scores, i_t,
                  t_begin, i_p, scale, w_scale, stride_qt, stride_qh, stride_wt, stride_pk,
                  stride_pt, stride_st, NH, D, KPOOL: tl.constexpr, PAGE: tl.constexpr,
                  BHQ: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr, DOT: tl.constexpr,
-                 PREC: tl.constexpr, FP8_KEYS: tl.constexpr, Q_POW2: tl.constexpr):
+                 PREC: tl.constexpr, FP8_KEYS: tl.constexpr, Q_POW2: tl.constexpr,
+                 KEYS_FIRST: tl.constexpr):
     """Scores of query i_t over its candidate pools of block i_p (none past its candidates)."""
     length = _candidates(num_pools, positions, i_t, KPOOL)
     if i_p * BP < length:
@@ -172,9 +195,8 @@ def _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions, 
         slot = _slot_of(page_table, row, o_p.to(tl.int64) * KPOOL, stride_pt, PAGE, is_cand)
         b_k, b_ks = _load_keys(pool_keys, slot // KPOOL, is_cand, o_d, m_d, stride_pk, D,
                                FP8_KEYS, DOT)  # [BP, BD], [BP]
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)  # [BHQ, BP]
-        b_s = b_s * (b_qf * scale)[:, None] if Q_POW2 else b_s * scale
-        b_s = tl.sum(tl.maximum(b_s, 0.0) * b_w[:, None], 0)
+        b_s = tl.reshape(_head_sums(b_q, b_qf, b_w, b_k, scale, 1, BHQ, BP, PREC, Q_POW2,
+                                    KEYS_FIRST), [BP])
         if FP8_KEYS:
             b_s = b_s * b_ks
         p_s = scores + (i_t - t_begin).to(tl.int64) * stride_st + o_p
@@ -187,7 +209,8 @@ def indexer_score_kernel(q, weights, pool_keys, page_table, rows, positions, num
                          stride_pk, stride_pt, stride_st, NH, D, KPOOL: tl.constexpr,
                          PAGE: tl.constexpr, BHQ: tl.constexpr, BD: tl.constexpr,
                          BP: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                         FP8_KEYS: tl.constexpr, Q_POW2: tl.constexpr):
+                         FP8_KEYS: tl.constexpr, Q_POW2: tl.constexpr,
+                         KEYS_FIRST: tl.constexpr):
     """scores[t, p] = sum_h w[t, h] w_scale relu(q[t, h] . K_p * scale) for t's candidate pools
     p < lengths[t] (complete and ending at or before t's position); nothing is written past a
     row's candidates (the top-k reads only them)."""
@@ -198,7 +221,7 @@ def indexer_score_kernel(q, weights, pool_keys, page_table, rows, positions, num
     _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions, scores, i_t,
                  t_begin, i_p, scale, w_scale, stride_qt, stride_qh, stride_wt, stride_pk,
                  stride_pt, stride_st, NH, D, KPOOL, PAGE, BHQ, BD, BP, DOT, PREC, FP8_KEYS,
-                 Q_POW2)
+                 Q_POW2, KEYS_FIRST)
 
 
 @jit(do_not_specialize=("t_begin", "stride_st"))
@@ -209,7 +232,7 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
                                BHQ: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr,
                                POOL_BLOCKS: tl.constexpr, NUM_STAGES: tl.constexpr,
                                DOT: tl.constexpr, PREC: tl.constexpr, FP8_KEYS: tl.constexpr,
-                               Q_POW2: tl.constexpr):
+                               Q_POW2: tl.constexpr, KEYS_FIRST: tl.constexpr):
     """`indexer_score_kernel` for BQ consecutive queries and POOL_BLOCKS blocks of BP pools per
     program: the queries' heads are the M of one product (BQ x BHQ rows), so a block of pooled
     keys is loaded once for them all, and the queries once for all the blocks. The keys are the
@@ -252,10 +275,8 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
                                 is_key)
                 b_k, b_ks = _load_keys(pool_keys, slot // KPOOL, is_key, o_d, m_d, stride_pk,
                                        D, FP8_KEYS, DOT)
-                b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)  # [BQ*BHQ, BP]
-                b_s = b_s * (b_qf * scale)[:, None] if Q_POW2 else b_s * scale
-                b_s = tl.maximum(b_s, 0.0) * b_w[:, None]
-                b_s = tl.sum(tl.reshape(b_s, [BQ, BHQ, BP]), 1)  # [BQ, BP]
+                b_s = _head_sums(b_q, b_qf, b_w, b_k, scale, BQ, BHQ, BP, PREC, Q_POW2,
+                                 KEYS_FIRST)  # [BQ, BP]
                 if FP8_KEYS:
                     b_s = b_s * b_ks[None, :]
                 tl.store(p_s + o_p[None, :], b_s,
@@ -268,7 +289,8 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
                     _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions,
                                  scores, i_t, t_begin, p0 // BP, scale, w_scale, stride_qt,
                                  stride_qh, stride_wt, stride_pk, stride_pt, stride_st, NH, D,
-                                 KPOOL, PAGE, BHQ, BD, BP, DOT, PREC, FP8_KEYS, Q_POW2)
+                                 KPOOL, PAGE, BHQ, BD, BP, DOT, PREC, FP8_KEYS, Q_POW2,
+                                 KEYS_FIRST)
 
 
 @jit(do_not_specialize=("t_begin", "num_sel", "stride_pot"))
@@ -359,7 +381,7 @@ def score_pools(q, weights, pool_keys, page_table, plan: SelectPlan, scores, len
                   BD=max(16, triton.next_power_of_2(dim)), BP=launch.block_pools,
                   DOT=tl.float16 if q_pow2 else dot_operand_type(q.dtype),
                   PREC=product_precision(q.dtype), FP8_KEYS=fp8, Q_POW2=q_pow2,
-                  num_warps=launch.num_warps)
+                  KEYS_FIRST=launch.keys_first, num_warps=launch.num_warps)
     per_query = (q, weights, pool_keys, page_table, plan.rows, plan.positions, plan.num_pools,
                  scores, lengths, t0)
     grid = launch.grid(n, plan.max_pools)
