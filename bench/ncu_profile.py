@@ -25,11 +25,11 @@ SECTIONS = ("SpeedOfLight", "Occupancy", "WarpStateStats", "LaunchStats",
             "ComputeWorkloadAnalysis", "SchedulerStats")
 DEFAULT_TARGETS = (
     "mla:8=sparse_mla=2", "mla:32=sparse_mla=2", "mla:4096=sparse_mla_kernel",
-    "fp8:16:4096:4096=fp8_stream", "smm:16:4096:4096=nvjet|gemm|xmma|cutlass",
-    "fp8:16:1536:16384=fp8_stream", "smm:16:1536:16384=nvjet|gemm|xmma|cutlass",
+    "fp8:16:4096:4096=fp8_wdq|fp8_stream", "smm:16:4096:4096=nvjet|gemm|xmma|cutlass",
+    "fp8:16:1536:16384=fp8_wdq|fp8_stream", "smm:16:1536:16384=nvjet|gemm|xmma|cutlass",
     "fp8:2048:4096:1536=fp8_act_quant|nvjet|gemm|xmma|cutlass=2",
     "smm:2048:4096:1536=nvjet|gemm|xmma|cutlass",
-    "moe:8192=fused_moe_w8a8=2", "idx:1048576:32=indexer_score|topk=6",
+    "moe:8192=block_fp8_gemm=2", "idx:1048576:32=indexer_score|topk=6",
     "idx8:1048576:32=indexer_score=1",
 )
 STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio")
@@ -103,7 +103,8 @@ def main() -> None:
             try:
                 rows = profile(target, regex, int(count[0]) if count else 1, out / "ncu.log")
             except (subprocess.SubprocessError, StopIteration) as exc:
-                print(f"| {target} | failed: {exc} |", flush=True)
+                why = str(exc) or f"no kernel matched {regex!r}"
+                print(f"| {target} | failed: {why} |", flush=True)
                 continue
             for row in rows:
                 print("| " + " | ".join(summary(target, row)) + " |", flush=True)
