@@ -316,12 +316,14 @@ INDEXER_PREFILL_SHAPES = ((131072, 512), (1048576, 512))
 
 
 # Scoring launches for a prefill chunk: (queries, pool blocks per program, stages[, pools a
-# block[, warps[, keys first]]]); first the one-query kernel, then the default, then the
-# default with the queries first (`ScoreLaunch.keys_first`).
-INDEXER_CHUNK_GRID = [(1, 1, 1), (4, 16, 2), (4, 16, 2, 64, 4, False), (4, 1, 1), (4, 4, 2),
-                      (4, 8, 2), (4, 16, 3), (4, 32, 3), (8, 8, 2), (2, 16, 3), (4, 8, 2, 128)]
-# The FP8 keys' pass: the first three.
-INDEXER_CHUNK_GRID_FP8 = INDEXER_CHUNK_GRID[:3]
+# block[, warps[, keys first[, key halves]]]]); first the one-query kernel, then the default,
+# then the default with the queries first (`ScoreLaunch.keys_first`), then with the key in
+# halves (`ScoreLaunch.key_halves`).
+INDEXER_CHUNK_GRID = [(1, 1, 1), (4, 16, 2), (4, 16, 2, 64, 4, False),
+                      (4, 16, 2, 64, 4, True, True), (4, 1, 1), (4, 4, 2), (4, 8, 2),
+                      (4, 16, 3), (4, 32, 3), (8, 8, 2), (2, 16, 3), (4, 8, 2, 128)]
+# The FP8 keys' pass: the first four.
+INDEXER_CHUNK_GRID_FP8 = INDEXER_CHUNK_GRID[:4]
 
 
 def sweep_indexer_prefill() -> None:
@@ -364,11 +366,14 @@ def _indexer_prefill_case(ctx_len: int, chunk: int, peak: float, fp8: bool,
 
 
 # Scoring launches for decodes: (queries, pool blocks per program, stages[, pools a block[,
-# warps[, keys first]]]); one query and one block per program first, the queries-first forms
-# of it and of the tiled default last.
+# warps[, keys first[, key halves]]]]); one query and one block per program first, the
+# queries-first forms of it and of the tiled default, then key halves (fewer registers: four
+# programs an SM at 64-pool blocks with FP8 keys, tools/smem_check.py).
 INDEXER_DECODE_GRID = [(1, 1, 1), (1, 4, 2), (1, 8, 2), (1, 16, 2), (1, 16, 3), (1, 16, 4),
                        (1, 8, 2, 128), (1, 8, 3, 128), (1, 8, 4, 128), (1, 8, 3, 128, 8),
-                       (1, 4, 3, 256, 8), (1, 1, 1, 64, 4, False), (1, 8, 3, 128, 4, False)]
+                       (1, 4, 3, 256, 8), (1, 1, 1, 64, 4, False), (1, 8, 3, 128, 4, False),
+                       (1, 8, 3, 128, 4, True, True), (1, 16, 3, 64, 4, True, True),
+                       (1, 16, 2, 64, 4, True, True)]
 # (context, sequences): one query at 128K and 32 sequences at 1M (the issue's decode shapes),
 # and the sizes between, where DECODE_SCORE's program floor decides.
 INDEXER_DECODE_SHAPES = ((131072, 1), (131072, 8), (131072, 32), (1048576, 1), (1048576, 4),

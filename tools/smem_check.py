@@ -316,7 +316,7 @@ def indexer_launches() -> list[Launch]:
                        f"{keys}", indexer.indexer_score_tiled_kernel, key_ptrs,
                        dict(score, BP=tiled.block_pools, BQ=tiled.queries,
                             POOL_BLOCKS=tiled.pool_blocks, NUM_STAGES=tiled.num_stages,
-                            KEYS_FIRST=tiled.keys_first),
+                            KEYS_FIRST=tiled.keys_first, KEY_HALVES=tiled.key_halves),
                        tiled.num_warps, tiled.num_stages, aligned=("NH", "D"))
                 for tiled in (chunk, *indexer.DECODE_SCORE.tiled)]
     topk = {"scores": "*fp32", "lengths": "*i32", "hist": "*i32", "seg_hist": "*i32",

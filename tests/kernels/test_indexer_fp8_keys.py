@@ -101,7 +101,11 @@ TILED = {"one": ONE_QUERY, "4q": ScoreLaunch(4), "4q_3_blocks": ScoreLaunch(4, 3
          "1q_3_blocks_8_warps": ScoreLaunch(1, 3, 2, 16, 8),
          "one_queries_first": ScoreLaunch(1, keys_first=False),
          "4q_3_blocks_queries_first": ScoreLaunch(4, 3, 2, 16, keys_first=False),
-         "1q_3_blocks_queries_first": ScoreLaunch(1, 3, 2, 16, keys_first=False)}
+         "1q_3_blocks_queries_first": ScoreLaunch(1, 3, 2, 16, keys_first=False),
+         "1q_3_blocks_key_halves": ScoreLaunch(1, 3, 2, 16, key_halves=True),
+         "4q_3_blocks_key_halves": ScoreLaunch(4, 3, 2, 16, key_halves=True),
+         "4q_queries_first_key_halves": ScoreLaunch(4, 3, 2, 16, keys_first=False,
+                                                    key_halves=True)}
 
 
 @pytest.mark.parametrize("score", TILED.values(), ids=TILED.keys())
@@ -148,10 +152,15 @@ def test_fp8_selection_stays_close_to_model_dtype_keys():
                                    ScoreLaunch(1, 8, 3, 128), ScoreLaunch(1, 8, 3, 128, 8),
                                    ScoreLaunch(1, keys_first=False),
                                    ScoreLaunch(4, 16, 2, keys_first=False),
-                                   ScoreLaunch(1, 8, 3, 128, keys_first=False)],
+                                   ScoreLaunch(1, 8, 3, 128, keys_first=False),
+                                   ScoreLaunch(1, 16, 3, key_halves=True),
+                                   ScoreLaunch(1, 8, 3, 128, key_halves=True),
+                                   ScoreLaunch(4, 16, 2, key_halves=True)],
                          ids=["one", "chunk", "1q_16_blocks", "1q_8_blocks_of_128",
                               "1q_8_blocks_of_128_8_warps", "one_queries_first",
-                              "chunk_queries_first", "1q_8_blocks_of_128_queries_first"])
+                              "chunk_queries_first", "1q_8_blocks_of_128_queries_first",
+                              "1q_16_blocks_key_halves", "1q_8_blocks_of_128_key_halves",
+                              "chunk_key_halves"])
 def test_release_shape_fp8_gpu(score):
     want, got, plain = _select_both([1, 1, 300], [6000, 2100, 5000], heads=32, dim=128,
                                     topk=2048, score=score, dtype=torch.bfloat16)

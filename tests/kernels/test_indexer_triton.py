@@ -76,7 +76,11 @@ TILED = {"2q": ScoreLaunch(2), "4q": ScoreLaunch(4), "4q_3_blocks": ScoreLaunch(
          "2q_2_blocks": ScoreLaunch(2, 2, 1, 16), "1q_3_blocks": ScoreLaunch(1, 3, 2, 16),
          "one_queries_first": ScoreLaunch(1, keys_first=False),
          "4q_3_blocks_queries_first": ScoreLaunch(4, 3, 2, 16, keys_first=False),
-         "1q_3_blocks_queries_first": ScoreLaunch(1, 3, 2, 16, keys_first=False)}
+         "1q_3_blocks_queries_first": ScoreLaunch(1, 3, 2, 16, keys_first=False),
+         "1q_3_blocks_key_halves": ScoreLaunch(1, 3, 2, 16, key_halves=True),
+         "4q_3_blocks_key_halves": ScoreLaunch(4, 3, 2, 16, key_halves=True),
+         "4q_queries_first_key_halves": ScoreLaunch(4, 3, 2, 16, keys_first=False,
+                                                    key_halves=True)}
 
 
 @pytest.mark.parametrize("score", TILED.values(), ids=TILED.keys())
@@ -242,10 +246,13 @@ def test_indexer_select_graph_replay_gpu():
                                    ScoreLaunch(1, 16, 2), ScoreLaunch(1, 8, 3, 128),
                                    ScoreLaunch(1, keys_first=False),
                                    ScoreLaunch(4, 16, 2, keys_first=False),
-                                   ScoreLaunch(1, 8, 3, 128, keys_first=False)],
+                                   ScoreLaunch(1, 8, 3, 128, keys_first=False),
+                                   ScoreLaunch(1, 16, 3, key_halves=True),
+                                   ScoreLaunch(1, 8, 3, 128, key_halves=True)],
                          ids=["one", "4q", "8q", "default", "4q_16_blocks", "1q_16_blocks",
                               "1q_8_blocks_of_128", "one_queries_first",
-                              "default_queries_first", "1q_8_blocks_of_128_queries_first"])
+                              "default_queries_first", "1q_8_blocks_of_128_queries_first",
+                              "1q_16_blocks_key_halves", "1q_8_blocks_of_128_key_halves"])
 def test_indexer_select_release_shape_gpu(score):
     # 32 heads x 128, kpool 4, top-2048: a 6000-token context makes the selection sparse.
     _check([1, 1, 300], [6000, 2100, 5000], heads=32, dim=128, topk=2048, dtype=torch.float32,

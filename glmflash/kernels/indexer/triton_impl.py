@@ -55,6 +55,11 @@ class ScoreLaunch:
     product whose first operand sits in registers runs on the warpgroup tensor cores (FP8 keys
     are converted there), and the sum over heads stays within a thread's row. Otherwise the
     queries come first (`[heads, pools]`), measured slower at every shape (README.md)."""
+    key_halves: bool = False
+    """Tiled launches: the head dimension taken in two halves, a product each into one
+    accumulator, so each half of a key block is converted and held on its own (half the key
+    operand's registers: four programs an SM instead of three for FP8 keys on SM90,
+    README.md). Needs a head dimension of at least 32 (16 a half); ignored below."""
 
     def grid(self, num_queries: int, max_pools: int) -> tuple[int, int]:
         """Programs along the queries and along the pools for `num_queries` rows scoring up
@@ -134,15 +139,15 @@ def _load_keys(pool_keys, pools, m_p, o_d, m_d, stride_pk, D, FP8_KEYS: tl.const
 
 
 @jit
-def _query_rows(b_q, DOT: tl.constexpr, Q_POW2: tl.constexpr):
-    """Query rows `[R, BD]` (fp32) as product operands, and the factor `[R]` each row's
-    products take afterwards. Q_POW2 (fp16 products beside FP8 keys, whose codes convert to
-    fp16 in one instruction per two and to bf16 in several): each row is scaled by the power
-    of two that brings its largest element into [2^14, 2^15), so fp16 holds its bf16 values
-    exactly (8 significant bits within 11, nothing past 65504; only elements below 2^-31 of
-    the row's largest can round), and the factor undoes it exactly."""
+def _query_rows(b_q, b_amax, DOT: tl.constexpr, Q_POW2: tl.constexpr):
+    """Query rows `[R, BD]` (fp32; the largest magnitude of each whole row `b_amax` `[R]`) as
+    product operands, and the factor `[R]` each row's products take afterwards. Q_POW2 (fp16
+    products beside FP8 keys, whose codes convert to fp16 in one instruction per two and to
+    bf16 in several): each row is scaled by the power of two that brings its largest element
+    into [2^14, 2^15), so fp16 holds its bf16 values exactly (8 significant bits within 11,
+    nothing past 65504; only elements below 2^-31 of the row's largest can round), and the
+    factor undoes it exactly."""
     if Q_POW2:
-        b_amax = tl.max(tl.abs(b_q), 1)
         b_e = ((b_amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         b_e = tl.minimum(tl.maximum(b_e, -100), 127)
         b_up = ((127 + 14 - b_e) << 23).to(tl.float32, bitcast=True)
@@ -152,22 +157,37 @@ def _query_rows(b_q, DOT: tl.constexpr, Q_POW2: tl.constexpr):
 
 
 @jit
-def _head_sums(b_q, b_qf, b_w, b_k, scale, BQ: tl.constexpr, BHQ: tl.constexpr,
-               BP: tl.constexpr, PREC: tl.constexpr, Q_POW2: tl.constexpr,
-               KEYS_FIRST: tl.constexpr):
-    """`[BQ, BP]`: for each of BQ queries (head rows `b_q` `[BQ * BHQ, BD]`, their factors
-    `b_qf` (`_query_rows`) and weights `b_w` `[BQ * BHQ]`) and each key row of `b_k`
-    `[BP, BD]`, sum_h w relu(q_h . k * scale). KEYS_FIRST: the product is taken as
-    `[BP, BQ * BHQ]` (`ScoreLaunch.keys_first`)."""
+def _product(b_q, b_k, acc, BQ: tl.constexpr, BHQ: tl.constexpr, BP: tl.constexpr,
+             PREC: tl.constexpr, KEYS_FIRST: tl.constexpr):
+    """acc (None: zeros) plus the product of query rows `b_q` `[BQ * BHQ, d]` and key rows
+    `b_k` `[BP, d]`: `[BP, BQ * BHQ]` KEYS_FIRST (`ScoreLaunch.keys_first`), else
+    `[BQ * BHQ, BP]`."""
     if KEYS_FIRST:
-        b_st = tl.dot(b_k, tl.trans(b_q), input_precision=PREC)  # [BP, BQ*BHQ]
+        if acc is None:
+            acc = tl.zeros([BP, BQ * BHQ], dtype=tl.float32)
+        acc = tl.dot(b_k, tl.trans(b_q), acc, input_precision=PREC)
+    else:
+        if acc is None:
+            acc = tl.zeros([BQ * BHQ, BP], dtype=tl.float32)
+        acc = tl.dot(b_q, tl.trans(b_k), acc, input_precision=PREC)
+    return acc
+
+
+@jit
+def _head_sums(b_st, b_qf, b_w, scale, BQ: tl.constexpr, BHQ: tl.constexpr, BP: tl.constexpr,
+               Q_POW2: tl.constexpr, KEYS_FIRST: tl.constexpr):
+    """`[BQ, BP]`: sum_h w relu(q_h . k * scale) for each of BQ queries and BP keys, from their
+    products `b_st` (`_product`), the query rows' factors `b_qf` (`_query_rows`) and weights
+    `b_w` `[BQ * BHQ]`."""
+    if KEYS_FIRST:  # b_st: [BP, BQ*BHQ]
         b_st = b_st * (b_qf * scale)[None, :] if Q_POW2 else b_st * scale
         b_st = tl.maximum(b_st, 0.0) * b_w[None, :]
-        return tl.trans(tl.sum(tl.reshape(b_st, [BP, BQ, BHQ]), 2))
-    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)  # [BQ*BHQ, BP]
-    b_s = b_s * (b_qf * scale)[:, None] if Q_POW2 else b_s * scale
-    b_s = tl.maximum(b_s, 0.0) * b_w[:, None]
-    return tl.sum(tl.reshape(b_s, [BQ, BHQ, BP]), 1)
+        b_s = tl.trans(tl.sum(tl.reshape(b_st, [BP, BQ, BHQ]), 2))
+    else:  # b_st: [BQ*BHQ, BP]
+        b_st = b_st * (b_qf * scale)[:, None] if Q_POW2 else b_st * scale
+        b_st = tl.maximum(b_st, 0.0) * b_w[:, None]
+        b_s = tl.sum(tl.reshape(b_st, [BQ, BHQ, BP]), 1)
+    return b_s
 
 
 @jit
@@ -189,14 +209,15 @@ def _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions, 
         i_t64 = i_t.to(tl.int64)
         b_q = tl.load(q + i_t64 * stride_qt + o_h[:, None] * stride_qh + o_d[None, :],
                       mask=m_h[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-        b_q, b_qf = _query_rows(b_q, DOT, Q_POW2)  # [BHQ, BD], [BHQ]
+        b_q, b_qf = _query_rows(b_q, tl.max(tl.abs(b_q), 1), DOT, Q_POW2)  # [BHQ, BD], [BHQ]
         b_w = tl.load(weights + i_t64 * stride_wt + o_h, mask=m_h, other=0.0).to(tl.float32)
         b_w = b_w * w_scale
         slot = _slot_of(page_table, row, o_p.to(tl.int64) * KPOOL, stride_pt, PAGE, is_cand)
         b_k, b_ks = _load_keys(pool_keys, slot // KPOOL, is_cand, o_d, m_d, stride_pk, D,
                                FP8_KEYS, DOT)  # [BP, BD], [BP]
-        b_s = tl.reshape(_head_sums(b_q, b_qf, b_w, b_k, scale, 1, BHQ, BP, PREC, Q_POW2,
-                                    KEYS_FIRST), [BP])
+        b_st = _product(b_q, b_k, None, 1, BHQ, BP, PREC, KEYS_FIRST)
+        b_s = tl.reshape(_head_sums(b_st, b_qf, b_w, scale, 1, BHQ, BP, Q_POW2, KEYS_FIRST),
+                         [BP])
         if FP8_KEYS:
             b_s = b_s * b_ks
         p_s = scores + (i_t - t_begin).to(tl.int64) * stride_st + o_p
@@ -232,12 +253,14 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
                                BHQ: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr,
                                POOL_BLOCKS: tl.constexpr, NUM_STAGES: tl.constexpr,
                                DOT: tl.constexpr, PREC: tl.constexpr, FP8_KEYS: tl.constexpr,
-                               Q_POW2: tl.constexpr, KEYS_FIRST: tl.constexpr):
+                               Q_POW2: tl.constexpr, KEYS_FIRST: tl.constexpr,
+                               KEY_HALVES: tl.constexpr):
     """`indexer_score_kernel` for BQ consecutive queries and POOL_BLOCKS blocks of BP pools per
     program: the queries' heads are the M of one product (BQ x BHQ rows), so a block of pooled
     keys is loaded once for them all, and the queries once for all the blocks. The keys are the
     first query's sequence's; a query of another sequence (a tile across a sequence boundary)
-    is scored alone, as `indexer_score_kernel` scores it."""
+    is scored alone, as `indexer_score_kernel` scores it. KEY_HALVES: the head dimension in two
+    halves of BD / 2 (`ScoreLaunch.key_halves`)."""
     i_q = tl.program_id(0)
     i_pb = tl.program_id(1)
     t_first = t_begin + i_q * BQ
@@ -253,8 +276,11 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
     longest = tl.max(length, 0)
     p_begin = i_pb * (POOL_BLOCKS * BP)
     p_end = tl.minimum(p_begin + POOL_BLOCKS * BP, longest)
-    o_d = tl.arange(0, BD)
+    BDK: tl.constexpr = BD // 2 if KEY_HALVES else BD
+    o_d = tl.arange(0, BDK)
     m_d = o_d < D
+    o_d2 = BDK + o_d  # the second half's columns (KEY_HALVES)
+    m_d2 = o_d2 < D
     if shared:
         if p_begin < longest:
             # Rows r = (query r // BHQ, head r % BHQ) of one product over each key block.
@@ -262,9 +288,17 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
             o_rt = (t_first + o_r // BHQ).to(tl.int64)
             o_rh = o_r % BHQ
             m_r = (o_rt < t_begin + num_tokens) & (o_rh < NH)
-            b_q = tl.load(q + o_rt[:, None] * stride_qt + o_rh[:, None] * stride_qh
-                          + o_d[None, :], mask=m_r[:, None] & m_d[None, :], other=0.0)
-            b_q, b_qf = _query_rows(b_q.to(tl.float32), DOT, Q_POW2)
+            p_q = q + o_rt[:, None] * stride_qt + o_rh[:, None] * stride_qh
+            b_q = tl.load(p_q + o_d[None, :], mask=m_r[:, None] & m_d[None, :],
+                          other=0.0).to(tl.float32)
+            b_amax = tl.max(tl.abs(b_q), 1)
+            b_q2 = b_q
+            if KEY_HALVES:
+                b_q2 = tl.load(p_q + o_d2[None, :], mask=m_r[:, None] & m_d2[None, :],
+                               other=0.0).to(tl.float32)
+                b_amax = tl.maximum(b_amax, tl.max(tl.abs(b_q2), 1))
+            b_q, b_qf = _query_rows(b_q, b_amax, DOT, Q_POW2)
+            b_q2 = _query_rows(b_q2, b_amax, DOT, Q_POW2)[0]
             b_w = tl.load(weights + o_rt * stride_wt + o_rh, mask=m_r, other=0.0).to(tl.float32)
             b_w = b_w * w_scale
             p_s = scores + (o_t - t_begin).to(tl.int64)[:, None] * stride_st
@@ -275,7 +309,13 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
                                 is_key)
                 b_k, b_ks = _load_keys(pool_keys, slot // KPOOL, is_key, o_d, m_d, stride_pk,
                                        D, FP8_KEYS, DOT)
-                b_s = _head_sums(b_q, b_qf, b_w, b_k, scale, BQ, BHQ, BP, PREC, Q_POW2,
+                b_st = _product(b_q, b_k, None, BQ, BHQ, BP, PREC, KEYS_FIRST)
+                if KEY_HALVES:
+                    # The second half loaded after the first half's product is issued.
+                    b_k = _load_keys(pool_keys, slot // KPOOL, is_key, o_d2, m_d2, stride_pk,
+                                     D, FP8_KEYS, DOT)[0]
+                    b_st = _product(b_q2, b_k, b_st, BQ, BHQ, BP, PREC, KEYS_FIRST)
+                b_s = _head_sums(b_st, b_qf, b_w, scale, BQ, BHQ, BP, Q_POW2,
                                  KEYS_FIRST)  # [BQ, BP]
                 if FP8_KEYS:
                     b_s = b_s * b_ks[None, :]
@@ -391,7 +431,8 @@ def score_pools(q, weights, pool_keys, page_table, plan: SelectPlan, scores, len
     else:
         indexer_score_tiled_kernel[grid](
             *per_query, n, dim ** -0.5, float(weight_scale), *strides, BQ=launch.queries,
-            POOL_BLOCKS=launch.pool_blocks, NUM_STAGES=launch.num_stages, **shapes)
+            POOL_BLOCKS=launch.pool_blocks, NUM_STAGES=launch.num_stages,
+            KEY_HALVES=launch.key_halves and shapes["BD"] >= 32, **shapes)
 
 
 indexer_write = indexer_write_ref
