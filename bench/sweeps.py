@@ -294,7 +294,9 @@ def sweep_topk(k: int = 512) -> None:
     grid = [DEFAULT_CONFIG] + [
         dataclasses.replace(DEFAULT_CONFIG, **change)
         for change in (dict(programs_per_sm=8), dict(programs_per_sm=2),
-                       dict(few_programs_warps=4), dict(num_warps=8), dict(list_divisor=2))]
+                       dict(few_programs_warps=4), dict(num_warps=8), dict(list_divisor=2),
+                       dict(num_stages=2), dict(num_stages=3),
+                       dict(block=2048, min_segment=2048), dict(block=4096, min_segment=4096))]
     for (rows, width), (kind, make) in itertools.product(TOPK_SHAPES, TOPK_SCORES.items()):
         scores = make(rows, width)
         lengths = torch.full((rows,), width, dtype=torch.int32, device="cuda")
@@ -307,7 +309,8 @@ def sweep_topk(k: int = 512) -> None:
             ok = torch.equal(scores.gather(1, got).sort(1).values, want)
             us = graph_ms(lambda c=c, s=scores, n=lengths: topk_indices(s, n, k, config=c)) * 1e3
             print(f"{name} per_sm={c.programs_per_sm} warps={c.num_warps}/"
-                  f"{c.few_programs_warps} list_divisor={c.list_divisor}: "
+                  f"{c.few_programs_warps} list_divisor={c.list_divisor} "
+                  f"stages={c.num_stages} block={c.block}: "
                   f"{us:.1f} us{'' if ok else ' WRONG SET'}", flush=True)
 
 

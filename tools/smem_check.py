@@ -322,7 +322,7 @@ def indexer_launches() -> list[Launch]:
     topk = {"scores": "*fp32", "lengths": "*i32", "hist": "*i32", "seg_hist": "*i32",
             "above": "*i32", "cand": "*i32", "num_cand": "*i32", "out": "*i32"}
     config = indexer_topk.DEFAULT_CONFIG
-    consts = dict(BLOCK=config.block)
+    consts = dict(BLOCK=config.block, NUM_STAGES=config.num_stages)
     out += [Launch(f"indexer top-k byte {p} ({warps} warps)", indexer_topk.topk_byte_kernel,
                    topk, dict(consts, PASS=p, LIST_DIVISOR=config.list_divisor), warps)
             for warps in (config.num_warps, config.few_programs_warps) for p in range(4)]

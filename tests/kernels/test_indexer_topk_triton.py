@@ -15,10 +15,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # candidates listed after the first byte (every row) or after the second (every row).
 SMALL = TopkConfig(block=8, min_segment=16, programs_per_sm=64, list_divisor=1)
 SMALL_LISTED_LATE = dataclasses.replace(SMALL, list_divisor=1 << 20)
+# Loops over a segment's keys and candidates software-pipelined (three stages).
+SMALL_PIPELINED = dataclasses.replace(SMALL, num_stages=3)
 POISON = -7
 
 
-@pytest.fixture(params=[SMALL, SMALL_LISTED_LATE], ids=["listed_early", "listed_late"])
+@pytest.fixture(params=[SMALL, SMALL_LISTED_LATE, SMALL_PIPELINED],
+                ids=["listed_early", "listed_late", "pipelined"])
 def small(request) -> TopkConfig:
     return request.param
 
@@ -124,9 +127,12 @@ def test_default_config_on_wider_rows(poisoned_empty):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [TopkConfig(), TopkConfig(num_stages=3),
+                                    TopkConfig(block=4096, min_segment=4096)],
+                         ids=["default", "pipelined", "blocks_of_4096"])
 @pytest.mark.parametrize("one_binade", [False, True], ids=["normal", "one_binade"])
 @pytest.mark.parametrize("rows,width", [(1, 32768), (32, 262144), (8, 4096)])
-def test_release_widths_match_torch_topk_gpu(rows, width, one_binade):
+def test_release_widths_match_torch_topk_gpu(rows, width, one_binade, config):
     """k = 512 pools (top-2048 tokens, kpool 4); values equal torch.topk's (robust to ties).
     Scores in [1, 2) share their first key byte: every key is a candidate."""
     gen = torch.Generator(device="cuda").manual_seed(42)
@@ -137,7 +143,7 @@ def test_release_widths_match_torch_topk_gpu(rows, width, one_binade):
     lengths = torch.randint(width // 2, width + 1, (rows,), generator=gen, device="cuda",
                             dtype=torch.int32)
     lengths[0] = width
-    got = topk_indices(scores, lengths, 512)
+    got = topk_indices(scores, lengths, 512, config=config)
     for r in range(rows):
         length = int(lengths[r])
         want = scores[r, :length].topk(512).values.sort().values
