@@ -57,9 +57,10 @@ class ScoreLaunch:
     queries come first (`[heads, pools]`), measured slower at every shape (README.md)."""
     key_halves: bool = False
     """Tiled launches: the head dimension taken in two halves, a product each into one
-    accumulator, so each half of a key block is converted and held on its own (half the key
-    operand's registers: four programs an SM instead of three for FP8 keys on SM90,
-    README.md). Needs a head dimension of at least 32 (16 a half); ignored below."""
+    accumulator, the second half of a key block loaded and converted after the first half's
+    product, so the converted keys hold half the registers (FP8 keys in 64-pool blocks on
+    SM90: four programs an SM instead of three; README.md, not measured yet). Needs a head
+    dimension of at least 32 (16 a half); ignored below."""
 
     def grid(self, num_queries: int, max_pools: int) -> tuple[int, int]:
         """Programs along the queries and along the pools for `num_queries` rows scoring up
