@@ -18,7 +18,7 @@ from glmflash.kernels.indexer.triton_impl import (
     indexer_select,
 )
 from glmflash.kernels.indexer.write_triton import indexer_write_decode, indexer_write_verify
-from tests.kernels.test_indexer_triton import PAGE, _batch
+from tests.kernels.test_indexer_triton import OPERAND_FORMS, PAGE, _batch
 from tests.kernels.test_indexer_write_triton import _case, _page, _verify_case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -98,14 +98,7 @@ def _select_both(new, prefix, *, heads=4, dim=32, topk=16, score=ONE_QUERY, dtyp
 
 TILED = {"one": ONE_QUERY, "4q": ScoreLaunch(4), "4q_3_blocks": ScoreLaunch(4, 3, 2, 16),
          "1q_3_blocks": ScoreLaunch(1, 3, 2, 16),
-         "1q_3_blocks_8_warps": ScoreLaunch(1, 3, 2, 16, 8),
-         "one_queries_first": ScoreLaunch(1, keys_first=False),
-         "4q_3_blocks_queries_first": ScoreLaunch(4, 3, 2, 16, keys_first=False),
-         "1q_3_blocks_queries_first": ScoreLaunch(1, 3, 2, 16, keys_first=False),
-         "1q_3_blocks_key_halves": ScoreLaunch(1, 3, 2, 16, key_halves=True),
-         "4q_3_blocks_key_halves": ScoreLaunch(4, 3, 2, 16, key_halves=True),
-         "4q_queries_first_key_halves": ScoreLaunch(4, 3, 2, 16, keys_first=False,
-                                                    key_halves=True)}
+         "1q_3_blocks_8_warps": ScoreLaunch(1, 3, 2, 16, 8), **OPERAND_FORMS}
 
 
 @pytest.mark.parametrize("score", TILED.values(), ids=TILED.keys())

@@ -72,15 +72,17 @@ def test_indexer_select_matches_ref(new, prefix):
 # Several queries per scoring program: tiles inside one sequence, tiles across a sequence
 # boundary (scored query by query), a last tile with fewer queries, and decodes; one or several
 # pool blocks per program (16 pools a block: 50 pools in the odd chunk).
+# The product's other operand forms (`ScoreLaunch.keys_first`, `ScoreLaunch.key_halves`).
+OPERAND_FORMS = {"one_queries_first": ScoreLaunch(1, keys_first=False),
+                 "4q_3_blocks_queries_first": ScoreLaunch(4, 3, 2, 16, keys_first=False),
+                 "1q_3_blocks_queries_first": ScoreLaunch(1, 3, 2, 16, keys_first=False),
+                 "1q_3_blocks_key_halves": ScoreLaunch(1, 3, 2, 16, key_halves=True),
+                 "4q_3_blocks_key_halves": ScoreLaunch(4, 3, 2, 16, key_halves=True),
+                 "4q_queries_first_key_halves": ScoreLaunch(4, 3, 2, 16, keys_first=False,
+                                                            key_halves=True)}
 TILED = {"2q": ScoreLaunch(2), "4q": ScoreLaunch(4), "4q_3_blocks": ScoreLaunch(4, 3, 2, 16),
          "2q_2_blocks": ScoreLaunch(2, 2, 1, 16), "1q_3_blocks": ScoreLaunch(1, 3, 2, 16),
-         "one_queries_first": ScoreLaunch(1, keys_first=False),
-         "4q_3_blocks_queries_first": ScoreLaunch(4, 3, 2, 16, keys_first=False),
-         "1q_3_blocks_queries_first": ScoreLaunch(1, 3, 2, 16, keys_first=False),
-         "1q_3_blocks_key_halves": ScoreLaunch(1, 3, 2, 16, key_halves=True),
-         "4q_3_blocks_key_halves": ScoreLaunch(4, 3, 2, 16, key_halves=True),
-         "4q_queries_first_key_halves": ScoreLaunch(4, 3, 2, 16, keys_first=False,
-                                                    key_halves=True)}
+         **OPERAND_FORMS}
 
 
 @pytest.mark.parametrize("score", TILED.values(), ids=TILED.keys())
