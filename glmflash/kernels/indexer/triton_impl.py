@@ -299,7 +299,8 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
                                other=0.0).to(tl.float32)
                 b_amax = tl.maximum(b_amax, tl.max(tl.abs(b_q2), 1))
             b_q, b_qf = _query_rows(b_q, b_amax, DOT, Q_POW2)
-            b_q2 = _query_rows(b_q2, b_amax, DOT, Q_POW2)[0]
+            if KEY_HALVES:  # the same factor as the first half's: one scale per row
+                b_q2 = _query_rows(b_q2, b_amax, DOT, Q_POW2)[0]
             b_w = tl.load(weights + o_rt * stride_wt + o_rh, mask=m_r, other=0.0).to(tl.float32)
             b_w = b_w * w_scale
             p_s = scores + (o_t - t_begin).to(tl.int64)[:, None] * stride_st
