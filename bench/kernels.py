@@ -95,12 +95,12 @@ INDEXER_SHAPES = [(131072, 1), (1048576, 32)]  # (context tokens, decoding seque
 
 
 def bench_indexer(shapes: list[tuple[int, int]], copy_gbs: float) -> str:
-    """Per shape, the pooled keys in bf16 (the reference's) and as FP8 rows
-    (`--index-key-dtype fp8`)."""
+    """Per shape, the pooled keys in bf16 (the reference's), as FP8 rows
+    (`--index-key-dtype fp8`), and as FP8 rows scored with e4m3 queries (`fp8_queries`)."""
     rows = []
     for ctx_len, b in shapes:
-        for fp8 in (False, True):
-            rows.append(_indexer_row(ctx_len, b, copy_gbs, fp8))
+        for fp8, fp8_queries in ((False, False), (True, False), (True, True)):
+            rows.append(_indexer_row(ctx_len, b, copy_gbs, fp8, fp8_queries))
             print(rows[-1], flush=True)
             torch.cuda.empty_cache()
     return table(["context", "queries", "keys", "select us (goal 40 / 400)", "radix top-k us",
@@ -135,9 +135,11 @@ def indexer_decode_plan(ctx_len: int, b: int):
                               ctx_len // kpool)
 
 
-def _indexer_row(ctx_len: int, b: int, copy_gbs: float, fp8: bool) -> list:
+def _indexer_row(ctx_len: int, b: int, copy_gbs: float, fp8: bool,
+                 fp8_queries: bool = False) -> list:
     """Decodes of `b` sequences of `ctx_len` tokens each, as a CUDA graph runs them, over
-    bf16 pooled keys or (`fp8`) the same keys as FP8 rows."""
+    bf16 pooled keys or (`fp8`) the same keys as FP8 rows (`fp8_queries`: scored with e4m3
+    queries)."""
     from glmflash.kernels.indexer import indexer_select_ref, key_format
     from glmflash.kernels.indexer import triton_impl as ti
     from glmflash.kernels.indexer.topk_triton import topk_indices
@@ -148,14 +150,16 @@ def _indexer_row(ctx_len: int, b: int, copy_gbs: float, fp8: bool) -> list:
     plain_keys, table_, q, w = indexer_inputs(b, b, ctx_len)
     pool_keys = key_format.quantize(plain_keys) if fp8 else plain_keys
     args = (q, w, pool_keys, table_, indexer_decode_plan(ctx_len, b))
-    kw = dict(page_size=page, topk=topk, kpool=kpool, select_tail=True)
+    kw = dict(page_size=page, topk=topk, kpool=kpool, select_tail=True,
+              fp8_queries=fp8_queries)
     ms = graph_ms(lambda: ti.indexer_select(*args, **kw))
     scores = torch.randn(b, pools, device="cuda")
     lengths = torch.full((b,), pools, dtype=torch.int32, device="cuda")
     radix_ms = graph_ms(lambda: topk_indices(scores, lengths, topk // kpool))
     torch_ms = graph_ms(lambda: scores.topk(topk // kpool, dim=1))
     floor_ms = pool_keys.numel() * pool_keys.element_size() / copy_gbs / 1e6
-    row = [ctx_len, b, "fp8" if fp8 else "bf16", f"{ms * 1e3:.0f}", f"{radix_ms * 1e3:.0f}",
+    keys = ("fp8, e4m3 queries" if fp8_queries else "fp8") if fp8 else "bf16"
+    row = [ctx_len, b, keys, f"{ms * 1e3:.0f}", f"{radix_ms * 1e3:.0f}",
            f"{torch_ms * 1e3:.0f}", f"{floor_ms * 1e3:.0f}"]
     got = ti.indexer_select(*args, **kw)
     if b * ctx_len <= 131072:
@@ -164,7 +168,8 @@ def _indexer_row(ctx_len: int, b: int, copy_gbs: float, fp8: bool) -> list:
         row += [f"{ref_ms * 1e3:.0f}", str(same)]
     else:
         row += ["-", "-"]
-    plain = ti.indexer_select(q, w, plain_keys, table_, args[4], **kw) if fp8 else got
+    plain = ti.indexer_select(q, w, plain_keys, table_, args[4],
+                              **dict(kw, fp8_queries=False)) if fp8 else got
     row.append(f"{_selection_share(got, plain):.3f}" if fp8 else "-")
     return row
 

@@ -319,28 +319,36 @@ INDEXER_PREFILL_SHAPES = ((131072, 512), (1048576, 512))
 
 
 # Scoring launches for a prefill chunk: (queries, pool blocks per program, stages[, pools a
-# block[, warps[, keys first[, key halves]]]]); first the one-query kernel, then the default,
-# then the default with the queries first (`ScoreLaunch.keys_first`), then with the key in
-# halves (`ScoreLaunch.key_halves`).
+# block[, warps[, keys first[, key halves[, slots ahead]]]]]); first the one-query kernel,
+# then the default, then the default with the queries first (`ScoreLaunch.keys_first`), then
+# with the key in halves (`ScoreLaunch.key_halves`), then with the slots looked up a block
+# ahead (`ScoreLaunch.slots_ahead`).
 INDEXER_CHUNK_GRID = [(1, 1, 1), (4, 16, 2), (4, 16, 2, 64, 4, False),
-                      (4, 16, 2, 64, 4, True, True), (4, 1, 1), (4, 4, 2), (4, 8, 2),
+                      (4, 16, 2, 64, 4, True, True), (4, 16, 2, 64, 4, True, False, True),
+                      (4, 16, 3, 64, 4, True, False, True), (4, 1, 1), (4, 4, 2), (4, 8, 2),
                       (4, 16, 3), (4, 32, 3), (8, 8, 2), (2, 16, 3), (4, 8, 2, 128)]
-# The FP8 keys' pass: the first four.
-INDEXER_CHUNK_GRID_FP8 = INDEXER_CHUNK_GRID[:4]
+# The FP8 keys' pass: the first six; with e4m3 queries (`fp8_queries`), those without the
+# queries first, and 128-pool blocks.
+INDEXER_CHUNK_GRID_FP8 = INDEXER_CHUNK_GRID[:6]
+INDEXER_CHUNK_GRID_FP8Q = [INDEXER_CHUNK_GRID[i] for i in (0, 1, 3, 4, 5)] + [
+    (4, 8, 3, 128, 4, True, False, True)]
 
 
 def sweep_indexer_prefill() -> None:
     """The scoring kernel over a chunk of one sequence's queries at each launch shape, against
-    the bf16 tensor peak (the chunk's products) of the same run; bf16 keys, then FP8 rows."""
+    the bf16 tensor peak (the chunk's products) of the same run; bf16 keys, then FP8 rows,
+    then FP8 rows and e4m3 queries."""
     peak = bf16_peak_tflops()
-    for fp8, grid in ((False, INDEXER_CHUNK_GRID), (True, INDEXER_CHUNK_GRID_FP8)):
+    for fp8, fp8_queries, grid in ((False, False, INDEXER_CHUNK_GRID),
+                                   (True, False, INDEXER_CHUNK_GRID_FP8),
+                                   (True, True, INDEXER_CHUNK_GRID_FP8Q)):
         for ctx_len, chunk in INDEXER_PREFILL_SHAPES:
-            _indexer_prefill_case(ctx_len, chunk, peak, fp8, grid)
+            _indexer_prefill_case(ctx_len, chunk, peak, fp8, grid, fp8_queries)
             torch.cuda.empty_cache()
 
 
 def _indexer_prefill_case(ctx_len: int, chunk: int, peak: float, fp8: bool,
-                          grid: list[tuple]) -> None:
+                          grid: list[tuple], fp8_queries: bool = False) -> None:
     from glmflash.kernels.indexer import key_format, select_plan
     from glmflash.kernels.indexer.triton_impl import ScoreLaunch, score_pools
 
@@ -357,12 +365,14 @@ def _indexer_prefill_case(ctx_len: int, chunk: int, peak: float, fp8: bool,
         launch = ScoreLaunch(*shape)
         scores = torch.full((chunk, plan.max_pools), float("nan"), device="cuda")
         us = graph_ms(lambda s=scores, c=launch: score_pools(
-            q, w, pool_keys, table_, plan, s, lengths, 0, chunk, page, kpool, c)) * 1e3
+            q, w, pool_keys, table_, plan, s, lengths, 0, chunk, page, kpool, c,
+            fp8_queries=fp8_queries)) * 1e3
         first = scores if first is None else first
         cand = ~torch.isnan(first)
         same = torch.allclose(scores[cand], first[cand], rtol=1e-3, atol=1e-3)
         base = base or us
-        print(f"indexer prefill ctx={ctx_len} chunk={chunk} {'fp8' if fp8 else 'bf16'} "
+        keys = ("fp8+q8" if fp8_queries else "fp8") if fp8 else "bf16"
+        print(f"indexer prefill ctx={ctx_len} chunk={chunk} {keys} "
               f"{shape}: {us:.0f} us "
               f"({base / us:.2f}x of one query), {flops / us / 1e6:.0f} TFLOP/s "
               f"(bf16 peak {peak:.0f}), same scores {same}", flush=True)
@@ -376,7 +386,19 @@ INDEXER_DECODE_GRID = [(1, 1, 1), (1, 4, 2), (1, 8, 2), (1, 16, 2), (1, 16, 3), 
                        (1, 8, 2, 128), (1, 8, 3, 128), (1, 8, 4, 128), (1, 8, 3, 128, 8),
                        (1, 4, 3, 256, 8), (1, 1, 1, 64, 4, False), (1, 8, 3, 128, 4, False),
                        (1, 8, 3, 128, 4, True, True), (1, 16, 3, 64, 4, True, True),
-                       (1, 16, 2, 64, 4, True, True)]
+                       (1, 16, 2, 64, 4, True, True)] + [
+    # the slots looked up a block ahead (`ScoreLaunch.slots_ahead`)
+    (1, 8, 3, 128, 4, True, False, True), (1, 8, 4, 128, 4, True, False, True),
+    (1, 16, 3, 64, 4, True, False, True), (1, 16, 4, 64, 4, True, False, True),
+    (1, 4, 3, 256, 4, True, False, True), (1, 8, 3, 128, 4, True, True, True)]
+# e4m3 queries beside FP8 keys (`fp8_queries`): the one-query kernel first, then the tiled forms.
+INDEXER_DECODE_GRID_FP8Q = [(1, 1, 1), (1, 8, 3, 128), (1, 16, 3), (1, 4, 3, 256),
+                            (1, 8, 3, 128, 4, True, False, True),
+                            (1, 8, 4, 128, 4, True, False, True),
+                            (1, 16, 4, 64, 4, True, False, True),
+                            (1, 4, 3, 256, 4, True, False, True),
+                            (1, 4, 4, 256, 4, True, False, True),
+                            (1, 2, 3, 512, 4, True, False, True)]
 # (context, sequences): one query at 128K and 32 sequences at 1M (the issue's decode shapes),
 # and the sizes between, where DECODE_SCORE's program floor decides.
 INDEXER_DECODE_SHAPES = ((131072, 1), (131072, 8), (131072, 32), (1048576, 1), (1048576, 4),
@@ -387,13 +409,16 @@ def sweep_indexer_decode() -> None:
     """The scoring of decodes (one query per sequence) at each launch shape, against reading
     the pooled keys once at the copy bandwidth of the same run; bf16 keys, then FP8 rows."""
     copy = copy_bandwidth()
-    for fp8 in (False, True):
+    for fp8, fp8_queries, grid in ((False, False, INDEXER_DECODE_GRID),
+                                   (True, False, INDEXER_DECODE_GRID),
+                                   (True, True, INDEXER_DECODE_GRID_FP8Q)):
         for ctx_len, b in INDEXER_DECODE_SHAPES:
-            _indexer_decode_case(ctx_len, b, copy, fp8)
+            _indexer_decode_case(ctx_len, b, copy, fp8, grid, fp8_queries)
             torch.cuda.empty_cache()
 
 
-def _indexer_decode_case(ctx_len: int, b: int, copy_gbs: float, fp8: bool) -> None:
+def _indexer_decode_case(ctx_len: int, b: int, copy_gbs: float, fp8: bool, grid: list[tuple],
+                         fp8_queries: bool = False) -> None:
     from glmflash.kernels.indexer import key_format
     from glmflash.kernels.indexer.triton_impl import DECODE_SCORE, ScoreLaunch, score_pools
     from glmflash.kernels.triton_utils import num_sms
@@ -407,15 +432,16 @@ def _indexer_decode_case(ctx_len: int, b: int, copy_gbs: float, fp8: bool) -> No
     plan = indexer_decode_plan(ctx_len, b)
     floor_us = pool_keys.numel() * pool_keys.element_size() / copy_gbs / 1e3
     picked = DECODE_SCORE.pick(b, pools, num_sms(q.device))
-    keys = "fp8" if fp8 else "bf16"
+    keys = ("fp8+q8" if fp8_queries else "fp8") if fp8 else "bf16"
     print(f"indexer decode scoring ctx={ctx_len} queries={b} {keys}: DECODE_SCORE picks "
           f"{picked}", flush=True)
     first = None
-    for shape in INDEXER_DECODE_GRID:
+    for shape in grid:
         scores = torch.full((b, pools), float("nan"), device="cuda")
         launch = ScoreLaunch(*shape)
         us = graph_ms(lambda s=scores, c=launch: score_pools(
-            q, w, pool_keys, table_, plan, s, lengths, 0, b, page, kpool, c)) * 1e3
+            q, w, pool_keys, table_, plan, s, lengths, 0, b, page, kpool, c,
+            fp8_queries=fp8_queries)) * 1e3
         first = scores if first is None else first
         same = torch.allclose(scores, first, rtol=1e-3, atol=1e-3)
         print(f"indexer decode scoring ctx={ctx_len} queries={b} {keys} {shape}: {us:.0f} us "

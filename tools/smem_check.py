@@ -305,10 +305,13 @@ def indexer_launches() -> list[Launch]:
             "lengths": "*i32", "w_scale": "fp32"}
     one, chunk = indexer.ONE_QUERY, indexer.CHUNK_SCORE
     out = []
-    for keys, fp8_keys in (("", False), (", FP8 keys", True)):
+    forms = (("", False, indexer.Q_AS_IS, tl.bfloat16),
+             (", FP8 keys", True, indexer.Q_POW2, tl.float16),
+             (", FP8 keys and queries", True, indexer.Q_FP8, tl.float8e4nv))
+    for keys, fp8_keys, q_form, dot in forms:
         key_ptrs = dict(ptrs, pool_keys="*u8") if fp8_keys else ptrs
         score = dict(KPOOL=4, PAGE=64, BHQ=32, BD=128, PREC="tf32", FP8_KEYS=fp8_keys,
-                     DOT=tl.float16 if fp8_keys else tl.bfloat16, Q_POW2=fp8_keys)
+                     DOT=dot, Q_FORM=q_form)
         out += [Launch(f"indexer score{keys}", indexer.indexer_score_kernel, key_ptrs,
                        dict(score, BP=one.block_pools, KEYS_FIRST=one.keys_first), 4,
                        aligned=("NH", "D"))]
@@ -316,7 +319,8 @@ def indexer_launches() -> list[Launch]:
                        f"{keys}", indexer.indexer_score_tiled_kernel, key_ptrs,
                        dict(score, BP=tiled.block_pools, BQ=tiled.queries,
                             POOL_BLOCKS=tiled.pool_blocks, NUM_STAGES=tiled.num_stages,
-                            KEYS_FIRST=tiled.keys_first, KEY_HALVES=tiled.key_halves),
+                            KEYS_FIRST=tiled.keys_first, KEY_HALVES=tiled.key_halves,
+                            SLOTS_AHEAD=tiled.slots_ahead),
                        tiled.num_warps, tiled.num_stages, aligned=("NH", "D"))
                 for tiled in (chunk, *indexer.DECODE_SCORE.tiled)]
     topk = {"scores": "*fp32", "lengths": "*i32", "hist": "*i32", "seg_hist": "*i32",

@@ -47,11 +47,14 @@ def _round_to_e4m3(b_v):
 
 
 @jit
-def quantize_rows(b_x, FP8: tl.constexpr):
+def quantize_rows(b_x, FP8: tl.constexpr, b_amax=None):
     """A [R, C] fp32 tile -> (e4m3 codes [R, C], fp32 scales [R]): per row, scale = amax / 448
     (at least 1e-12 / 448) and code = x / scale rounded to nearest, as DeepSeek's activation
-    quantiser."""
-    b_s = tl.maximum(tl.max(tl.abs(b_x), 1), 1e-12) / FP8_MAX  # [R]
+    quantiser. `b_amax` `[R]`: the rows' largest magnitudes when the tile is part of wider
+    rows (default: the tile's own)."""
+    if b_amax is None:
+        b_amax = tl.max(tl.abs(b_x), 1)
+    b_s = tl.maximum(b_amax, 1e-12) / FP8_MAX  # [R]
     b_v = b_x / b_s[:, None]
     if ROUND_BEFORE_CONVERT:
         b_v = _round_to_e4m3(b_v)

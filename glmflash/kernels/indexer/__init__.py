@@ -71,15 +71,17 @@ def indexer_write_verify(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Ten
 def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor,
                    page_table: torch.Tensor, plan: SelectPlan, *, page_size: int, topk: int,
                    kpool: int, select_tail: bool, tiling: SelectTiling | None = None,
-                   weight_scale: float = 1.0) -> torch.Tensor:
+                   weight_scale: float = 1.0, fp8_queries: bool = False) -> torch.Tensor:
     """Token slots attended by each query `[T, topk + kpool - 1]`; see `indexer_select_ref`.
     `tiling` bounds the scoring workspace (each implementation has its default);
-    `weight_scale` multiplies the head weights after their cast to fp32 (in the kernel)."""
+    `weight_scale` multiplies the head weights after their cast to fp32 (in the kernel);
+    `fp8_queries` (FP8 pooled keys only) scores e4m3 query rows."""
     impl = indexer_select_ref
     if use_triton(q, "indexer_select", "indexer"):
         from glmflash.kernels.indexer.triton_impl import indexer_select as impl
     return impl(q, weights, pool_keys, page_table, plan, page_size=page_size, topk=topk,
-                kpool=kpool, select_tail=select_tail, tiling=tiling, weight_scale=weight_scale)
+                kpool=kpool, select_tail=select_tail, tiling=tiling, weight_scale=weight_scale,
+                fp8_queries=fp8_queries)
 
 
 __all__ = ["SelectPlan", "SelectTiling", "WritePlan", "compress_pools", "decode_select_plan",

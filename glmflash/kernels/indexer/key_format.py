@@ -55,6 +55,14 @@ def quantize(keys: torch.Tensor) -> torch.Tensor:
     return torch.cat([codes.view(torch.uint8), scale.view(torch.uint8), pad], dim=-1)
 
 
+def quantize_queries(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query rows `[..., D]` -> (their e4m3 codes as fp32 `[..., D]`, scales `[...]`), each
+    row quantised as `quantize` quantises a key: the FP8 scoring's queries (`fp8_queries`),
+    whose products with the key codes the kernels take in e4m3."""
+    rows = quantize(q)
+    return split(rows)
+
+
 def split(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 rows `[..., D + 16]` -> (codes as fp32 `[..., D]`, scales `[...]`)."""
     dim = rows.shape[-1] - TAIL_BYTES
@@ -72,5 +80,5 @@ def key_dim(pool_keys: torch.Tensor) -> int:
     return pool_keys.shape[-1] - (TAIL_BYTES if is_fp8(pool_keys) else 0)
 
 
-__all__ = ["allocate", "encode", "is_fp8", "key_dim", "quantize", "row_bytes", "row_width",
-           "split"]
+__all__ = ["allocate", "encode", "is_fp8", "key_dim", "quantize", "quantize_queries", "row_bytes",
+           "row_width", "split"]

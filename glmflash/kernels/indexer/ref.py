@@ -197,7 +197,7 @@ def indexer_select_ref(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.
                        page_table: torch.Tensor, plan: SelectPlan, *, page_size: int,
                        topk: int, kpool: int, select_tail: bool,
                        tiling: SelectTiling | None = None,
-                       weight_scale: float = 1.0) -> torch.Tensor:
+                       weight_scale: float = 1.0, fp8_queries: bool = False) -> torch.Tensor:
     """Token slots attended by each query: `[T, topk + kpool - 1]` (or `[T, topk]`), -1 padded.
 
     q `[T, H, D]`, weights `[T, H]`; the head weights are `weights.float() * weight_scale`
@@ -205,12 +205,19 @@ def indexer_select_ref(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.
     sum_h w_h relu(q_h . K_p / sqrt(D)); candidates end at or before t; the best
     min(topk / kpool, candidates) pools are kept, best first, then the query's incomplete pool is
     appended. `plan` comes from `select_plan`; `tiling` bounds the scores held at once.
+    `fp8_queries` (FP8 pooled keys only): each query row q_h is first quantised as the keys
+    are (`key_format.quantize_queries`), DeepSeek's FP8 indexer.
     """
+    if fp8_queries and not key_format.is_fp8(pool_keys):
+        raise ValueError("fp8_queries: the pooled keys must be FP8 too")
     width = topk + (kpool - 1 if select_tail else 0)
     out = torch.full((q.shape[0], width), -1, dtype=torch.long, device=q.device)
     weights = weights.float() * weight_scale
+    q_scales = None
+    if fp8_queries:
+        q, q_scales = key_format.quantize_queries(q)
     scorer = _Scorer(q, weights, pool_keys, page_table, page_size, topk // kpool, kpool, width,
-                     select_tail, tiling or REF_TILING)
+                     select_tail, tiling or REF_TILING, q_scales)
     for group in plan.groups:
         out[group.idx] = scorer.select(plan, group)
     return out
@@ -229,8 +236,10 @@ class _Scorer:
     """Scoring and expansion for groups of query rows, each row with its own context."""
 
     def __init__(self, q, weights, pool_keys, page_table, page_size, max_pools, kpool, width,
-                 select_tail, tiling) -> None:
+                 select_tail, tiling, q_scales=None) -> None:
         self.q, self.weights, self.pool_keys = q.float(), weights.float(), pool_keys
+        # e4m3 queries: codes in `q`, and their scales `[T, H]` taken after the products
+        self.q_scales = q_scales
         self.page_table, self.page_size = page_table, page_size
         self.max_pools, self.kpool = max_pools, kpool
         self.width, self.select_tail, self.tiling = width, select_tail, tiling
@@ -300,9 +309,14 @@ class _Scorer:
             (rows.float(), None)
         q = self.q[idx]
         if shared:
-            scores = torch.relu(torch.einsum("nhd,pd->nhp", q, keys[0]) * self.scale)
+            scores = torch.einsum("nhd,pd->nhp", q, keys[0])
         else:
-            scores = torch.relu(torch.einsum("nhd,npd->nhp", q, keys) * self.scale)
+            scores = torch.einsum("nhd,npd->nhp", q, keys)
+        if self.q_scales is not None:
+            scores = scores * (self.q_scales[idx] * self.scale)[..., None]
+        else:
+            scores = scores * self.scale
+        scores = torch.relu(scores)
         scores = torch.einsum("nh,nhp->np", self.weights[idx], scores)
         return scores if key_scales is None else scores * key_scales
 

@@ -27,7 +27,22 @@ try:
 except ImportError:  # the package must import without triton; the launchers need it
     triton = None
 
-from glmflash.kernels.triton_utils import dot_operand_type, jit, num_sms, product_precision
+from glmflash.kernels.fp8_gemm.triton_common import has_fp8_products, quantize_rows
+from glmflash.kernels.triton_utils import (
+    constexpr,
+    dot_operand_type,
+    interpreting,
+    jit,
+    num_sms,
+    product_precision,
+)
+
+# How the query rows enter the scoring products (`_query_rows`): in their own dtype; as fp16
+# scaled by a power of two (FP8 keys beside 16-bit queries); as e4m3 codes with a scale per row
+# (FP8 keys, `fp8_queries`).
+Q_AS_IS = constexpr(0)
+Q_POW2 = constexpr(1)
+Q_FP8 = constexpr(2)
 
 # fp32 scores held at once (512 MiB): rows of queries are scored together over every pool of
 # their longest sequence, as many rows as fit; the workspace is bounded whatever the context.
@@ -61,6 +76,10 @@ class ScoreLaunch:
     product, so the converted keys hold half the registers (FP8 keys in 64-pool blocks on
     SM90: four programs an SM instead of three; README.md, not measured yet). Needs a head
     dimension of at least 32 (16 a half); ignored below."""
+    slots_ahead: bool = False
+    """Tiled launches: each block's cache slots are looked up (page table) one block ahead, so
+    that the key gathers' addresses come from the iteration before and the software pipeline
+    keeps `num_stages` blocks of keys in flight, not one (README.md, not measured yet)."""
 
     def grid(self, num_queries: int, max_pools: int) -> tuple[int, int]:
         """Programs along the queries and along the pools for `num_queries` rows scoring up
@@ -140,21 +159,29 @@ def _load_keys(pool_keys, pools, m_p, o_d, m_d, stride_pk, D, FP8_KEYS: tl.const
 
 
 @jit
-def _query_rows(b_q, b_amax, DOT: tl.constexpr, Q_POW2: tl.constexpr):
+def _query_rows(b_q, b_amax, DOT: tl.constexpr, Q_FORM: tl.constexpr):
     """Query rows `[R, BD]` (fp32; the largest magnitude of each whole row `b_amax` `[R]`) as
-    product operands, and the factor `[R]` each row's products take afterwards. Q_POW2 (fp16
-    products beside FP8 keys, whose codes convert to fp16 in one instruction per two and to
-    bf16 in several): each row is scaled by the power of two that brings its largest element
-    into [2^14, 2^15), so fp16 holds its bf16 values exactly (8 significant bits within 11,
-    nothing past 65504; only elements below 2^-31 of the row's largest can round), and the
-    factor undoes it exactly."""
-    if Q_POW2:
+    product operands, and the factor `[R]` each row's products take afterwards (Q_FORM, one of
+    `QUERY_FORMS`).
+    Q_POW2 (fp16 products beside FP8 keys, whose codes convert to fp16 in one instruction per
+    two and to bf16 in several): each row is scaled by the power of two that brings its largest
+    element into [2^14, 2^15), so fp16 holds its bf16 values exactly (8 significant bits within
+    11, nothing past 65504; only elements below 2^-31 of the row's largest can round), and the
+    factor undoes it exactly.
+    Q_FP8 (e4m3 products beside FP8 keys): each row quantised as the FP8 keys are (scale = its
+    largest magnitude / 448, codes rounded to nearest), the factor its scale; the keys' codes
+    then enter the product as they are loaded."""
+    if Q_FORM == Q_POW2:
         b_e = ((b_amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         b_e = tl.minimum(tl.maximum(b_e, -100), 127)
         b_up = ((127 + 14 - b_e) << 23).to(tl.float32, bitcast=True)
         b_down = ((127 - 14 + b_e) << 23).to(tl.float32, bitcast=True)
         return (b_q * b_up[:, None]).to(DOT), b_down
-    return b_q.to(DOT), tl.full([b_q.shape[0]], 1.0, tl.float32)
+    elif Q_FORM == Q_FP8:
+        b_c, b_s = quantize_rows(b_q, tl.float8e4nv, b_amax)
+        return b_c.to(DOT), b_s
+    else:
+        return b_q.to(DOT), tl.full([b_q.shape[0]], 1.0, tl.float32)
 
 
 @jit
@@ -176,16 +203,16 @@ def _product(b_q, b_k, acc, BQ: tl.constexpr, BHQ: tl.constexpr, BP: tl.constexp
 
 @jit
 def _head_sums(b_st, b_qf, b_w, scale, BQ: tl.constexpr, BHQ: tl.constexpr, BP: tl.constexpr,
-               Q_POW2: tl.constexpr, KEYS_FIRST: tl.constexpr):
+               Q_FORM: tl.constexpr, KEYS_FIRST: tl.constexpr):
     """`[BQ, BP]`: sum_h w relu(q_h . k * scale) for each of BQ queries and BP keys, from their
     products `b_st` (`_product`), the query rows' factors `b_qf` (`_query_rows`) and weights
     `b_w` `[BQ * BHQ]`."""
     if KEYS_FIRST:  # b_st: [BP, BQ*BHQ]
-        b_st = b_st * (b_qf * scale)[None, :] if Q_POW2 else b_st * scale
+        b_st = b_st * (b_qf * scale)[None, :] if Q_FORM != Q_AS_IS else b_st * scale
         b_st = tl.maximum(b_st, 0.0) * b_w[None, :]
         b_s = tl.trans(tl.sum(tl.reshape(b_st, [BP, BQ, BHQ]), 2))
     else:  # b_st: [BQ*BHQ, BP]
-        b_st = b_st * (b_qf * scale)[:, None] if Q_POW2 else b_st * scale
+        b_st = b_st * (b_qf * scale)[:, None] if Q_FORM != Q_AS_IS else b_st * scale
         b_st = tl.maximum(b_st, 0.0) * b_w[:, None]
         b_s = tl.sum(tl.reshape(b_st, [BQ, BHQ, BP]), 1)
     return b_s
@@ -196,7 +223,7 @@ def _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions, 
                  t_begin, i_p, scale, w_scale, stride_qt, stride_qh, stride_wt, stride_pk,
                  stride_pt, stride_st, NH, D, KPOOL: tl.constexpr, PAGE: tl.constexpr,
                  BHQ: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr, DOT: tl.constexpr,
-                 PREC: tl.constexpr, FP8_KEYS: tl.constexpr, Q_POW2: tl.constexpr,
+                 PREC: tl.constexpr, FP8_KEYS: tl.constexpr, Q_FORM: tl.constexpr,
                  KEYS_FIRST: tl.constexpr):
     """Scores of query i_t over its candidate pools of block i_p (none past its candidates)."""
     length = _candidates(num_pools, positions, i_t, KPOOL)
@@ -210,14 +237,14 @@ def _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions, 
         i_t64 = i_t.to(tl.int64)
         b_q = tl.load(q + i_t64 * stride_qt + o_h[:, None] * stride_qh + o_d[None, :],
                       mask=m_h[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-        b_q, b_qf = _query_rows(b_q, tl.max(tl.abs(b_q), 1), DOT, Q_POW2)  # [BHQ, BD], [BHQ]
+        b_q, b_qf = _query_rows(b_q, tl.max(tl.abs(b_q), 1), DOT, Q_FORM)  # [BHQ, BD], [BHQ]
         b_w = tl.load(weights + i_t64 * stride_wt + o_h, mask=m_h, other=0.0).to(tl.float32)
         b_w = b_w * w_scale
         slot = _slot_of(page_table, row, o_p.to(tl.int64) * KPOOL, stride_pt, PAGE, is_cand)
         b_k, b_ks = _load_keys(pool_keys, slot // KPOOL, is_cand, o_d, m_d, stride_pk, D,
                                FP8_KEYS, DOT)  # [BP, BD], [BP]
         b_st = _product(b_q, b_k, None, 1, BHQ, BP, PREC, KEYS_FIRST)
-        b_s = tl.reshape(_head_sums(b_st, b_qf, b_w, scale, 1, BHQ, BP, Q_POW2, KEYS_FIRST),
+        b_s = tl.reshape(_head_sums(b_st, b_qf, b_w, scale, 1, BHQ, BP, Q_FORM, KEYS_FIRST),
                          [BP])
         if FP8_KEYS:
             b_s = b_s * b_ks
@@ -231,7 +258,7 @@ def indexer_score_kernel(q, weights, pool_keys, page_table, rows, positions, num
                          stride_pk, stride_pt, stride_st, NH, D, KPOOL: tl.constexpr,
                          PAGE: tl.constexpr, BHQ: tl.constexpr, BD: tl.constexpr,
                          BP: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                         FP8_KEYS: tl.constexpr, Q_POW2: tl.constexpr,
+                         FP8_KEYS: tl.constexpr, Q_FORM: tl.constexpr,
                          KEYS_FIRST: tl.constexpr):
     """scores[t, p] = sum_h w[t, h] w_scale relu(q[t, h] . K_p * scale) for t's candidate pools
     p < lengths[t] (complete and ending at or before t's position); nothing is written past a
@@ -243,7 +270,7 @@ def indexer_score_kernel(q, weights, pool_keys, page_table, rows, positions, num
     _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions, scores, i_t,
                  t_begin, i_p, scale, w_scale, stride_qt, stride_qh, stride_wt, stride_pk,
                  stride_pt, stride_st, NH, D, KPOOL, PAGE, BHQ, BD, BP, DOT, PREC, FP8_KEYS,
-                 Q_POW2, KEYS_FIRST)
+                 Q_FORM, KEYS_FIRST)
 
 
 @jit(do_not_specialize=("t_begin", "stride_st"))
@@ -254,14 +281,14 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
                                BHQ: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr,
                                POOL_BLOCKS: tl.constexpr, NUM_STAGES: tl.constexpr,
                                DOT: tl.constexpr, PREC: tl.constexpr, FP8_KEYS: tl.constexpr,
-                               Q_POW2: tl.constexpr, KEYS_FIRST: tl.constexpr,
-                               KEY_HALVES: tl.constexpr):
+                               Q_FORM: tl.constexpr, KEYS_FIRST: tl.constexpr,
+                               KEY_HALVES: tl.constexpr, SLOTS_AHEAD: tl.constexpr):
     """`indexer_score_kernel` for BQ consecutive queries and POOL_BLOCKS blocks of BP pools per
     program: the queries' heads are the M of one product (BQ x BHQ rows), so a block of pooled
     keys is loaded once for them all, and the queries once for all the blocks. The keys are the
     first query's sequence's; a query of another sequence (a tile across a sequence boundary)
     is scored alone, as `indexer_score_kernel` scores it. KEY_HALVES: the head dimension in two
-    halves of BD / 2 (`ScoreLaunch.key_halves`)."""
+    halves of BD / 2 (`ScoreLaunch.key_halves`); SLOTS_AHEAD: `ScoreLaunch.slots_ahead`."""
     i_q = tl.program_id(0)
     i_pb = tl.program_id(1)
     t_first = t_begin + i_q * BQ
@@ -298,17 +325,28 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
                 b_q2 = tl.load(p_q + o_d2[None, :], mask=m_r[:, None] & m_d2[None, :],
                                other=0.0).to(tl.float32)
                 b_amax = tl.maximum(b_amax, tl.max(tl.abs(b_q2), 1))
-            b_q, b_qf = _query_rows(b_q, b_amax, DOT, Q_POW2)
+            b_q, b_qf = _query_rows(b_q, b_amax, DOT, Q_FORM)
             if KEY_HALVES:  # the same factor as the first half's: one scale per row
-                b_q2 = _query_rows(b_q2, b_amax, DOT, Q_POW2)[0]
+                b_q2 = _query_rows(b_q2, b_amax, DOT, Q_FORM)[0]
             b_w = tl.load(weights + o_rt * stride_wt + o_rh, mask=m_r, other=0.0).to(tl.float32)
             b_w = b_w * w_scale
             p_s = scores + (o_t - t_begin).to(tl.int64)[:, None] * stride_st
+            o_n = p_begin + tl.arange(0, BP)
+            slot_next = _slot_of(page_table, row0, o_n.to(tl.int64) * KPOOL, stride_pt, PAGE,
+                                 o_n < p_end)
             for p0 in tl.range(p_begin, p_end, BP, num_stages=NUM_STAGES):
                 o_p = p0 + tl.arange(0, BP)
                 is_key = o_p < longest
-                slot = _slot_of(page_table, row0, o_p.to(tl.int64) * KPOOL, stride_pt, PAGE,
-                                is_key)
+                if SLOTS_AHEAD:
+                    # The next block's slots now: its gather's addresses then come from the
+                    # iteration before, and the pipeliner gives it NUM_STAGES buffers.
+                    slot = slot_next
+                    o_n = o_p + BP
+                    slot_next = _slot_of(page_table, row0, o_n.to(tl.int64) * KPOOL, stride_pt,
+                                         PAGE, o_n < p_end)
+                else:
+                    slot = _slot_of(page_table, row0, o_p.to(tl.int64) * KPOOL, stride_pt,
+                                    PAGE, is_key)
                 b_k, b_ks = _load_keys(pool_keys, slot // KPOOL, is_key, o_d, m_d, stride_pk,
                                        D, FP8_KEYS, DOT)
                 b_st = _product(b_q, b_k, None, BQ, BHQ, BP, PREC, KEYS_FIRST)
@@ -317,7 +355,7 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
                     b_k = _load_keys(pool_keys, slot // KPOOL, is_key, o_d2, m_d2, stride_pk,
                                      D, FP8_KEYS, DOT)[0]
                     b_st = _product(b_q2, b_k, b_st, BQ, BHQ, BP, PREC, KEYS_FIRST)
-                b_s = _head_sums(b_st, b_qf, b_w, scale, BQ, BHQ, BP, Q_POW2,
+                b_s = _head_sums(b_st, b_qf, b_w, scale, BQ, BHQ, BP, Q_FORM,
                                  KEYS_FIRST)  # [BQ, BP]
                 if FP8_KEYS:
                     b_s = b_s * b_ks[None, :]
@@ -331,7 +369,7 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
                     _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions,
                                  scores, i_t, t_begin, p0 // BP, scale, w_scale, stride_qt,
                                  stride_qh, stride_wt, stride_pk, stride_pt, stride_st, NH, D,
-                                 KPOOL, PAGE, BHQ, BD, BP, DOT, PREC, FP8_KEYS, Q_POW2,
+                                 KPOOL, PAGE, BHQ, BD, BP, DOT, PREC, FP8_KEYS, Q_FORM,
                                  KEYS_FIRST)
 
 
@@ -368,13 +406,14 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
                    tiling: SelectTiling | None = None,
                    score: ScoreLaunch = CHUNK_SCORE,
                    decode: DecodeScoreRule = DECODE_SCORE,
-                   weight_scale: float = 1.0) -> torch.Tensor:
+                   weight_scale: float = 1.0, fp8_queries: bool = False) -> torch.Tensor:
     """Triton `indexer_select_ref`: token slots `[T, topk + kpool - 1]` (or `[T, topk]`), -1
     padded. q `[T, H, D]`, weights `[T, H]` (any float dtype; the head weights are
     `weights.float() * weight_scale`), pool_keys `[N / kpool, D]`.
     `score`: the scoring launch when the plan has a chunk of at least `score.queries` queries
     of one sequence; they then read each block of pooled keys once for all of them
-    (`indexer_score_tiled_kernel`). Otherwise (batches of decodes) `decode` picks the launch."""
+    (`indexer_score_tiled_kernel`). Otherwise (batches of decodes) `decode` picks the launch.
+    `fp8_queries`: see `score_pools`."""
     num_tokens, heads, dim = q.shape
     width = topk + (kpool - 1 if select_tail else 0)
     out = torch.empty(num_tokens, width, dtype=torch.long, device=q.device)
@@ -397,7 +436,8 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
             scores = torch.empty(n, max_pools, dtype=torch.float32, device=q.device)
             lengths = torch.empty(n, dtype=torch.int32, device=q.device)
             score_pools(q, weights, pool_keys, page_table, plan, scores, lengths, t0, n,
-                        page_size, kpool, launch, weight_scale=weight_scale)
+                        page_size, kpool, launch, weight_scale=weight_scale,
+                        fp8_queries=fp8_queries)
             pools = topk_indices(scores, lengths, num_sel, config=topk_config)
         indexer_expand_kernel[(n,)](
             pools, page_table, *per_token, out, t0, num_sel, width, page_table.stride(0),
@@ -406,23 +446,37 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
     return out
 
 
+def _query_form(q: torch.Tensor, fp8_keys: bool, fp8_queries: bool):
+    """(Q_FORM, the products' operand type) of a scoring launch."""
+    if fp8_queries:
+        if not fp8_keys:
+            raise ValueError("fp8_queries: the pooled keys must be FP8 too")
+        # e4m3 products where the GPU has them; the interpreter multiplies the codes in fp32,
+        # older GPUs in fp16 (both hold every e4m3 value exactly).
+        if interpreting():
+            return Q_FP8, tl.float32
+        return Q_FP8, tl.float8e4nv if has_fp8_products(q.device) else tl.float16
+    if fp8_keys and q.dtype in (torch.bfloat16, torch.float16):
+        return Q_POW2, tl.float16  # also in the interpreter
+    return Q_AS_IS, dot_operand_type(q.dtype)
+
+
 def score_pools(q, weights, pool_keys, page_table, plan: SelectPlan, scores, lengths, t0: int,
                 n: int, page_size: int, kpool: int, launch: ScoreLaunch = ONE_QUERY, *,
-                weight_scale: float = 1.0) -> None:
+                weight_scale: float = 1.0, fp8_queries: bool = False) -> None:
     """Scores of query rows [t0, t0 + n) over their candidate pools into `scores` `[n, >=
     max_pools]` (nothing past a row's candidates), their counts into `lengths` `[n]`: one
     program per (query, pool block), or per (`launch.queries` queries, `launch.pool_blocks`
-    pool blocks)."""
+    pool blocks). `fp8_queries` (FP8 keys only): the query rows quantised to e4m3 per head
+    (`_query_rows`), as `ref.indexer_select_ref` does with the same flag."""
     heads, dim = q.shape[1], q.shape[2]
     strides = (q.stride(0), q.stride(1), weights.stride(0), pool_keys.stride(0),
                page_table.stride(0), scores.stride(0), heads, dim)
     fp8 = key_format.is_fp8(pool_keys)
-    # FP8 keys beside 16-bit queries: fp16 products (`_query_rows`), also in the interpreter.
-    q_pow2 = fp8 and q.dtype in (torch.bfloat16, torch.float16)
+    q_form, dot = _query_form(q, fp8, fp8_queries)
     shapes = dict(KPOOL=kpool, PAGE=page_size, BHQ=max(16, triton.next_power_of_2(heads)),
                   BD=max(16, triton.next_power_of_2(dim)), BP=launch.block_pools,
-                  DOT=tl.float16 if q_pow2 else dot_operand_type(q.dtype),
-                  PREC=product_precision(q.dtype), FP8_KEYS=fp8, Q_POW2=q_pow2,
+                  DOT=dot, PREC=product_precision(q.dtype), FP8_KEYS=fp8, Q_FORM=q_form,
                   KEYS_FIRST=launch.keys_first, num_warps=launch.num_warps)
     per_query = (q, weights, pool_keys, page_table, plan.rows, plan.positions, plan.num_pools,
                  scores, lengths, t0)
@@ -434,7 +488,8 @@ def score_pools(q, weights, pool_keys, page_table, plan: SelectPlan, scores, len
         indexer_score_tiled_kernel[grid](
             *per_query, n, dim ** -0.5, float(weight_scale), *strides, BQ=launch.queries,
             POOL_BLOCKS=launch.pool_blocks, NUM_STAGES=launch.num_stages,
-            KEY_HALVES=launch.key_halves and shapes["BD"] >= 32, **shapes)
+            KEY_HALVES=launch.key_halves and shapes["BD"] >= 32,
+            SLOTS_AHEAD=launch.slots_ahead, **shapes)
 
 
 indexer_write = indexer_write_ref
