@@ -319,19 +319,17 @@ INDEXER_PREFILL_SHAPES = ((131072, 512), (1048576, 512))
 
 
 # Scoring launches for a prefill chunk: (queries, pool blocks per program, stages[, pools a
-# block[, warps[, keys first[, key halves[, slots ahead]]]]]); first the one-query kernel,
-# then the default, then the default with the queries first (`ScoreLaunch.keys_first`), then
-# with the key in halves (`ScoreLaunch.key_halves`), then with the slots looked up a block
+# block[, warps[, key halves[, slots ahead]]]]); first the one-query kernel, then the default,
+# then with the key in halves (`ScoreLaunch.key_halves`), then with the slots looked up a block
 # ahead (`ScoreLaunch.slots_ahead`).
-INDEXER_CHUNK_GRID = [(1, 1, 1), (4, 16, 2), (4, 16, 2, 64, 4, False),
-                      (4, 16, 2, 64, 4, True, True), (4, 16, 2, 64, 4, True, False, True),
-                      (4, 16, 3, 64, 4, True, False, True), (4, 1, 1), (4, 4, 2), (4, 8, 2),
-                      (4, 16, 3), (4, 32, 3), (8, 8, 2), (2, 16, 3), (4, 8, 2, 128)]
-# The FP8 keys' pass: the first six; with e4m3 queries (`fp8_queries`), those without the
-# queries first, and 128-pool blocks.
-INDEXER_CHUNK_GRID_FP8 = INDEXER_CHUNK_GRID[:6]
-INDEXER_CHUNK_GRID_FP8Q = [INDEXER_CHUNK_GRID[i] for i in (0, 1, 3, 4, 5)] + [
-    (4, 8, 3, 128, 4, True, False, True)]
+INDEXER_CHUNK_GRID = [(1, 1, 1), (4, 16, 2), (4, 16, 2, 64, 4, True),
+                      (4, 16, 2, 64, 4, False, True), (4, 16, 3, 64, 4, False, True),
+                      (4, 1, 1), (4, 4, 2), (4, 8, 2), (4, 16, 3), (4, 32, 3), (8, 8, 2),
+                      (2, 16, 3), (4, 8, 2, 128)]
+# The FP8 keys' pass: the first five; with e4m3 queries (`fp8_queries`) too, and 128-pool
+# blocks.
+INDEXER_CHUNK_GRID_FP8 = INDEXER_CHUNK_GRID[:5]
+INDEXER_CHUNK_GRID_FP8Q = INDEXER_CHUNK_GRID_FP8 + [(4, 8, 3, 128, 4, False, True)]
 
 
 def sweep_indexer_prefill() -> None:
@@ -379,26 +377,21 @@ def _indexer_prefill_case(ctx_len: int, chunk: int, peak: float, fp8: bool,
 
 
 # Scoring launches for decodes: (queries, pool blocks per program, stages[, pools a block[,
-# warps[, keys first[, key halves]]]]); one query and one block per program first, the
-# queries-first forms of it and of the tiled default, then key halves (fewer registers: four
-# programs an SM at 64-pool blocks with FP8 keys, tools/smem_check.py).
+# warps[, key halves[, slots ahead]]]]); one query and one block per program first, then tiled
+# shapes, then key halves (fewer registers: four programs an SM at 64-pool blocks with FP8
+# keys, tools/smem_check.py), then the slots looked up a block ahead.
 INDEXER_DECODE_GRID = [(1, 1, 1), (1, 4, 2), (1, 8, 2), (1, 16, 2), (1, 16, 3), (1, 16, 4),
                        (1, 8, 2, 128), (1, 8, 3, 128), (1, 8, 4, 128), (1, 8, 3, 128, 8),
-                       (1, 4, 3, 256, 8), (1, 1, 1, 64, 4, False), (1, 8, 3, 128, 4, False),
-                       (1, 8, 3, 128, 4, True, True), (1, 16, 3, 64, 4, True, True),
-                       (1, 16, 2, 64, 4, True, True)] + [
-    # the slots looked up a block ahead (`ScoreLaunch.slots_ahead`)
-    (1, 8, 3, 128, 4, True, False, True), (1, 8, 4, 128, 4, True, False, True),
-    (1, 16, 3, 64, 4, True, False, True), (1, 16, 4, 64, 4, True, False, True),
-    (1, 4, 3, 256, 4, True, False, True), (1, 8, 3, 128, 4, True, True, True)]
+                       (1, 4, 3, 256, 8), (1, 8, 3, 128, 4, True), (1, 16, 3, 64, 4, True),
+                       (1, 16, 2, 64, 4, True), (1, 8, 3, 128, 4, False, True),
+                       (1, 8, 4, 128, 4, False, True), (1, 16, 3, 64, 4, False, True),
+                       (1, 16, 4, 64, 4, False, True), (1, 4, 3, 256, 4, False, True),
+                       (1, 8, 3, 128, 4, True, True)]
 # e4m3 queries beside FP8 keys (`fp8_queries`): the one-query kernel first, then the tiled forms.
 INDEXER_DECODE_GRID_FP8Q = [(1, 1, 1), (1, 8, 3, 128), (1, 16, 3), (1, 4, 3, 256),
-                            (1, 8, 3, 128, 4, True, False, True),
-                            (1, 8, 4, 128, 4, True, False, True),
-                            (1, 16, 4, 64, 4, True, False, True),
-                            (1, 4, 3, 256, 4, True, False, True),
-                            (1, 4, 4, 256, 4, True, False, True),
-                            (1, 2, 3, 512, 4, True, False, True)]
+                            (1, 8, 3, 128, 4, False, True), (1, 8, 4, 128, 4, False, True),
+                            (1, 16, 4, 64, 4, False, True), (1, 4, 3, 256, 4, False, True),
+                            (1, 4, 4, 256, 4, False, True), (1, 2, 3, 512, 4, False, True)]
 # (context, sequences): one query at 128K and 32 sequences at 1M (the issue's decode shapes),
 # and the sizes between, where DECODE_SCORE's program floor decides.
 INDEXER_DECODE_SHAPES = ((131072, 1), (131072, 8), (131072, 32), (1048576, 1), (1048576, 4),

@@ -313,13 +313,13 @@ def indexer_launches() -> list[Launch]:
         score = dict(KPOOL=4, PAGE=64, BHQ=32, BD=128, PREC="tf32", FP8_KEYS=fp8_keys,
                      DOT=dot, Q_FORM=q_form)
         out += [Launch(f"indexer score{keys}", indexer.indexer_score_kernel, key_ptrs,
-                       dict(score, BP=one.block_pools, KEYS_FIRST=one.keys_first), 4,
+                       dict(score, BP=one.block_pools), 4,
                        aligned=("NH", "D"))]
         out += [Launch(f"indexer score {tiled.queries} queries x {tiled.pool_blocks} blocks"
                        f"{keys}", indexer.indexer_score_tiled_kernel, key_ptrs,
                        dict(score, BP=tiled.block_pools, BQ=tiled.queries,
                             POOL_BLOCKS=tiled.pool_blocks, NUM_STAGES=tiled.num_stages,
-                            KEYS_FIRST=tiled.keys_first, KEY_HALVES=tiled.key_halves,
+                            KEY_HALVES=tiled.key_halves,
                             SLOTS_AHEAD=tiled.slots_ahead),
                        tiled.num_warps, tiled.num_stages, aligned=("NH", "D"))
                 for tiled in (chunk, *indexer.DECODE_SCORE.tiled)]

@@ -113,9 +113,7 @@ def test_triton_select_on_fp8_keys_matches_ref(new, prefix, score):
 
 
 @pytest.mark.parametrize("q_scale", [1.0, 3e5, 1e-6], ids=["unit", "past_fp16", "tiny"])
-@pytest.mark.parametrize("score", [ONE_QUERY, ScoreLaunch(4, 3, 2, 16),
-                                   ScoreLaunch(4, 3, 2, 16, keys_first=False)],
-                         ids=["one", "tiled", "tiled_queries_first"])
+@pytest.mark.parametrize("score", [ONE_QUERY, ScoreLaunch(4, 3, 2, 16)], ids=["one", "tiled"])
 def test_bf16_queries_take_fp16_products_exactly(score, q_scale):
     """bf16 queries over FP8 keys: fp16 products after a power-of-two scale per row
     (`_query_rows`), so queries far outside fp16's range select as the reference does."""
@@ -190,17 +188,13 @@ def test_fp8_queries_selection_stays_close_to_model_dtype_keys():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("score", [ONE_QUERY, CHUNK_SCORE, ScoreLaunch(1, 16, 2),
                                    ScoreLaunch(1, 8, 3, 128), ScoreLaunch(1, 8, 3, 128, 8),
-                                   ScoreLaunch(1, keys_first=False),
-                                   ScoreLaunch(4, 16, 2, keys_first=False),
-                                   ScoreLaunch(1, 8, 3, 128, keys_first=False),
                                    ScoreLaunch(1, 16, 3, key_halves=True),
                                    ScoreLaunch(1, 8, 3, 128, key_halves=True),
                                    ScoreLaunch(4, 16, 2, key_halves=True),
                                    ScoreLaunch(1, 8, 3, 128, slots_ahead=True),
                                    ScoreLaunch(4, 16, 3, slots_ahead=True)],
                          ids=["one", "chunk", "1q_16_blocks", "1q_8_blocks_of_128",
-                              "1q_8_blocks_of_128_8_warps", "one_queries_first",
-                              "chunk_queries_first", "1q_8_blocks_of_128_queries_first",
+                              "1q_8_blocks_of_128_8_warps",
                               "1q_16_blocks_key_halves", "1q_8_blocks_of_128_key_halves",
                               "chunk_key_halves", "1q_8_blocks_of_128_slots_ahead",
                               "chunk_slots_ahead"])

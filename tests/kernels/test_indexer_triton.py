@@ -72,15 +72,10 @@ def test_indexer_select_matches_ref(new, prefix):
 # Several queries per scoring program: tiles inside one sequence, tiles across a sequence
 # boundary (scored query by query), a last tile with fewer queries, and decodes; one or several
 # pool blocks per program (16 pools a block: 50 pools in the odd chunk).
-# The product's other operand forms (`ScoreLaunch.keys_first`, `ScoreLaunch.key_halves`), and
-# the slots looked up a block ahead (`ScoreLaunch.slots_ahead`).
-OPERAND_FORMS = {"one_queries_first": ScoreLaunch(1, keys_first=False),
-                 "4q_3_blocks_queries_first": ScoreLaunch(4, 3, 2, 16, keys_first=False),
-                 "1q_3_blocks_queries_first": ScoreLaunch(1, 3, 2, 16, keys_first=False),
-                 "1q_3_blocks_key_halves": ScoreLaunch(1, 3, 2, 16, key_halves=True),
+# The key in halves (`ScoreLaunch.key_halves`) and the slots looked up a block ahead
+# (`ScoreLaunch.slots_ahead`).
+OPERAND_FORMS = {"1q_3_blocks_key_halves": ScoreLaunch(1, 3, 2, 16, key_halves=True),
                  "4q_3_blocks_key_halves": ScoreLaunch(4, 3, 2, 16, key_halves=True),
-                 "4q_queries_first_key_halves": ScoreLaunch(4, 3, 2, 16, keys_first=False,
-                                                            key_halves=True),
                  "1q_3_blocks_slots_ahead": ScoreLaunch(1, 3, 2, 16, slots_ahead=True),
                  "4q_3_blocks_slots_ahead": ScoreLaunch(4, 3, 3, 16, slots_ahead=True),
                  "1q_2_blocks_key_halves_slots_ahead": ScoreLaunch(1, 2, 2, 16, key_halves=True,
@@ -251,16 +246,12 @@ def test_indexer_select_graph_replay_gpu():
 @pytest.mark.parametrize("score", [ONE_QUERY, ScoreLaunch(4), ScoreLaunch(8),
                                    triton_impl.CHUNK_SCORE, ScoreLaunch(4, 16, 3),
                                    ScoreLaunch(1, 16, 2), ScoreLaunch(1, 8, 3, 128),
-                                   ScoreLaunch(1, keys_first=False),
-                                   ScoreLaunch(4, 16, 2, keys_first=False),
-                                   ScoreLaunch(1, 8, 3, 128, keys_first=False),
                                    ScoreLaunch(1, 16, 3, key_halves=True),
                                    ScoreLaunch(1, 8, 3, 128, key_halves=True),
                                    ScoreLaunch(1, 8, 3, 128, slots_ahead=True),
                                    ScoreLaunch(4, 16, 3, slots_ahead=True)],
                          ids=["one", "4q", "8q", "default", "4q_16_blocks", "1q_16_blocks",
-                              "1q_8_blocks_of_128", "one_queries_first",
-                              "default_queries_first", "1q_8_blocks_of_128_queries_first",
+                              "1q_8_blocks_of_128",
                               "1q_16_blocks_key_halves", "1q_8_blocks_of_128_key_halves",
                               "1q_8_blocks_of_128_slots_ahead", "4q_16_blocks_slots_ahead"])
 def test_indexer_select_release_shape_gpu(score):

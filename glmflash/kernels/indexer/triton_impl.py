@@ -65,21 +65,15 @@ class ScoreLaunch:
     """Pools per block: the N of each product (a power of two, at least 16)."""
     num_warps: int = 4
     """Warps a program."""
-    keys_first: bool = True
-    """The pooled keys are the product's first operand (`[pools, heads]` scores): on SM90 a
-    product whose first operand sits in registers runs on the warpgroup tensor cores (FP8 keys
-    are converted there), and the sum over heads stays within a thread's row. Otherwise the
-    queries come first (`[heads, pools]`), measured slower at every shape (README.md)."""
     key_halves: bool = False
     """Tiled launches: the head dimension taken in two halves, a product each into one
     accumulator, the second half of a key block loaded and converted after the first half's
-    product, so the converted keys hold half the registers (FP8 keys in 64-pool blocks on
-    SM90: four programs an SM instead of three; README.md, not measured yet). Needs a head
-    dimension of at least 32 (16 a half); ignored below."""
+    product, so the converted keys hold half the registers (README.md, "Key halves"). Needs a
+    head dimension of at least 32 (16 a half); ignored below."""
     slots_ahead: bool = False
     """Tiled launches: each block's cache slots are looked up (page table) one block ahead, so
     that the key gathers' addresses come from the iteration before and the software pipeline
-    keeps `num_stages` blocks of keys in flight, not one (README.md, not measured yet)."""
+    keeps `num_stages` blocks of keys in flight, not one (README.md, "Slots a block ahead")."""
 
     def grid(self, num_queries: int, max_pools: int) -> tuple[int, int]:
         """Programs along the queries and along the pools for `num_queries` rows scoring up
@@ -186,36 +180,25 @@ def _query_rows(b_q, b_amax, DOT: tl.constexpr, Q_FORM: tl.constexpr):
 
 @jit
 def _product(b_q, b_k, acc, BQ: tl.constexpr, BHQ: tl.constexpr, BP: tl.constexpr,
-             PREC: tl.constexpr, KEYS_FIRST: tl.constexpr):
-    """acc (None: zeros) plus the product of query rows `b_q` `[BQ * BHQ, d]` and key rows
-    `b_k` `[BP, d]`: `[BP, BQ * BHQ]` KEYS_FIRST (`ScoreLaunch.keys_first`), else
-    `[BQ * BHQ, BP]`."""
-    if KEYS_FIRST:
-        if acc is None:
-            acc = tl.zeros([BP, BQ * BHQ], dtype=tl.float32)
-        acc = tl.dot(b_k, tl.trans(b_q), acc, input_precision=PREC)
-    else:
-        if acc is None:
-            acc = tl.zeros([BQ * BHQ, BP], dtype=tl.float32)
-        acc = tl.dot(b_q, tl.trans(b_k), acc, input_precision=PREC)
-    return acc
+             PREC: tl.constexpr):
+    """acc (None: zeros) plus the product of key rows `b_k` `[BP, d]` and query rows `b_q`
+    `[BQ * BHQ, d]`: `[BP, BQ * BHQ]`, the keys the first operand. On SM90 a product whose
+    first operand sits in registers runs on the warpgroup tensor cores (FP8 keys are converted
+    there), and the sum over heads stays within a thread's row (README.md, "Keys first")."""
+    if acc is None:
+        acc = tl.zeros([BP, BQ * BHQ], dtype=tl.float32)
+    return tl.dot(b_k, tl.trans(b_q), acc, input_precision=PREC)
 
 
 @jit
 def _head_sums(b_st, b_qf, b_w, scale, BQ: tl.constexpr, BHQ: tl.constexpr, BP: tl.constexpr,
-               Q_FORM: tl.constexpr, KEYS_FIRST: tl.constexpr):
+               Q_FORM: tl.constexpr):
     """`[BQ, BP]`: sum_h w relu(q_h . k * scale) for each of BQ queries and BP keys, from their
-    products `b_st` (`_product`), the query rows' factors `b_qf` (`_query_rows`) and weights
-    `b_w` `[BQ * BHQ]`."""
-    if KEYS_FIRST:  # b_st: [BP, BQ*BHQ]
-        b_st = b_st * (b_qf * scale)[None, :] if Q_FORM != Q_AS_IS else b_st * scale
-        b_st = tl.maximum(b_st, 0.0) * b_w[None, :]
-        b_s = tl.trans(tl.sum(tl.reshape(b_st, [BP, BQ, BHQ]), 2))
-    else:  # b_st: [BQ*BHQ, BP]
-        b_st = b_st * (b_qf * scale)[:, None] if Q_FORM != Q_AS_IS else b_st * scale
-        b_st = tl.maximum(b_st, 0.0) * b_w[:, None]
-        b_s = tl.sum(tl.reshape(b_st, [BQ, BHQ, BP]), 1)
-    return b_s
+    products `b_st` `[BP, BQ * BHQ]` (`_product`), the query rows' factors `b_qf`
+    (`_query_rows`) and weights `b_w` `[BQ * BHQ]`."""
+    b_st = b_st * (b_qf * scale)[None, :] if Q_FORM != Q_AS_IS else b_st * scale
+    b_st = tl.maximum(b_st, 0.0) * b_w[None, :]
+    return tl.trans(tl.sum(tl.reshape(b_st, [BP, BQ, BHQ]), 2))
 
 
 @jit
@@ -223,8 +206,7 @@ def _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions, 
                  t_begin, i_p, scale, w_scale, stride_qt, stride_qh, stride_wt, stride_pk,
                  stride_pt, stride_st, NH, D, KPOOL: tl.constexpr, PAGE: tl.constexpr,
                  BHQ: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr, DOT: tl.constexpr,
-                 PREC: tl.constexpr, FP8_KEYS: tl.constexpr, Q_FORM: tl.constexpr,
-                 KEYS_FIRST: tl.constexpr):
+                 PREC: tl.constexpr, FP8_KEYS: tl.constexpr, Q_FORM: tl.constexpr):
     """Scores of query i_t over its candidate pools of block i_p (none past its candidates)."""
     length = _candidates(num_pools, positions, i_t, KPOOL)
     if i_p * BP < length:
@@ -243,8 +225,8 @@ def _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions, 
         slot = _slot_of(page_table, row, o_p.to(tl.int64) * KPOOL, stride_pt, PAGE, is_cand)
         b_k, b_ks = _load_keys(pool_keys, slot // KPOOL, is_cand, o_d, m_d, stride_pk, D,
                                FP8_KEYS, DOT)  # [BP, BD], [BP]
-        b_st = _product(b_q, b_k, None, 1, BHQ, BP, PREC, KEYS_FIRST)
-        b_s = tl.reshape(_head_sums(b_st, b_qf, b_w, scale, 1, BHQ, BP, Q_FORM, KEYS_FIRST),
+        b_st = _product(b_q, b_k, None, 1, BHQ, BP, PREC)
+        b_s = tl.reshape(_head_sums(b_st, b_qf, b_w, scale, 1, BHQ, BP, Q_FORM),
                          [BP])
         if FP8_KEYS:
             b_s = b_s * b_ks
@@ -258,8 +240,7 @@ def indexer_score_kernel(q, weights, pool_keys, page_table, rows, positions, num
                          stride_pk, stride_pt, stride_st, NH, D, KPOOL: tl.constexpr,
                          PAGE: tl.constexpr, BHQ: tl.constexpr, BD: tl.constexpr,
                          BP: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                         FP8_KEYS: tl.constexpr, Q_FORM: tl.constexpr,
-                         KEYS_FIRST: tl.constexpr):
+                         FP8_KEYS: tl.constexpr, Q_FORM: tl.constexpr):
     """scores[t, p] = sum_h w[t, h] w_scale relu(q[t, h] . K_p * scale) for t's candidate pools
     p < lengths[t] (complete and ending at or before t's position); nothing is written past a
     row's candidates (the top-k reads only them)."""
@@ -270,7 +251,7 @@ def indexer_score_kernel(q, weights, pool_keys, page_table, rows, positions, num
     _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions, scores, i_t,
                  t_begin, i_p, scale, w_scale, stride_qt, stride_qh, stride_wt, stride_pk,
                  stride_pt, stride_st, NH, D, KPOOL, PAGE, BHQ, BD, BP, DOT, PREC, FP8_KEYS,
-                 Q_FORM, KEYS_FIRST)
+                 Q_FORM)
 
 
 @jit(do_not_specialize=("t_begin", "stride_st"))
@@ -281,7 +262,7 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
                                BHQ: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr,
                                POOL_BLOCKS: tl.constexpr, NUM_STAGES: tl.constexpr,
                                DOT: tl.constexpr, PREC: tl.constexpr, FP8_KEYS: tl.constexpr,
-                               Q_FORM: tl.constexpr, KEYS_FIRST: tl.constexpr,
+                               Q_FORM: tl.constexpr,
                                KEY_HALVES: tl.constexpr, SLOTS_AHEAD: tl.constexpr):
     """`indexer_score_kernel` for BQ consecutive queries and POOL_BLOCKS blocks of BP pools per
     program: the queries' heads are the M of one product (BQ x BHQ rows), so a block of pooled
@@ -349,14 +330,13 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
                                     PAGE, is_key)
                 b_k, b_ks = _load_keys(pool_keys, slot // KPOOL, is_key, o_d, m_d, stride_pk,
                                        D, FP8_KEYS, DOT)
-                b_st = _product(b_q, b_k, None, BQ, BHQ, BP, PREC, KEYS_FIRST)
+                b_st = _product(b_q, b_k, None, BQ, BHQ, BP, PREC)
                 if KEY_HALVES:
                     # The second half loaded after the first half's product is issued.
                     b_k = _load_keys(pool_keys, slot // KPOOL, is_key, o_d2, m_d2, stride_pk,
                                      D, FP8_KEYS, DOT)[0]
-                    b_st = _product(b_q2, b_k, b_st, BQ, BHQ, BP, PREC, KEYS_FIRST)
-                b_s = _head_sums(b_st, b_qf, b_w, scale, BQ, BHQ, BP, Q_FORM,
-                                 KEYS_FIRST)  # [BQ, BP]
+                    b_st = _product(b_q2, b_k, b_st, BQ, BHQ, BP, PREC)
+                b_s = _head_sums(b_st, b_qf, b_w, scale, BQ, BHQ, BP, Q_FORM)  # [BQ, BP]
                 if FP8_KEYS:
                     b_s = b_s * b_ks[None, :]
                 tl.store(p_s + o_p[None, :], b_s,
@@ -369,8 +349,7 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
                     _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions,
                                  scores, i_t, t_begin, p0 // BP, scale, w_scale, stride_qt,
                                  stride_qh, stride_wt, stride_pk, stride_pt, stride_st, NH, D,
-                                 KPOOL, PAGE, BHQ, BD, BP, DOT, PREC, FP8_KEYS, Q_FORM,
-                                 KEYS_FIRST)
+                                 KPOOL, PAGE, BHQ, BD, BP, DOT, PREC, FP8_KEYS, Q_FORM)
 
 
 @jit(do_not_specialize=("t_begin", "num_sel", "stride_pot"))
@@ -477,7 +456,7 @@ def score_pools(q, weights, pool_keys, page_table, plan: SelectPlan, scores, len
     shapes = dict(KPOOL=kpool, PAGE=page_size, BHQ=max(16, triton.next_power_of_2(heads)),
                   BD=max(16, triton.next_power_of_2(dim)), BP=launch.block_pools,
                   DOT=dot, PREC=product_precision(q.dtype), FP8_KEYS=fp8, Q_FORM=q_form,
-                  KEYS_FIRST=launch.keys_first, num_warps=launch.num_warps)
+                  num_warps=launch.num_warps)
     per_query = (q, weights, pool_keys, page_table, plan.rows, plan.positions, plan.num_pools,
                  scores, lengths, t0)
     grid = launch.grid(n, plan.max_pools)
