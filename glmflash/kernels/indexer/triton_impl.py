@@ -90,8 +90,8 @@ class ScoreLaunch:
             raise ValueError(f"block_pools {self.block_pools}: a power of two >= 16")
 
 
-# Prefill chunks: 4 queries and 16 pool blocks per program, two stages (README: 2.3-2.9x one
-# query per program at a 512-query chunk, 128K and 1M context, on the H200).
+# Prefill chunks: 4 queries and 16 pool blocks per program, two stages (README.md has the
+# launch sweep).
 CHUNK_SCORE = ScoreLaunch(queries=4, pool_blocks=16, num_stages=2)
 ONE_QUERY = ScoreLaunch(queries=1)
 

@@ -45,9 +45,9 @@ class StagedConfig:
     diag_key_block: int = 32
     """Channels per step of the gate stage with the diagonal blocks (`kda_intra_diag_kernel`)."""
     diag_max_registers: int | None = 128
-    """A register cap for the diagonal kernel (`maxnreg`; None: the compiler's choice, 163 on
-    sm_90): 16 one-warp programs per SM instead of 12 for a latency-bound kernel, for 16 B of
-    spills a thread."""
+    """A register cap for the diagonal kernel (`maxnreg`; None: the compiler's choice): more
+    one-warp programs per SM for a latency-bound kernel, at the price of a few spilled bytes
+    (README.md has the counts and the timing)."""
     off_warps: int = 2
     off_key_block: int = 32
     """Channels per step of the intra stage's kernel for the blocks below the diagonal."""
