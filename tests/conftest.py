@@ -148,6 +148,21 @@ def nan_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(empty_like(*a, **k)))
 
 
+POISON = -7
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Integer torch.empty filled with POISON, floats with NaN: unwritten entries show up."""
+    empty = torch.empty
+
+    def fill(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else POISON)
+
+    monkeypatch.setattr(torch, "empty", fill)
+
+
 @pytest.fixture
 def seeded():
     return torch.Generator().manual_seed(42)

@@ -17,25 +17,12 @@ SMALL = TopkConfig(block=8, min_segment=16, programs_per_sm=64, list_divisor=1)
 SMALL_LISTED_LATE = dataclasses.replace(SMALL, list_divisor=1 << 20)
 # Loops over a segment's keys and candidates software-pipelined (three stages).
 SMALL_PIPELINED = dataclasses.replace(SMALL, num_stages=3)
-POISON = -7
 
 
 @pytest.fixture(params=[SMALL, SMALL_LISTED_LATE, SMALL_PIPELINED],
                 ids=["listed_early", "listed_late", "pipelined"])
 def small(request) -> TopkConfig:
     return request.param
-
-
-@pytest.fixture
-def poisoned_empty(monkeypatch):
-    """Integer torch.empty filled with POISON, floats with NaN: unwritten entries show up."""
-    empty = torch.empty
-
-    def fill(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan") if t.is_floating_point() else POISON)
-
-    monkeypatch.setattr(torch, "empty", fill)
 
 
 def stable_topk(scores: torch.Tensor, lengths: list[int], k: int) -> list[list[int]]:

@@ -65,7 +65,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("new,prefix", CASES.values(), ids=CASES.keys())
-def test_indexer_select_matches_ref(new, prefix):
+def test_indexer_select_matches_ref(new, prefix, poisoned_empty):
     _check(new, prefix)
 
 
@@ -89,7 +89,7 @@ TILED = {"2q": ScoreLaunch(2), "4q": ScoreLaunch(4), "4q_3_blocks": ScoreLaunch(
 @pytest.mark.parametrize("new,prefix", [([30, 1], [0, 60]), ([9, 0, 5], [7, 2, 50]),
                                         ([1, 1, 1], [3, 100, 17]), ([13], [200])],
                          ids=["prefill_then_decode", "empty_seq", "decode3", "odd_chunk"])
-def test_indexer_select_several_queries_per_program(new, prefix, score):
+def test_indexer_select_several_queries_per_program(new, prefix, score, poisoned_empty):
     _check(new, prefix, score=score)
     # Odd heads and width (masked rows and columns of the product): the same candidate counts,
     # and scores equal up to the order of the sum over heads.
