@@ -47,6 +47,7 @@ from bench import e2e_mtp  # noqa: E402
 from bench.common import (  # noqa: E402
     add_fake_context_requests,
     append_results,
+    copy_bandwidth,
     results_section,
 )
 from bench.e2e_long import decode_ratio_line, memory_line, reset_peak  # noqa: E402
@@ -54,7 +55,6 @@ from bench.e2e_probes import (  # noqa: E402
     CpuExpertClock,
     LayerProbe,
     cpu_read_gbs,
-    hbm_copy_gbs,
     profile_step,
     step_bytes,
 )
@@ -392,7 +392,7 @@ def main() -> None:
             e2e_mtp.main(args, folders)
         return
     is_cuda = any(m != "cpu" for m in args.modes)
-    bandwidth = {"hbm": hbm_copy_gbs() if is_cuda else None,
+    bandwidth = {"hbm": copy_bandwidth() if is_cuda else None,
                  "cpu": cpu_read_gbs(args.probe_mb << 20)}
     if is_cuda:
         torch.cuda.empty_cache()

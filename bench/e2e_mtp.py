@@ -30,8 +30,8 @@ import time
 import numpy as np
 import torch
 
-from bench.common import add_fake_context_requests
-from bench.e2e_probes import cpu_read_gbs, hbm_copy_gbs, moe_layers, step_bytes
+from bench.common import add_fake_context_requests, copy_bandwidth
+from bench.e2e_probes import cpu_read_gbs, moe_layers, step_bytes
 from glmflash import Engine, SamplingParams
 from glmflash.engine import spec_capture, spec_runner
 from glmflash.model import verify
@@ -406,7 +406,7 @@ def main(args: argparse.Namespace, folders: dict[int, object]) -> None:
     deadline = time.perf_counter() + args.time_limit * len(folders)
     args.context = args.contexts[0]
     is_cuda = any(m != "cpu" for m in args.modes)
-    args.bandwidth = {"hbm": hbm_copy_gbs() if is_cuda else float("inf"),
+    args.bandwidth = {"hbm": copy_bandwidth() if is_cuda else float("inf"),
                       "cpu": cpu_read_gbs(args.probe_mb << 20)}
     if is_cuda:
         torch.cuda.empty_cache()

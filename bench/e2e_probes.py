@@ -191,20 +191,6 @@ def _subtree_kernels(root) -> int:
     return count
 
 
-def hbm_copy_gbs(num_bytes: int = 2 << 30, reps: int = 5) -> float:
-    """Device-to-device copy bandwidth, counting bytes read and written."""
-    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * num_bytes * reps / (start.elapsed_time(end) / 1e3) / 1e9
-
-
 def cpu_read_gbs(num_bytes: int) -> float:
     """The read probe of bench/cpu_moe.py: a parallel sum over `num_bytes` of fp32 (all cores)."""
     from bench.cpu_moe import PROBE_CHUNKS, _read_sum_nb, median_time

@@ -55,6 +55,13 @@ def product_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 or interpreting() else "tf32"
 
 
+def gluon_async_load(module):
+    """Gluon's async load of `module` (`tma` or `async_copy`): Triton 3.6 (the H200's) names it
+    `async_copy_global_to_shared`; later versions renamed it `async_load` and made the old name
+    raise."""
+    return getattr(module, "async_load", None) or module.async_copy_global_to_shared
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (4 stands in for the interpreter)."""
     if device.type != "cuda":

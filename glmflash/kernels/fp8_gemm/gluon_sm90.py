@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from glmflash.kernels.fp8_gemm.triton_common import FP8_MAX
-from glmflash.kernels.triton_utils import constexpr, grouped_tile, num_sms
+from glmflash.kernels.triton_utils import constexpr, gluon_async_load, grouped_tile, num_sms
 
 try:
     import triton
@@ -49,9 +49,7 @@ try:
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    # Triton 3.6 (the H200's) names the TMA load async_copy_global_to_shared; later versions
-    # renamed it async_load and made the old name raise.
-    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    tma_load = gluon_async_load(tma)
 except ImportError:  # older Triton, or none: the Triton kernels serve every call
     gluon = None
 

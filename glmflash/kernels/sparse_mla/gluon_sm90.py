@@ -39,7 +39,7 @@ from glmflash.kernels.sparse_mla.plan import (
     split_plan,
 )
 from glmflash.kernels.sparse_mla.triton_impl import online_softmax_step
-from glmflash.kernels.triton_utils import constexpr, interpreting, num_sms
+from glmflash.kernels.triton_utils import constexpr, gluon_async_load, interpreting, num_sms
 
 try:
     from triton.experimental import gluon
@@ -51,9 +51,7 @@ try:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    # Triton 3.6 (the H200's) names the gather async_copy_global_to_shared; later versions
-    # renamed it async_load and made the old name raise.
-    cp_async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+    cp_async_load = gluon_async_load(cp)
 except ImportError:  # older Triton, or none: the Triton kernel serves every call
     gluon = None
 
