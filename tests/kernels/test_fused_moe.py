@@ -3,6 +3,8 @@ the release shapes), and the sorted block layout it dispatches with."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -235,11 +237,16 @@ def _release_case(num_tokens: int, num_experts: int = 288, dtype=torch.bfloat16)
         raw |= torch.randint(0, 2, raw.shape, dtype=torch.uint8, device="cuda") << 7
         scale = torch.rand(num_experts, n // 128, k // 128, device="cuda") * 2e-4 + 1e-4
         experts += [raw.view(torch.float8_e4m3fn), scale]
-    x = torch.randn(num_tokens, hidden, generator=gen).to("cuda", dtype)
+    return (*_release_tokens(num_tokens, num_experts, dtype, gen), tuple(experts))
+
+
+def _release_tokens(num_tokens: int, num_experts: int, dtype, gen: torch.Generator) -> tuple:
+    """Tokens `[T, 4096]`, their top-8 expert ids and routing weights, on the GPU."""
+    x = torch.randn(num_tokens, 4096, generator=gen).to("cuda", dtype)
     ids = torch.stack([torch.randperm(num_experts, generator=gen)[:8]
                        for _ in range(num_tokens)]).cuda()
     weights = torch.rand(num_tokens, 8, generator=gen).cuda()
-    return x, ids, weights, tuple(experts)
+    return x, ids, weights
 
 
 @pytest.mark.gpu
@@ -259,15 +266,16 @@ def test_release_shapes_bf16(num_tokens):
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 8, 32])
 def test_release_shapes_fp16_codes(num_tokens):
-    """The decode form on fp16 codes at release shapes: no dequantised weight is rounded, so
-    it is at least as close to the fp32 reference as the dequantising form (both round x, h and
-    the outputs to bf16 alike; the 5% is slack for those, set before a GPU run: 5feb427 was
-    not run on one)."""
+    """The decode form on fp16 codes (the default, DECODE_CONFIG) at release shapes: no
+    dequantised weight is rounded, so it is at least as close to the fp32 reference as the same
+    launch dequantising to bf16 (both round x, h and the outputs to bf16 alike; the 5% is slack
+    for those)."""
     x, ids, weights, experts = _release_case(num_tokens)
-    codes = FusedMoeConfig(fp16_codes=True)
+    codes = triton_impl.DECODE_CONFIG
+    assert codes.fp16_codes
     got = triton_impl.fused_moe(x, ids, weights, *experts, limit=10.0, config=codes)
     dequant = triton_impl.fused_moe(x, ids, weights, *experts, limit=10.0,
-                                    config=triton_impl.DECODE_CONFIG)
+                                    config=dataclasses.replace(codes, fp16_codes=False))
     exact = fused_moe_ref(x.float(), ids, weights, *experts, limit=10.0)
     assert not got.isnan().any()
     assert norm_error(got, exact) <= norm_error(dequant, exact) * 1.05
@@ -292,3 +300,25 @@ def test_no_host_sync():
         fused_moe(x, ids, weights, *experts, limit=10.0)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 8, 2048])
+def test_graph_replay_at_release_shapes(num_tokens):
+    """bf16 tokens over FP8 experts, as the engine's decode and layerwise graphs run them: a
+    call captured once and replayed on new tokens, routes and weights gives the eager call's
+    output bit for bit (the sort, block bounds and launch shapes come from the shapes alone)."""
+    x, ids, weights, experts = _release_case(num_tokens)
+    fused_moe(x, ids, weights, *experts, limit=10.0)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, ids, weights, *experts, limit=10.0)
+    for seed in (1, 2):
+        gen = torch.Generator().manual_seed(seed)
+        x2, ids2, weights2 = _release_tokens(num_tokens, 288, x.dtype, gen)
+        x.copy_(x2)
+        ids.copy_(ids2)
+        weights.copy_(weights2)
+        graph.replay()
+        assert torch.equal(out, fused_moe(x, ids, weights, *experts, limit=10.0))
