@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python bench/sweeps.py
         [--ops kda,kda_prefill,kda_profile,topk,indexer_prefill,indexer_decode,mla,fp8,fp8row,
-               fp8codes,fp8codes_grid,fp8rules,moe,moe_aux]
+               fp8codes,fp8codes_grid,fp8paths,fp8rules,moe,moe_aux]
 
 `kda_profile`: each kernel's GPU time in fla's prefill and the candidates' (first length);
 `moe`: fused MoE prefill at 8192 tokens by parts: both sorts, the GEMMs (bench/fused_moe.py);
@@ -10,6 +10,7 @@
 `fp8rules`: FP8 linear at 16 rows, the streaming grid and the per-shape rules over it;
 `fp8codes`: FP8 linear at 2-32 rows, the fp16-codes weight-only form against the streaming one;
 `fp8codes_grid`: the fp16-codes form at 16 rows over columns, waves, warps and stages;
+`fp8paths`: FP8 linear at 16-128 rows by every path, where the dispatch's row thresholds lie;
 `indexer_prefill`: the indexer's scoring of a prefill chunk at long context, by launch shape
 (`indexer.triton_impl.ScoreLaunch`: queries and pool blocks per program, stages);
 `indexer_decode`: the same for decodes (one query per sequence) at 128K and 1M.
@@ -165,6 +166,41 @@ def sweep_fp8_codes(rows=(2, 4, 8, 16, 32)) -> None:
                   f"stream {w8a8 * 1e3:.1f}, fp8_linear {rule * 1e3:.1f}, codes by "
                   f"columns/waves: {', '.join(cells)}", flush=True)
         del wqs
+
+
+def sweep_fp8_paths(rows=(16, 24, 32, 48, 64, 96, 128)) -> None:
+    """Where `fp8_linear` changes paths (`codes_max_rows`, `gemm_min_rows`): at each row count
+    and release shape, every path that can serve it - the weight-only kernel on fp16 codes, the
+    W8A8 streaming form (its H200 rule), cuBLASLt's block-scaled GEMM, the Triton W8A8 GEMM -
+    beside per-tensor `_scaled_mm` and the default dispatch (weights rotated past L2)."""
+    from glmflash.kernels.fp8_gemm import quantize_block_fp8
+
+    for k, n in FP8_SHAPES:
+        wq, ws = quantize_block_fp8(torch.randn(n, k, device="cuda"))
+        wqs = rotated(wq)
+        for m in rows:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            paths = _fp8_paths(x, wqs, ws, m)
+            cells = ", ".join(f"{name} {graph_ms(fns) * 1e3:.1f}" for name, fns in paths.items())
+            print(f"fp8 paths {k}->{n} M={m} (us): {cells}", flush=True)
+        del wqs
+
+
+def _fp8_paths(x: torch.Tensor, wqs: list[torch.Tensor], ws: torch.Tensor, m: int) -> dict:
+    """Per path of `sweep_fp8_paths`, its calls over the rotated weight copies `wqs`."""
+    from functools import partial
+
+    from bench.kernels import _scaled_mm
+    from glmflash.kernels.fp8_gemm import triton_impl as ti
+
+    codes = dataclasses.replace(ti.DEFAULT_CONFIG, codes_max_rows=m)
+    stream = dataclasses.replace(ti.DEFAULT_CONFIG, codes_max_rows=0, gemm_min_rows=m + 1)
+    return {"per-tensor _scaled_mm": [_scaled_mm(x.to(torch.float8_e4m3fn), w) for w in wqs],
+            "fp8_linear": [partial(ti.fp8_linear, x, w, ws) for w in wqs],
+            "codes": [partial(ti.fp8_linear, x, w, ws, config=codes) for w in wqs],
+            "stream": [partial(ti.fp8_linear, x, w, ws, config=stream) for w in wqs],
+            "cuBLAS blockwise": [partial(ti.fp8_linear_scaled_mm, x, w, ws, 128) for w in wqs],
+            "Triton W8A8": [partial(ti.fp8_linear_w8a8, x, w, ws, 128) for w in wqs]}
 
 
 # fp16-codes launch shapes at 16 rows: block_n x waves x (warps, stages).
@@ -544,6 +580,8 @@ def main() -> None:
         sweep_fp8_one_row()
     if "fp8codes" in ops:
         sweep_fp8_codes()
+    if "fp8paths" in ops:
+        sweep_fp8_paths()
     if "fp8codes_grid" in ops:
         sweep_fp8_codes_grid()
     if "fp8rules" in ops:
