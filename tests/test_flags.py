@@ -3,7 +3,10 @@ flag comes back as the option of the same name."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import fields
+
+import pytest
 
 from glmflash.cli import build_parser as build_cli_parser
 from glmflash.engine.options import EngineConfig, engine_flags
@@ -46,3 +49,27 @@ def test_unset_flags_keep_the_engine_defaults():
     assert engine_options(build_parser().parse_args([])) == {}
     args = build_cli_parser().parse_args(["generate", "--prompt", "x"])
     assert engine_options(args, for_server=False) == {}
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(speculative_num_steps=2), "need speculative_algorithm"),
+    (dict(speculative_algorithm="medusa"), "must be one of"),
+    (dict(speculative_algorithm="EAGLE", speculative_eagle_topk=2), "must be 1"),
+    (dict(speculative_algorithm="NEXTN", speculative_num_steps=0), "must be >= 1"),
+    (dict(speculative_algorithm="NEXTN", speculative_num_draft_tokens=1), "must be >= 2"),
+    (dict(speculative_algorithm="NEXTN", speculative_num_steps=2,
+          speculative_num_draft_tokens=4), "must be speculative_num_steps + 1"),
+    (dict(speculative_algorithm="NEXTN", tp_size=2), "needs tp_size 1"),
+    (dict(speculative_algorithm="NEXTN", speculative_min_acceptance=1.5), "in [0, 1]"),
+    (dict(speculative_algorithm="NEXTN", speculative_max_batch_size=0), "must be >= 1"),
+])
+def test_speculative_options_are_checked(options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig(**options)
+
+
+def test_speculative_options_as_sglang_takes_them():
+    """EAGLE is NEXTN's alias (either case); a chain of two drafts verifies three tokens."""
+    config = EngineConfig(speculative_algorithm="eagle", speculative_num_steps=2,
+                          speculative_eagle_topk=1, speculative_num_draft_tokens=3)
+    assert config.speculative_algorithm.upper() == "EAGLE"

@@ -71,3 +71,20 @@ def test_a_disabled_speed_check_never_holds_drafting_off():
         policy.speed.observe(True, 1, 2, 1.0)
         policy.speed.observe(False, 1, 1, 0.001)
     assert policy.allows(1)
+
+
+def test_near_zero_acceptance_warns_of_a_broken_mtp_layer(caplog):
+    """A window of first drafts accepted under NEAR_ZERO of the time logs a warning (a broken
+    MTP head); one just above it does not, though it may still pause drafting."""
+    logger = "glmflash.engine.spec_policy"
+    low = DraftPolicy(max_batch_size=4, min_acceptance=0.0)
+    with caplog.at_level(logging.INFO, logger=logger):
+        low.observe(spec_policy.WINDOW, int(spec_policy.WINDOW * spec_policy.NEAR_ZERO) - 1)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "broken" in warnings[0].getMessage()
+    caplog.clear()
+    fair = DraftPolicy(max_batch_size=4, min_acceptance=0.5)
+    with caplog.at_level(logging.INFO, logger=logger):
+        fair.observe(spec_policy.WINDOW, int(spec_policy.WINDOW * spec_policy.NEAR_ZERO) + 1)
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "drafting pauses" in caplog.text and not fair.allows(1)
