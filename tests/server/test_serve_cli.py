@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,6 +15,7 @@ import httpx
 import pytest
 
 from glmflash.server.args import build_parser, engine_options, inapplicable_flags
+from glmflash.tiny.embedded import embedded_checkpoint
 
 SEED_FLAGS = ["--kt-method", "FP8", "--kt-cpuinfer", "1", "--kt-threadpool-count", "2",
               "--kt-num-gpu-experts", "40", "--kt-gpu-prefill-token-threshold", "2048",
@@ -91,12 +94,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_serve_starts_and_reports_inapplicable_flags(tiny_dirs, tmp_path):
+@contextlib.contextmanager
+def _serving(model_path, flags: list[str], log_path):
+    """`glmflash serve` of `model_path` on a free port with `flags`: yields (its URL, its log
+    file); stopped by SIGINT, which must end it cleanly."""
     port = _free_port()
-    log = (tmp_path / "serve.log").open("w+")
-    cmd = [sys.executable, "-m", "glmflash.cli", "serve", "--model-path",
-           str(tiny_dirs["embedded"]), "--port", str(port), "--served-model-name", "glm-5.3-flash",
-           "--context-length", "256", *SEED_FLAGS]
+    log = log_path.open("w+")
+    cmd = [sys.executable, "-m", "glmflash.cli", "serve", "--model-path", str(model_path),
+           "--port", str(port), *flags]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
     try:
         deadline = time.monotonic() + 60
@@ -107,15 +112,46 @@ def test_serve_starts_and_reports_inapplicable_flags(tiny_dirs, tmp_path):
                     break
             except httpx.TransportError:
                 time.sleep(0.1)
-        models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
-        assert [m["id"] for m in models["data"]] == ["glm-5.3-flash"]
-        assert models["data"][0]["max_model_len"] == 256
+        yield f"http://127.0.0.1:{port}", log
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
+
+
+def test_serve_starts_and_reports_inapplicable_flags(tiny_dirs, tmp_path):
+    flags = ["--served-model-name", "glm-5.3-flash", "--context-length", "256", *SEED_FLAGS]
+    with _serving(tiny_dirs["embedded"], flags, tmp_path / "serve.log") as (url, log):
+        models = httpx.get(f"{url}/v1/models").json()
+        assert [m["id"] for m in models["data"]] == ["glm-5.3-flash"]
+        assert models["data"][0]["max_model_len"] == 256
     log.seek(0)
     text = log.read()
     reported = [line.split("glmflash.server.launch: ")[1].split(":")[0]
                 for line in text.splitlines() if "WARNING glmflash.server.launch: --" in line]
     assert reported == IGNORED_ON_CPU
     assert "serving glm-5.3-flash on http://127.0.0.1" in text
+
+
+def test_serve_with_nextn_gives_the_tokens_of_mtp_off(tmp_path):
+    """`glmflash serve --speculative-algorithm NEXTN --speculative-num-steps 1` on the trained
+    tiny model (its MTP layer included): greedy answers equal to serving without drafts, token
+    for token, with drafts verified on every step (the speed check off) and the acceptance in
+    /metrics."""
+    request = {"model": "default", "temperature": 0, "max_tokens": 48, "ignore_eos": True,
+               "logprobs": True, "messages": [
+                   {"role": "user", "content": "What time is it? Use the clock tool."}]}
+    base = ["--device", "cpu", "--dtype", "float32", "--served-model-name", "default"]
+    nextn = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "1",
+             "--disable-speculative-speed-check"]
+    answers, metrics = {}, ""
+    for name, flags in (("off", base), ("nextn", base + nextn)):
+        with _serving(embedded_checkpoint(), flags, tmp_path / f"{name}.log") as (url, _):
+            answers[name] = httpx.post(f"{url}/v1/chat/completions", json=request,
+                                       timeout=120).json()["choices"][0]
+            if name == "nextn":
+                metrics = httpx.get(f"{url}/metrics").text
+    tokens = {name: [t["token"] for t in choice["logprobs"]["content"]]
+              for name, choice in answers.items()}
+    assert len(tokens["off"]) == 48 and tokens["nextn"] == tokens["off"]
+    accepted = re.search(r"^glmflash_spec_accepted_tokens_total (\S+)$", metrics, re.M)
+    assert accepted and float(accepted.group(1)) > 0, metrics
