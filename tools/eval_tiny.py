@@ -38,7 +38,14 @@ from glmflash.sampling_params import SamplingParams
 from glmflash.tiny.embedded import embedded_checkpoint
 from glmflash.tiny.manifest import MANIFEST, read_manifest
 from tools.tiny_data import is_held_out
-from tools.tiny_eval_models import bf16_agreement, greedy_agreement, greedy_outputs, mtp_agreement
+from tools.tiny_eval_models import (
+    bf16_agreement,
+    greedy_agreement,
+    greedy_outputs,
+    mtp_agreement,
+    mtp_hits,
+    scheduled_acceptance,
+)
 from tools.tiny_tasks import QA_FAMILIES, Task
 from tools.tiny_tool_tasks import ToolCase, tool_case
 from tools.tiny_vision_tasks import PALETTE, ImageTask, data_url, image_task, word_task
@@ -148,28 +155,40 @@ def evaluate(checkpoint: Path, seed: int, per_family: int, num_tools: int,
         bf16 = bf16_agreement(checkpoint, engine, compare, MAX_TOKENS)
     finally:
         engine.shutdown()
-    mtp = mtp_agreement(checkpoint, tasks.pop("sequences"), tasks.pop("prompt_lens"))
+    prompt_lens = tasks.pop("prompt_lens")
+    mtp = mtp_agreement(mtp_hits(checkpoint, tasks.pop("sequences")), prompt_lens)
     return dict(tasks=tasks, tools=tools, images=images, words=words, mtp_agreement=mtp,
                 bf16_vs_fp32=bf16)
 
 
 def mtp_acceptance(checkpoint: Path, seed: int, per_family: int, num_steps: int = 1) -> dict:
     """Speculative decoding's real acceptance on the held-out task prompts (greedy, MTP on),
-    beside the MTP layer's measured agreement over the same outputs."""
+    beside the MTP layer's measured agreement over the same outputs and the acceptance that
+    agreement gives on the drafts' schedule (`scheduled_acceptance`; with one draft a step the
+    two counts must be equal). Drafting stays on at every step (no acceptance pause, no speed
+    check: on the CPU the tiny model decodes faster without drafts, and the check would leave
+    only some steps drafted)."""
     engine = Engine(checkpoint, device="cpu", dtype="float32", context_length=2048,
                     skip_kernel_warmup=True, speculative_algorithm="NEXTN",
                     speculative_num_steps=num_steps, speculative_max_batch_size=64,
-                    speculative_min_acceptance=0.0)
+                    speculative_min_acceptance=0.0, disable_speculative_speed_check=True)
     try:
         tasks = eval_tasks(engine, held_out_tasks(seed, per_family))
         stats = engine.stats().speculative
     finally:
         engine.shutdown()
-    return dict(acceptance_rate=round(stats.acceptance_rate, 4),
-                per_position=[round(a, 4) for a in stats.position_acceptance()],
-                mean_accepted_length=round(stats.mean_accepted_length, 4),
-                num_draft_tokens=stats.num_draft_tokens,
-                mtp_agreement=mtp_agreement(checkpoint, tasks["sequences"], tasks["prompt_lens"]))
+    hits = mtp_hits(checkpoint, tasks["sequences"])
+    report = dict(acceptance_rate=round(stats.acceptance_rate, 4),
+                  per_position=[round(a, 4) for a in stats.position_acceptance()],
+                  mean_accepted_length=round(stats.mean_accepted_length, 4),
+                  num_draft_tokens=stats.num_draft_tokens,
+                  num_accepted_tokens=stats.num_accepted_tokens,
+                  mtp_agreement=mtp_agreement(hits, tasks["prompt_lens"]))
+    if num_steps == 1:
+        drafts, accepted = scheduled_acceptance(hits, tasks["prompt_lens"])
+        report["agreement_on_the_draft_schedule"] = dict(
+            drafts=drafts, accepted=accepted, rate=round(accepted / max(drafts, 1), 4))
+    return report
 
 
 def index_keys_check(checkpoint: Path, seed: int, per_family: int) -> dict:

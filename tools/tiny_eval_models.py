@@ -28,14 +28,13 @@ def load_with_mtp(checkpoint: Path) -> tuple[GlmForCausalLM, GlmMtp]:
 
 
 @torch.no_grad()
-def mtp_agreement(checkpoint: Path, sequences: list[list[int]], prompt_lens: list[int],
-                  group: int = 16) -> float:
-    """Share of generated positions where the MTP layer's top-1 for token t+2 equals the main
-    model's top-1 at position t+1 (both given the same tokens up to t+1)."""
+def mtp_hits(checkpoint: Path, sequences: list[list[int]], group: int = 16) -> list[list[bool]]:
+    """Per sequence, per row t: whether the MTP layer's top-1 for token t+2 equals the main
+    model's top-1 at position t+1 (both given the same tokens up to t+1), t = 0 .. len - 3."""
     model, mtp = load_with_mtp(checkpoint)
-    agree = total = 0
+    hits = []
     for i in range(0, len(sequences), group):
-        part, lens = sequences[i:i + group], prompt_lens[i:i + group]
+        part = sequences[i:i + group]
         pages = -(-max(map(len, part)) // PAGE_SIZE)
         state = ModelState(with_mtp_layer(model.config), num_token_slots=len(part) * pages *
                            PAGE_SIZE, num_state_slots=len(part), dtype=torch.float32,
@@ -50,15 +49,35 @@ def mtp_agreement(checkpoint: Path, sequences: list[list[int]], prompt_lens: lis
         mtp_top = model.logits(mtp(hidden[rows], model.text.embed_tokens(mtp_batch.input_ids),
                                    mtp_batch, state)).argmax(-1)
         j = 0
-        for b, (seq, n_prompt) in enumerate(zip(part, lens, strict=True)):
+        for b, seq in enumerate(part):
             start = batch.cu_seqlens[b]
-            for t in range(len(seq) - 1):
-                # Row t predicts token t+2; the main model predicts it at position t+1.
-                if t + 2 < len(seq) and t + 1 >= n_prompt - 1:
-                    agree += int(mtp_top[j + t] == main_top[start + t + 1])
-                    total += 1
+            # Row t predicts token t+2; the main model predicts it at position t+1.
+            hits.append([bool(mtp_top[j + t] == main_top[start + t + 1])
+                         for t in range(len(seq) - 2)])
             j += len(seq) - 1
-    return round(agree / max(1, total), 4)
+    return hits
+
+
+def mtp_agreement(hits: list[list[bool]], prompt_lens: list[int]) -> float:
+    """Share of the generated positions (from the first generated token) where the MTP layer
+    agrees with the main model (`mtp_hits`)."""
+    kept = [h for seq, n in zip(hits, prompt_lens, strict=True) for h in seq[max(n - 2, 0):]]
+    return round(sum(kept) / max(1, len(kept)), 4)
+
+
+def scheduled_acceptance(hits: list[list[bool]], prompt_lens: list[int]) -> tuple[int, int]:
+    """(drafts, accepted) that greedy decoding with one MTP draft a step verifies over these
+    outputs: the first draft (row n - 1) predicts the second generated token; an accepted draft
+    commits two tokens (the next draft two rows on), a rejected one the main model's token (the
+    next row). Greedy verification is exact, so the engine's counts must equal these."""
+    drafts = accepted = 0
+    for seq, n in zip(hits, prompt_lens, strict=True):
+        t = n - 1
+        while t < len(seq):
+            drafts += 1
+            accepted += seq[t]
+            t += 2 if seq[t] else 1
+    return drafts, accepted
 
 
 def greedy_outputs(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
