@@ -37,6 +37,11 @@ def test_greedy_tokens_equal_mtp_off_with_chunks_and_preemption(engines):
 
 
 def test_seeded_sampling_draws_the_tokens_of_mtp_off(engines):
+    """Sampling on the trained tiny model: each seed draws with MTP on the tokens it draws
+    without it (every verified row takes the noise a plain step would take there), so the
+    outputs' distribution over seeds is the same, a stronger statement than a statistical test
+    of it; tests/engine/test_spec_sampling.py tests the rejection rule's distribution
+    statistically on its own."""
     prompt = engines["off"].tokenizer.encode(TEXTS[0])
     drafted = engines["on"].stats().speculative.num_draft_tokens
     outputs = {}
