@@ -43,10 +43,13 @@ def budget_gb(options: dict, pages: int) -> float:
     return (slots * per_slot + pages * options["page_size"] * per_token) / 2**30
 
 
-def spec_engine(pages: int = 5, **extra) -> Engine:
+def spec_engine(pages: int = 5, device: str = "cpu", **extra) -> Engine:
+    """The small engine; on the CPU its cache holds `pages` pages (on a GPU the memory plan
+    sizes it: every running sequence fits, so nothing is preempted there)."""
     options = {**SMALL, **extra}
-    return Engine(TRAINED, device="cpu", dtype="float32",
-                  cache_budget_gb=budget_gb(options, pages), **options)
+    if device == "cpu":
+        options["cache_budget_gb"] = budget_gb(options, pages)
+    return Engine(TRAINED, device=device, dtype="float32", **options)
 
 
 def run_arrivals(engine: Engine, prompts: list[list[int]], arrivals: list[int],

@@ -12,7 +12,7 @@ import pytest
 
 from glmflash import Engine, SamplingParams
 from glmflash.tiny.embedded import embedded_checkpoint
-from tests.engine.spec_helpers import mtp_cache, start_request
+from tests.engine.spec_helpers import SPEC, mtp_cache, run_arrivals, spec_engine, start_request
 
 pytestmark = pytest.mark.gpu
 
@@ -61,6 +61,25 @@ def test_greedy_tokens_match_mtp_off_on_cuda(greedy_off, placement, num_steps):
                           "speculative_num_steps": num_steps}, params)
     assert on == off
     assert stats.num_draft_tokens > 0 and stats.acceptance_rate > 0.3
+
+
+def test_greedy_tokens_match_mtp_off_with_chunks_and_arrivals_on_cuda():
+    """Prompts arriving over steps and prefilled in chunks of 7 beside the verifies of the
+    sequences already decoding (steps that mix chunks and drafts): the tokens of MTP off."""
+    prompts, arrivals = TEXTS[:4], [0, 0, 1, 3]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    outputs, stats = {}, None
+    for name, extra in (("off", {}), ("on", {**SPEC, "disable_speculative_speed_check": True})):
+        engine = spec_engine(device="cuda", **extra)
+        try:
+            encoded = [engine.tokenizer.encode(t) for t in prompts]
+            results = [c.result() for c in run_arrivals(engine, encoded, arrivals, params)]
+            outputs[name] = [r.token_ids for r in results]
+            stats = engine.stats().speculative
+        finally:
+            engine.shutdown()
+    assert outputs["on"] == outputs["off"]
+    assert stats.num_draft_tokens > 10 and stats.acceptance_rate > 0.3
 
 
 def test_seeded_sampling_matches_mtp_off_on_cuda():
