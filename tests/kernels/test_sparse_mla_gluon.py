@@ -86,8 +86,8 @@ CONFIGS = {
 @needs_sm90
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 @pytest.mark.parametrize("tokens", [1, 8, 32, 300, 4096], ids=lambda t: f"T{t}")
-def test_release_shape_gpu(tokens, config):
-    """64 heads x 512, 2051 slots (a 3-slot tail), bf16."""
+def test_release_shape_gpu(tokens, config, nan_empty):
+    """64 heads x 512, 2051 slots (a 3-slot tail), bf16; outputs and partials start as NaN."""
     q, latent, slots = _case(tokens, 64, 512, 2051, dtype=torch.bfloat16, cache=20000)
     want = sparse_mla_ref(q.float(), latent.float(), slots, scale=1 / 16)
     got = gluon_sm90.sparse_mla(q, latent, slots, scale=1 / 16, config=config)
@@ -101,10 +101,10 @@ def test_release_shape_gpu(tokens, config):
                          ids=["two_head_blocks", "one_slot", "one_step", "empty",
                               "many_one_step_items", "many_items_two_head_blocks",
                               "many_empty_items"])
-def test_odd_shapes_gpu(shape):
+def test_odd_shapes_gpu(shape, nan_empty):
     """Two head blocks, a selection of one slot, of exactly one step, and of none; and
     programs that walk many items of one step or none (the value warpgroup's sums buffer is
-    reused two items later)."""
+    reused two items later). Outputs and partials start as NaN: one left unwritten fails."""
     tokens, heads, width = shape
     q, latent, slots = _case(tokens, heads, 512, width, dtype=torch.bfloat16, cache=500)
     want = sparse_mla_ref(q.float(), latent.float(), slots, scale=0.1)
