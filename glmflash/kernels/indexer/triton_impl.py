@@ -155,8 +155,8 @@ def _load_keys(pool_keys, pools, m_p, o_d, m_d, stride_pk, D, FP8_KEYS: tl.const
 @jit
 def _query_rows(b_q, b_amax, DOT: tl.constexpr, Q_FORM: tl.constexpr):
     """Query rows `[R, BD]` (fp32; the largest magnitude of each whole row `b_amax` `[R]`) as
-    product operands, and the factor `[R]` each row's products take afterwards (Q_FORM, one of
-    `QUERY_FORMS`).
+    product operands, and the factor `[R]` each row's products take afterwards (Q_FORM:
+    Q_AS_IS, Q_POW2 or Q_FP8).
     Q_POW2 (fp16 products beside FP8 keys, whose codes convert to fp16 in one instruction per
     two and to bf16 in several): each row is scaled by the power of two that brings its largest
     element into [2^14, 2^15), so fp16 holds its bf16 values exactly (8 significant bits within
@@ -312,9 +312,10 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
             b_w = tl.load(weights + o_rt * stride_wt + o_rh, mask=m_r, other=0.0).to(tl.float32)
             b_w = b_w * w_scale
             p_s = scores + (o_t - t_begin).to(tl.int64)[:, None] * stride_st
-            o_n = p_begin + tl.arange(0, BP)
-            slot_next = _slot_of(page_table, row0, o_n.to(tl.int64) * KPOOL, stride_pt, PAGE,
-                                 o_n < p_end)
+            if SLOTS_AHEAD:  # the first block's slots
+                o_n = p_begin + tl.arange(0, BP)
+                slot_next = _slot_of(page_table, row0, o_n.to(tl.int64) * KPOOL, stride_pt,
+                                     PAGE, o_n < p_end)
             for p0 in tl.range(p_begin, p_end, BP, num_stages=NUM_STAGES):
                 o_p = p0 + tl.arange(0, BP)
                 is_key = o_p < longest
