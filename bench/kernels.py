@@ -99,8 +99,8 @@ def bench_indexer(shapes: list[tuple[int, int]], copy_gbs: float) -> str:
     (`--index-key-dtype fp8`), and as FP8 rows scored with e4m3 queries (`fp8_queries`)."""
     rows = []
     for ctx_len, b in shapes:
-        for fp8, fp8_queries in ((False, False), (True, False), (True, True)):
-            rows.append(_indexer_row(ctx_len, b, copy_gbs, fp8, fp8_queries))
+        for keys in INDEXER_KEY_FORMATS:
+            rows.append(_indexer_row(ctx_len, b, copy_gbs, keys))
             print(rows[-1], flush=True)
             torch.cuda.empty_cache()
     return table(["context", "queries", "keys", "select us (goal 40 / 400)", "radix top-k us",
@@ -111,6 +111,18 @@ def bench_indexer(shapes: list[tuple[int, int]], copy_gbs: float) -> str:
 # Indexer release shapes: heads, head dim, tokens per pool, page size; tokens selected.
 INDEXER_SHAPE = (32, 128, 4, 64)
 INDEXER_TOPK = 2048
+# Pooled-key formats the indexer benches time: name -> (FP8 rows, e4m3 queries beside them).
+INDEXER_KEY_FORMATS = {"bf16": (False, False), "fp8": (True, False),
+                       "fp8, e4m3 queries": (True, True)}
+
+
+def indexer_keys(pool_keys: torch.Tensor, keys: str) -> tuple[torch.Tensor, bool]:
+    """bf16 pooled keys in the format `keys` (of INDEXER_KEY_FORMATS), and whether the
+    scoring takes e4m3 queries (`fp8_queries`)."""
+    from glmflash.kernels.indexer import key_format
+
+    fp8, fp8_queries = INDEXER_KEY_FORMATS[keys]
+    return (key_format.quantize(pool_keys) if fp8 else pool_keys), fp8_queries
 
 
 def indexer_inputs(queries: int, sequences: int, ctx_len: int) -> tuple:
@@ -135,11 +147,9 @@ def indexer_decode_plan(ctx_len: int, b: int):
                               ctx_len // kpool)
 
 
-def _indexer_row(ctx_len: int, b: int, copy_gbs: float, fp8: bool,
-                 fp8_queries: bool = False) -> list:
+def _indexer_row(ctx_len: int, b: int, copy_gbs: float, keys: str) -> list:
     """Decodes of `b` sequences of `ctx_len` tokens each, as a CUDA graph runs them, over
-    bf16 pooled keys or (`fp8`) the same keys as FP8 rows (`fp8_queries`: scored with e4m3
-    queries)."""
+    pooled keys in the format `keys` (INDEXER_KEY_FORMATS)."""
     from glmflash.kernels.indexer import indexer_select_ref, key_format
     from glmflash.kernels.indexer import triton_impl as ti
     from glmflash.kernels.indexer.topk_triton import topk_indices
@@ -148,7 +158,8 @@ def _indexer_row(ctx_len: int, b: int, copy_gbs: float, fp8: bool,
     topk = INDEXER_TOPK
     pools = ctx_len // kpool
     plain_keys, table_, q, w = indexer_inputs(b, b, ctx_len)
-    pool_keys = key_format.quantize(plain_keys) if fp8 else plain_keys
+    pool_keys, fp8_queries = indexer_keys(plain_keys, keys)
+    fp8 = key_format.is_fp8(pool_keys)
     args = (q, w, pool_keys, table_, indexer_decode_plan(ctx_len, b))
     kw = dict(page_size=page, topk=topk, kpool=kpool, select_tail=True,
               fp8_queries=fp8_queries)
@@ -158,7 +169,6 @@ def _indexer_row(ctx_len: int, b: int, copy_gbs: float, fp8: bool,
     radix_ms = graph_ms(lambda: topk_indices(scores, lengths, topk // kpool))
     torch_ms = graph_ms(lambda: scores.topk(topk // kpool, dim=1))
     floor_ms = pool_keys.numel() * pool_keys.element_size() / copy_gbs / 1e6
-    keys = ("fp8, e4m3 queries" if fp8_queries else "fp8") if fp8 else "bf16"
     row = [ctx_len, b, keys, f"{ms * 1e3:.0f}", f"{radix_ms * 1e3:.0f}",
            f"{torch_ms * 1e3:.0f}", f"{floor_ms * 1e3:.0f}"]
     got = ti.indexer_select(*args, **kw)

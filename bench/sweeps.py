@@ -39,6 +39,7 @@ from bench.kernels import (  # noqa: E402
     _kda_inputs,
     indexer_decode_plan,
     indexer_inputs,
+    indexer_keys,
 )
 
 
@@ -372,25 +373,29 @@ def sweep_indexer_prefill() -> None:
     """The scoring kernel over a chunk of one sequence's queries at each launch shape, against
     the bf16 tensor peak (the chunk's products) of the same run; bf16 keys, then FP8 rows,
     then FP8 rows and e4m3 queries."""
-    peak = bf16_peak_tflops()
-    for fp8, fp8_queries, grid in ((False, False, INDEXER_CHUNK_GRID),
-                                   (True, False, INDEXER_CHUNK_GRID_FP8),
-                                   (True, True, INDEXER_CHUNK_GRID_FP8Q)):
-        for ctx_len, chunk in INDEXER_PREFILL_SHAPES:
-            _indexer_prefill_case(ctx_len, chunk, peak, fp8, grid, fp8_queries)
+    grids = {"bf16": INDEXER_CHUNK_GRID, "fp8": INDEXER_CHUNK_GRID_FP8,
+             "fp8, e4m3 queries": INDEXER_CHUNK_GRID_FP8Q}
+    _each_key_format(_indexer_prefill_case, grids, INDEXER_PREFILL_SHAPES, bf16_peak_tflops())
+
+
+def _each_key_format(case, grids: dict, shapes, measure: float) -> None:
+    """`case(*shape, measure, keys, grid)` for each pooled-key format (bench/kernels.py
+    INDEXER_KEY_FORMATS) with its grid of launch shapes, at each shape."""
+    for keys, grid in grids.items():
+        for shape in shapes:
+            case(*shape, measure, keys, grid)
             torch.cuda.empty_cache()
 
 
-def _indexer_prefill_case(ctx_len: int, chunk: int, peak: float, fp8: bool,
-                          grid: list[tuple], fp8_queries: bool = False) -> None:
-    from glmflash.kernels.indexer import key_format, select_plan
+def _indexer_prefill_case(ctx_len: int, chunk: int, peak: float, keys: str,
+                          grid: list[tuple]) -> None:
+    from glmflash.kernels.indexer import select_plan
     from glmflash.kernels.indexer.triton_impl import ScoreLaunch, score_pools
 
     heads, dim, kpool, page = INDEXER_SHAPE
     plan = select_plan([0, chunk], [ctx_len - chunk], [0], kpool, torch.device("cuda"))
     pool_keys, table_, q, w = indexer_inputs(chunk, 1, ctx_len)
-    if fp8:
-        pool_keys = key_format.quantize(pool_keys)
+    pool_keys, fp8_queries = indexer_keys(pool_keys, keys)
     lengths = torch.empty(chunk, dtype=torch.int32, device="cuda")
     pools = sum((p + 1) // kpool for p in range(ctx_len - chunk, ctx_len))
     flops = 2 * heads * dim * pools
@@ -405,7 +410,6 @@ def _indexer_prefill_case(ctx_len: int, chunk: int, peak: float, fp8: bool,
         cand = ~torch.isnan(first)
         same = torch.allclose(scores[cand], first[cand], rtol=1e-3, atol=1e-3)
         base = base or us
-        keys = ("fp8+q8" if fp8_queries else "fp8") if fp8 else "bf16"
         print(f"indexer prefill ctx={ctx_len} chunk={chunk} {keys} "
               f"{shape}: {us:.0f} us "
               f"({base / us:.2f}x of one query), {flops / us / 1e6:.0f} TFLOP/s "
@@ -436,32 +440,26 @@ INDEXER_DECODE_SHAPES = ((131072, 1), (131072, 8), (131072, 32), (1048576, 1), (
 
 def sweep_indexer_decode() -> None:
     """The scoring of decodes (one query per sequence) at each launch shape, against reading
-    the pooled keys once at the copy bandwidth of the same run; bf16 keys, then FP8 rows."""
-    copy = copy_bandwidth()
-    for fp8, fp8_queries, grid in ((False, False, INDEXER_DECODE_GRID),
-                                   (True, False, INDEXER_DECODE_GRID),
-                                   (True, True, INDEXER_DECODE_GRID_FP8Q)):
-        for ctx_len, b in INDEXER_DECODE_SHAPES:
-            _indexer_decode_case(ctx_len, b, copy, fp8, grid, fp8_queries)
-            torch.cuda.empty_cache()
+    the pooled keys once at the copy bandwidth of the same run; bf16 keys, then FP8 rows,
+    then FP8 rows and e4m3 queries."""
+    grids = {"bf16": INDEXER_DECODE_GRID, "fp8": INDEXER_DECODE_GRID,
+             "fp8, e4m3 queries": INDEXER_DECODE_GRID_FP8Q}
+    _each_key_format(_indexer_decode_case, grids, INDEXER_DECODE_SHAPES, copy_bandwidth())
 
 
-def _indexer_decode_case(ctx_len: int, b: int, copy_gbs: float, fp8: bool, grid: list[tuple],
-                         fp8_queries: bool = False) -> None:
-    from glmflash.kernels.indexer import key_format
+def _indexer_decode_case(ctx_len: int, b: int, copy_gbs: float, keys: str,
+                         grid: list[tuple]) -> None:
     from glmflash.kernels.indexer.triton_impl import DECODE_SCORE, ScoreLaunch, score_pools
     from glmflash.kernels.triton_utils import num_sms
 
     _, _, kpool, page = INDEXER_SHAPE
     pools = ctx_len // kpool
     pool_keys, table_, q, w = indexer_inputs(b, b, ctx_len)
-    if fp8:
-        pool_keys = key_format.quantize(pool_keys)
+    pool_keys, fp8_queries = indexer_keys(pool_keys, keys)
     lengths = torch.empty(b, dtype=torch.int32, device="cuda")
     plan = indexer_decode_plan(ctx_len, b)
     floor_us = pool_keys.numel() * pool_keys.element_size() / copy_gbs / 1e3
     picked = DECODE_SCORE.pick(b, pools, num_sms(q.device))
-    keys = ("fp8+q8" if fp8_queries else "fp8") if fp8 else "bf16"
     print(f"indexer decode scoring ctx={ctx_len} queries={b} {keys}: DECODE_SCORE picks "
           f"{picked}", flush=True)
     first = None
