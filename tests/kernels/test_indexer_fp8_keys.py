@@ -122,11 +122,7 @@ def test_bf16_queries_take_fp16_products_exactly(score, q_scale):
     assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
 
 
-FP8_QUERY_FORMS = {"one": ONE_QUERY, "4q_3_blocks": ScoreLaunch(4, 3, 2, 16),
-                   "1q_3_blocks": ScoreLaunch(1, 3, 2, 16), **OPERAND_FORMS}
-
-
-@pytest.mark.parametrize("score", FP8_QUERY_FORMS.values(), ids=FP8_QUERY_FORMS.keys())
+@pytest.mark.parametrize("score", TILED.values(), ids=TILED.keys())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fp8_queries_select_as_the_reference(score, dtype):
     """e4m3 query rows (`fp8_queries`, DeepSeek's FP8 indexer): the kernels quantise each
