@@ -136,7 +136,8 @@ class Experts(nn.Module):
             options = {"num_threads": num_threads} if num_threads else {}
             if num_pools > 1:
                 options["num_pools"] = num_pools
-            self.cpu_kernel = create_cpu_experts(*tensors, swiglu_limit=self.limit, **options)
+            self.cpu_kernel = create_cpu_experts(*tensors, swiglu_limit=self.limit,
+                                                 block=self.gate_proj.fp8_block, **options)
             # With pools the kernel copied each weight onto its pools' nodes: the parameters
             # take the copies, so the loaded originals are freed (one copy in RAM).
             for p, weight in zip(projections, self.cpu_kernel.weight_tensors, strict=True):

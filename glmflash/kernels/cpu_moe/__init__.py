@@ -24,9 +24,10 @@ class RefMoeExperts:
 
     def __init__(self, gate_w: torch.Tensor, gate_s: torch.Tensor, up_w: torch.Tensor,
                  up_s: torch.Tensor, down_w: torch.Tensor, down_s: torch.Tensor, *,
-                 swiglu_limit: float):
+                 swiglu_limit: float, block: int = 128):
         self.weights = (gate_w, gate_s, up_w, up_s, down_w, down_s)
         self.swiglu_limit = swiglu_limit
+        self.block = block
 
     @property
     def weight_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -36,7 +37,7 @@ class RefMoeExperts:
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         result = routed_experts_ref(x, topk_ids, topk_weights, *self.weights,
-                                    swiglu_limit=self.swiglu_limit)
+                                    swiglu_limit=self.swiglu_limit, block=self.block)
         return result if out is None else out.copy_(result)
 
     def warmup(self) -> None:
@@ -45,9 +46,10 @@ class RefMoeExperts:
 
 def create_cpu_experts(gate_w: torch.Tensor, gate_s: torch.Tensor, up_w: torch.Tensor,
                        up_s: torch.Tensor, down_w: torch.Tensor, down_s: torch.Tensor, *,
-                       swiglu_limit: float, impl: str | None = None,
+                       swiglu_limit: float, block: int = 128, impl: str | None = None,
                        **kwargs: Any) -> NumbaMoeExperts | RefMoeExperts:
-    """Build the CPU expert runner; `impl` (or the env override) is "numba" or "ref".
+    """Build the CPU expert runner; `impl` (or the env override) is "numba" or "ref";
+    `block` is the weights' FP8 scale block (the checkpoint's `weight_block_size`).
 
     Extra keyword arguments (`num_threads`, `num_pools`) go to `NumbaMoeExperts`; with several
     pools its `weight_tensors` are new copies that the caller should hold instead of the inputs.
@@ -57,9 +59,9 @@ def create_cpu_experts(gate_w: torch.Tensor, gate_s: torch.Tensor, up_w: torch.T
         raise ValueError(f"unknown cpu_moe impl {impl!r}; expected one of {IMPLS}")
     weights = (gate_w, gate_s, up_w, up_s, down_w, down_s)
     if impl == "ref":
-        return RefMoeExperts(*weights, swiglu_limit=swiglu_limit)
+        return RefMoeExperts(*weights, swiglu_limit=swiglu_limit, block=block)
     from glmflash.kernels.cpu_moe.numba_impl import NumbaMoeExperts
-    return NumbaMoeExperts(*weights, swiglu_limit=swiglu_limit, **kwargs)
+    return NumbaMoeExperts(*weights, swiglu_limit=swiglu_limit, block=block, **kwargs)
 
 
 def __getattr__(name: str) -> Any:
