@@ -49,6 +49,17 @@ def test_bf16_rounds_like_the_reference(nan_empty):
         assert (got == want).float().mean() > 0.99
 
 
+def test_nan_stays_nan(nan_empty):
+    """A NaN in the gate or the up half gives NaN there, as torch's clamps give it (Triton's
+    min / max would return the limit), and nowhere else."""
+    gate_up = _gate_up(2, 64, torch.float32)
+    gate_up[0, 3] = float("nan")
+    gate_up[1, 64 + 7] = float("nan")
+    got = clamped_swiglu_stacked(gate_up, LIMIT)
+    want = clamped_swiglu_ref(*gate_up.chunk(2, dim=-1), LIMIT)
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan().sum() == 2
+
+
 def test_leading_dims_and_the_cpu_dispatch():
     gate_up = _gate_up(6, 96, torch.float32).view(2, 3, 192)
     got = clamped_swiglu_stacked(gate_up, LIMIT)

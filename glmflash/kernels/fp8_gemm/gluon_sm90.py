@@ -38,6 +38,7 @@ from glmflash.kernels.triton_utils import constexpr, gluon_async_load, grouped_t
 
 try:
     import triton
+    import triton.language as tl
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -266,7 +267,9 @@ if gluon is not None:
         out_scale (K-block-major, as the down projection reads them)."""
         BN: gl.constexpr = gate.shape[1]
         o_n = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, gate.type.layout))
-        up = gl.minimum(gl.maximum(up, -limit), limit)
+        # NaN kept as torch's clamp keeps it (gl.minimum / gl.maximum drop it by default).
+        up = gl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL)
+        up = gl.minimum(up, limit, propagate_nan=tl.PropagateNan.ALL)
         h = gate / (1.0 + gl.exp(-gate)) * up
         # Columns past N (the next expert's rows of B) must not reach the row's amax.
         h = gl.where(gl.expand_dims(o_n < N, 0), h, 0.0)
@@ -295,7 +298,7 @@ if gluon is not None:
         acc = _k_loop(a_bufs, b_bufs, ready, empty, p_as, m_r, stride_as, b0_scale + bs_rows,
                       i0, k_steps, WG, acc_layout)
         if MODE == GATED:
-            gate_buf.index(WG).store(gl.minimum(acc, limit))
+            gate_buf.index(WG).store(gl.minimum(acc, limit, propagate_nan=tl.PropagateNan.ALL))
             up = _k_loop(a_bufs, b_bufs, ready, empty, p_as, m_r, stride_as,
                          b1_scale + bs_rows, i0 + k_steps, k_steps, WG, acc_layout)
             gate = gate_buf.index(WG).load(acc_layout)

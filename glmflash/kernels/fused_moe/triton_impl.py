@@ -36,6 +36,7 @@ from glmflash.kernels.fused_moe.gluon_w8a8 import (
 )
 from glmflash.kernels.fused_moe.triton_sort import SORT_CONFIG, SortConfig, sort_pairs_scan
 from glmflash.kernels.fused_moe.triton_w8a8 import W8A8_CONFIG, W8A8MoeConfig, w8a8_experts
+from glmflash.kernels.swiglu.triton_impl import clamp_gate_up
 from glmflash.kernels.triton_utils import dot_operand_type, interpreting, jit, product_precision
 
 
@@ -259,8 +260,7 @@ def fused_moe_gate_up_kernel(x, sorted_pairs, block_expert, w_gate, s_gate, w_up
                             m_n, BLOCK, HAS_SCALE, DOT)
             b_gate = tl.dot(b_x, tl.trans(b_wg), b_gate, input_precision=PREC)
             b_up = tl.dot(b_x, tl.trans(b_wu), b_up, input_precision=PREC)
-    b_gate = tl.minimum(b_gate, limit)
-    b_up = tl.minimum(tl.maximum(b_up, -limit), limit)
+    b_gate, b_up = clamp_gate_up(b_gate, b_up, limit)
     b_h = b_gate * tl.sigmoid(b_gate) * b_up  # [BM, BN]
     p_h = h + o_r[:, None].to(tl.int64) * stride_hm + o_n[None, :]
     tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m_r[:, None] & m_n[None, :])

@@ -25,6 +25,7 @@ except ImportError:  # the package must import without triton; the launchers nee
     triton = None
 
 from glmflash.kernels.fp8_gemm.triton_common import quantize_rows
+from glmflash.kernels.swiglu.triton_impl import clamp_gate_up
 from glmflash.kernels.triton_utils import grouped_tile, jit
 
 
@@ -106,8 +107,7 @@ def fused_moe_w8a8_gate_up_kernel(xq, xs, sorted_pairs, block_expert, w_gate, s_
     b_gate, b_up = _scaled_dot_pair(p_a, xs + o_t * stride_xsm, m_r, w_gate + w_off,
                                     w_up + w_off, s_gate + s_off, s_up + s_off, m_n, m_n,
                                     i_n * BLOCK, N, K, BLOCK, BM, BLOCK, BK)
-    b_gate = tl.minimum(b_gate, limit)
-    b_up = tl.minimum(tl.maximum(b_up, -limit), limit)
+    b_gate, b_up = clamp_gate_up(b_gate, b_up, limit)
     # Columns past N have zero weights, so h is 0 there and leaves the row's amax alone.
     b_hq, b_hs = quantize_rows(b_gate * tl.sigmoid(b_gate) * b_up, hq.dtype.element_ty)
     p_h = hq + o_r[:, None].to(tl.int64) * stride_hm + o_n[None, :]

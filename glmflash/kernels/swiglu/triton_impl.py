@@ -18,13 +18,21 @@ BLOCK = 1024
 
 
 @jit
+def clamp_gate_up(b_g, b_u, limit):
+    """min(g, L) and clip(u, -L, L) as torch's clamps give them: a NaN stays NaN (Triton's
+    min / max return the other operand by default, which would turn a NaN into a limit)."""
+    b_g = tl.minimum(b_g, limit, propagate_nan=tl.PropagateNan.ALL)
+    b_u = tl.maximum(b_u, -limit, propagate_nan=tl.PropagateNan.ALL)
+    return b_g, tl.minimum(b_u, limit, propagate_nan=tl.PropagateNan.ALL)
+
+
+@jit
 def swiglu_values(g, u, limit):
     """silu(min(g, L)) * clip(u, -L, L) in g's dtype, the silu rounded to it before the product
     (torch rounds each op's result). Also the FP8 linear's input when it takes the stacked
     product (fp8_gemm/triton_impl.py), so both give the same bits."""
     dt = g.dtype
-    b_g = tl.minimum(g.to(tl.float32), limit)
-    b_u = tl.minimum(tl.maximum(u.to(tl.float32), -limit), limit)
+    b_g, b_u = clamp_gate_up(g.to(tl.float32), u.to(tl.float32), limit)
     act = (b_g / (1.0 + tl.exp(-b_g))).to(dt).to(tl.float32)
     return (act * b_u).to(dt)
 
