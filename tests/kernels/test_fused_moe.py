@@ -218,6 +218,30 @@ def test_fp16_codes_bf16(block, seeded, nan_empty):
           config=codes)
 
 
+def test_fp16_codes_with_two_k_steps_per_scale_block(seeded, nan_empty):
+    """Weights in 256-wide scale blocks under the decode default's 128-wide K step: each step
+    takes its block's scales."""
+    num_experts, hidden, inter = 4, 512, 256
+    x = torch.randn(2, hidden, generator=seeded).to(DEVICE, torch.bfloat16)
+    ids, weights = make_routing(2, 2, num_experts, seeded)
+    experts = make_weights(num_experts, hidden, inter, seeded, block=256)
+    assert triton_impl.DECODE_CONFIG.block_k == 128
+    check(x, ids, weights, experts, block=256, config=triton_impl.DECODE_CONFIG)
+
+
+def test_scales_of_another_layout(seeded, nan_empty):
+    """Scales stored K-block-major within each expert (a non-square grid, where a layout
+    mistake does not cancel) give what the row-major ones give."""
+    num_experts, hidden, inter = 4, 256, 384
+    experts = make_weights(num_experts, hidden, inter, seeded)
+    transposed = tuple(t.transpose(1, 2).contiguous().transpose(1, 2)
+                       if t.dtype == torch.float32 else t for t in experts)
+    assert transposed[1].stride(2) != 1 and transposed[1].shape[1] != transposed[1].shape[2]
+    x = torch.randn(3, hidden, generator=seeded).to(DEVICE)
+    ids, weights = make_routing(3, 2, num_experts, seeded)
+    check(x, ids, weights, transposed)
+
+
 def test_bf16_block64_and_plain_weights(seeded, nan_empty):
     num_experts, hidden, inter = SHAPES["tiny-8x192x96"]
     x = torch.randn(4, hidden, generator=seeded).to(DEVICE)

@@ -366,7 +366,8 @@ def _dequant_experts(x: torch.Tensor, sorted_pairs: torch.Tensor, block_expert: 
     bk = min(config.block_k, block) if has_scale else config.block_k
     dot, prec = _dot_type(x)
     codes = config.fp16_codes and has_scale and x.dtype != torch.float32
-    assert not codes or bk == block, "fp16 codes take one scale block per K step"
+    # K steps within one scale block each (bk and block are powers of two, bk <= block).
+    assert block % bk == 0, f"K step {bk} must divide the scale block {block}"
     shape = dict(BLOCK=block, HAS_SCALE=has_scale, BM=bm, BN=config.block_n, BK=bk, DOT=dot,
                  PREC=prec, CODES=codes, num_warps=config.num_warps,
                  num_stages=config.num_stages)
@@ -415,13 +416,16 @@ def _expert_rows(x, ids, weights, w_gate, s_gate, w_up, s_up, w_down, s_down, *,
     """Each pair's expert output `[T * k, D]` (rows of skipped pairs unwritten)."""
     num_experts, top_k = w_gate.shape[0], ids.shape[1]
     x = x if x.stride(1) == 1 else x.contiguous()
+    # Every form steps along a row of scales (the K blocks) by 1: another layout is copied.
+    s_gate, s_up, s_down = (s if s is None else s.float().contiguous()
+                            for s in (s_gate, s_up, s_down))
     cfg = config or default_config(ids.numel(), num_experts, x, s_gate is not None, block,
                                    inter=w_gate.shape[1])
     sorted_pairs, block_expert = sort_pairs(ids, num_experts, cfg.block_m, sort)
     if isinstance(cfg, (W8A8MoeConfig, GluonMoeConfig)):
         assert s_gate is not None, "the W8A8 form needs FP8 weights"
         xq, xs = quantize_activations(x, w_gate.dtype, block)
-        weights_fp8 = (w_gate, s_gate.float(), w_up, s_up.float(), w_down, s_down.float())
+        weights_fp8 = (w_gate, s_gate, w_up, s_up, w_down, s_down)
         if isinstance(cfg, GluonMoeConfig):
             y = gluon_experts(xq, xs, sorted_pairs, block_expert, top_k, *weights_fp8,
                               limit=limit, out_dtype=x.dtype, config=cfg)
