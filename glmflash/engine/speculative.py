@@ -133,7 +133,10 @@ class SpecDecoder:
 
     @staticmethod
     def _all_greedy(seqs: list[Sequence]) -> bool:
-        return all(s.params.is_greedy and s.params.logprobs is None for s in seqs)
+        """Whether every sequence takes the argmax of its raw logits (what the graphs' greedy
+        acceptance computes): greedy, no logprobs, no penalties or logits processors."""
+        return all(s.params.is_greedy and s.params.logprobs is None and not never_drafts(s)
+                   for s in seqs)
 
     def after_update(self, deltas: list[TokenDelta]) -> None:
         """Logprobs of the tokens kept; then the MTP layer over the committed positions, and

@@ -46,7 +46,7 @@ def test_graph_forms_give_the_tokens_of_mtp_off(rerun_graphs, num_steps, samplin
             assert 0 < drafts <= verifies
             assert accepts == (drafts if sampling == "greedy" else 0)
         assert engine.cache.num_free_pages == engine.cache.plan.num_pages
-    assert outputs["graphs"] == outputs["eager"] == outputs["off"]
+    assert outputs["graphs"] == outputs["off"]
     # The draft graph drafts what the eager MTP forward drafts: the same drafts accepted.
     assert counts["graphs"] == counts["eager"]
     assert counts["graphs"][1] > 0.3 * counts["graphs"][0]
@@ -67,12 +67,11 @@ def _run_each(engine, prompts: list[list[int]], params: list[SamplingParams]) ->
 
 
 def test_sequences_with_fewer_drafts_take_padding_rows(rerun_graphs):
-    """A request with a penalty never drafts and short requests draft less near their end: the
-    batch still replays the graphs (those sequences' rows past their drafts are padding) and
-    gives the tokens of MTP off and of the eager verify."""
-    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
-                             presence_penalty=0.5),
-              SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+    """Short requests draft less near their end: the batch still replays the graphs (those
+    sequences' rows past their drafts are padding) and gives the tokens of MTP off and of the
+    eager verify."""
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)]
     spec = {**SPEC, "speculative_num_steps": 2}
     outputs, counts = {}, {}
@@ -88,5 +87,34 @@ def test_sequences_with_fewer_drafts_take_padding_rows(rerun_graphs):
             # Every step after the prefills verifies beside the request that never drafts.
             assert graphs.num_replays >= 8
         assert engine.cache.num_free_pages == engine.cache.plan.num_pages
-    assert outputs["graphs"] == outputs["eager"] == outputs["off"]
+    assert outputs["graphs"] == outputs["off"]
     assert counts["graphs"] == counts["eager"]
+
+
+def ban_two_most_likely(token_ids, logits):
+    """A logits processor that changes the greedy choice at every step."""
+    out = logits.clone()
+    out[logits.topk(2).indices] = -float("inf")
+    return out
+
+
+@pytest.mark.parametrize("kind", ["processor", "penalties"])
+def test_greedy_requests_with_processors_or_penalties_beside_drafts(rerun_graphs, kind):
+    """A greedy request with a logits processor or penalties never drafts; batched with one
+    that drafts, its tokens are still chosen from its processed logits (the graphs' greedy
+    acceptance takes the raw argmax, so such a batch verifies eagerly)."""
+    extra = {"logits_processors": [ban_two_most_likely]} if kind == "processor" else \
+        {"repetition_penalty": 2.0, "frequency_penalty": 2.0}
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, **extra),
+              SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)]
+    spec = {**SPEC, "speculative_num_steps": 2}
+    outputs = {}
+    for name, options in (("off", {}), ("graphs", spec)):
+        engine = spec_engine(pages=16, max_running_requests=4, **options)
+        if name == "graphs":
+            with_graphs(engine, [1, 2, 4])
+        prompts = [engine.tokenizer.encode(t) for t in TEXTS[:2]]
+        outputs[name] = _run_each(engine, prompts, params)
+        if name == "graphs":
+            assert engine.stats().speculative.num_draft_tokens > 0
+    assert outputs["graphs"] == outputs["off"]
