@@ -1,6 +1,17 @@
 """The drafts of the next step, made after a speculative step's update: the MTP layer over the
 positions each sequence committed (from the step's graphs when it ran in them, else a forward
-of its own), then the chained draft steps; and how many drafts a sequence may take."""
+of its own), then the chained draft steps; and how many drafts a sequence may take.
+
+The MTP layer's row at position p joins the main model's state at p to the embedding of token
+p + 1. A prefix-cache hit of h tokens starts the MTP layer at h, so its row h - 1 (cache latent
+and indexer key) is the one the cached request computed from ITS token h; where the new
+request's token h differs (a prompt that extends a cached prompt with other words than the
+cached request's first output), that one row differs from a run without the cache. Drafts are
+verified, so the tokens do not change (tests/engine/test_speculative.py); only drafts that
+attend to the row may. Refusing such hits would cost the common case instead: a chat's next
+turn renders the earlier answer in the template's form, often not token for token what was
+sampled at the prompt's end. Rebuilding the row needs the main model's state at h - 1 and the
+MTP indexer tail before it, which the snapshots do not keep."""
 
 from __future__ import annotations
 

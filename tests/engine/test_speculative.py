@@ -120,6 +120,25 @@ def test_prefix_cache_hits_keep_the_tokens(engines):
                                                          sampling_params=params)] == first
 
 
+def test_a_hit_where_the_next_token_differs_keeps_the_tokens(engines):
+    """A prompt that extends a cached prompt with another token than the one the cached
+    request sampled takes the hit (the MTP layer's row before it was computed from that other
+    token: spec_drafts.py says why it is kept) and still gives the tokens of MTP off."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    cached = spec_engine(pages=16, disable_radix_cache=False, **SPEC,
+                         disable_speculative_speed_check=True)
+    tokenizer = cached.tokenizer
+    prefix = tokenizer.encode("Once upon a time, a little fox lived in the woods. ")
+    (first,) = cached.generate(prompt_token_ids=[prefix], sampling_params=params)
+    tail = next(t for t in map(tokenizer.encode, ("Zebra", "Tom said", "1 2 3"))
+                if t[0] != first.token_ids[0])
+    (hit,) = cached.generate(prompt_token_ids=[prefix + tail], sampling_params=params)
+    assert hit.num_cached_tokens == len(prefix)
+    assert cached.stats().speculative.num_draft_tokens > 0
+    (alone,) = engines["off"].generate(prompt_token_ids=[prefix + tail], sampling_params=params)
+    assert hit.token_ids == alone.token_ids
+
+
 def test_metrics_report_acceptance(engines):
     from glmflash.server.metrics import ServerMetrics as Metrics
 
