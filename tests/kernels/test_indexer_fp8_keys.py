@@ -140,6 +140,14 @@ def test_fp8_queries_need_fp8_keys():
             select(q, w, pk, table, plan, **kw)
 
 
+def test_fp8_rows_need_a_key_width_of_a_multiple_of_16():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        key_format.row_width(33, fp8=True)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        key_format.quantize_queries(torch.randn(2, 40))
+    assert key_format.row_width(33, fp8=False) == 33
+
+
 def test_quantize_queries_is_the_key_quantiser_per_row():
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(5, 4, 32, generator=gen) * torch.logspace(-4, 4, 4)[:, None]

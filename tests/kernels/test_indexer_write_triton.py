@@ -64,6 +64,11 @@ def test_kpool_not_a_power_of_two_and_bf16():
     assert _check([2, 5, 11, 1, 8], kpool=3, dtype=torch.bfloat16) == 4
 
 
+def test_pools_of_one_token():
+    """kpool 1: every token is its own pool (no tail), in the reference and the kernel."""
+    assert _check([0, 1, 2, 5, 9], kpool=1) == 5
+
+
 def _verify_case(dtype=torch.float32, dim=32, kpool=4):
     """Three sequences of a verify: rows 0-3 in slot 1 at positions 5..8 (completing the pool
     4..7 at its third row), row 4 alone in slot 2 at position 3 (completing 0..3), rows 5-7 in
@@ -102,6 +107,24 @@ def test_verify_equals_decode_per_row_bit_for_bit(keep, dtype):
     if keep:
         assert torch.equal(saved.float().nan_to_num(7.0), want_saved.float().nan_to_num(7.0))
         assert saved[[3, 4, 5, 8]].isnan().all() and not saved[[0, 1, 2, 6, 7]].isnan().any()
+
+
+def test_verify_with_pools_of_one_token():
+    """kpool 1 under the verify launch: each row writes its own pool, as the reference."""
+    keys, gates, ape, _, _, _, slots, positions, seqs = _verify_case(kpool=1)
+    gen = torch.Generator().manual_seed(7)
+    table = torch.randperm(5 * 3, generator=gen).view(5, 3).to(torch.int32).to(DEVICE)
+    pool_keys = torch.randn(5 * 3 * _page(1), keys.shape[1], generator=gen).to(DEVICE)
+    tail = torch.zeros(5, 0, 2 * keys.shape[1], device=DEVICE)
+    want = pool_keys.clone()
+    for row in range(8):
+        write_ref(keys[row:row + 1], gates[row:row + 1], ape, want, tail.clone(), table,
+                  slots[row:row + 1], positions[row:row + 1], page_size=_page(1))
+    before = pool_keys.clone()
+    indexer_write_verify(keys, gates, ape, pool_keys, tail, table, slots, positions, seqs,
+                         None, 3, page_size=_page(1))
+    torch.testing.assert_close(pool_keys, want, atol=1e-5, rtol=1e-5)
+    assert (pool_keys != before).any(dim=1).sum().item() == 8
 
 
 def test_verify_reference_dispatch_agrees():

@@ -29,7 +29,17 @@ def is_fp8(pool_keys: torch.Tensor) -> bool:
 
 def row_width(dim: int, fp8: bool) -> int:
     """Elements of one pooled key's row (bytes when FP8)."""
+    if fp8:
+        check_fp8_dim(dim)
     return dim + TAIL_BYTES if fp8 else dim
+
+
+def check_fp8_dim(dim: int) -> None:
+    """FP8 rows keep their codes and scale 16-byte aligned, so the key's width must be a
+    multiple of 16."""
+    if dim % 16:
+        raise ValueError(f"FP8 pooled indexer keys need an index head dimension that is a "
+                         f"multiple of 16 (this model's is {dim}): use --index-key-dtype auto")
 
 
 def allocate(num_pools: int, dim: int, fp8: bool, dtype: torch.dtype,
@@ -40,11 +50,12 @@ def allocate(num_pools: int, dim: int, fp8: bool, dtype: torch.dtype,
 
 
 def row_bytes(dim: int, fp8: bool, dtype: torch.dtype) -> int:
-    return dim + TAIL_BYTES if fp8 else dim * torch.empty(0, dtype=dtype).element_size()
+    return row_width(dim, fp8) if fp8 else dim * torch.empty(0, dtype=dtype).element_size()
 
 
 def quantize(keys: torch.Tensor) -> torch.Tensor:
     """Keys `[..., D]` (any float dtype) -> FP8 rows `[..., D + 16]` uint8."""
+    check_fp8_dim(keys.shape[-1])
     x = keys.float()
     if x.numel() == 0:  # (no pools: torch may give the empty scale a stride of 0)
         return torch.zeros(*x.shape[:-1], x.shape[-1] + TAIL_BYTES, dtype=torch.uint8,
@@ -80,5 +91,5 @@ def key_dim(pool_keys: torch.Tensor) -> int:
     return pool_keys.shape[-1] - (TAIL_BYTES if is_fp8(pool_keys) else 0)
 
 
-__all__ = ["allocate", "encode", "is_fp8", "key_dim", "quantize", "quantize_queries", "row_bytes",
-           "row_width", "split"]
+__all__ = ["allocate", "check_fp8_dim", "encode", "is_fp8", "key_dim", "quantize",
+           "quantize_queries", "row_bytes", "row_width", "split"]

@@ -113,8 +113,9 @@ def indexer_write_decode(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Ten
     # A pool starts at a multiple of kpool, so its first token's slot locates its key.
     target = token_slots(page_table, rows, positions - offset, page_size) // kpool
     pool_keys[target] = torch.where(completes, pooled, pool_keys[target])
-    column = offset.clamp(max=kpool - 2)
-    tail[rows, column] = torch.where(completes, tail[rows, column], new)
+    if kpool > 1:  # (a pool of one token has no tail)
+        column = offset.clamp(max=kpool - 2)
+        tail[rows, column] = torch.where(completes, tail[rows, column], new)
 
 
 class SelectRows(NamedTuple):

@@ -162,7 +162,7 @@ def indexer_write_verify(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Ten
         positions, seqs, num_steps, dim, keys.stride(0), gates.stride(0), pool_keys.stride(0),
         tail.stride(0), page_table.stride(0), KPOOL=kpool, KP=triton.next_power_of_2(kpool),
         PAGE=page_size, BD=max(16, triton.next_power_of_2(dim)),
-        BTAIL=triton.next_power_of_2((kpool - 1) * 2 * dim), SAVE=saved is not None,
+        BTAIL=max(1, triton.next_power_of_2((kpool - 1) * 2 * dim)), SAVE=saved is not None,
         FP8_KEYS=key_format.is_fp8(pool_keys), num_warps=num_warps or (4 if dim > 256 else 1))
 
 
