@@ -69,13 +69,16 @@ def scheduled_acceptance(hits: list[list[bool]], prompt_lens: list[int]) -> tupl
     """(drafts, accepted) that greedy decoding with one MTP draft a step verifies over these
     outputs: the first draft (row n - 1) predicts the second generated token; an accepted draft
     commits two tokens (the next draft two rows on), a rejected one the main model's token (the
-    next row). Greedy verification is exact, so the engine's counts must equal these."""
+    next row). An accepted draft of the output's last token ends it there, and the engine
+    counts that token as the step's own, not as a draft (`SpecDecoder.count_output`). Greedy
+    verification is exact, so the engine's counts must equal these."""
     drafts = accepted = 0
     for seq, n in zip(hits, prompt_lens, strict=True):
         t = n - 1
         while t < len(seq):
-            drafts += 1
-            accepted += seq[t]
+            if not (seq[t] and t == len(seq) - 1):
+                drafts += 1
+                accepted += seq[t]
             t += 2 if seq[t] else 1
     return drafts, accepted
 

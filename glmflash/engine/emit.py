@@ -26,6 +26,8 @@ class EngineEmitMixin:
                 if reason is None:
                     self.scheduler.finish(seq, "stop")
                 reason = "stop"
+            if self.spec is not None:
+                self.spec.count_output(seq, len(delta.token_ids))
             logprobs = seq.logprobs[-len(delta.token_ids):] if seq.params.logprobs is not None \
                 and delta.token_ids else None
             out = StreamDelta(choice.request_id, choice.index, text.text, delta.token_ids, reason,

@@ -49,7 +49,8 @@ class AcceptanceFigures:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens a sequence gains per verify step (accepted drafts plus the target's own)."""
+        """Tokens a sequence gains per verify step (accepted drafts plus the target's own;
+        a run cut by a stop counts what it output, `SpecDecoder.count_output`)."""
         if not self.num_verify_steps:
             return 0.0
         return 1 + self.num_accepted_tokens / self.num_verify_steps

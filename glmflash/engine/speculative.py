@@ -50,6 +50,9 @@ class SpecDecoder:
                  max_seq_len: int) -> None:
         self.runner, self.scheduler, self.sampler, self.policy = runner, scheduler, sampler, policy
         self.counters = SpecCounters.empty(num_steps)
+        self.verified: dict[int, tuple[int, int]] = {}
+        """seq id -> (drafts, accepted) of this step's verify, counted once the engine knows
+        how many of the run's tokens the sequence kept (`count_output`)."""
         self.drafter = Drafter(runner, scheduler, cache, policy, num_steps, max_seq_len)
         self._step: SpecStep | None = None
         self.accept_override: Callable[[list[int]], int] | None = None
@@ -108,8 +111,8 @@ class SpecDecoder:
         if verify_idx:
             self.runner.commit([batch.seqs[i] for i in verify_idx],
                                [drafts[i] for i in verify_idx], accepted)
-            self._count([batch.seqs[i] for i in verify_idx], [drafts[i] for i in verify_idx],
-                        accepted)
+            self._note_verified([batch.seqs[i] for i in verify_idx],
+                                [drafts[i] for i in verify_idx], accepted)
         committed = list(batch.num_tokens)
         for i, a in zip(verify_idx, accepted, strict=True):
             committed[i] = 1 + a
@@ -126,7 +129,7 @@ class SpecDecoder:
         step = self.runner.verify_greedy(batch.seqs, drafts, forced,
                                          self.sampler.sleep_while_waiting)
         self.sampler.errors = {}
-        self._count(batch.seqs, drafts, step.accepted)
+        self._note_verified(batch.seqs, drafts, step.accepted)
         committed = [1 + a for a in step.accepted]
         self._step = SpecStep(batch, starts, committed, None, {}, None, {}, {}, step)
         return [targets[: a + 1] for targets, a in zip(step.targets, step.accepted, strict=True)]
@@ -189,16 +192,32 @@ class SpecDecoder:
             accepted += 1
         return accepted
 
-    def _count(self, seqs: list[Sequence], drafts: list[list[int]],
-               accepted: list[int]) -> None:
+    def _note_verified(self, seqs: list[Sequence], drafts: list[list[int]],
+                       accepted: list[int]) -> None:
+        """The policy sees every verified draft (how good the drafts are); the counters wait
+        for `count_output`."""
         first_drafts = first_accepted = 0
         for seq, draft, a in zip(seqs, drafts, accepted, strict=True):
             if not draft:
                 continue
-            seq.num_verify_steps += 1
-            seq.num_draft_tokens += len(draft)
-            seq.num_accepted_tokens += a
-            self.counters = self.counters.add(len(draft), a)
+            self.verified[seq.seq_id] = (len(draft), a)
             first_drafts += 1
             first_accepted += int(a > 0)
         self.policy.observe(first_drafts, first_accepted)
+
+    def count_output(self, seq: Sequence, num_kept: int) -> None:
+        """Count `seq`'s verify of this step once `num_kept` of its run's tokens are output (a
+        stop token or string may end the run inside its accepted drafts). The figures count
+        what the output got: a run cut there counts its last kept token as the step's own and
+        the drafts before it as accepted, so that every verify step counts its accepted drafts
+        plus one token, as many as it output; drafts past the end count nowhere."""
+        counts = self.verified.pop(seq.seq_id, None)
+        if counts is None or num_kept < 1:
+            return
+        num_drafts, accepted = counts
+        if num_kept <= accepted:
+            num_drafts = accepted = num_kept - 1
+        seq.num_verify_steps += 1
+        seq.num_draft_tokens += num_drafts
+        seq.num_accepted_tokens += accepted
+        self.counters = self.counters.add(num_drafts, accepted)

@@ -139,6 +139,32 @@ def test_a_hit_where_the_next_token_differs_keeps_the_tokens(engines):
     assert hit.token_ids == alone.token_ids
 
 
+@pytest.mark.parametrize("stop", [[], [" the"]], ids=["eos", "stop-string"])
+def test_counts_are_what_the_output_got(stop):
+    """Runs cut by the end of sequence or a stop string count only the tokens output: every
+    verify step counts its accepted drafts plus one token, so over a request they add up to
+    the tokens after its first (the prefill's), whatever drafts were accepted past the end."""
+    engine = Engine(TRAINED, device="cpu", dtype="float32", context_length=256,
+                    background_loop=False, skip_kernel_warmup=True,
+                    speculative_algorithm="NEXTN", speculative_num_steps=3,
+                    disable_speculative_speed_check=True, speculative_min_acceptance=0.0)
+    try:
+        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+                   for text in ("Tell me a story about a fox.", "What time is it?")]
+        params = SamplingParams(max_tokens=120, temperature=0, stop=stop)
+        results = engine.generate(prompts, params)
+        choices = [r.choices[0] for r in results]
+        assert all(c.finish_reason == "stop" and c.num_verify_steps > 0 for c in choices)
+        for c in choices:
+            assert c.num_accepted_tokens + c.num_verify_steps == len(c.token_ids) - 1
+            assert c.num_accepted_tokens <= c.num_draft_tokens
+        stats = engine.stats().speculative
+        assert stats.num_accepted_tokens == sum(c.num_accepted_tokens for c in choices)
+        assert stats.num_verify_steps == sum(c.num_verify_steps for c in choices)
+    finally:
+        engine.shutdown()
+
+
 def test_metrics_report_acceptance(engines):
     from glmflash.server.metrics import ServerMetrics as Metrics
 
