@@ -162,7 +162,9 @@ class RequestGroup:
             if last is None:
                 metrics.time_to_first_token.observe(now - self._submitted_at)
             else:
-                metrics.inter_token_latency.observe((now - last) / len(delta.token_ids))
+                # A speculative step's run of k tokens: k gaps of a k-th of the wait each.
+                k = len(delta.token_ids)
+                metrics.inter_token_latency.observe((now - last) / k, times=k)
             self._last_token_at[key] = now
         if delta.finish_reason is not None:
             self.num_open -= 1

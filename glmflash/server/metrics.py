@@ -73,9 +73,10 @@ class Histogram:
         self.counts = [0] * (len(buckets) + 1)
         self.sum = 0.0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
+    def observe(self, value: float, times: int = 1) -> None:
+        """`times` samples of `value` (a gap shared by several tokens: one sample each)."""
+        self.counts[bisect.bisect_left(self.buckets, value)] += times
+        self.sum += value * times
 
     @property
     def count(self) -> int:

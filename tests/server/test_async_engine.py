@@ -41,3 +41,36 @@ def test_a_submission_that_completes_returns_its_request_id():
         return await _off_loop(lambda: "req-1", lambda rid: None)
 
     assert asyncio.run(main()) == "req-1"
+
+
+class _IdleEngine:
+    """What AsyncEngine reads of an engine to build its metrics (speculative decoding off)."""
+
+    def stats(self):
+        from glmflash.engine.cache import PrefixCacheStats
+        from glmflash.engine.outputs import EngineStats
+
+        fields = PrefixCacheStats.__dataclass_fields__
+        return EngineStats(0, 0, 1, 1, PrefixCacheStats(*([0] * len(fields))), None)
+
+
+def test_inter_token_latency_counts_every_token_of_a_run(monkeypatch):
+    """A speculative step's delta brings several tokens: the histogram takes one gap per
+    token (each the k-th of the wait), so its sum is the time and its count the gaps."""
+    from glmflash.engine.outputs import StreamDelta
+    from glmflash.server import async_engine
+
+    # submitted, the first token 1 s later, a run of 3 tokens 3/32 s on, one token 1/32 s on
+    clock = iter([0.0, 1.0, 1.09375, 1.125])
+    monkeypatch.setattr(async_engine.time, "perf_counter", lambda: next(clock))
+
+    async def stream():
+        bridge = async_engine.AsyncEngine(_IdleEngine())
+        group = async_engine.RequestGroup(bridge, asyncio.get_running_loop(), 1)
+        for text, tokens in (("a", [1]), ("bcd", [2, 3, 4]), ("e", [5])):
+            group._observe(0, StreamDelta("r", 0, text, tokens))
+        return bridge.metrics.inter_token_latency
+
+    latency = asyncio.run(stream())
+    assert latency.count == 4 and latency.sum == 0.125
+    assert latency.counts[latency.buckets.index(0.05)] == 4  # four gaps of 1/32 s
