@@ -52,7 +52,11 @@ def test_unset_flags_keep_the_engine_defaults():
 
 
 @pytest.mark.parametrize("options,message", [
-    (dict(speculative_num_steps=2), "need speculative_algorithm"),
+    (dict(speculative_num_steps=2), "speculative_algorithm (NEXTN)"),
+    # The drafting policy's options have no effect without it either.
+    (dict(speculative_max_batch_size=4), "speculative_algorithm (NEXTN)"),
+    (dict(speculative_min_acceptance=0.5), "speculative_algorithm (NEXTN)"),
+    (dict(disable_speculative_speed_check=True), "speculative_algorithm (NEXTN)"),
     (dict(speculative_algorithm="medusa"), "must be one of"),
     (dict(speculative_algorithm="EAGLE", speculative_eagle_topk=2), "must be 1"),
     (dict(speculative_algorithm="NEXTN", speculative_num_steps=0), "must be >= 1"),

@@ -240,12 +240,18 @@ class EngineConfig:
 
     def _check_speculative(self) -> None:
         algorithm, steps = self.speculative_algorithm, self.speculative_num_steps
+        # Options of speculative decoding given without it (the policy's: set off their
+        # defaults), which would have no effect.
+        defaults = {f.name: f.default for f in fields(self)}
         given = [n for n in ("speculative_num_steps", "speculative_eagle_topk",
-                             "speculative_num_draft_tokens") if getattr(self, n) is not None]
+                             "speculative_num_draft_tokens", "speculative_max_batch_size",
+                             "speculative_min_acceptance", "disable_speculative_speed_check")
+                 if getattr(self, n) != defaults[n]]
         draft_tokens = self.speculative_num_draft_tokens
         require([
             (algorithm is not None or not given,
-             f"{', '.join(given)} need speculative_algorithm (NEXTN)"),
+             f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} "
+             "speculative_algorithm (NEXTN)"),
             (algorithm is None or algorithm.upper() in SPECULATIVE_ALGORITHMS,
              f"speculative_algorithm {algorithm!r} must be one of {SPECULATIVE_ALGORITHMS}"),
             (steps is None or steps >= 1, "speculative_num_steps must be >= 1"),
