@@ -63,7 +63,8 @@ def test_pair_equals_two_norms_and_a_scatter(dtype, nan_empty):
     x, w_a = _inputs((5, 96 + 40), dtype)
     w_a = w_a[:96].contiguous()
     w_b = (1 + 0.3 * torch.randn(40, generator=torch.Generator().manual_seed(3))).to(x)
-    rows = torch.tensor([7, 0, 3, 9, 4], device=DEVICE)
+    # A column of a wider tensor: the rows' index is read with its stride.
+    rows = torch.tensor([[7, 1], [0, 1], [3, 1], [9, 1], [4, 1]], device=DEVICE)[:, 0]
     cache = torch.full((10, 40), float("nan"), dtype=dtype, device=DEVICE)
     want_cache = cache.clone()
     got = pair_triton(x, w_a, 1e-5, w_b, 1e-6, cache, rows)

@@ -84,14 +84,18 @@ def test_group_limit_binds():
                        _sorted(*route_ref(x, weight, bias, spec=spec))[0])
 
 
-def test_nan_scores_still_choose_distinct_real_experts():
-    experts, hidden, spec = SPECS["release_like"]
-    x, weight, bias = _case(3, experts, hidden, torch.float32)
-    x[1] = float("nan")
+@pytest.mark.parametrize("tokens", [3, 1, SCORE_TOKENS + 1])
+@pytest.mark.parametrize("name", ["release_like", "every_kept_expert", "four_groups"])
+def test_nan_scores_still_choose_distinct_real_experts(name, tokens):
+    """Also with groups (a NaN token's groups all score alike) and from every launch form."""
+    experts, hidden, spec = SPECS[name]
+    x, weight, bias = _case(tokens, experts, hidden, torch.float32)
+    x[tokens // 2] = float("nan")
     ids, weights = route(x, weight, bias, spec=spec)
     assert ((ids >= 0) & (ids < experts)).all()
     assert all(len(set(row)) == spec.top_k for row in ids.tolist())
-    assert weights[1].isnan().all() and not weights[[0, 2]].isnan().any()
+    others = torch.arange(tokens) != tokens // 2
+    assert weights[tokens // 2].isnan().all() and not weights[others].isnan().any()
 
 
 def _two_launches(tokens: int) -> ScoreConfig:

@@ -42,6 +42,14 @@ def test_nothing_to_copy():
     assert _check((3,), [-1, -1], [0, 1]) == 0
 
 
+@pytest.mark.parametrize("shape", [(0, 3), (4, 0)], ids=["no_rows", "rows_of_nothing"])
+def test_empty_tensors(shape):
+    none = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    src, dst = torch.zeros(*shape, device=DEVICE), torch.zeros(*shape, device=DEVICE)
+    copy_rows(src, none, dst, none)
+    copy_rows_ref(src, none, dst, none)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_release_kda_state_rows():

@@ -53,12 +53,13 @@ def norm_row(x, weight, out, D, eps, HAS_WEIGHT: tl.constexpr, BD: tl.constexpr)
 
 @jit
 def rms_norm_pair_kernel(x, weight_a, weight_b, out_a, out_b, rows_b, A, B, eps_a, eps_b,
-                         stride_x, stride_a, stride_b, BA: tl.constexpr, BB: tl.constexpr):
+                         stride_x, stride_a, stride_b, stride_rows, BA: tl.constexpr,
+                         BB: tl.constexpr):
     """Row i of x `[R, A + B]`: its first A values normalised into row i of out_a, its last B
     into row `rows_b[i]` of out_b (a cache written in place)."""
     i = tl.program_id(0).to(tl.int64)
     norm_row(x + i * stride_x, weight_a, out_a + i * stride_a, A, eps_a, True, BA)
-    target = tl.load(rows_b + i).to(tl.int64)
+    target = tl.load(rows_b + i * stride_rows).to(tl.int64)
     norm_row(x + i * stride_x + A, weight_b, out_b + target * stride_b, B, eps_b, True, BB)
 
 
@@ -96,7 +97,7 @@ def rms_norm_pair(x: torch.Tensor, weight_a: torch.Tensor, eps_a: float,
     if x.shape[0]:
         rms_norm_pair_kernel[(x.shape[0],)](
             x, weight_a, weight_b, out_a, out_b, rows_b, width_a, width_b, eps_a, eps_b,
-            x.stride(0), out_a.stride(0), out_b.stride(0),
+            x.stride(0), out_a.stride(0), out_b.stride(0), rows_b.stride(0),
             BA=triton.next_power_of_2(width_a), BB=triton.next_power_of_2(width_b),
             num_warps=num_warps)
     return out_a

@@ -112,8 +112,9 @@ def _choose(scores, bias, ids, weights, i_t, stride_s, EG, scaling, G: tl.conste
                   cache_modifier=".cg")  # [GP, EGP]
     b_c = b_s + tl.load(bias + expert, mask=m, other=0.0)
     # A NaN score ranks below every number but above the padding and the experts taken (-inf),
-    # so a token's k choices stay distinct real experts; its weights carry the NaN on.
-    b_c = tl.where(m, tl.where(b_c == b_c, b_c, -3.4028234663852886e38), float("-inf"))
+    # so a token's k choices stay distinct real experts; its weights carry the NaN on. The
+    # stand-in is half the float range, so that the sum of a group's two best stays finite.
+    b_c = tl.where(m, tl.where(b_c == b_c, b_c, -1.0e38), float("-inf"))
     if G > 1:
         b_first = tl.argmax(b_c, 1)  # [GP]
         b_second = tl.max(tl.where(o_j[None, :] == b_first[:, None], float("-inf"), b_c), 1)

@@ -3,6 +3,8 @@ whose source index is negative is skipped without reading or writing anything.""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 try:
@@ -37,11 +39,11 @@ def copy_rows_kernel(src, src_rows, dst, dst_rows, width, stride_src_rows, strid
 def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,
               dst_rows: torch.Tensor, *, block: int = DEFAULT_BLOCK) -> None:
     """See `row_copy.copy_rows`; `block`: elements per program (a power of two)."""
-    assert src[0:1].is_contiguous() and dst[0:1].is_contiguous(), "rows must be contiguous"
-    assert src.stride(0) == dst.stride(0) == src[0].numel(), "rows back to back"
-    rows, width = src_rows.numel(), src[0].numel()
+    rows, width = src_rows.numel(), math.prod(src.shape[1:])
     if rows == 0 or width == 0:
         return
+    assert src[0:1].is_contiguous() and dst[0:1].is_contiguous(), "rows must be contiguous"
+    assert src.stride(0) == dst.stride(0) == width, "rows back to back"
     block = min(block, triton.next_power_of_2(width))
     copy_rows_kernel[(rows, triton.cdiv(width, block))](
         src, src_rows, dst, dst_rows, width, src_rows.stride(0), dst_rows.stride(0),
