@@ -115,7 +115,8 @@ class CacheManager:
         """The longest cached prefix `seq` can start from (at least one token is left to
         compute, for the logits); locked until `allocate` or `release_match`. A sequence that
         asks for prompt log-probabilities computes its whole prompt (they are not cached)."""
-        if self.radix is None or seq.params.prompt_logprobs is not None:
+        if self.radix is None or seq.params.prompt_logprobs is not None or \
+                seq.skips_prefix_cache:
             return None
         limit = min(seq.num_tokens - 1, seq.num_prompt_tokens)
         hit = self.radix.match(seq.cache_key, limit)
@@ -200,7 +201,7 @@ class CacheManager:
         """After a prompt chunk: make the computed prefix a cached prefix, with a snapshot of
         the state at its end (always at the prompt's end, the next turn's prefix; at a chunk end
         when at least a page past the path's previous snapshot)."""
-        if self.radix is None or seq.state_slot is None:
+        if self.radix is None or seq.state_slot is None or seq.skips_prefix_cache:
             return
         end = seq.num_computed_tokens
         below = seq.cache_node or self.radix.root

@@ -5,11 +5,14 @@ No torch here: the scheduler moves `Sequence` objects and counts pages through t
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from glmflash.engine.cache import CacheManager, CacheOps
 from glmflash.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,10 @@ class Scheduler:
         pages allow; one whose prompt starts with a cached prefix starts after it, and only its
         uncached tokens count against the budget and pages. A running sequence that cannot get
         a page preempts the most recently admitted one (freed and later recomputed, from its
-        own cached prefix if that is still there), or itself if it is the newest.
+        own cached prefix if that is still there), or itself if it is the newest. A sequence
+        that runs alone and still lacks pages, or cannot be admitted with its hit into an
+        idle engine, is short of them for what the prefix cache pins on its behalf: it goes
+        on without the cache (`Sequence.skips_prefix_cache`).
         """
         plan: dict[int, int] = {}
         budget = self.config.chunked_prefill_size
@@ -130,6 +136,10 @@ class Scheduler:
             chunk = min(seq.num_tokens - cached, budget, room)
             if chunk <= 0 or not self.cache.can_allocate(seq, chunk, hit):
                 self.cache.release_match(hit)
+                if hit is not None and not self.running:
+                    # Alone, it fits (the memory plan's promise) but for what its hit pins.
+                    self._skip_prefix_cache(seq)
+                    continue
                 break
             self.waiting.popleft()
             if seq.num_cached_tokens is None:
@@ -147,9 +157,20 @@ class Scheduler:
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:
+                if not self.running:
+                    # Alone and short of pages: its cached prefix pins them; without the
+                    # cache it fits.
+                    self._skip_prefix_cache(seq)
                 return False
         self.cache.append(seq, num_tokens)
         return True
+
+    @staticmethod
+    def _skip_prefix_cache(seq: Sequence) -> None:
+        if not seq.skips_prefix_cache:
+            seq.skips_prefix_cache = True
+            logger.info("sequence %d goes on without the prefix cache: the pages its cached "
+                        "prefix pins leave too few for it", seq.seq_id)
 
     def _fit(self, seq: Sequence, chunk: int) -> int:
         """Largest prefix of `chunk` new tokens that fits the sequence's pages plus free ones."""

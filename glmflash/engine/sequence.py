@@ -48,6 +48,11 @@ class Sequence:
         """Prompt tokens taken from the prefix cache at the first admission."""
         self.cache_node = None
         """The deepest prefix-cache node this sequence uses (locked while it runs)."""
+        self.skips_prefix_cache = False
+        """Set by the scheduler when the pages a cached prefix pins (the tree's copy of a
+        partial page, nodes it shares) leave too few for this sequence alone: it then neither
+        starts from nor adds to the prefix cache, so every page the tree holds can be evicted
+        for it."""
         self.draft_ids: list[int] = []
         """Speculative decoding: tokens the MTP layer proposes after the last token, verified
         by the next step (never part of `token_ids` before they are accepted)."""

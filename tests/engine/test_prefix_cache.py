@@ -153,3 +153,46 @@ def test_hits_on_the_gpu_give_the_tokens_of_the_cache_off_engine(tiny_dirs):
     assert [r.num_cached_tokens for r in results] == list(HIT_LENGTHS.values())
     for engine in pair:
         engine.shutdown()
+
+
+def _finish_alone(engine, prompt, params, limit=150):
+    """Drive one request to its end; a hang (no progress) fails."""
+    collector = ResultCollector("", prompt, 1)
+    engine.add_request(prompt, params, collector.add)
+    for _ in range(limit):
+        engine.step()
+        if collector.is_done:
+            return collector.result().token_ids
+    raise AssertionError(f"not done after {limit} steps, {engine.scheduler.num_preemptions} "
+                         f"preemptions, {engine.cache.num_free_pages} pages free")
+
+
+def _random_prompt(n, seed):
+    return torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("case", ["mid-page hit", "chained mid-page hits", "prompt logprobs"])
+def test_a_sequence_that_fits_alone_finishes_whatever_the_cache_pins(case):
+    """Pages of 8 tokens, sequences of at most 5 pages, a cache of 5 or 8. A hit ending
+    mid-page pins the tree's partial page beside the sequence's copy, chained mid-page hits one
+    version of it per node, and a request asking for prompt log-probabilities (no hit) locks
+    the nodes of the same cached prompt it computes again: each would leave too few pages for
+    a sequence that fits the cache alone, which then went without the prefix cache."""
+    from tests.engine.spec_helpers import spec_engine
+
+    params = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    prompt = _random_prompt(32, seed=3)
+    if case == "mid-page hit":
+        pages, earlier = 5, [prompt[:20]]
+    elif case == "chained mid-page hits":
+        pages, earlier = 8, [prompt[:n] for n in (4, 5, 6, 7, 8)]
+    else:
+        pages, earlier = 8, [prompt]
+        params = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    want = _finish_alone(spec_engine(pages=pages), prompt, params)
+    engine = spec_engine(pages=pages, disable_radix_cache=False)
+    for turn in earlier:
+        _finish_alone(engine, turn, one)
+    assert _finish_alone(engine, prompt, params) == want
+    assert engine.cache.num_free_pages == engine.cache.plan.num_pages
