@@ -187,8 +187,12 @@ class CacheManager:
         assert len(self.pages.free) >= num_pages, "out of pages"
 
     def take_page_updates(self) -> list[tuple[int, int, int]]:
-        updates, self.page_updates = self.page_updates, []
-        return updates
+        """The page-table entries handed out since the last call, one per (state slot, page
+        index): the latest, where a slot freed and handed out again in one step got the same
+        index twice (a device's indexed write of both would keep either)."""
+        latest = {(slot, index): page for slot, index, page in self.page_updates}
+        self.page_updates = []
+        return [(slot, index, page) for (slot, index), page in latest.items()]
 
     def take_ops(self) -> CacheOps | None:
         """The copies logged since the last call, for the runner (None if there are none)."""

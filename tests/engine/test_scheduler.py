@@ -28,6 +28,8 @@ def _run_step(sched: Scheduler, token: int = 7):
     batch = sched.schedule()
     if batch is None:
         return None, []
+    entries = [(slot, index) for slot, index, _ in batch.page_updates]
+    assert len(entries) == len(set(entries)), "an entry of the page table written twice"
     for slot, index, page in batch.page_updates:
         sched.page_mirror[slot, index] = page
     for seq in batch.seqs:
@@ -125,3 +127,16 @@ def test_integrity_check_catches_a_leak():
     seq.page_ids.pop()
     with pytest.raises(AssertionError):
         cache.check_integrity()
+
+
+def test_a_slot_handed_out_twice_in_a_step_updates_its_row_once():
+    """A sequence freed (preempted) and its state slot given to another in the same step: one
+    page-table write per entry, the newest page's."""
+    _, cache = _make(num_pages=8, page_size=4, slots=1)
+    first, second = _seq(0, 8), _seq(1, 8)
+    cache.allocate(first, 8)
+    cache.free(first)
+    cache.allocate(second, 8)
+    updates = cache.take_page_updates()
+    assert sorted((slot, index) for slot, index, _ in updates) == [(0, 0), (0, 1)]
+    assert [page for _, _, page in sorted(updates)] == second.page_ids
