@@ -66,11 +66,15 @@ class SequenceDetokenizer:
         return min(hits) if hits else None
 
     def _held_back(self) -> int:
-        """Length of the longest tail that is a proper prefix of some stop string."""
-        best = 0
+        """Length of the longest tail that is a proper prefix of some stop string: the first
+        position of the last `len(stop) - 1` characters holding the stop's first character
+        from which the rest of the text starts the stop (a scan, not a slice per length)."""
+        best, text = 0, self.text
         for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(self.text)), best, -1):
-                if self.text.endswith(stop[:k]):
-                    best = k
+            i = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+            while i >= 0 and len(text) - i > best:
+                if stop.startswith(text[i:]):
+                    best = len(text) - i
                     break
+                i = text.find(stop[0], i + 1)
         return best

@@ -66,13 +66,20 @@ def schema_types(schema: Any, root: Mapping[str, Any], depth: int = 0) -> frozen
     return _combined_types(schema, root, depth)
 
 
+def _branches(schema: Mapping[str, Any], keyword: str) -> list:
+    """The subschemas of a combinator (none where a client sent something else than a list)."""
+    value = schema.get(keyword)
+    return value if isinstance(value, list) else []
+
+
 def _combined_types(schema: Mapping[str, Any], root: Mapping[str, Any], depth: int) -> frozenset:
-    branches = [b for kw in ("anyOf", "oneOf") for b in schema.get(kw) or ()]
+    branches = _branches(schema, "anyOf") + _branches(schema, "oneOf")
     if branches:
         sets = [schema_types(b, root, depth + 1) for b in branches]
         # NOTE: one untyped branch admits anything, so the union is unconstrained too.
         return frozenset() if not all(sets) else frozenset().union(*sets)
-    all_of = [s for s in (schema_types(b, root, depth + 1) for b in schema.get("allOf") or ()) if s]
+    all_of = [s for s in (schema_types(b, root, depth + 1) for b in _branches(schema, "allOf"))
+              if s]
     if all_of:
         return frozenset.intersection(*all_of) or frozenset().union(*all_of)
     if "properties" in schema:

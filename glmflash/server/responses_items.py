@@ -8,6 +8,7 @@ a `tool` message. Output items are built from the glm45/glm47 parsers' split of 
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -27,6 +28,8 @@ def normalize_input(raw: Any) -> list[dict[str, Any]]:
         return [{"type": "message", "role": "user", "content": raw}]
     if not isinstance(raw, list):
         raise Fields({}).fail("input", "must be a string or an array of input items")
+    if not raw:
+        raise Fields({}).fail("input", "must not be empty")
     return [_check_item(Fields(item, f"input[{i}]."), i) for i, item in enumerate(raw)]
 
 
@@ -42,7 +45,10 @@ def _check_item(item: Fields, index: int) -> dict[str, Any]:
     elif kind == "function_call":
         item.string("call_id", required=True)
         item.string("name", required=True)
-        item.string("arguments", required=True)
+        try:
+            json.loads(item.string("arguments", required=True))
+        except json.JSONDecodeError as exc:
+            raise item.fail("arguments", f"must be a JSON text ({exc.msg})") from None
     elif kind == "function_call_output":
         item.string("call_id", required=True)
         output = item.get("output", (str, list), "a string or an array of content parts",

@@ -84,6 +84,7 @@ def _tools(body: Fields) -> list[dict[str, Any]]:
         if kind != "function":
             raise tool.fail("type", f"{kind!r} tools are not supported (only function tools)")
         tool.string("name", required=True)
+        tool.object("parameters")
     return tools
 
 

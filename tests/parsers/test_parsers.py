@@ -266,3 +266,14 @@ COERCE_TABLE: list[tuple[str, str, Any]] = [
 def test_coerce_value(raw: str, types: str, expected: Any) -> None:
     value = coerce_value(raw, frozenset(filter(None, types.split("|"))))
     assert value == expected and type(value) is type(expected)
+
+
+@pytest.mark.parametrize("schema", [{"anyOf": 5}, {"oneOf": True}, {"allOf": 3}])
+def test_a_combinator_that_is_not_a_list_is_ignored(schema: dict) -> None:
+    """A client's malformed `anyOf` / `oneOf` / `allOf` leaves the value as written (it took
+    the call's parse, and the request, down)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": schema}}}}]
+    call = f"{TOOL_CALL_START}f<arg_key>x</arg_key><arg_value>1</arg_value></tool_call>"
+    parsed = parse_tool_calls(call, tools)
+    assert [c.name for c in parsed.tool_calls] == ["f"]

@@ -153,6 +153,12 @@ def test_store_drops_the_least_recently_used():
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "reasoning": {"effort": "huge"}}, "reasoning.effort"),
     ({}, "input"),
+    ({"input": []}, "input"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"},
+                {"type": "function_call_output", "call_id": "c", "output": "x"}]},
+     "input[0].arguments"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": "x"}]},
+     "tools[0].parameters"),
 ])
 def test_invalid_requests_name_the_field(live, body, param):
     response = httpx.post(f"{live.url}/v1/responses", json={"model": MODEL, **body}, timeout=30)
