@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from PIL import Image
+from PIL import Image, ImageOps
 
 from glmflash.multimodal.fetch import FetchError, UrlPolicy, http_get
 from glmflash.multimodal.image import PIXELS_PER_TOKEN, ImageProcessConfig
@@ -188,6 +188,8 @@ def load_image(source: str | bytes, config: FetchConfig) -> Image.Image:
                 raise MediaError(f"image is {width}x{height}, over the {config.max_image_pixels}"
                                  "-pixel limit")
             image.load()
+            # Upright as the camera saw it, as the reference's loader turns it (EXIF).
+            image = ImageOps.exif_transpose(image)
     except MediaError:
         raise
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombWarning,

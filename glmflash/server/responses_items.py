@@ -36,12 +36,13 @@ def normalize_input(raw: Any) -> list[dict[str, Any]]:
 def _check_item(item: Fields, index: int) -> dict[str, Any]:
     kind = item.string("type", "message")
     if kind == "message":
-        item.string("role", required=True, choices=_INPUT_ROLES)
+        role = item.string("role", required=True, choices=_INPUT_ROLES)
         content = item.get("content", (str, list), "a string or an array of content parts",
                            required=True)
         if isinstance(content, list):
             for j, part in enumerate(content):
-                _check_part(Fields(part, f"{item.param('content')}[{j}]."))
+                _check_part(Fields(part, f"{item.param('content')}[{j}]."),
+                            images=role == "user")
     elif kind == "function_call":
         item.string("call_id", required=True)
         item.string("name", required=True)
@@ -65,12 +66,16 @@ def _check_item(item: Fields, index: int) -> dict[str, Any]:
     return {**item.raw, "type": kind}
 
 
-def _check_part(part: Fields) -> None:
+def _check_part(part: Fields, images: bool = False) -> None:
+    """A content part; images only where the prompt takes them (a user message's content), as
+    the chat endpoint does: elsewhere only text is rendered."""
     kind = part.string("type", required=True)
     if kind in _TEXT_PARTS:
         part.string("text", required=True)
-    elif kind == "input_image":
+    elif kind == "input_image" and images:
         part.string("image_url", required=True)
+    elif kind == "input_image":
+        raise part.fail("type", "images are only taken in user messages")
     else:
         raise part.fail("type", f"{kind!r} content parts are not supported")
 

@@ -72,6 +72,27 @@ def test_transparent_palette_is_composited_on_white(ref_image):
     assert ours.pixel_values[0, 0].item() == pytest.approx((1 - 0.48145466) / 0.26862954, abs=1e-6)
 
 
+def test_an_exif_rotated_photo_is_turned_upright_as_the_reference_loads_it(ref_image):
+    """A JPEG stored 120 wide x 40 tall whose EXIF says to turn it a quarter (how phones store
+    portrait photos): the reference's URL and base64 loader turns it upright, and so do we."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from glmflash.multimodal import FetchConfig, load_image
+
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to display
+    buffer = io.BytesIO()
+    random_image(0, 40, 120).save(buffer, format="JPEG", quality=95, exif=exif.tobytes())
+    url = "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
+    ours = process_images([load_image(url, FetchConfig())], ImageProcessConfig(), VISION)
+    ref = ref_image(images=[url])
+    assert ours.grid_thw.tolist() == ref["image_grid_thw"].tolist()
+    _assert_same(ours.pixel_values, ref["pixel_values"])
+
+
 def test_several_images_concatenate_in_order(ref_image):
     images = [random_image(i, h, w) for i, (h, w) in enumerate([(90, 130), (300, 200), (33, 33)])]
     ours = process_images(images, ImageProcessConfig(), VISION)

@@ -159,6 +159,9 @@ def test_store_drops_the_least_recently_used():
      "input[0].arguments"),
     ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": "x"}]},
      "tools[0].parameters"),
+    ({"input": [{"role": "system", "content": [{"type": "input_image",
+                                                "image_url": "data:image/png;base64,AA=="}]},
+                {"role": "user", "content": "hi"}]}, "input[0].content[0].type"),
 ])
 def test_invalid_requests_name_the_field(live, body, param):
     response = httpx.post(f"{live.url}/v1/responses", json={"model": MODEL, **body}, timeout=30)
