@@ -42,6 +42,24 @@ def media_masks(token_ids: torch.Tensor, media: MediaTokenIds
     return is_media & ~in_video, is_media & in_video
 
 
+def check_media_tokens(token_ids: torch.Tensor, media: MediaTokenIds,
+                       image_inputs: ImageInputs | None, video_inputs: VideoInputs | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`media_masks`, having checked that they hold as many tokens as the images and videos
+    have features (ValueError otherwise: e.g. a video marker written in a message's text
+    makes the image tokens after it video tokens)."""
+    image_mask, video_mask = media_masks(token_ids, media)
+    num_image = sum(image_inputs.num_tokens) if image_inputs is not None else 0
+    checks = (("image", image_mask, num_image),
+              ("video", video_mask, _num_video_tokens(video_inputs)))
+    for kind, mask, expected in checks:
+        if int(mask.sum()) != expected:
+            raise ValueError(f"{kind} features and {kind} tokens do not match: "
+                             f"{int(mask.sum())} tokens, {expected} features (is a media "
+                             "marker written in the text?)")
+    return image_mask, video_mask
+
+
 def embed_multimodal(model_embed_fn: Callable[[torch.Tensor], torch.Tensor],
                      vision_tower: VisionTower, token_ids: Sequence[int] | torch.Tensor,
                      image_inputs: ImageInputs | None, video_inputs: VideoInputs | None, *,
@@ -54,20 +72,14 @@ def embed_multimodal(model_embed_fn: Callable[[torch.Tensor], torch.Tensor],
     device = next(vision_tower.parameters()).device
     ids = torch.as_tensor(token_ids, dtype=torch.long, device=device)
     embeds = model_embed_fn(ids)
-    image_mask, video_mask = media_masks(ids, media)
-    num_image = sum(image_inputs.num_tokens) if image_inputs is not None else 0
-    num_video = _num_video_tokens(video_inputs)
-    checks = (("image", image_mask, num_image), ("video", video_mask, num_video))
-    for kind, mask, expected in checks:
-        if int(mask.sum()) != expected:
-            raise ValueError(f"{kind} features and {kind} tokens do not match: "
-                             f"{int(mask.sum())} tokens, {expected} features")
+    image_mask, video_mask = check_media_tokens(ids, media, image_inputs, video_inputs)
     parts = [x for x in (image_inputs, video_inputs) if x is not None]
     if not parts:
         return embeds
     features = vision_tower(torch.cat([x.pixel_values for x in parts]).to(device),
                             torch.cat([x.grid_thw for x in parts])).to(embeds.dtype)
     embeds = embeds.clone()
+    num_image = int(image_mask.sum())
     embeds[image_mask] = features[:num_image]
     embeds[video_mask] = features[num_image:]
     return embeds

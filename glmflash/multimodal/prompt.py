@@ -14,8 +14,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import torch
+
 from glmflash.config import ModelConfig
-from glmflash.model.media import MediaTokenIds
+from glmflash.model.media import MediaTokenIds, check_media_tokens
 from glmflash.multimodal.image import ImageInputs, process_images
 from glmflash.multimodal.media import MultimodalProcessConfig
 from glmflash.multimodal.video import VideoFrames, VideoInputs, process_videos
@@ -46,8 +48,11 @@ def prepare_multimodal_prompt(token_ids: Sequence[int], *, config: ModelConfig,
     process = process or MultimodalProcessConfig()
     image_inputs = process_images(list(images), process.image, config.vision) if images else None
     video_inputs = process_videos(list(videos), process.video, config.vision) if videos else None
-    expanded = expand_media_tokens(token_ids, MediaTokenIds.from_config(config), tokenizer,
-                                   image_inputs, video_inputs)
+    media = MediaTokenIds.from_config(config)
+    expanded = expand_media_tokens(token_ids, media, tokenizer, image_inputs, video_inputs)
+    # Here, not on the engine thread: the request fails alone, as invalid media.
+    check_media_tokens(torch.as_tensor(expanded, dtype=torch.long), media, image_inputs,
+                       video_inputs)
     return MultimodalPrompt(expanded, image_inputs, video_inputs)
 
 

@@ -245,3 +245,19 @@ def test_process_config_rejects_bad_values():
     assert (video.fps, video.max_frames, video.max_pixels) == (1, 8, 240000 * 1568)
     with pytest.raises(ValueError, match="too small"):
         process_images([random_image(0, 90, 90)], ImageProcessConfig(1, 1), VISION)
+
+
+def test_a_media_marker_written_in_the_text_is_refused_before_the_engine(tiny):
+    """`<|begin_of_video|>` typed into a message makes the image tokens after it video tokens:
+    the prompt's preparation refuses it (a 400 for the request), not the engine's step."""
+    from glmflash.multimodal import prepare_multimodal_prompt
+
+    tokenizer, config = tiny
+    text = f"[gMASK]<sop><|user|>see <|begin_of_video|> {IMAGE}<|assistant|>"
+    with pytest.raises(ValueError, match="media marker"):
+        prepare_multimodal_prompt(tokenizer.encode(text), config=config, tokenizer=tokenizer,
+                                  images=[random_image(1, 60, 60)])
+    fine = f"[gMASK]<sop><|user|>see {IMAGE}<|assistant|>"
+    prepared = prepare_multimodal_prompt(tokenizer.encode(fine), config=config,
+                                         tokenizer=tokenizer, images=[random_image(1, 60, 60)])
+    assert prepared.token_ids.count(config.image_token_id) == prepared.image_inputs.num_tokens[0]
