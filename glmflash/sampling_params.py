@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +13,9 @@ from glmflash.utils.validation import require
 # Seeds are 64-bit signed integers (what every generator takes); choice i of a request with
 # seed s samples with wrap_seed(s + i).
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+_INT_FIELDS = ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
+_OPTIONAL = ("seed", "logprobs", "prompt_logprobs")
+MAX_TOP_K = 2**31 - 1
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty")
 
@@ -50,13 +54,16 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        require((_is_integer(getattr(self, name)) or name in _OPTIONAL and getattr(self, name)
+                 is None, f"{name} must be an integer") for name in _INT_FIELDS)
         require((math.isfinite(getattr(self, name)), f"{name} must be a finite number")
                 for name in _FLOAT_FIELDS)
         checks = [
             (self.max_tokens >= 1, "max_tokens must be at least 1"),
             (self.temperature >= 0, "temperature must be >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.top_k >= 0, "top_k must be >= 0 (or -1 for no cut)"),
+            (0 <= self.top_k <= MAX_TOP_K, f"top_k must be in [0, {MAX_TOP_K}] (or -1 for no "
+             "cut)"),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
@@ -73,6 +80,10 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_integer(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def wrap_seed(seed: int) -> int:

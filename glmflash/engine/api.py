@@ -72,7 +72,9 @@ class EngineApiMixin:
             if self.options.background_loop:
                 done.wait()
             else:
-                self.step()
+                # A failed step ends the requests it ran (as on the engine thread), not the
+                # caller's later calls.
+                self._guarded_step()
         errors = [c.error for c in collectors if c.error]
         if errors:
             raise RuntimeError(f"generation failed: {errors[0]}")
@@ -86,7 +88,7 @@ class EngineApiMixin:
         deltas: queue.SimpleQueue = queue.SimpleQueue()
         rid = self.add_request(ids, sampling_params or SamplingParams(), deltas.put,
                                request_id=request_id, n=n)
-        step = None if self.options.background_loop else self.step
+        step = None if self.options.background_loop else self._guarded_step
         yield from _drain(deltas, n, lambda: self.abort(rid), step)
 
     async def astream(self, prompt: str | None = None,
@@ -107,7 +109,7 @@ class EngineApiMixin:
                 # (`step` takes turns with other callers); a step's deltas reach the queue
                 # before the step's own completion does.
                 while not self.options.background_loop and deltas.empty():
-                    await asyncio.to_thread(self.step)
+                    await asyncio.to_thread(self._guarded_step)
                 delta = await deltas.get()
                 finished += delta.finish_reason is not None
                 yield delta

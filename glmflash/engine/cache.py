@@ -201,6 +201,12 @@ class CacheManager:
             self.radix.clear_pending()
         return ops or None
 
+    def forget_unsaved(self, ops: CacheOps | None) -> None:
+        """After a failed step: the snapshots its copies were to save may hold anything, so
+        no prefix may start from them."""
+        if self.radix is not None and ops is not None and ops.saves:
+            self.radix.forget_snapshots({snapshot for _, snapshot in ops.saves})
+
     def cache_prefix(self, seq: Sequence) -> None:
         """After a prompt chunk: make the computed prefix a cached prefix, with a snapshot of
         the state at its end (always at the prompt's end, the next turn's prefix; at a chunk end

@@ -3,9 +3,13 @@ applied, logprobs, and the final delta with its counts when a choice ends."""
 
 from __future__ import annotations
 
+import logging
+
 from glmflash.engine.outputs import StreamDelta
 from glmflash.engine.scheduler import TokenDelta
 from glmflash.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 class EngineEmitMixin:
@@ -38,7 +42,7 @@ class EngineEmitMixin:
             if reason:
                 self._finish(seq, choice, out)
             else:
-                choice.sink(out)
+                self._deliver(seq, choice, out)
 
     def _finish(self, seq: Sequence, choice, delta: StreamDelta) -> None:
         if self._choices.pop(seq.seq_id, None) is None:
@@ -52,7 +56,24 @@ class EngineEmitMixin:
         delta.num_output_tokens = seq.num_output_tokens
         delta.num_cached_tokens = seq.num_cached_tokens or 0
         delta.speculative = (seq.num_draft_tokens, seq.num_accepted_tokens, seq.num_verify_steps)
-        choice.sink(delta)
+        self._deliver(seq, choice, delta)
+
+    def _deliver(self, seq: Sequence, choice, delta: StreamDelta) -> None:
+        """A delta to the request's consumer. A consumer that raises (gone away: a closed event
+        loop, a broken callback) ends its own choice, aborted, and nothing else."""
+        try:
+            choice.sink(delta)
+        except Exception:
+            logger.warning("the consumer of request %s failed; ending it", choice.request_id,
+                           exc_info=True)
+            choice.sink = _discard
+            if delta.finish_reason is None and self.scheduler.abort(seq.seq_id) is not None:
+                self._finish(seq, choice, StreamDelta(choice.request_id, choice.index, "", [],
+                                                      "abort"))
+
+
+def _discard(delta: StreamDelta) -> None:
+    """The sink of a choice whose consumer failed."""
 
 
 def _drop_after_stop(seq: Sequence, delta: TokenDelta, num_dropped: int) -> None:

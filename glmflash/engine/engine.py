@@ -130,6 +130,8 @@ class Engine(EngineApiMixin, EngineLoopMixin, EngineStartupMixin, EngineEmitMixi
         first prefill. `params` may be a function of the final prompt (an output budget that
         counts the media tokens). Raises MediaError (a ValueError) for bad media.
         """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an integer of at least 1, got {n!r}")
         mm = self.media.prepare(prompt_token_ids, media) if media else None
         if mm is not None:
             prompt_token_ids = mm.token_ids

@@ -49,6 +49,8 @@ class EngineLoopMixin:
             batch, self._batch = self._batch, None
             logger.exception("engine step failed; ending the %s requests it ran",
                              "all" if batch is None else len(batch.seqs))
+            if batch is not None:
+                self.cache.forget_unsaved(batch.cache_ops)
             seqs = batch.seqs if batch is not None else self._live_seqs()
             self._fail_seqs(seqs, f"{type(exc).__name__}: {exc}")
             self._publish_stats()

@@ -220,6 +220,11 @@ class RadixCache:
         del self.snapshot_lru[node]
         node.snapshot = None
 
+    def forget_snapshots(self, snapshots: set[int]) -> None:
+        """Take these snapshots off their nodes (copies that may never have been made)."""
+        for node in [n for n in self.snapshot_lru if n.snapshot in snapshots]:
+            self._drop_snapshot(node)
+
     def clear_pending(self) -> None:
         """The copies logged so far went to the runner, which applies them in order."""
         self.pending_snapshots.clear()

@@ -113,11 +113,19 @@ def apply_processors(logits: torch.Tensor, seqs: list[Sequence],
         try:
             for processor in seq.params.logits_processors:
                 row = processor(seq.output_token_ids, row)
+            if not isinstance(row, torch.Tensor) or row.shape != logits[i].shape:
+                raise TypeError(f"a logits processor must return a tensor of shape "
+                                f"{tuple(logits[i].shape)}, got {_described(row)}")
+            logits[i] = row
         except Exception as exc:  # user code: it ends its request, not the batch
             errors[i] = f"{type(exc).__name__}: {exc}"
-            continue
-        logits[i] = row
     return logits, errors
+
+
+def _described(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
 
 
 def choose(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
