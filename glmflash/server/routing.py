@@ -44,9 +44,33 @@ async def read_json(request: Request, max_separators: int | None = None) -> Any:
     if max_separators is not None:
         check_json_size(body, max_separators)
     try:
-        return json.loads(body)
+        value = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise bad_request(f"We could not parse the JSON body of your request: {exc}") from exc
+    if b"\\u" in body:  # only an escape can write a lone surrogate into JSON text
+        try:
+            _refuse_lone_surrogates(value, "")
+        except RecursionError as exc:
+            raise bad_request("The JSON body of your request is nested too deeply") from exc
+    return value
+
+
+def _refuse_lone_surrogates(value: Any, path: str) -> None:
+    """A 400 naming the first string holding half a UTF-16 surrogate pair (JSON escapes allow
+    it; no tokenizer takes it)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request(f"'{path or 'body'}' holds an unpaired UTF-16 surrogate escape",
+                              param=path or None) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_lone_surrogates(key, path)
+            _refuse_lone_surrogates(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _refuse_lone_surrogates(item, f"{path}[{i}]")
 
 
 def is_json_media_type(content_type: str) -> bool:

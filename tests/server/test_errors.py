@@ -194,3 +194,21 @@ def test_full_queue_answers_503_with_retry_after(strict_live):
     stream.close()
     strict_live.wait_idle()
     assert client.chat.completions.create(model=MODEL, messages=HI, max_tokens=1).choices
+
+
+SURROGATES = [
+    ("/v1/completions", '{"model": "%s", "prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"model": "%s", "prompt": ["ok", "\\udfff"], "max_tokens": 2}',
+     "prompt[1]"),
+    ("/v1/chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": '
+     '"\\ud800"}], "stream": true}', "messages[0].content"),
+    ("/v1/responses", '{"model": "%s", "input": "\\ud800"}', "input"),
+]
+
+
+@pytest.mark.parametrize("route,body,param", SURROGATES)
+def test_an_unpaired_surrogate_escape_is_a_400_naming_the_field(live, route, body, param):
+    """JSON escapes can write half a UTF-16 pair, which no tokenizer takes (it was a 500)."""
+    response = _post(live, route, content=(body % MODEL).encode(),
+                     headers={"Content-Type": "application/json"})
+    assert _error(response, 400)["param"] == param
