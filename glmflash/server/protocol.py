@@ -21,6 +21,9 @@ from glmflash.server.processors import LogitBias
 logger = logging.getLogger(__name__)
 
 MAX_N = 128
+MAX_CHOICES = 4096
+"""Choices (prompts x n) of one completions request: each is queued on the event loop and held
+until the request ends."""
 MAX_STOP_STRINGS = 4
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
@@ -141,6 +144,9 @@ def parse_completion_request(raw: Any) -> CompletionRequest:
     request.logprobs = body.integer("logprobs", lo=0, hi=MAX_COMPLETION_LOGPROBS)
     request.echo = body.boolean("echo")
     request.prompts = _prompts(body)
+    if len(request.prompts) * request.n > MAX_CHOICES:
+        raise body.fail("prompt", f"holds {len(request.prompts)} prompts of n = {request.n} "
+                        f"choices each: at most {MAX_CHOICES} choices a request")
     return request
 
 

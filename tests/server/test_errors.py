@@ -109,6 +109,8 @@ def test_bad_media_is_a_400(live, parts, message):
     ({"model": MODEL, "prompt": [1, "a"]}, "prompt"),
     ({"model": MODEL}, "prompt"),
     ({"model": MODEL, "prompt": "hi", "logprobs": 6}, "logprobs"),
+    # 33 prompts of 128 choices: more than a request may queue (a fan-out froze the loop).
+    ({"model": MODEL, "prompt": ["hi"] * 33, "n": 128}, "prompt"),
 ])
 def test_invalid_completion_fields(live, body, param):
     assert _error(_post(live, "/v1/completions", json=body), 400)["param"] == param
