@@ -18,6 +18,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from glmflash.engine.errors import EngineDead, EngineOverloaded, MediaError
@@ -45,11 +46,17 @@ class EngineUnavailable(EngineFailure):
         self.code = code
 
 
+MEDIA_WORKERS = 8
+"""Threads that fetch and prepare requests' media: their own pool, so that slow media hosts
+(up to the fetch timeout each) cannot take the threads other requests render prompts on."""
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.metrics = ServerMetrics(engine)
         self.is_closed = False
+        self.media_pool = ThreadPoolExecutor(MEDIA_WORKERS, thread_name_prefix="glmflash-media")
         self._ids = itertools.count()
         self.open_groups: set[RequestGroup] = set()
 
@@ -72,7 +79,8 @@ class AsyncEngine:
                 add = functools.partial(self.engine.add_request, prompt, params,
                                         group.sink(index), request_id=f"{base}-{index}", n=n,
                                         media=media)
-                rid = add() if media is None else await _off_loop(add, self.engine.abort)
+                rid = add() if media is None else \
+                    await _off_loop(add, self.engine.abort, self.media_pool)
                 group.request_ids.append(rid)
         except MediaError as exc:
             group.abort()
@@ -96,6 +104,7 @@ class AsyncEngine:
 
     def shutdown(self) -> None:
         self.is_closed = True
+        self.media_pool.shutdown(wait=False, cancel_futures=True)
         self.engine.shutdown()
 
 
@@ -176,10 +185,11 @@ class RequestGroup:
                 self.bridge.open_groups.discard(self)
 
 
-async def _off_loop(add: Callable[[], str], abort: Callable[[str], None]) -> str:
-    """Run `add` in a worker thread; if the caller is cancelled meanwhile (client gone), the
+async def _off_loop(add: Callable[[], str], abort: Callable[[str], None],
+                    pool: ThreadPoolExecutor) -> str:
+    """Run `add` in a thread of `pool`; if the caller is cancelled meanwhile (client gone), the
     request it adds is aborted as soon as it exists."""
-    future = asyncio.get_running_loop().run_in_executor(None, add)
+    future = asyncio.get_running_loop().run_in_executor(pool, add)
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:

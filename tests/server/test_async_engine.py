@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from glmflash.server.async_engine import _off_loop
 
@@ -19,7 +20,7 @@ def test_a_cancelled_submission_aborts_the_request_it_adds():
         return "req-7"
 
     async def main() -> None:
-        task = asyncio.ensure_future(_off_loop(add, aborted.append))
+        task = asyncio.ensure_future(_off_loop(add, aborted.append, ThreadPoolExecutor(1)))
         await asyncio.to_thread(started.wait, 5)
         task.cancel()
         release.set()
@@ -38,9 +39,29 @@ def test_a_cancelled_submission_aborts_the_request_it_adds():
 
 def test_a_submission_that_completes_returns_its_request_id():
     async def main() -> str:
-        return await _off_loop(lambda: "req-1", lambda rid: None)
+        return await _off_loop(lambda: "req-1", lambda rid: None, ThreadPoolExecutor(1))
 
     assert asyncio.run(main()) == "req-1"
+
+
+def test_media_submissions_wait_in_their_own_pool():
+    """Submissions with media (fetches up to a timeout each) hold threads of the media pool
+    only: while every one of them is busy, the loop's default pool still runs other work."""
+    from glmflash.server.async_engine import MEDIA_WORKERS
+
+    pool, release = ThreadPoolExecutor(MEDIA_WORKERS), threading.Event()
+
+    async def main() -> bool:
+        slow = [asyncio.ensure_future(_off_loop(lambda: release.wait(10) and "r",
+                                                lambda rid: None, pool))
+                for _ in range(4 * MEDIA_WORKERS)]
+        await asyncio.sleep(0.05)
+        rendered = await asyncio.wait_for(asyncio.to_thread(lambda: True), 2)
+        release.set()
+        await asyncio.gather(*slow)
+        return rendered
+
+    assert asyncio.run(main())
 
 
 class _IdleEngine:
