@@ -69,3 +69,23 @@ def test_a_failing_request_releases_the_host_node():
         assert "out of range" in str(serving.error)
     finally:
         serving.stop()
+
+
+def test_a_server_started_again_after_stop_serves():
+    gen = torch.Generator().manual_seed(7)
+    kernel = NumbaMoeExperts(*make_experts(NUM_EXPERTS, HIDDEN, INTER, gen), swiglu_limit=0.7,
+                             num_threads=2)
+    x, out = np.ones((1, HIDDEN), np.float32), np.zeros((1, HIDDEN), np.float32)
+    ids, weights = np.zeros((1, TOP_K), np.int64), np.ones((1, TOP_K), np.float32)
+    serving = ExpertServer([kernel], x, ids, weights, out)
+    call = _host_node()
+    want = kernel.forward(torch.from_numpy(x), torch.from_numpy(ids),
+                          torch.from_numpy(weights)).numpy()
+    for _ in range(2):
+        serving.start()
+        try:
+            out[:] = np.nan
+            call(serving.hand_off_arg(0, 1))
+            np.testing.assert_array_equal(out, want)
+        finally:
+            serving.stop()

@@ -190,7 +190,10 @@ class ExpertServer:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Compile (or load) the loop and start its thread."""
+        """Compile (or load) the loop and start its thread (again after `stop`: the stop and
+        failure flags are cleared first)."""
+        self.ctl[CTL_STOP] = self.ctl[CTL_FAILED] = 0
+        self.error = None
         self._thread = threading.Thread(target=self._serve, name="glmflash-graph-experts",
                                         daemon=True)
         self._thread.start()
