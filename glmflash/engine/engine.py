@@ -215,8 +215,6 @@ class Engine(EngineApiMixin, EngineLoopMixin, EngineStartupMixin, EngineEmitMixi
                                         time.perf_counter() - start)
         self.progress.observe(batch, start, self._request_name)
         self._emit(deltas)
-        if self.spec is not None:
-            self.spec.verified.clear()  # sequences of the step that output nothing
         self._batch = None
         if self.options.check_integrity:
             self.cache.check_integrity()

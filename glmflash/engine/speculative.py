@@ -66,6 +66,7 @@ class SpecDecoder:
         """This step takes the speculative path: it verifies drafts, or drafting is on and a
         sequence of the batch may draft."""
         self._step = None  # what a failed step may have left
+        self.verified.clear()  # and verifies of sequences that output nothing
         self.policy.tick()
         allowed = self.policy.allows(len(self.scheduler.running))
         return batch.draft_ids is not None or \

@@ -79,7 +79,7 @@ def embed_multimodal(model_embed_fn: Callable[[torch.Tensor], torch.Tensor],
     features = vision_tower(torch.cat([x.pixel_values for x in parts]).to(device),
                             torch.cat([x.grid_thw for x in parts])).to(embeds.dtype)
     embeds = embeds.clone()
-    num_image = int(image_mask.sum())
+    num_image = sum(image_inputs.num_tokens) if image_inputs is not None else 0
     embeds[image_mask] = features[:num_image]
     embeds[video_mask] = features[num_image:]
     return embeds

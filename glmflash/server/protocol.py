@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from glmflash.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
+from glmflash.sampling_params import MAX_SEED, MAX_TOP_K, MIN_SEED, SamplingParams
 from glmflash.server.errors import bad_request
 from glmflash.server.fields import Fields
 from glmflash.server.messages import ToolChoice, parse_messages, parse_tool_choice, parse_tools
@@ -28,7 +28,6 @@ MAX_STOP_STRINGS = 4
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-MAX_TOP_K = 2**31 - 1
 # Token ids are below 2**31; a longer key is not one (and int() of 5000 digits raises).
 _MAX_TOKEN_ID_DIGITS = 10
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")

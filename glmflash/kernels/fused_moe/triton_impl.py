@@ -323,10 +323,10 @@ def _dot_type(x: torch.Tensor) -> tuple[object, str]:
 
 
 def _weight_args(w: torch.Tensor, s: torch.Tensor | None) -> tuple:
-    """The scale pointer (the weight when unscaled, never read) and the strides."""
+    """The scale pointer (the weight when unscaled, never read) and the strides (the scales
+    fp32 and contiguous: `_expert_rows`)."""
     if s is None:
         return (w, w.stride(0), w.stride(1), 0, 0)
-    s = s.float()
     return (s, w.stride(0), w.stride(1), s.stride(0), s.stride(1))
 
 
