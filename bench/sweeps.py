@@ -369,13 +369,23 @@ INDEXER_CHUNK_GRID_FP8 = INDEXER_CHUNK_GRID[:5]
 INDEXER_CHUNK_GRID_FP8Q = INDEXER_CHUNK_GRID_FP8 + [(4, 8, 3, 128, 4, False, True)]
 
 
-def sweep_indexer_prefill() -> None:
+def sweep_indexer_prefill(shapes=None, formats=None) -> None:
     """The scoring kernel over a chunk of one sequence's queries at each launch shape, against
     the bf16 tensor peak (the chunk's products) of the same run; bf16 keys, then FP8 rows,
     then FP8 rows and e4m3 queries."""
     grids = {"bf16": INDEXER_CHUNK_GRID, "fp8": INDEXER_CHUNK_GRID_FP8,
              "fp8, e4m3 queries": INDEXER_CHUNK_GRID_FP8Q}
-    _each_key_format(_indexer_prefill_case, grids, INDEXER_PREFILL_SHAPES, bf16_peak_tflops())
+    _each_key_format(_indexer_prefill_case, _only(grids, formats),
+                     _only(INDEXER_PREFILL_SHAPES, shapes), bf16_peak_tflops())
+
+
+def _only(items, wanted):
+    """`items` (a tuple of shapes or a dict of key formats) cut to `wanted`, or whole."""
+    if wanted is None:
+        return items
+    if isinstance(items, dict):
+        return {k: v for k, v in items.items() if k in wanted}
+    return tuple(x for x in items if x in wanted)
 
 
 def _each_key_format(case, grids: dict, shapes, measure: float) -> None:
@@ -438,13 +448,14 @@ INDEXER_DECODE_SHAPES = ((131072, 1), (131072, 8), (131072, 32), (1048576, 1), (
                          (1048576, 32))
 
 
-def sweep_indexer_decode() -> None:
+def sweep_indexer_decode(shapes=None, formats=None) -> None:
     """The scoring of decodes (one query per sequence) at each launch shape, against reading
     the pooled keys once at the copy bandwidth of the same run; bf16 keys, then FP8 rows,
     then FP8 rows and e4m3 queries."""
     grids = {"bf16": INDEXER_DECODE_GRID, "fp8": INDEXER_DECODE_GRID,
              "fp8, e4m3 queries": INDEXER_DECODE_GRID_FP8Q}
-    _each_key_format(_indexer_decode_case, grids, INDEXER_DECODE_SHAPES, copy_bandwidth())
+    _each_key_format(_indexer_decode_case, _only(grids, formats),
+                     _only(INDEXER_DECODE_SHAPES, shapes), copy_bandwidth())
 
 
 def _indexer_decode_case(ctx_len: int, b: int, copy_gbs: float, keys: str,
@@ -549,6 +560,12 @@ def main() -> None:
     parser.add_argument("--kda-candidates", default=None,
                         help="kda_prefill candidates (bench/kda_sweep.py CANDIDATES), "
                         "comma-separated, or all; default kda_sweep.SWEEP_DEFAULT")
+    parser.add_argument("--indexer-shapes", default=None,
+                        help="indexer sweeps' shapes only, e.g. 131072x1,1048576x32 "
+                        "(context x sequences, or context x chunk for prefill)")
+    parser.add_argument("--key-formats", default=None,
+                        help="indexer sweeps' key formats only, ';'-separated: "
+                        "bf16;fp8;fp8, e4m3 queries")
     args = parser.parse_args()
     ops = args.ops.split(",")
     assert D == 128
@@ -566,10 +583,13 @@ def main() -> None:
         profile_kda(int(args.kda_tokens.split(",")[0]), names)
     if "topk" in ops:
         sweep_topk()
+    shapes = ([tuple(int(n) for n in s.split("x")) for s in args.indexer_shapes.split(",")]
+              if args.indexer_shapes else None)
+    formats = args.key_formats.split(";") if args.key_formats else None
     if "indexer_prefill" in ops:
-        sweep_indexer_prefill()
+        sweep_indexer_prefill(shapes, formats)
     if "indexer_decode" in ops:
-        sweep_indexer_decode()
+        sweep_indexer_decode(shapes, formats)
     if "mla" in ops:
         sweep_sparse_mla()
     if "fp8" in ops:
