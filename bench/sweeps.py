@@ -331,9 +331,7 @@ def sweep_topk(k: int = 512) -> None:
     grid = [DEFAULT_CONFIG] + [
         dataclasses.replace(DEFAULT_CONFIG, **change)
         for change in (dict(programs_per_sm=8), dict(programs_per_sm=2),
-                       dict(few_programs_warps=4), dict(num_warps=8), dict(list_divisor=2),
-                       dict(num_stages=2), dict(num_stages=3),
-                       dict(block=2048, min_segment=2048), dict(block=4096, min_segment=4096))]
+                       dict(few_programs_warps=4), dict(num_warps=8), dict(list_divisor=2))]
     for (rows, width), (kind, make) in itertools.product(TOPK_SHAPES, TOPK_SCORES.items()):
         scores = make(rows, width)
         lengths = torch.full((rows,), width, dtype=torch.int32, device="cuda")
@@ -346,8 +344,7 @@ def sweep_topk(k: int = 512) -> None:
             ok = torch.equal(scores.gather(1, got).sort(1).values, want)
             us = graph_ms(lambda c=c, s=scores, n=lengths: topk_indices(s, n, k, config=c)) * 1e3
             print(f"{name} per_sm={c.programs_per_sm} warps={c.num_warps}/"
-                  f"{c.few_programs_warps} list_divisor={c.list_divisor} "
-                  f"stages={c.num_stages} block={c.block}: "
+                  f"{c.few_programs_warps} list_divisor={c.list_divisor}: "
                   f"{us:.1f} us{'' if ok else ' WRONG SET'}", flush=True)
 
 
@@ -356,17 +353,12 @@ INDEXER_PREFILL_SHAPES = ((131072, 512), (1048576, 512))
 
 
 # Scoring launches for a prefill chunk: (queries, pool blocks per program, stages[, pools a
-# block[, warps[, key halves[, slots ahead]]]]); first the one-query kernel, then the default,
-# then with the key in halves (`ScoreLaunch.key_halves`), then with the slots looked up a block
-# ahead (`ScoreLaunch.slots_ahead`).
-INDEXER_CHUNK_GRID = [(1, 1, 1), (4, 16, 2), (4, 16, 2, 64, 4, True),
-                      (4, 16, 2, 64, 4, False, True), (4, 16, 3, 64, 4, False, True),
-                      (4, 1, 1), (4, 4, 2), (4, 8, 2), (4, 16, 3), (4, 32, 3), (8, 8, 2),
-                      (2, 16, 3), (4, 8, 2, 128)]
-# The FP8 keys' pass: the first five; with e4m3 queries (`fp8_queries`) too, and 128-pool
-# blocks.
-INDEXER_CHUNK_GRID_FP8 = INDEXER_CHUNK_GRID[:5]
-INDEXER_CHUNK_GRID_FP8Q = INDEXER_CHUNK_GRID_FP8 + [(4, 8, 3, 128, 4, False, True)]
+# block[, warps]]); first the one-query kernel, then the default, then other tilings.
+INDEXER_CHUNK_GRID = [(1, 1, 1), (4, 16, 2), (4, 1, 1), (4, 4, 2), (4, 8, 2), (4, 16, 3),
+                      (4, 32, 3), (8, 8, 2), (2, 16, 3), (4, 8, 2, 128)]
+# The FP8 keys' pass (with or without e4m3 queries): the one-query kernel, the default and
+# 128-pool blocks.
+INDEXER_CHUNK_GRID_FP8 = [(1, 1, 1), (4, 16, 2), (4, 8, 2, 128), (4, 8, 3, 128)]
 
 
 def sweep_indexer_prefill(shapes=None, formats=None) -> None:
@@ -374,7 +366,7 @@ def sweep_indexer_prefill(shapes=None, formats=None) -> None:
     the bf16 tensor peak (the chunk's products) of the same run; bf16 keys, then FP8 rows,
     then FP8 rows and e4m3 queries."""
     grids = {"bf16": INDEXER_CHUNK_GRID, "fp8": INDEXER_CHUNK_GRID_FP8,
-             "fp8, e4m3 queries": INDEXER_CHUNK_GRID_FP8Q}
+             "fp8, e4m3 queries": INDEXER_CHUNK_GRID_FP8}
     _each_key_format(_indexer_prefill_case, _only(grids, formats),
                      _only(INDEXER_PREFILL_SHAPES, shapes), bf16_peak_tflops())
 
@@ -427,21 +419,13 @@ def _indexer_prefill_case(ctx_len: int, chunk: int, peak: float, keys: str,
 
 
 # Scoring launches for decodes: (queries, pool blocks per program, stages[, pools a block[,
-# warps[, key halves[, slots ahead]]]]); one query and one block per program first, then tiled
-# shapes, then key halves (fewer registers: four programs an SM at 64-pool blocks with FP8
-# keys, tools/smem_check.py), then the slots looked up a block ahead.
+# warps]]); one query and one block per program first, then tiled shapes.
 INDEXER_DECODE_GRID = [(1, 1, 1), (1, 4, 2), (1, 8, 2), (1, 16, 2), (1, 16, 3), (1, 16, 4),
                        (1, 8, 2, 128), (1, 8, 3, 128), (1, 8, 4, 128), (1, 8, 3, 128, 8),
-                       (1, 4, 3, 256, 8), (1, 8, 3, 128, 4, True), (1, 16, 3, 64, 4, True),
-                       (1, 16, 2, 64, 4, True), (1, 8, 3, 128, 4, False, True),
-                       (1, 8, 4, 128, 4, False, True), (1, 16, 3, 64, 4, False, True),
-                       (1, 16, 4, 64, 4, False, True), (1, 4, 3, 256, 4, False, True),
-                       (1, 8, 3, 128, 4, True, True)]
+                       (1, 4, 3, 256, 8)]
 # e4m3 queries beside FP8 keys (`fp8_queries`): the one-query kernel first, then the tiled forms.
-INDEXER_DECODE_GRID_FP8Q = [(1, 1, 1), (1, 8, 3, 128), (1, 16, 3), (1, 4, 3, 256),
-                            (1, 8, 3, 128, 4, False, True), (1, 8, 4, 128, 4, False, True),
-                            (1, 16, 4, 64, 4, False, True), (1, 4, 3, 256, 4, False, True),
-                            (1, 4, 4, 256, 4, False, True), (1, 2, 3, 512, 4, False, True)]
+INDEXER_DECODE_GRID_FP8Q = [(1, 1, 1), (1, 8, 3, 128), (1, 8, 4, 128), (1, 16, 3),
+                            (1, 4, 3, 256), (1, 2, 3, 512)]
 # (context, sequences): one query at 128K and 32 sequences at 1M (the issue's decode shapes),
 # and the sizes between, where DECODE_SCORE's program floor decides.
 INDEXER_DECODE_SHAPES = ((131072, 1), (131072, 8), (131072, 32), (1048576, 1), (1048576, 4),

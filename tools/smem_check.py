@@ -318,15 +318,13 @@ def indexer_launches() -> list[Launch]:
         out += [Launch(f"indexer score {tiled.queries} queries x {tiled.pool_blocks} blocks"
                        f"{keys}", indexer.indexer_score_tiled_kernel, key_ptrs,
                        dict(score, BP=tiled.block_pools, BQ=tiled.queries,
-                            POOL_BLOCKS=tiled.pool_blocks, NUM_STAGES=tiled.num_stages,
-                            KEY_HALVES=tiled.key_halves,
-                            SLOTS_AHEAD=tiled.slots_ahead),
+                            POOL_BLOCKS=tiled.pool_blocks, NUM_STAGES=tiled.num_stages),
                        tiled.num_warps, tiled.num_stages, aligned=("NH", "D"))
                 for tiled in (chunk, *indexer.DECODE_SCORE.tiled)]
     topk = {"scores": "*fp32", "lengths": "*i32", "hist": "*i32", "seg_hist": "*i32",
             "above": "*i32", "cand": "*i32", "num_cand": "*i32", "out": "*i32"}
     config = indexer_topk.DEFAULT_CONFIG
-    consts = dict(BLOCK=config.block, NUM_STAGES=config.num_stages)
+    consts = dict(BLOCK=config.block)
     out += [Launch(f"indexer top-k byte {p} ({warps} warps)", indexer_topk.topk_byte_kernel,
                    topk, dict(consts, PASS=p, LIST_DIVISOR=config.list_divisor), warps)
             for warps in (config.num_warps, config.few_programs_warps) for p in range(4)]

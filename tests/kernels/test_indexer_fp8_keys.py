@@ -19,7 +19,7 @@ from glmflash.kernels.indexer.triton_impl import (
     score_pools,
 )
 from glmflash.kernels.indexer.write_triton import indexer_write_decode, indexer_write_verify
-from tests.kernels.test_indexer_triton import OPERAND_FORMS, PAGE, _batch
+from tests.kernels.test_indexer_triton import PAGE, _batch
 from tests.kernels.test_indexer_write_triton import _case, _page, _verify_case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -100,7 +100,7 @@ def _select_both(new, prefix, *, heads=4, dim=32, topk=16, score=ONE_QUERY, dtyp
 
 TILED = {"one": ONE_QUERY, "4q": ScoreLaunch(4), "4q_3_blocks": ScoreLaunch(4, 3, 2, 16),
          "1q_3_blocks": ScoreLaunch(1, 3, 2, 16),
-         "1q_3_blocks_8_warps": ScoreLaunch(1, 3, 2, 16, 8), **OPERAND_FORMS}
+         "1q_3_blocks_8_warps": ScoreLaunch(1, 3, 2, 16, 8)}
 
 
 @pytest.mark.parametrize("score", TILED.values(), ids=TILED.keys())
@@ -191,17 +191,9 @@ def test_fp8_queries_selection_stays_close_to_model_dtype_keys():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("score", [ONE_QUERY, CHUNK_SCORE, ScoreLaunch(1, 16, 2),
-                                   ScoreLaunch(1, 8, 3, 128), ScoreLaunch(1, 8, 3, 128, 8),
-                                   ScoreLaunch(1, 16, 3, key_halves=True),
-                                   ScoreLaunch(1, 8, 3, 128, key_halves=True),
-                                   ScoreLaunch(4, 16, 2, key_halves=True),
-                                   ScoreLaunch(1, 8, 3, 128, slots_ahead=True),
-                                   ScoreLaunch(4, 16, 3, slots_ahead=True)],
+                                   ScoreLaunch(1, 8, 3, 128), ScoreLaunch(1, 8, 3, 128, 8)],
                          ids=["one", "chunk", "1q_16_blocks", "1q_8_blocks_of_128",
-                              "1q_8_blocks_of_128_8_warps",
-                              "1q_16_blocks_key_halves", "1q_8_blocks_of_128_key_halves",
-                              "chunk_key_halves", "1q_8_blocks_of_128_slots_ahead",
-                              "chunk_slots_ahead"])
+                              "1q_8_blocks_of_128_8_warps"])
 def test_release_shape_fp8_gpu(score):
     want, got, plain = _select_both([1, 1, 300], [6000, 2100, 5000], heads=32, dim=128,
                                     topk=2048, score=score, dtype=torch.bfloat16)
@@ -234,12 +226,8 @@ def _fp8_query_scores(q, w, rows, table, plan):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("score", [ONE_QUERY, ScoreLaunch(1, 8, 3, 128),
-                                   ScoreLaunch(1, 8, 3, 128, slots_ahead=True),
-                                   ScoreLaunch(1, 4, 3, 256, slots_ahead=True),
-                                   ScoreLaunch(1, 16, 3, key_halves=True, slots_ahead=True)],
-                         ids=["one", "1q_8_blocks_of_128", "1q_8_blocks_of_128_slots_ahead",
-                              "1q_4_blocks_of_256_slots_ahead", "1q_16_blocks_halves_ahead"])
+@pytest.mark.parametrize("score", [ONE_QUERY, ScoreLaunch(1, 8, 3, 128), ScoreLaunch(1, 4, 3, 256)],
+                         ids=["one", "1q_8_blocks_of_128", "1q_4_blocks_of_256"])
 def test_release_shape_fp8_queries_gpu(score):
     """e4m3 products on the tensor cores against the reference's fp32 products of the same
     codes. Hopper's FP8 products keep about 14 bits of their running sum (DeepSeek-V3 report,

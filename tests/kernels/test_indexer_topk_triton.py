@@ -15,12 +15,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # candidates listed after the first byte (every row) or after the second (every row).
 SMALL = TopkConfig(block=8, min_segment=16, programs_per_sm=64, list_divisor=1)
 SMALL_LISTED_LATE = dataclasses.replace(SMALL, list_divisor=1 << 20)
-# Loops over a segment's keys and candidates software-pipelined (three stages).
-SMALL_PIPELINED = dataclasses.replace(SMALL, num_stages=3)
 
 
-@pytest.fixture(params=[SMALL, SMALL_LISTED_LATE, SMALL_PIPELINED],
-                ids=["listed_early", "listed_late", "pipelined"])
+@pytest.fixture(params=[SMALL, SMALL_LISTED_LATE], ids=["listed_early", "listed_late"])
 def small(request) -> TopkConfig:
     return request.param
 
@@ -114,9 +111,8 @@ def test_default_config_on_wider_rows(poisoned_empty):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [TopkConfig(), TopkConfig(num_stages=3),
-                                    TopkConfig(block=4096, min_segment=4096)],
-                         ids=["default", "pipelined", "blocks_of_4096"])
+@pytest.mark.parametrize("config", [TopkConfig(), TopkConfig(block=4096, min_segment=4096)],
+                         ids=["default", "blocks_of_4096"])
 @pytest.mark.parametrize("one_binade", [False, True], ids=["normal", "one_binade"])
 @pytest.mark.parametrize("rows,width", [(1, 32768), (32, 262144), (8, 4096)])
 def test_release_widths_match_torch_topk_gpu(rows, width, one_binade, config):

@@ -72,17 +72,8 @@ def test_indexer_select_matches_ref(new, prefix, poisoned_empty):
 # Several queries per scoring program: tiles inside one sequence, tiles across a sequence
 # boundary (scored query by query), a last tile with fewer queries, and decodes; one or several
 # pool blocks per program (16 pools a block: 50 pools in the odd chunk).
-# The key in halves (`ScoreLaunch.key_halves`) and the slots looked up a block ahead
-# (`ScoreLaunch.slots_ahead`).
-OPERAND_FORMS = {"1q_3_blocks_key_halves": ScoreLaunch(1, 3, 2, 16, key_halves=True),
-                 "4q_3_blocks_key_halves": ScoreLaunch(4, 3, 2, 16, key_halves=True),
-                 "1q_3_blocks_slots_ahead": ScoreLaunch(1, 3, 2, 16, slots_ahead=True),
-                 "4q_3_blocks_slots_ahead": ScoreLaunch(4, 3, 3, 16, slots_ahead=True),
-                 "1q_2_blocks_key_halves_slots_ahead": ScoreLaunch(1, 2, 2, 16, key_halves=True,
-                                                                   slots_ahead=True)}
 TILED = {"2q": ScoreLaunch(2), "4q": ScoreLaunch(4), "4q_3_blocks": ScoreLaunch(4, 3, 2, 16),
-         "2q_2_blocks": ScoreLaunch(2, 2, 1, 16), "1q_3_blocks": ScoreLaunch(1, 3, 2, 16),
-         **OPERAND_FORMS}
+         "2q_2_blocks": ScoreLaunch(2, 2, 1, 16), "1q_3_blocks": ScoreLaunch(1, 3, 2, 16)}
 
 
 @pytest.mark.parametrize("score", TILED.values(), ids=TILED.keys())
@@ -245,15 +236,9 @@ def test_indexer_select_graph_replay_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("score", [ONE_QUERY, ScoreLaunch(4), ScoreLaunch(8),
                                    triton_impl.CHUNK_SCORE, ScoreLaunch(4, 16, 3),
-                                   ScoreLaunch(1, 16, 2), ScoreLaunch(1, 8, 3, 128),
-                                   ScoreLaunch(1, 16, 3, key_halves=True),
-                                   ScoreLaunch(1, 8, 3, 128, key_halves=True),
-                                   ScoreLaunch(1, 8, 3, 128, slots_ahead=True),
-                                   ScoreLaunch(4, 16, 3, slots_ahead=True)],
+                                   ScoreLaunch(1, 16, 2), ScoreLaunch(1, 8, 3, 128)],
                          ids=["one", "4q", "8q", "default", "4q_16_blocks", "1q_16_blocks",
-                              "1q_8_blocks_of_128",
-                              "1q_16_blocks_key_halves", "1q_8_blocks_of_128_key_halves",
-                              "1q_8_blocks_of_128_slots_ahead", "4q_16_blocks_slots_ahead"])
+                              "1q_8_blocks_of_128"])
 def test_indexer_select_release_shape_gpu(score):
     # 32 heads x 128, kpool 4, top-2048: a 6000-token context makes the selection sparse.
     _check([1, 1, 300], [6000, 2100, 5000], heads=32, dim=128, topk=2048, dtype=torch.float32,

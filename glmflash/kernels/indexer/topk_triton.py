@@ -65,9 +65,6 @@ class TopkConfig:
     list_divisor: int = 4
     """The candidates are listed after the first byte when at most 1 / list_divisor of a row's
     keys reach its threshold's first byte, else after the second byte."""
-    num_stages: int = 1
-    """Software pipeline depth of a program's loops over its keys and candidates (1: each
-    step's loads issued when the step starts)."""
 
     def segment(self, num_rows: int, width: int, device: torch.device) -> int:
         """Keys per program: the rows spread over about `programs_per_sm` programs per SM."""
@@ -126,10 +123,10 @@ def _count_byte(b_acc, b_u, m_k, prefix, PASS: tl.constexpr, BLOCK: tl.constexpr
 
 @jit
 def _count_candidates(p_row, p_cand, num_cand, prefix, PASS: tl.constexpr,
-                      BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr):
+                      BLOCK: tl.constexpr):
     """Counts of byte PASS over a segment's `num_cand` candidates (indices at `p_cand`)."""
     b_acc = tl.zeros([NUM_BINS], dtype=tl.int32)
-    for start in tl.range(0, num_cand, BLOCK, num_stages=NUM_STAGES):
+    for start in range(0, num_cand, BLOCK):
         o_c = start + tl.arange(0, BLOCK)
         m_c = o_c < num_cand
         b_i = tl.load(p_cand + o_c, mask=m_c, other=0)
@@ -162,11 +159,10 @@ def _above_fixed_bytes(p_seg, prefix, PASSES: tl.constexpr):
 
 
 @jit
-def _count_keys(p_row, begin, end, prefix, PASS: tl.constexpr, BLOCK: tl.constexpr,
-                NUM_STAGES: tl.constexpr):
+def _count_keys(p_row, begin, end, prefix, PASS: tl.constexpr, BLOCK: tl.constexpr):
     """Counts of byte PASS over the keys in [begin, end) that share the bytes before it."""
     b_acc = tl.zeros([NUM_BINS], dtype=tl.int32)
-    for start in tl.range(begin, end, BLOCK, num_stages=NUM_STAGES):
+    for start in range(begin, end, BLOCK):
         o_k = start + tl.arange(0, BLOCK)
         m_k = o_k < end
         b_u = _order_keys(tl.load(p_row + o_k, mask=m_k, other=0.0)) ^ INT32_MIN
@@ -186,14 +182,13 @@ def _listed_after_first_byte(p_hist, k, length, LIST_DIVISOR: tl.constexpr):
 
 
 @jit
-def _list_candidates(p_row, p_cand, begin, end, prefix, BLOCK: tl.constexpr,
-                     NUM_STAGES: tl.constexpr):
+def _list_candidates(p_row, p_cand, begin, end, prefix, BLOCK: tl.constexpr):
     """Writes at `p_cand`, in order, the indices in [begin, end) whose keys are at least
     `prefix` (unsigned form, lower bytes 0), and returns their count. The list is then visible
     to every thread of the program."""
     lowest = prefix ^ INT32_MIN  # the same bound on signed keys
     num = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), 0)
-    for start in tl.range(begin, end, BLOCK, num_stages=NUM_STAGES):
+    for start in range(begin, end, BLOCK):
         o_k = start + tl.arange(0, BLOCK)
         m_k = o_k < end
         m_c = m_k & (_order_keys(tl.load(p_row + o_k, mask=m_k, other=0.0)) >= lowest)
@@ -207,8 +202,7 @@ def _list_candidates(p_row, p_cand, begin, end, prefix, BLOCK: tl.constexpr,
 @jit(do_not_specialize=("k", "seg_len"))
 def topk_byte_kernel(scores, lengths, hist, seg_hist, above, cand, num_cand, k, seg_len,
                      stride_s, stride_sh, stride_a, stride_c, stride_n, PASS: tl.constexpr,
-                     LIST_DIVISOR: tl.constexpr, BLOCK: tl.constexpr,
-                     NUM_STAGES: tl.constexpr):
+                     LIST_DIVISOR: tl.constexpr, BLOCK: tl.constexpr):
     """hist[row, PASS] += counts of byte PASS over this segment's keys that share the bytes
     fixed before it: over every key before the row's candidates are listed, then over the
     list, which the pass that takes it writes (cand[row, begin:begin + n], num_cand[row,
@@ -224,24 +218,22 @@ def topk_byte_kernel(scores, lengths, hist, seg_hist, above, cand, num_cand, k, 
         end = tl.minimum(begin + seg_len, length)
         p_row = scores + i_r.to(tl.int64) * stride_s
         if PASS == 0:
-            b_acc = _count_keys(p_row, begin, end, 0, PASS, BLOCK, NUM_STAGES)
+            b_acc = _count_keys(p_row, begin, end, 0, PASS, BLOCK)
         else:
             prefix, _ = _fixed_bytes(p_hist, k, PASS)
             early = _listed_after_first_byte(p_hist, k, length, LIST_DIVISOR)
             list_pass = 2 - early.to(tl.int32)
             if PASS < list_pass:
-                b_acc = _count_keys(p_row, begin, end, prefix, PASS, BLOCK, NUM_STAGES)
+                b_acc = _count_keys(p_row, begin, end, prefix, PASS, BLOCK)
             else:
                 p_cand = cand + i_r.to(tl.int64) * stride_c + begin
                 p_num = num_cand + i_r.to(tl.int64) * stride_n + i_s
                 if PASS == list_pass:
-                    num = _list_candidates(p_row, p_cand, begin, end, prefix, BLOCK,
-                                           NUM_STAGES)
+                    num = _list_candidates(p_row, p_cand, begin, end, prefix, BLOCK)
                     tl.store(p_num, num)
                 else:
                     num = tl.load(p_num)
-                b_acc = _count_candidates(p_row, p_cand, num, prefix, PASS, BLOCK,
-                                          NUM_STAGES)
+                b_acc = _count_candidates(p_row, p_cand, num, prefix, PASS, BLOCK)
         if PASS == NUM_PASSES - 1:
             b_keep = tl.sum(b_acc, 0) - tl.cumsum(b_acc, 0) + b_acc
             p_seg = seg_hist + i_r.to(tl.int64) * stride_sh + i_s * (NUM_PASSES * NUM_BINS)
@@ -273,7 +265,7 @@ def _before(p_above, p_last, i_s, digit, BLOCK: tl.constexpr):
 @jit(do_not_specialize=("k", "seg_len"))
 def topk_write_kernel(scores, lengths, hist, seg_hist, above, cand, num_cand, out, k, seg_len,
                       stride_s, stride_sh, stride_a, stride_c, stride_n, stride_o,
-                      BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr):
+                      BLOCK: tl.constexpr):
     """out[row] = chosen indices (above the threshold, then ties by index), then -1."""
     i_r = tl.program_id(0)
     i_s = tl.program_id(1)
@@ -300,7 +292,7 @@ def topk_write_kernel(scores, lengths, hist, seg_hist, above, cand, num_cand, ou
             p_row = scores + i_r.to(tl.int64) * stride_s
             p_cand = cand + i_r.to(tl.int64) * stride_c + begin
             num = tl.load(num_cand + i_r.to(tl.int64) * stride_n + i_s)
-            for start in tl.range(0, num, BLOCK, num_stages=NUM_STAGES):
+            for start in range(0, num, BLOCK):
                 o_c = start + tl.arange(0, BLOCK)
                 m_c = o_c < num
                 b_i = tl.load(p_cand + o_c, mask=m_c, other=0)
@@ -338,8 +330,7 @@ def topk_indices(scores: torch.Tensor, lengths: torch.Tensor, k: int, *,
     cand = torch.empty(num_rows, max(width, 1), dtype=torch.int32, device=device)
     num_cand = torch.empty(num_rows, grid[1], dtype=torch.int32, device=device)
     above = torch.empty(num_rows, grid[1], dtype=torch.int32, device=device)
-    common = dict(BLOCK=config.block, NUM_STAGES=config.num_stages,
-                  num_warps=config.warps(grid[0] * grid[1], device))
+    common = dict(BLOCK=config.block, num_warps=config.warps(grid[0] * grid[1], device))
     workspace = (hist, seg_hist, above, cand, num_cand)
     strides = (seg_hist.stride(0), above.stride(0), cand.stride(0), num_cand.stride(0))
     for p in range(NUM_PASSES):

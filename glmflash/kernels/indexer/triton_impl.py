@@ -65,16 +65,6 @@ class ScoreLaunch:
     """Pools per block: the N of each product (a power of two, at least 16)."""
     num_warps: int = 4
     """Warps a program."""
-    key_halves: bool = False
-    """Tiled launches: the head dimension taken in two halves, a product each into one
-    accumulator, the second half of a key block loaded and converted after the first half's
-    product, so the converted keys hold half the registers (README.md, "Key halves"). Needs a
-    head dimension of at least 32 (16 a half); ignored below."""
-    slots_ahead: bool = False
-    """Tiled launches: each block's cache slots are looked up (page table) one block ahead, so
-    that the key gathers' addresses come from the iteration before and the software pipeline
-    keeps `num_stages` blocks of keys in flight, not one (README.md, "Slots a block ahead")."""
-
     def grid(self, num_queries: int, max_pools: int) -> tuple[int, int]:
         """Programs along the queries and along the pools for `num_queries` rows scoring up
         to `max_pools` pools each."""
@@ -153,10 +143,9 @@ def _load_keys(pool_keys, pools, m_p, o_d, m_d, stride_pk, D, FP8_KEYS: tl.const
 
 
 @jit
-def _query_rows(b_q, b_amax, DOT: tl.constexpr, Q_FORM: tl.constexpr):
-    """Query rows `[R, BD]` (fp32; the largest magnitude of each whole row `b_amax` `[R]`) as
-    product operands, and the factor `[R]` each row's products take afterwards (Q_FORM:
-    Q_AS_IS, Q_POW2 or Q_FP8).
+def _query_rows(b_q, DOT: tl.constexpr, Q_FORM: tl.constexpr):
+    """Query rows `[R, BD]` (fp32) as product operands, and the factor `[R]` each row's
+    products take afterwards (Q_FORM: Q_AS_IS, Q_POW2 or Q_FP8).
     Q_POW2 (fp16 products beside FP8 keys, whose codes convert to fp16 in one instruction per
     two and to bf16 in several): each row is scaled by the power of two that brings its largest
     element into [2^14, 2^15), so fp16 holds its bf16 values exactly (8 significant bits within
@@ -165,6 +154,7 @@ def _query_rows(b_q, b_amax, DOT: tl.constexpr, Q_FORM: tl.constexpr):
     Q_FP8 (e4m3 products beside FP8 keys): each row quantised as the FP8 keys are (scale = its
     largest magnitude / 448, codes rounded to nearest), the factor its scale; the keys' codes
     then enter the product as they are loaded."""
+    b_amax = tl.max(tl.abs(b_q), 1)
     if Q_FORM == Q_POW2:
         b_e = ((b_amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         b_e = tl.minimum(tl.maximum(b_e, -100), 127)
@@ -179,14 +169,13 @@ def _query_rows(b_q, b_amax, DOT: tl.constexpr, Q_FORM: tl.constexpr):
 
 
 @jit
-def _product(b_q, b_k, acc, BQ: tl.constexpr, BHQ: tl.constexpr, BP: tl.constexpr,
+def _product(b_q, b_k, BQ: tl.constexpr, BHQ: tl.constexpr, BP: tl.constexpr,
              PREC: tl.constexpr):
-    """acc (None: zeros) plus the product of key rows `b_k` `[BP, d]` and query rows `b_q`
-    `[BQ * BHQ, d]`: `[BP, BQ * BHQ]`, the keys the first operand. On SM90 a product whose
+    """The product of key rows `b_k` `[BP, d]` and query rows `b_q` `[BQ * BHQ, d]`:
+    `[BP, BQ * BHQ]`, the keys the first operand. On SM90 a product whose
     first operand sits in registers runs on the warpgroup tensor cores (FP8 keys are converted
     there), and the sum over heads stays within a thread's row (README.md, "Keys first")."""
-    if acc is None:
-        acc = tl.zeros([BP, BQ * BHQ], dtype=tl.float32)
+    acc = tl.zeros([BP, BQ * BHQ], dtype=tl.float32)
     return tl.dot(b_k, tl.trans(b_q), acc, input_precision=PREC)
 
 
@@ -219,13 +208,13 @@ def _score_query(q, weights, pool_keys, page_table, rows, num_pools, positions, 
         i_t64 = i_t.to(tl.int64)
         b_q = tl.load(q + i_t64 * stride_qt + o_h[:, None] * stride_qh + o_d[None, :],
                       mask=m_h[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-        b_q, b_qf = _query_rows(b_q, tl.max(tl.abs(b_q), 1), DOT, Q_FORM)  # [BHQ, BD], [BHQ]
+        b_q, b_qf = _query_rows(b_q, DOT, Q_FORM)  # [BHQ, BD], [BHQ]
         b_w = tl.load(weights + i_t64 * stride_wt + o_h, mask=m_h, other=0.0).to(tl.float32)
         b_w = b_w * w_scale
         slot = _slot_of(page_table, row, o_p.to(tl.int64) * KPOOL, stride_pt, PAGE, is_cand)
         b_k, b_ks = _load_keys(pool_keys, slot // KPOOL, is_cand, o_d, m_d, stride_pk, D,
                                FP8_KEYS, DOT)  # [BP, BD], [BP]
-        b_st = _product(b_q, b_k, None, 1, BHQ, BP, PREC)
+        b_st = _product(b_q, b_k, 1, BHQ, BP, PREC)
         b_s = tl.reshape(_head_sums(b_st, b_qf, b_w, scale, 1, BHQ, BP, Q_FORM),
                          [BP])
         if FP8_KEYS:
@@ -262,14 +251,12 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
                                BHQ: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr,
                                POOL_BLOCKS: tl.constexpr, NUM_STAGES: tl.constexpr,
                                DOT: tl.constexpr, PREC: tl.constexpr, FP8_KEYS: tl.constexpr,
-                               Q_FORM: tl.constexpr,
-                               KEY_HALVES: tl.constexpr, SLOTS_AHEAD: tl.constexpr):
+                               Q_FORM: tl.constexpr):
     """`indexer_score_kernel` for BQ consecutive queries and POOL_BLOCKS blocks of BP pools per
     program: the queries' heads are the M of one product (BQ x BHQ rows), so a block of pooled
     keys is loaded once for them all, and the queries once for all the blocks. The keys are the
     first query's sequence's; a query of another sequence (a tile across a sequence boundary)
-    is scored alone, as `indexer_score_kernel` scores it. KEY_HALVES: the head dimension in two
-    halves of BD / 2 (`ScoreLaunch.key_halves`); SLOTS_AHEAD: `ScoreLaunch.slots_ahead`."""
+    is scored alone, as `indexer_score_kernel` scores it."""
     i_q = tl.program_id(0)
     i_pb = tl.program_id(1)
     t_first = t_begin + i_q * BQ
@@ -285,11 +272,8 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
     longest = tl.max(length, 0)
     p_begin = i_pb * (POOL_BLOCKS * BP)
     p_end = tl.minimum(p_begin + POOL_BLOCKS * BP, longest)
-    BDK: tl.constexpr = BD // 2 if KEY_HALVES else BD
-    o_d = tl.arange(0, BDK)
+    o_d = tl.arange(0, BD)
     m_d = o_d < D
-    o_d2 = BDK + o_d  # the second half's columns (KEY_HALVES)
-    m_d2 = o_d2 < D
     if shared:
         if p_begin < longest:
             # Rows r = (query r // BHQ, head r % BHQ) of one product over each key block.
@@ -300,43 +284,18 @@ def indexer_score_tiled_kernel(q, weights, pool_keys, page_table, rows, position
             p_q = q + o_rt[:, None] * stride_qt + o_rh[:, None] * stride_qh
             b_q = tl.load(p_q + o_d[None, :], mask=m_r[:, None] & m_d[None, :],
                           other=0.0).to(tl.float32)
-            b_amax = tl.max(tl.abs(b_q), 1)
-            b_q2 = b_q
-            if KEY_HALVES:
-                b_q2 = tl.load(p_q + o_d2[None, :], mask=m_r[:, None] & m_d2[None, :],
-                               other=0.0).to(tl.float32)
-                b_amax = tl.maximum(b_amax, tl.max(tl.abs(b_q2), 1))
-            b_q, b_qf = _query_rows(b_q, b_amax, DOT, Q_FORM)
-            if KEY_HALVES:  # the same factor as the first half's: one scale per row
-                b_q2 = _query_rows(b_q2, b_amax, DOT, Q_FORM)[0]
+            b_q, b_qf = _query_rows(b_q, DOT, Q_FORM)
             b_w = tl.load(weights + o_rt * stride_wt + o_rh, mask=m_r, other=0.0).to(tl.float32)
             b_w = b_w * w_scale
             p_s = scores + (o_t - t_begin).to(tl.int64)[:, None] * stride_st
-            if SLOTS_AHEAD:  # the first block's slots
-                o_n = p_begin + tl.arange(0, BP)
-                slot_next = _slot_of(page_table, row0, o_n.to(tl.int64) * KPOOL, stride_pt,
-                                     PAGE, o_n < p_end)
             for p0 in tl.range(p_begin, p_end, BP, num_stages=NUM_STAGES):
                 o_p = p0 + tl.arange(0, BP)
                 is_key = o_p < longest
-                if SLOTS_AHEAD:
-                    # The next block's slots now: its gather's addresses then come from the
-                    # iteration before, and the pipeliner gives it NUM_STAGES buffers.
-                    slot = slot_next
-                    o_n = o_p + BP
-                    slot_next = _slot_of(page_table, row0, o_n.to(tl.int64) * KPOOL, stride_pt,
-                                         PAGE, o_n < p_end)
-                else:
-                    slot = _slot_of(page_table, row0, o_p.to(tl.int64) * KPOOL, stride_pt,
-                                    PAGE, is_key)
+                slot = _slot_of(page_table, row0, o_p.to(tl.int64) * KPOOL, stride_pt, PAGE,
+                                is_key)
                 b_k, b_ks = _load_keys(pool_keys, slot // KPOOL, is_key, o_d, m_d, stride_pk,
                                        D, FP8_KEYS, DOT)
-                b_st = _product(b_q, b_k, None, BQ, BHQ, BP, PREC)
-                if KEY_HALVES:
-                    # The second half loaded after the first half's product is issued.
-                    b_k = _load_keys(pool_keys, slot // KPOOL, is_key, o_d2, m_d2, stride_pk,
-                                     D, FP8_KEYS, DOT)[0]
-                    b_st = _product(b_q2, b_k, b_st, BQ, BHQ, BP, PREC)
+                b_st = _product(b_q, b_k, BQ, BHQ, BP, PREC)
                 b_s = _head_sums(b_st, b_qf, b_w, scale, BQ, BHQ, BP, Q_FORM)  # [BQ, BP]
                 if FP8_KEYS:
                     b_s = b_s * b_ks[None, :]
@@ -467,9 +426,7 @@ def score_pools(q, weights, pool_keys, page_table, plan: SelectPlan, scores, len
     else:
         indexer_score_tiled_kernel[grid](
             *per_query, n, dim ** -0.5, float(weight_scale), *strides, BQ=launch.queries,
-            POOL_BLOCKS=launch.pool_blocks, NUM_STAGES=launch.num_stages,
-            KEY_HALVES=launch.key_halves and shapes["BD"] >= 32,
-            SLOTS_AHEAD=launch.slots_ahead, **shapes)
+            POOL_BLOCKS=launch.pool_blocks, NUM_STAGES=launch.num_stages, **shapes)
 
 
 indexer_write = indexer_write_ref
