@@ -207,6 +207,7 @@ class Engine(EngineApiMixin, EngineLoopMixin, EngineStartupMixin, EngineEmitMixi
         else:
             logits = self.spec.run_plain(batch) if self.spec is not None else self.runner.run(batch)
             runs = [[t] for t in self.sampler.sample(logits, sampled)]
+        self.runner.check_graph_experts()
         deltas = self.scheduler.update_runs(batch, self._end_failed_rows(sampled, runs))
         if self.spec is not None:
             self.spec.after_update(deltas)

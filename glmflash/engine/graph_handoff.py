@@ -24,6 +24,13 @@ from glmflash.kernels.cpu_moe.graph_serve import ExpertServer, hand_off_address
 logger = logging.getLogger(__name__)
 
 
+class CpuExpertsFailed(RuntimeError):
+    """The serving loop of the CPU experts inside the graphs has stopped: every later replay
+    would run without them, so the engine stops (engine/loop.py `is_device_lost`)."""
+
+    ends_engine = True
+
+
 class GraphHandOff:
     """Buffers, side stream and serving loop shared by every hybrid MoE layer of one model."""
 
@@ -69,9 +76,12 @@ class GraphHandOff:
         return self.staged[3][:rows].to(dtype)
 
     def check(self) -> None:
-        """Raise if the serving loop has failed (its replays then returned without experts)."""
+        """Raise if the serving loop has failed (its replays then returned without experts).
+        The loop sets its failure before the waiting host node returns, so once the host has
+        waited for a replay's outputs, a failure during that replay is seen here."""
         if self.server.failed:
-            raise RuntimeError(f"CPU experts of the captured decode failed: {self.server.error}")
+            raise CpuExpertsFailed(f"CPU experts of the captured decode failed: "
+                                   f"{self.server.error}")
 
     def close(self) -> None:
         self.server.stop()

@@ -198,6 +198,13 @@ class ModelRunner:
         self.apply_cache_changes(step.page_updates, step.cache_ops)
         return self.graphs.replay_captured(step.rows)
 
+    def check_graph_experts(self) -> None:
+        """Once the host has read a step's outputs (every replay of the step has then run):
+        raise if the CPU experts inside the graphs failed during it, before its tokens are
+        used (the check right after a replay, which does not wait, sees only earlier ones)."""
+        if self.graphs is not None and self.graphs.handoff is not None:
+            self.graphs.handoff.check()
+
     def prepare(self, batch: ScheduledBatch,
                 extra_logit_rows: list[int] | None = None) -> ForwardBatch:
         """The batch's forward inputs, cache changes applied: the decode form for a batch of

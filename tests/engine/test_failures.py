@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 
 from glmflash import Engine, SamplingParams
 from glmflash.engine.engine import EngineDead
+from glmflash.engine.graph_handoff import CpuExpertsFailed
 from glmflash.engine.outputs import ResultCollector
 from glmflash.sampling_params import MAX_SEED, MIN_SEED
 
@@ -97,5 +99,52 @@ def test_a_dead_engine_thread_fails_its_requests_and_refuses_more(tiny_dirs, fat
         with pytest.raises(EngineDead):
             engine.add_request([1, 2], SamplingParams(max_tokens=3), lambda d: None)
         assert engine.cache.num_free_pages == engine.cache.plan.num_pages
+    finally:
+        engine.shutdown()
+
+
+class _FailingHandOff:
+    """The graph hand-off's failure report (engine/graph_handoff.py) without the GPU: the
+    serving loop's failure flag, set by the test while a step runs."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    def check(self) -> None:
+        if self.failed:
+            raise CpuExpertsFailed("CPU experts of the captured decode failed: test")
+
+
+def test_cpu_experts_failing_during_a_step_end_the_engine_before_its_tokens(tiny_dirs):
+    """The CPU experts' serving loop fails while a step's graphs replay: the check once the
+    host has read the step's tokens raises, so none of them reaches the request, and the
+    engine stops (every later replay would run without the experts)."""
+    engine = Engine(tiny_dirs["embedded"], device="cpu", dtype="float32", context_length=128)
+    try:
+        handoff = _FailingHandOff()
+        engine.runner.graphs = SimpleNamespace(handoff=handoff, can_replay=lambda n: False,
+                                               close=lambda: None)
+        run, steps = engine.runner.run, [0]
+
+        def run_then_fail(batch):
+            steps[0] += 1
+            if steps[0] == 2:  # the step's replay returns, the loop has failed meanwhile
+                handoff.failed = True
+            return run(batch)
+        engine.runner.run = run_then_fail
+        done = threading.Event()
+        collector = ResultCollector("", [1, 2], 1)
+
+        def sink(delta):
+            collector.add(delta)
+            if collector.is_done:
+                done.set()
+        engine.add_request([1, 2], SamplingParams(max_tokens=5, temperature=0,
+                                                  ignore_eos=True), sink)
+        assert done.wait(30), "the request was never ended"
+        assert collector.choices[0].finish_reason == "error"
+        assert len(collector.choices[0].token_ids) == 1  # the first step's token only
+        assert engine.failure is not None and "CpuExpertsFailed" in engine.failure
+        assert steps[0] == 2
     finally:
         engine.shutdown()
