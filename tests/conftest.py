@@ -90,7 +90,8 @@ class PackedRunner:
     PAGE_SIZE = 16
 
     def __init__(self, model: GlmForCausalLM, num_seqs: int, max_len: int = 512,
-                 device: str = "cpu", scramble: bool = True) -> None:
+                 device: str = "cpu", scramble: bool = True, **state_options: bool) -> None:
+        """`state_options`: ModelState's flags (`fp8_index_keys`, `fp8_index_queries`)."""
         if next(model.parameters()).device.type != device:
             model = model.to(device)
         self.model, self.max_len, self.device = model, max_len, device
@@ -102,7 +103,8 @@ class PackedRunner:
         self.page_table = self.pages.to(torch.int32).to(device)
         self.state = ModelState(model.config,
                                 num_token_slots=num_seqs * pages_per_seq * self.PAGE_SIZE,
-                                num_state_slots=num_seqs, dtype=model.dtype, device=device)
+                                num_state_slots=num_seqs, dtype=model.dtype, device=device,
+                                **state_options)
         self.done = [0] * num_seqs
 
     def forward(self, chunks: dict[int, list[int]], all_logits: bool = True,

@@ -77,6 +77,17 @@ def test_bad_sampling_flags(flags, message):
     _one_line_error(_run([*GENERATE, *flags]), message)
 
 
+@pytest.mark.parametrize("command", [SERVE, GENERATE])
+def test_fp8_index_queries_without_fp8_keys(command):
+    """An engine option refused by EngineConfig is one line, before the model loads (serve
+    binds its port first: a free one)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = ["--port", str(sock.getsockname()[1])] if command is SERVE else []
+    _one_line_error(_run([*command, *port, "--index-query-dtype", "fp8"]),
+                    "index_query_dtype 'fp8' needs index_key_dtype 'fp8'")
+
+
 def test_a_busy_port_fails_before_the_model_loads():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -19,7 +19,8 @@ writes the figures into its manifest, where the tests read their floors.
 
 `--mtp-acceptance STEPS` instead measures speculative decoding's acceptance (STEPS chained
 drafts) on the task prompts, beside the MTP agreement over the same outputs; `--index-keys`
-the template tasks with FP8 pooled indexer keys against the model dtype's.
+the template tasks with FP8 pooled indexer keys (and FP8 keys with e4m3 queries) against the
+model dtype's.
 """
 
 from __future__ import annotations
@@ -191,23 +192,32 @@ def mtp_acceptance(checkpoint: Path, seed: int, per_family: int, num_steps: int 
     return report
 
 
+# The indexer's scoring forms `--index-keys` compares: the pooled keys in the model dtype (the
+# reference's), as FP8 rows, and FP8 rows scored with e4m3 queries.
+INDEX_FORMS = {"auto": dict(index_key_dtype="auto"), "fp8": dict(index_key_dtype="fp8"),
+               "fp8_queries": dict(index_key_dtype="fp8", index_query_dtype="fp8")}
+
+
 def index_keys_check(checkpoint: Path, seed: int, per_family: int) -> dict:
-    """The held-out template tasks with the pooled indexer keys in the model dtype (the
-    reference's) and as FP8 rows (`--index-key-dtype fp8`): each one's exact match, and how far
-    the FP8 keys' greedy outputs follow the others."""
+    """The held-out template tasks with each of `INDEX_FORMS`: each one's exact match, and how
+    far the FP8 forms' greedy outputs follow the model dtype's (and e4m3 queries' the FP8
+    keys')."""
     exact, outputs = {}, {}
-    for keys in ("auto", "fp8"):
+    for name, options in INDEX_FORMS.items():
         engine = Engine(checkpoint, device="cpu", dtype="float32", context_length=2048,
-                        skip_kernel_warmup=True, index_key_dtype=keys)
+                        skip_kernel_warmup=True, **options)
         try:
             report = eval_tasks(engine, held_out_tasks(seed, per_family))
         finally:
             engine.shutdown()
-        exact[keys] = report["exact_match"]
-        outputs[keys] = [s[n:] for s, n in zip(report["sequences"], report["prompt_lens"],
+        exact[name] = report["exact_match"]
+        outputs[name] = [s[n:] for s, n in zip(report["sequences"], report["prompt_lens"],
                                                strict=True)]
-    return dict(exact_match=exact, fp8_vs_model_dtype=greedy_agreement(outputs["auto"],
-                                                                       outputs["fp8"]))
+    return dict(exact_match=exact,
+                fp8_vs_model_dtype=greedy_agreement(outputs["auto"], outputs["fp8"]),
+                fp8_queries_vs_model_dtype=greedy_agreement(outputs["auto"],
+                                                            outputs["fp8_queries"]),
+                fp8_queries_vs_fp8_keys=greedy_agreement(outputs["fp8"], outputs["fp8_queries"]))
 
 
 def gpu_agreement(checkpoint: Path, max_tokens: int = GPU_CHECK_TOKENS) -> dict:
@@ -296,7 +306,7 @@ def main() -> None:
                         help="only measure speculative decoding's acceptance with STEPS drafts")
     parser.add_argument("--index-keys", action="store_true",
                         help="only compare the template tasks with FP8 pooled indexer keys "
-                        "against the model dtype's")
+                        "(and FP8 keys with e4m3 queries) against the model dtype's")
     parser.add_argument("--record", action="store_true",
                         help="measure at the CI test's sizes and write the figures into the "
                         "checkpoint's manifest (the tests' floors)")

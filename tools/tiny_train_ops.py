@@ -129,9 +129,13 @@ def conv_fresh(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
 def select_fresh(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor,
                  page_table: torch.Tensor, plan: SelectPlan, *, page_size: int, topk: int,
                  kpool: int, select_tail: bool, tiling=None,
-                 layout: Padded | None = None, weight_scale: float = 1.0) -> torch.Tensor:
+                 layout: Padded | None = None, weight_scale: float = 1.0,
+                 fp8_queries: bool = False) -> torch.Tensor:
     """`indexer_select_ref` for one forward of fresh sequences (`layout` set), all queries
-    scored at once: the best `topk / kpool` complete pools before each query, then its tail."""
+    scored at once: the best `topk / kpool` complete pools before each query, then its tail.
+    Training keeps the pooled keys in the model dtype, so `fp8_queries` must be False."""
+    if fp8_queries:
+        raise ValueError("training scores model-dtype keys: fp8_queries is not supported")
     with torch.no_grad():
         b_rows = plan.rows[layout.starts]  # page-table row of each sequence [B]
         num_pools = layout.length // kpool

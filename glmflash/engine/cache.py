@@ -27,6 +27,8 @@ class CachePlan:
     """State snapshots of the prefix cache (0: no prefix cache)."""
     fp8_index_keys: bool = False
     """Pooled indexer keys as FP8 rows (`--index-key-dtype fp8`)."""
+    fp8_index_queries: bool = False
+    """The indexer scores e4m3 queries against those FP8 keys (`--index-query-dtype fp8`)."""
 
     @property
     def num_token_slots(self) -> int:

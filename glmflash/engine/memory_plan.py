@@ -114,7 +114,8 @@ def plan_memory(model_config: ModelConfig, options: EngineConfig, max_seq_len: i
     plan = CachePlan(num_pages=num_pages, page_size=shape.page_size,
                      num_state_slots=shape.num_slots, max_pages_per_seq=shape.pages_per_seq,
                      num_snapshots=num_snapshots,
-                     fp8_index_keys=options.fp8_index_keys)
+                     fp8_index_keys=options.fp8_index_keys,
+                     fp8_index_queries=options.fp8_index_queries)
     if num_pages < shape.pages_per_seq or ledger.left < 0:
         raise MemoryPlanError(refusal(ledger, options, shape, max_seq_len, on_gpu))
     logger.info("%s", ledger.table())

@@ -149,7 +149,8 @@ class ModelRunner:
         self.state = ModelState(state_config or model.config,
                                 num_token_slots=plan.num_token_slots + plan.page_size,
                                 num_state_slots=plan.num_state_slots + 1, dtype=model.dtype,
-                                device=self.device, fp8_index_keys=plan.fp8_index_keys)
+                                device=self.device, fp8_index_keys=plan.fp8_index_keys,
+                                fp8_index_queries=plan.fp8_index_queries)
         self.page_table = torch.zeros(plan.num_state_slots + 1, plan.max_pages_per_seq,
                                       dtype=torch.int32, device=self.device)
         self.page_table[self.dummy_slot] = self.dummy_page

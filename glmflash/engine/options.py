@@ -28,6 +28,7 @@ SPECULATIVE_ALGORITHMS = ("NEXTN", "EAGLE")
 """EAGLE is SGLang's name for the same thing here: chain drafts from the checkpoint's MTP layer."""
 EXPERT_PLACEMENTS = ("front", "frequency")
 INDEX_KEY_DTYPES = ("auto", "fp8")
+INDEX_QUERY_DTYPES = ("auto", "fp8")
 # --help sections of the flags.
 MODEL, ENGINE, CPU_EXPERTS, MEDIA, SPECULATIVE = (
     "model", "engine", "routed experts on the CPU (GPU machines: hybrid)", "images and video",
@@ -77,6 +78,11 @@ class EngineConfig:
         "them) or fp8 (e4m3 and a scale per key: half the bytes a long-context decode's "
         "indexer reads; a selection can differ from the reference's where pools score within "
         "e4m3 rounding of each other)", choices=INDEX_KEY_DTYPES)
+    index_query_dtype: str = option(
+        "auto", "the DSA indexer's queries: auto (the model dtype) or fp8 (each query head row "
+        "as e4m3 with a scale, as the keys: needs --index-key-dtype fp8; faster long-context "
+        "scoring, a selection can differ where pools score within e4m3 rounding)",
+        choices=INDEX_QUERY_DTYPES)
     disable_radix_cache: bool = option(
         False, "turn the prefix cache off (every prompt is computed from its start)",
         action="store_true")
@@ -174,6 +180,11 @@ class EngineConfig:
         return self.index_key_dtype == "fp8"
 
     @property
+    def fp8_index_queries(self) -> bool:
+        """The indexer scores e4m3 query rows against the FP8 pooled keys."""
+        return self.index_query_dtype == "fp8"
+
+    @property
     def num_speculative_steps(self) -> int:
         """Draft tokens per sequence and step (0: speculative decoding is off)."""
         if self.speculative_algorithm is None:
@@ -230,6 +241,12 @@ class EngineConfig:
              f"load_format {self.load_format!r} must be one of {LOAD_FORMATS}"),
             (self.index_key_dtype in INDEX_KEY_DTYPES,
              f"index_key_dtype {self.index_key_dtype!r} must be one of {INDEX_KEY_DTYPES}"),
+            (self.index_query_dtype in INDEX_QUERY_DTYPES,
+             f"index_query_dtype {self.index_query_dtype!r} must be one of "
+             f"{INDEX_QUERY_DTYPES}"),
+            (not self.fp8_index_queries or self.fp8_index_keys,
+             f"index_query_dtype 'fp8' needs index_key_dtype 'fp8' (not "
+             f"{self.index_key_dtype!r}): e4m3 queries are scored against FP8 pooled keys"),
         ]
         require(checks)
         self._check_speculative()

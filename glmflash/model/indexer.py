@@ -56,7 +56,8 @@ class Indexer(nn.Module):
         return indexer_select(q, head_weights, state.pool_keys[self.layer_idx], batch.page_table,
                               selects, page_size=batch.page_size, topk=self.topk,
                               kpool=self.kpool, select_tail=self.select_tail,
-                              weight_scale=self.num_heads ** -0.5)
+                              weight_scale=self.num_heads ** -0.5,
+                              fp8_queries=state.fp8_index_queries)
 
     def stack_weights(self) -> torch.Tensor:
         """The weights of the three products of x (key, pool gate, head weights), stacked so

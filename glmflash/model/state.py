@@ -26,12 +26,16 @@ class ModelState:
 
     def __init__(self, config: ModelConfig, *, num_token_slots: int, num_state_slots: int,
                  dtype: torch.dtype, device: torch.device | str,
-                 fp8_index_keys: bool = False) -> None:
+                 fp8_index_keys: bool = False, fp8_index_queries: bool = False) -> None:
         """`fp8_index_keys`: pooled indexer keys as FP8 rows (kernels/indexer/key_format.py)
-        instead of the model dtype."""
+        instead of the model dtype; `fp8_index_queries` (FP8 keys only): the indexers score
+        e4m3 query rows against them."""
         kpool = config.index_kpool
         if num_token_slots % kpool:
             raise ValueError(f"num_token_slots {num_token_slots} must be a multiple of {kpool}")
+        if fp8_index_queries and not fp8_index_keys:
+            raise ValueError("fp8_index_queries needs fp8_index_keys")
+        self.fp8_index_queries = fp8_index_queries
         self.num_token_slots = num_token_slots
         self.num_state_slots = num_state_slots
         self.latent: dict[int, torch.Tensor] = {}
