@@ -60,7 +60,7 @@ from bench.e2e_probes import (  # noqa: E402
 )
 from glmflash import Engine, SamplingParams  # noqa: E402
 from glmflash.config import KDA, MLA  # noqa: E402
-from glmflash.engine.options import INDEX_KEY_DTYPES  # noqa: E402
+from glmflash.engine.options import INDEX_KEY_DTYPES, INDEX_QUERY_DTYPES  # noqa: E402
 from glmflash.tiny.configs import tiny_config  # noqa: E402
 from glmflash.tiny.tokenizer_files import write_tiny_tokenizer  # noqa: E402
 
@@ -113,7 +113,8 @@ def engine_options(mode: str, args: argparse.Namespace, num_experts: int) -> dic
                    max_running_requests=max(args.batches), context_length=longest,
                    chunked_prefill_size=args.chunked_prefill_size,
                    disable_cuda_graph=graphs != "graph", cuda_graph_bs=args.batches,
-                   index_key_dtype=args.index_key_dtype)
+                   index_key_dtype=args.index_key_dtype,
+                   index_query_dtype=args.index_query_dtype)
     if mode.startswith("hybrid-"):
         options.update(kt_num_gpu_experts=min(int(mode.split("-", 1)[1]), num_experts),
                        kt_cpuinfer=os.cpu_count(),
@@ -349,6 +350,8 @@ def parse_args() -> argparse.Namespace:
                         "decode, the memory ledger and the peak allocated against it")
     p.add_argument("--index-key-dtype", default="auto", choices=INDEX_KEY_DTYPES,
                    help="the indexer's pooled keys (the engine option of the same name)")
+    p.add_argument("--index-query-dtype", default="auto", choices=INDEX_QUERY_DTYPES,
+                   help="the indexer's queries (the engine option of the same name)")
     p.add_argument("--append", action="store_true", help="append the table to bench/RESULTS.md")
     e2e_mtp.add_arguments(p)
     args = p.parse_args()
