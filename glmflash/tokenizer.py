@@ -192,7 +192,7 @@ def _parse_arguments(arguments: Any, index: int) -> Any:
         return {}
     try:
         parsed = json.loads(arguments)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:  # nesting past the parser's stack
         raise ValueError(f"message {index}: tool call arguments are not valid JSON: {exc}") from exc
     if not isinstance(parsed, dict):
         raise ValueError(f"message {index}: tool call arguments must be a JSON object")

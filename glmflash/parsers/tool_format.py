@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import secrets
 from collections.abc import Container
 from dataclasses import dataclass
@@ -104,9 +105,18 @@ def split_name_region(region: str) -> tuple[str, dict[str, Any]]:
     return inline["name"].strip(), arguments if isinstance(arguments, dict) else {}
 
 
+def _float_or_text(text: str) -> float | str:
+    """A JSON number as a float, or its text where it overflows a float: written back as a
+    string, never as Infinity, which is not JSON."""
+    value = float(text)
+    return value if math.isfinite(value) else text
+
+
 def _load_object(text: str) -> dict[str, Any] | None:
+    """The JSON object of `text` or None; NaN and Infinity (which JSON lacks) and numbers past
+    a float's range are kept as their text."""
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_constant=str, parse_float=_float_or_text)
     except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None

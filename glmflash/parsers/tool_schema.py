@@ -154,9 +154,20 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-finite number {name} is not JSON")
 
 
+def _finite_float(text: str) -> float:
+    """A JSON number as a float, refused where it overflows (1e400 would be written back as
+    Infinity, which is not JSON)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} overflows a float")
+    return value
+
+
 def _load_json(text: str) -> Any:
+    """The JSON value of `text`, or _MISSING where it is not JSON or holds what could not be
+    written back as JSON (NaN, Infinity, numbers past a float's range)."""
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except (ValueError, RecursionError):
         return _MISSING
 

@@ -190,6 +190,6 @@ def _check_json(request: ChatCompletionRequest, content: str | None,
         return
     try:
         json.loads(content or "")
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         logger.debug("response_format %s: the content is not valid JSON",
                      request.response_format)

@@ -104,7 +104,7 @@ def _tool_calls(msg: Fields) -> None:
 def _check_json_object(fn: Fields, arguments: str) -> None:
     try:
         parsed = json.loads(arguments)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:  # nesting past the parser's stack
         raise fn.fail("arguments", f"is not valid JSON: {exc}") from exc
     if not isinstance(parsed, dict):
         raise fn.fail("arguments", "must encode a JSON object")

@@ -236,7 +236,8 @@ def _response_format(body: Fields) -> str:
 
 def _template_kwargs(body: Fields) -> dict[str, Any]:
     kwargs = body.object("chat_template_kwargs")
-    merged = dict(kwargs.raw) if kwargs is not None else {}
+    # A JSON null is an absent value, as everywhere in a request (server/fields.py).
+    merged = {k: v for k, v in kwargs.raw.items() if v is not None} if kwargs is not None else {}
     reserved = sorted({"messages", "tools", "add_generation_prompt"} & set(merged))
     if reserved:
         raise body.fail("chat_template_kwargs", f"may not set {reserved}")

@@ -50,6 +50,8 @@ def _check_item(item: Fields, index: int) -> dict[str, Any]:
             json.loads(item.string("arguments", required=True))
         except json.JSONDecodeError as exc:
             raise item.fail("arguments", f"must be a JSON text ({exc.msg})") from None
+        except RecursionError:
+            raise item.fail("arguments", "must be a JSON text (nested too deeply)") from None
     elif kind == "function_call_output":
         item.string("call_id", required=True)
         output = item.get("output", (str, list), "a string or an array of content parts",

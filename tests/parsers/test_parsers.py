@@ -219,6 +219,36 @@ def test_arguments_are_a_json_string_serialised_once() -> None:
     assert isinstance(json.loads(args), dict)
 
 
+def _strict_json(text: str) -> Any:
+    def reject(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=reject)
+
+
+NON_FINITE_TOOLS = [{"type": "function", "function": {"name": "set_limit", "parameters": {
+    "type": "object", "properties": {"limit": {"type": "number"}, "tag": {}}}}}]
+
+
+@pytest.mark.parametrize("text,want", [
+    (_kv_call("set_limit", limit="1e400"), {"limit": "1e400"}),
+    (_kv_call("set_limit", tag="[1, 1e400]"), {"tag": "[1, 1e400]"}),
+    (_kv_call("set_limit", limit="2.5"), {"limit": 2.5}),
+    ('<tool_call>set_limit{"limit": NaN}</tool_call>', {"limit": "NaN"}),
+    ('<tool_call>{"name": "set_limit", "arguments": {"limit": 1e999}}</tool_call>',
+     {"limit": "1e999"}),
+], ids=["number", "untyped", "finite", "inline_nan", "inline_overflow"])
+def test_non_finite_numbers_stay_valid_json(text: str, want: dict) -> None:
+    """JSON has no NaN or Infinity: a value that would parse to one (1e400 overflows a float)
+    keeps its text, so `arguments` stays JSON for strict clients, in one shot and streamed."""
+    (call,) = parse_tool_calls(text, NON_FINITE_TOOLS).tool_calls
+    assert _strict_json(call.arguments) == want
+    parser = ChatOutputParser(NON_FINITE_TOOLS)
+    deltas = parser.feed("r</think>" + text) + parser.finish()
+    streamed = "".join(d.tool_calls[0]["function"].get("arguments") or ""
+                       for d in deltas if d.tool_calls)
+    assert _strict_json(streamed) == want
+
+
 def test_parallel_calls_get_sequential_indices_and_unique_ids() -> None:
     text = "".join(_kv_call("get_weather", city=c) for c in ("A", "B", "C"))
     parsed = parse_tool_calls("  \n" + text, TOOLS)

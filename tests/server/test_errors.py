@@ -3,13 +3,17 @@ the server down."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import httpx
 import openai
 import pytest
 
+from glmflash.server.chat import _check_json
 from glmflash.server.errors import ApiError
 from glmflash.server.fields import Fields
 from glmflash.server.messages import route_media_part
+from glmflash.server.protocol import _template_kwargs
 from tests.server.conftest import API_KEY, MODEL
 
 HI = [{"role": "user", "content": "hi"}]
@@ -56,6 +60,10 @@ def _chat(**fields) -> dict:
         "name": "f", "arguments": "{}"}}]}]), "messages[1].tool_calls[0].id"),
     (_chat(messages=[*HI, {"role": "assistant", "tool_calls": [{"id": "c", "function": {
         "name": "f", "arguments": "{oops"}}]}]), "messages[1].tool_calls[0].function.arguments"),
+    # Nesting past the JSON parser's stack (RecursionError, not a JSONDecodeError).
+    (_chat(messages=[*HI, {"role": "assistant", "tool_calls": [{"id": "c", "function": {
+        "name": "f", "arguments": "[" * 5000}}]}]),
+     "messages[1].tool_calls[0].function.arguments"),
     (_chat(messages=[{"role": "user", "content": [{"type": "input_audio"}]}]),
      "messages[0].content[0].type"),
     (_chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
@@ -214,3 +222,27 @@ def test_an_unpaired_surrogate_escape_is_a_400_naming_the_field(live, route, bod
     response = _post(live, route, content=(body % MODEL).encode(),
                      headers={"Content-Type": "application/json"})
     assert _error(response, 400)["param"] == param
+
+
+def test_deeply_nested_tool_arguments_on_any_role_are_a_400(live):
+    """The template parses the arguments of every message's tool calls, not only the
+    assistant's that the field checks look at."""
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 5000}}
+    body = _chat(messages=[{"role": "user", "content": "hi", "tool_calls": [call]}])
+    error = _error(_post(live, "/v1/chat/completions", json=body), 400)
+    assert "not valid JSON" in error["message"]
+
+
+def test_json_mode_check_takes_deeply_nested_output():
+    """response_format json_*: the output is only checked for a debug line; nesting past the
+    parser's stack must not fail the finished request."""
+    request = SimpleNamespace(response_format="json_object")
+    _check_json(request, "[" * 5000, [])
+
+
+def test_null_template_kwarg_leaves_the_top_level_effort():
+    """A JSON null is absent: chat_template_kwargs {"reasoning_effort": null} does not hide
+    the top-level reasoning_effort."""
+    body = Fields(_chat(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": None,
+                                                                       "x": 1}), "")
+    assert _template_kwargs(body) == {"reasoning_effort": "low", "x": 1}
