@@ -18,6 +18,7 @@ _OPTIONAL = ("seed", "logprobs", "prompt_logprobs")
 MAX_TOP_K = 2**31 - 1
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty")
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens")
 
 
 @dataclass
@@ -56,8 +57,12 @@ class SamplingParams:
             self.top_k = 0
         require((_is_integer(getattr(self, name)) or name in _OPTIONAL and getattr(self, name)
                  is None, f"{name} must be an integer") for name in _INT_FIELDS)
+        require((_is_real(getattr(self, name)), f"{name} must be a number")
+                for name in _FLOAT_FIELDS)
         require((math.isfinite(getattr(self, name)), f"{name} must be a finite number")
                 for name in _FLOAT_FIELDS)
+        require((isinstance(getattr(self, name), bool), f"{name} must be true or false")
+                for name in _BOOL_FIELDS)
         checks = [
             (self.max_tokens >= 1, "max_tokens must be at least 1"),
             (self.temperature >= 0, "temperature must be >= 0"),
@@ -72,6 +77,7 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
+            (all(_is_integer(t) for t in self.stop_token_ids), "stop_token_ids must be integers"),
             (self.seed is None or MIN_SEED <= self.seed <= MAX_SEED,
              f"seed must be in [{MIN_SEED}, {MAX_SEED}]"),
         ]
@@ -84,6 +90,10 @@ class SamplingParams:
 
 def _is_integer(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def wrap_seed(seed: int) -> int:

@@ -42,6 +42,8 @@ class EngineApiMixin:
         `media` gives each prompt's image / video sources (or None), see `add_request`.
         """
         token_lists = self._prompt_token_lists(prompts, prompt_token_ids)
+        if not token_lists:
+            return []
         media = media or [None] * len(token_lists)
         if len(media) != len(token_lists):
             raise ValueError(f"media has {len(media)} entries for {len(token_lists)} prompts")
@@ -62,12 +64,18 @@ class EngineApiMixin:
         for ids, sources in zip(token_lists, media, strict=True):
             if not sources:
                 self._validate_prompt(ids)
-        for ids, p, sources in zip(token_lists, params, media, strict=True):
-            collector = ResultCollector("", ids, n)
-            collector.request_id = self.add_request(
-                ids, _recording_prompt(collector, p) if sources else p, make_sink(collector),
-                n=n, media=sources or None)
-            collectors.append(collector)
+        try:
+            for ids, p, sources in zip(token_lists, params, media, strict=True):
+                collector = ResultCollector("", ids, n)
+                collector.request_id = self.add_request(
+                    ids, _recording_prompt(collector, p) if sources else p,
+                    make_sink(collector), n=n, media=sources or None)
+                collectors.append(collector)
+        except BaseException:
+            # A prompt refused (overloaded, bad media, ...): none of the call's prompts runs.
+            for collector in collectors:
+                self.abort(collector.request_id)
+            raise
         while not done.is_set():
             if self.options.background_loop:
                 done.wait()

@@ -52,6 +52,9 @@ class EngineEmitMixin:
         self.progress.release(seq)
         with self._lock:
             self.num_pending -= 1
+            left = self._live_requests.pop(choice.request_id) - 1
+            if left:
+                self._live_requests[choice.request_id] = left
         delta.num_prompt_tokens = seq.num_prompt_tokens
         delta.num_output_tokens = seq.num_output_tokens
         delta.num_cached_tokens = seq.num_cached_tokens or 0

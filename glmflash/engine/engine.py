@@ -102,6 +102,8 @@ class Engine(EngineApiMixin, EngineLoopMixin, EngineStartupMixin, EngineEmitMixi
         self._choices: dict[int, _Choice] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
+        self._live_requests: dict[str, int] = {}
+        """Request id -> its choices not yet finished (under `_lock`): an id names one request."""
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -143,7 +145,7 @@ class Engine(EngineApiMixin, EngineLoopMixin, EngineStartupMixin, EngineEmitMixi
         limit = self.options.max_queued_requests
         if limit is not None and self.num_pending >= limit:
             raise EngineOverloaded("the engine is overloaded; try again later")
-        request_id = request_id or f"req-{next(self._request_ids)}"
+        request_id = self._claim_request_id(request_id or None, n)
         seqs = []
         for index in range(n):
             choice_params = params if params.seed is None or index == 0 else \
@@ -152,11 +154,23 @@ class Engine(EngineApiMixin, EngineLoopMixin, EngineStartupMixin, EngineEmitMixi
             self._choices[seq.seq_id] = _Choice(request_id, index, sink,
                                                 SequenceDetokenizer(self.tokenizer, seq), seq)
             seqs.append(seq)
-        with self._lock:
-            self.num_pending += n
         self._inbox.put(("add", (seqs, mm)))
         if self.options.background_loop:
             self._ensure_thread()
+        return request_id
+
+    def _claim_request_id(self, request_id: str | None, n: int) -> str:
+        """`request_id` (refused while a request of that id is unfinished: an abort would end
+        both), or a fresh one; its n choices counted as pending."""
+        with self._lock:
+            if request_id is None:
+                request_id = f"req-{next(self._request_ids)}"
+                while request_id in self._live_requests:
+                    request_id = f"req-{next(self._request_ids)}"
+            elif request_id in self._live_requests:
+                raise ValueError(f"request id {request_id!r} is in use by an unfinished request")
+            self._live_requests[request_id] = n
+            self.num_pending += n
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -257,6 +271,11 @@ class Engine(EngineApiMixin, EngineLoopMixin, EngineStartupMixin, EngineEmitMixi
         return [t for row, t in enumerate(token_ids) if row not in errors]
 
     def _admit(self, seqs: list[Sequence], mm: MultimodalPrompt | None) -> None:
+        # Choices ended while their request waited in the inbox (a step that failed before it
+        # had a batch ends every live choice) stay ended.
+        seqs = [seq for seq in seqs if seq.seq_id in self._choices]
+        if not seqs:
+            return
         if mm is not None:
             try:
                 with torch.inference_mode():

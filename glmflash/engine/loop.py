@@ -47,8 +47,8 @@ class EngineLoopMixin:
             if is_device_lost(exc):
                 raise
             batch, self._batch = self._batch, None
-            logger.exception("engine step failed; ending the %s requests it ran",
-                             "all" if batch is None else len(batch.seqs))
+            logger.exception("engine step failed; ending %s", "every live request"
+                             if batch is None else f"the {len(batch.seqs)} requests it ran")
             if batch is not None:
                 self.cache.forget_unsaved(batch.cache_ops)
             seqs = batch.seqs if batch is not None else self._live_seqs()

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from glmflash import Engine, SamplingParams
+from glmflash.engine.errors import EngineOverloaded
 from glmflash.engine.outputs import ResultCollector
 
 GOOD_PROMPT, BAD_PROMPT = [4, 5, 6], [1, 2, 3]
@@ -71,7 +72,12 @@ def test_a_processor_returning_a_bad_row_fails_only_its_request(stepped, referen
     dict(logprobs=2.5),
     dict(logprobs=True),
     dict(prompt_logprobs=2.5),
-], ids=["float-seed", "huge-top_k", "float-logprobs", "bool-logprobs", "float-prompt_logprobs"])
+    dict(skip_special_tokens=None),
+    dict(skip_special_tokens=0),
+    dict(skip_special_tokens="false"),
+    dict(stop_token_ids=[1.5]),
+], ids=["float-seed", "huge-top_k", "float-logprobs", "bool-logprobs", "float-prompt_logprobs",
+        "none-skip_special", "int-skip_special", "str-skip_special", "float-stop_token_id"])
 def test_bad_sampling_param_types_fail_only_their_request(stepped, reference, kwargs):
     try:
         bad_params = SamplingParams(max_tokens=4, ignore_eos=True, **kwargs)
@@ -178,6 +184,76 @@ def test_an_undeliverable_abort_fails_only_the_aborted_request():
         assert good.choices[0].finish_reason == "length"
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("kwargs", [dict(skip_special_tokens=None), dict(ignore_eos=1),
+                                    dict(temperature=True), dict(top_p="0.5"),
+                                    dict(stop_token_ids=[2, "3"])])
+def test_sampling_params_refuse_wrong_types(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_generate_of_no_prompts_returns_at_once(stepped):
+    assert stepped.generate(prompt_token_ids=[], sampling_params=GREEDY) == []
+    assert stepped.generate([], GREEDY) == []
+
+
+def test_a_refused_generate_leaves_none_of_its_prompts_running():
+    """The third prompt is refused (the queue holds two): the two added before it are
+    withdrawn, so they neither hold the queue nor run for nobody."""
+    engine = Engine(None, device="cpu", dtype="float32", context_length=128,
+                    background_loop=False, max_queued_requests=2)
+    try:
+        with pytest.raises(EngineOverloaded):
+            engine.generate(prompt_token_ids=[GOOD_PROMPT, BAD_PROMPT, [7, 8, 9]],
+                            sampling_params=GREEDY)
+        engine.step()
+        assert engine.num_pending == 0 and not engine.scheduler.has_work
+        assert len(engine.generate(prompt_token_ids=[GOOD_PROMPT, BAD_PROMPT],
+                                   sampling_params=GREEDY)) == 2
+    finally:
+        engine.shutdown()
+
+
+def test_a_request_id_in_use_is_refused(stepped):
+    """An abort ends every choice of its id: a second request of an unfinished one's id would
+    let either caller end the other's. Free again once the first has finished."""
+    first = ResultCollector("", GOOD_PROMPT, 1)
+    stepped.add_request(GOOD_PROMPT, GREEDY, first.add, request_id="job")
+    with pytest.raises(ValueError, match="in use"):
+        stepped.add_request(BAD_PROMPT, GREEDY, lambda d: None, request_id="job")
+    while not first.is_done:
+        stepped._guarded_step()
+    assert first.choices[0].finish_reason == "length"
+    again = ResultCollector("", GOOD_PROMPT, 1)
+    assert stepped.add_request(GOOD_PROMPT, GREEDY, again.add, request_id="job") == "job"
+    while not again.is_done:
+        stepped._guarded_step()
+    assert stepped.num_pending == 0
+
+
+def test_a_step_failing_before_its_batch_does_not_bring_back_inbox_requests(stepped):
+    """The failure ends every live choice, also one whose request another thread added after
+    the step drained the inbox: that request must not be admitted afterwards (it ran with no
+    choice to deliver to, failing every batch it was in)."""
+    late = ResultCollector("", BAD_PROMPT, 1)
+    schedule = stepped.scheduler.schedule
+
+    def add_then_fail():
+        stepped.scheduler.schedule = schedule
+        late.request_id = stepped.add_request(BAD_PROMPT, GREEDY, late.add)
+        raise RuntimeError("schedule exploded")
+    stepped.scheduler.schedule = add_then_fail
+    stepped._guarded_step()
+    assert late.choices[0].finish_reason == "error"
+    good = _submit(stepped, GOOD_PROMPT, GREEDY)
+    while not good.is_done:
+        stepped._guarded_step()
+    assert good.error is None and good.choices[0].finish_reason == "length"
+    assert not stepped.scheduler.has_work
+    stepped.check_integrity()
+    assert stepped.cache.num_free_pages == stepped.cache.plan.num_pages
 
 
 def test_add_request_refuses_n_below_one():
