@@ -15,7 +15,7 @@ import torch
 
 from glmflash.config import ModelConfig
 from glmflash.engine.api import EngineApiMixin
-from glmflash.engine.cache import CacheManager, PrefixCacheStats
+from glmflash.engine.cache import CacheManager, CachePlan, PrefixCacheStats
 from glmflash.engine.detokenizer import SequenceDetokenizer
 from glmflash.engine.emit import EngineEmitMixin
 from glmflash.engine.errors import EngineDead, EngineOverloaded, PromptTooLong
@@ -72,23 +72,8 @@ class Engine(EngineApiMixin, EngineLoopMixin, EngineStartupMixin, EngineEmitMixi
         warmup_ids = self.tokenizer.encode(warmup_text())[:WARMUP_TOKENS] \
             if self.options.kt_expert_placement == "frequency" else None
         self.runner, plan = self._start_runner(log_level, warmup_ids)
-        self.cache = CacheManager(plan, use_prefix_cache=not self.options.disable_radix_cache)
-        self.eos_token_ids = frozenset(self.config.eos_token_id) | set(self.tokenizer.eos_token_ids)
-        self.scheduler = Scheduler(
-            SchedulerConfig(self.options.max_running_requests, self.options.chunked_prefill_size,
-                            self.max_seq_len), self.cache, self.eos_token_ids)
-        self.progress = PrefillProgress(self.options.chunked_prefill_size)
-        self.sampler = Sampler(self.options.seed, sleep_while_waiting=self.device.type == "cuda"
-                               and self.options.kt_num_gpu_experts is not None)
-        self.spec = self._speculative_decoder()
-        self.media = MediaPreparer(self.config, self.tokenizer,
-                                   limits=self.options.limit_mm_data_per_request,
-                                   process=self.options.mm_process_config,
-                                   local_root=self.options.media_local_root,
-                                   url_policy=UrlPolicy.create(
-                                       self.options.allowed_media_domains,
-                                       self.options.allow_private_media_urls))
-        try:
+        try:  # the runner owns processes and memory (ranks of a split model): closed on failure
+            self._build_around(plan)
             if not self.options.skip_kernel_warmup:
                 with measured_peak(self.memory_ledger, "activations and workspaces",
                                    self.device, "warming up the kernels"):
@@ -118,6 +103,25 @@ class Engine(EngineApiMixin, EngineLoopMixin, EngineStartupMixin, EngineEmitMixi
         self._publish_stats()
         logger.info("engine ready: %s on %s (%s), context %d", self.model_path, self.device,
                     self.dtype, self.max_seq_len)
+
+    def _build_around(self, plan: CachePlan) -> None:
+        """The cache, scheduler, sampler, drafting and media preparation over the runner."""
+        self.cache = CacheManager(plan, use_prefix_cache=not self.options.disable_radix_cache)
+        self.eos_token_ids = frozenset(self.config.eos_token_id) | set(self.tokenizer.eos_token_ids)
+        self.scheduler = Scheduler(
+            SchedulerConfig(self.options.max_running_requests, self.options.chunked_prefill_size,
+                            self.max_seq_len), self.cache, self.eos_token_ids)
+        self.progress = PrefillProgress(self.options.chunked_prefill_size)
+        self.sampler = Sampler(self.options.seed, sleep_while_waiting=self.device.type == "cuda"
+                               and self.options.kt_num_gpu_experts is not None)
+        self.spec = self._speculative_decoder()
+        self.media = MediaPreparer(self.config, self.tokenizer,
+                                   limits=self.options.limit_mm_data_per_request,
+                                   process=self.options.mm_process_config,
+                                   local_root=self.options.media_local_root,
+                                   url_policy=UrlPolicy.create(
+                                       self.options.allowed_media_domains,
+                                       self.options.allow_private_media_urls))
 
     # Submission, from any thread.
     def add_request(self, prompt_token_ids: list[int],

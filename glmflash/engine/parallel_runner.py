@@ -20,6 +20,7 @@ import torch.distributed as dist
 from glmflash.distributed.group import ERROR_WAIT_S, RankFailed, RankGroup, abort_group, join_group
 from glmflash.engine.model_runner import DecodeStep, ModelRunner
 from glmflash.engine.ranks import (
+    ALIVE_KEY,
     CAPTURE,
     DECODE,
     STEP,
@@ -37,6 +38,7 @@ from glmflash.utils import env
 
 logger = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 10.0
+ALIVE_POLL_S = 0.05
 
 
 class WorkerSet:
@@ -56,6 +58,20 @@ class WorkerSet:
         self.closing = False
         self.on_death = None
         threading.Thread(target=self._watch, name="glmflash-rank-watch", daemon=True).start()
+
+    def wait_until_alive(self, store, timeout_s: float) -> None:
+        """Until every rank has reached the store (`ALIVE_KEY`). A rank that exits before (a
+        script without a `__main__` guard, which each spawned rank runs again, dies there) is
+        reported at once, where the process group's join would wait out its whole timeout."""
+        keys = [ALIVE_KEY.format(rank) for rank in range(1, len(self.processes) + 1)]
+        deadline = time.monotonic() + timeout_s
+        while not store.check(keys):
+            if codes := self.exit_codes():
+                raise RankFailed("; ".join(f"rank {rank} exited with code {code} before it "
+                                           f"started" for rank, code in codes.items()))
+            if time.monotonic() > deadline:
+                raise RankFailed(f"the ranks did not start within {timeout_s:.0f} s")
+            time.sleep(ALIVE_POLL_S)
 
     def exit_codes(self) -> dict[int, int]:
         """rank -> exit code of the ranks that have exited."""
@@ -218,6 +234,7 @@ def start_ranks(spec: RankSpec, warmup_ids: list[int] | None = None) -> Parallel
     workers = WorkerSet(dataclasses.replace(spec, store_port=store.port))
     group = None
     try:
+        workers.wait_until_alive(store, env.dist_timeout_s())
         group = join_group(0, spec.parallel.tp_size, store, spec.device_type,
                            env.dist_timeout_s(), same_host=True)
         return build_rank_runner(spec, group, lambda model, plan: ParallelRunner(

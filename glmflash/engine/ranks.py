@@ -128,12 +128,18 @@ def serve_steps(runner: ModelRunner, group: RankGroup) -> None:
                                                   extra_logit_rows=None))
 
 
+ALIVE_KEY = "glmflash/alive/{}"
+"""Set by a spawned rank once it has reached rank 0's store (`WorkerSet.wait_until_alive`)."""
+
+
 def worker_main(rank: int, spec: RankSpec) -> None:
     """Entry of a rank spawned by rank 0 (rank 0 owns Ctrl-C and tells the others to stop)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     setup_logging(spec.log_level)
+    maybe_fail("start", rank)
     store = dist.TCPStore("127.0.0.1", spec.store_port, spec.parallel.tp_size, is_master=False,
                           timeout=timedelta(seconds=env.dist_timeout_s()))
+    store.set(ALIVE_KEY.format(rank), "1")
     run_worker(rank, spec, store)
 
 
@@ -175,6 +181,7 @@ def _share_cpu_cores(world_size: int, options: EngineConfig) -> EngineConfig:
 
 
 def maybe_fail(point: str, rank: int) -> None:
-    """Test hook: GLMFLASH_TEST_FAULT="<rank>:<point>" raises there ("load", "step<n>")."""
+    """Test hook: GLMFLASH_TEST_FAULT="<rank>:<point>" raises there ("start", "load",
+    "step<n>")."""
     if env.test_fault() == f"{rank}:{point}":
         raise RuntimeError(f"injected fault at {point} (GLMFLASH_TEST_FAULT)")

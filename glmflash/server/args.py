@@ -156,6 +156,8 @@ def inapplicable_flags(args: argparse.Namespace, device_type: str, num_gpus: int
             "(--device cpu splits the model over CPU processes)"
         if args.ep_size is not None:
             reasons["ep_size"] = "no expert parallelism on one device"
+    elif on_gpu and args.kt_num_gpu_experts is not None and (args.ep_size or 1) > 1:
+        reasons["ep_size"] = "with --kt-num-gpu-experts every routed expert lives on rank 0"
     reasons.update(_expert_reasons(args, device_type))
     if not supports_media:
         reasons.update({dest: "this build has no image or video input" for dest in _MEDIA_FLAGS

@@ -120,6 +120,41 @@ def test_rank1_fails_at_load(model_dir, monkeypatch):
     assert not multiprocessing.active_children()
 
 
+def test_rank1_dying_before_it_starts_is_reported_at_once(model_dir, monkeypatch):
+    """A spawned rank that exits before reaching the store (here an exception at its start;
+    in life a script without a __main__ guard) is named at once, not after the process
+    group's join timeout (60 s here, 600 by default)."""
+    monkeypatch.setenv("GLMFLASH_TEST_FAULT", "1:start")
+    started = time.monotonic()
+    with pytest.raises(RankFailed, match="rank 1 exited with code 1 before it started"):
+        Engine(model_dir, device="cpu", tp_size=2, skip_kernel_warmup=True)
+    assert time.monotonic() - started < EXIT_TIMEOUT_S
+    assert not multiprocessing.active_children()
+
+
+def _psm_segments() -> set[str]:
+    return {p for p in os.listdir("/dev/shm") if p.startswith("psm_")}
+
+
+def test_a_start_failing_after_the_ranks_leaves_nothing(model_dir):
+    """Refused options checked after the ranks are up (an unknown media kind): the ranks stop,
+    the shared segment goes, and another split engine can start in this process."""
+    before = _psm_segments()
+    with pytest.raises(ValueError, match="unknown media kinds"):
+        Engine(model_dir, device="cpu", tp_size=2, skip_kernel_warmup=True,
+               limit_mm_data_per_request={"audio": 1})
+    deadline = time.monotonic() + EXIT_TIMEOUT_S
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not multiprocessing.active_children()
+    assert _psm_segments() <= before
+    engine = Engine(model_dir, device="cpu", tp_size=2, skip_kernel_warmup=True)
+    try:
+        assert len(engine.generate(PROMPTS[:1], GREEDY)[0].token_ids) == GREEDY.max_tokens
+    finally:
+        engine.shutdown()
+
+
 def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 

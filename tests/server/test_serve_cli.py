@@ -79,6 +79,10 @@ def test_inapplicable_flags_one_line_each():
     hybrid = build_parser().parse_args(["--kt-num-gpu-experts", "4", "--kt-cpuinfer", "8",
                                         "--kt-gpu-prefill-token-threshold", "512"])
     assert inapplicable_flags(hybrid, "cuda", 1, True) == []
+    hybrid_ep = build_parser().parse_args(["--tp-size", "2", "--ep-size", "2",
+                                           "--kt-num-gpu-experts", "4"])
+    assert inapplicable_flags(hybrid_ep, "cuda", 2, True) == [
+        "--ep-size 2: ignored: with --kt-num-gpu-experts every routed expert lives on rank 0"]
     assert inapplicable_flags(build_parser().parse_args([]), "cpu", 0, False) == []
 
 
