@@ -90,17 +90,11 @@ def sample_frame_indices(total_num_frames: int, fps: float, *, target_fps: float
     """Frames to keep: one per 1/target_fps seconds up to the whole second, even count."""
     duration = duration or round((total_num_frames - 1) / fps) + 1
     num_wanted = min(int(duration * target_fps), max_frames)
-    seconds_per_frame = 1 / fps
     if total_num_frames < num_wanted:
         indices = np.linspace(0, total_num_frames - 1, num_wanted, dtype=int).tolist()
     else:
-        indices, next_time, step = [], 0.0, 1 / target_fps
-        for i in range(total_num_frames):
-            if i * seconds_per_frame >= next_time:
-                next_time += step
-                indices.append(i)
-                if next_time >= int(duration):
-                    break
+        indices = _frames_at_interval(total_num_frames, fps, 1 / target_fps, duration,
+                                      num_wanted)
     if len(indices) < num_wanted:
         start, end = (indices[0], indices[-1]) if indices else (0, max(total_num_frames - 1, 0))
         indices = np.linspace(start, end, num_wanted, dtype=int).tolist()
@@ -110,6 +104,28 @@ def sample_frame_indices(total_num_frames: int, fps: float, *, target_fps: float
     if len(unique) % 2:
         unique.append(unique[-1])
     return unique
+
+
+def _frames_at_interval(total: int, fps: float, step: float, duration: float,
+                        num_wanted: int) -> list[int]:
+    """The reference's walk: the first frame at or after each multiple of `step` seconds,
+    until the next time reaches the whole seconds of `duration`. It jumps from one pick to
+    a few frames before the next instead of visiting every frame, and stops once past
+    `num_wanted` (the caller then spaces the frames evenly instead): a frame count that a
+    file's header overstates (billions) costs nothing."""
+    seconds_per_frame = 1 / fps
+    indices, next_time, i = [], 0.0, 0
+    while i < total:
+        if i * seconds_per_frame >= next_time:
+            next_time += step
+            indices.append(i)
+            if next_time >= int(duration) or len(indices) > num_wanted:
+                break
+            # Frames more than two before next_time * fps fall short of it in any rounding.
+            i = max(i + 1, int(next_time * fps) - 2)
+        else:
+            i += 1
+    return indices
 
 
 def decode_video(source: str | Path | bytes, config: VideoProcessConfig, *,
@@ -153,7 +169,10 @@ def _open(av, source: str | Path | bytes):
 def _video_stream(container):
     if not container.streams.video:
         raise VideoDecodeError("the file has no video stream")
-    return container.streams.video[0]
+    stream = container.streams.video[0]
+    if stream.codec_context is None:  # a damaged stream description: no decoder, no size
+        raise VideoDecodeError("the video stream's codec is unknown or damaged")
+    return stream
 
 
 def _count_frames(container, stream) -> int:

@@ -10,12 +10,15 @@ from transformers.video_utils import VideoMetadata, read_video_pyav
 from glmflash.config import ModelConfig, VisionConfig
 from glmflash.model.media import media_masks
 from glmflash.multimodal import (
+    FetchConfig,
     ImageProcessConfig,
+    MediaError,
     MediaTokenIds,
     MultimodalProcessConfig,
     VideoProcessConfig,
     decode_video,
     expand_media_tokens,
+    load_video,
     process_images,
     process_videos,
 )
@@ -126,6 +129,59 @@ def test_frame_sampling_matches_reference(ref_video):
                 assert ours == ref.sample_frames(meta).tolist(), (total, fps, max_frames)
     assert sample_frame_indices(300, 30, target_fps=2, max_frames=2048,
                                 duration=10.0) == list(range(0, 300, 15))
+
+
+def _sampled_over_every_frame(total: int, fps: float, duration: float) -> list[int]:
+    """The reference's sampling at 2 fps as it reads: its walk visits every frame."""
+    num_wanted = min(int(duration * 2), 2048)
+    if total < num_wanted:
+        indices = np.linspace(0, total - 1, num_wanted, dtype=int).tolist()
+    else:
+        indices, next_time = [], 0.0
+        for i in range(total):
+            if i * (1 / fps) >= next_time:
+                next_time += 0.5
+                indices.append(i)
+                if next_time >= int(duration):
+                    break
+    if len(indices) < num_wanted:
+        start, end = (indices[0], indices[-1]) if indices else (0, max(total - 1, 0))
+        indices = np.linspace(start, end, num_wanted, dtype=int).tolist()
+    elif len(indices) > num_wanted:
+        indices = np.linspace(0, total - 1, num_wanted, dtype=int).tolist()
+    unique = list(dict.fromkeys(indices))
+    return unique + unique[-1:] if len(unique) % 2 else unique
+
+
+def test_frame_sampling_jumps_to_the_same_frames():
+    """The walk that jumps between picks keeps the reference's frames, at rates and lengths
+    where frame times round either way (the oracle test above covers the standard rates)."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        fps = float(rng.choice([rng.uniform(0.5, 240), 30000 / 1001, 24000 / 1001, 1 / 3]))
+        total = int(rng.integers(1, 20000))
+        ours = sample_frame_indices(total, fps, target_fps=2, max_frames=2048,
+                                    duration=total / fps)
+        assert ours == _sampled_over_every_frame(total, fps, total / fps), (total, fps)
+
+
+def test_an_overstated_frame_count_costs_nothing():
+    """A header may claim billions of frames (one changed byte): the sampling cost follows the
+    frames wanted, not the claim (the decoder then finds the frames missing)."""
+    total, fps = 4_110_417_932, 30.0
+    indices = sample_frame_indices(total, fps, target_fps=2, max_frames=2048,
+                                   duration=total / fps)
+    assert len(indices) == 2048 and indices[-1] == total - 1
+
+
+def test_a_damaged_stream_description_is_a_media_error(tmp_path):
+    """One flipped byte in the MP4's sample description: PyAV opens a stream with no codec,
+    which has no size; a MediaError (a 400), not an AttributeError (a 500)."""
+    data = make_video(tmp_path / "clip.mp4", num_frames=31, fps=30, height=32,
+                      width=48).read_bytes()
+    assert data.count(b"stsd") == 1
+    with pytest.raises(MediaError, match="codec"):
+        load_video(data.replace(b"stsd", b"\x8dtsd"), FetchConfig(), VideoProcessConfig())
 
 
 @pytest.mark.parametrize("name", VIDEOS)
