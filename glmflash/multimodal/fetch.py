@@ -43,6 +43,8 @@ class UrlPolicy:
     @classmethod
     def create(cls, allowed_domains: list[str] | tuple[str, ...] | None = None,
                allow_private: bool = False) -> UrlPolicy:
+        if isinstance(allowed_domains, str):  # one host, not its characters
+            allowed_domains = [allowed_domains]
         domains = None if allowed_domains is None else \
             frozenset(d.strip().lower().rstrip(".") for d in allowed_domains)
         return cls(domains, allow_private)

@@ -57,6 +57,8 @@ def test_redirects_into_the_network_are_refused(fake_net, target):
 
 def test_allowed_media_domains_narrow_fetching(fake_net):
     assert load_image(PUBLIC, FetchConfig(url_policy=UrlPolicy.create(["Media.Example."])))
+    # One host given as a string (the library's option): that host, not its characters.
+    assert load_image(PUBLIC, FetchConfig(url_policy=UrlPolicy.create("media.example")))
     narrow = FetchConfig(url_policy=UrlPolicy.create(["cdn.example"]))
     with pytest.raises(MediaError, match="not in this server's allowed media domains"):
         load_image(PUBLIC, narrow)
