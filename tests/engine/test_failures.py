@@ -76,6 +76,20 @@ def test_sampling_params_refuse_values_no_sampler_takes(kwargs):
         SamplingParams(**kwargs)
 
 
+def _run_to_end(engine: Engine, params: SamplingParams) -> ResultCollector:
+    """Submit [1, 2] to an engine with its thread and wait until the request has ended."""
+    done = threading.Event()
+    collector = ResultCollector("", [1, 2], 1)
+
+    def sink(delta):
+        collector.add(delta)
+        if collector.is_done:
+            done.set()
+    engine.add_request([1, 2], params, sink)
+    assert done.wait(30), "the request was never ended"
+    return collector
+
+
 @pytest.mark.parametrize("fatal", [SystemExit("killed"),
                                    RuntimeError("CUDA error: an illegal memory access")])
 def test_a_dead_engine_thread_fails_its_requests_and_refuses_more(tiny_dirs, fatal):
@@ -84,15 +98,7 @@ def test_a_dead_engine_thread_fails_its_requests_and_refuses_more(tiny_dirs, fat
         def die(batch):
             raise fatal
         engine.runner.run = die
-        done = threading.Event()
-        collector = ResultCollector("", [1, 2], 1)
-
-        def sink(delta):
-            collector.add(delta)
-            if collector.is_done:
-                done.set()
-        engine.add_request([1, 2], SamplingParams(max_tokens=3), sink)
-        assert done.wait(30), "the request was never ended"
+        collector = _run_to_end(engine, SamplingParams(max_tokens=3))
         assert collector.choices[0].finish_reason == "error"
         assert "engine stopped" in collector.error
         assert engine.failure is not None and type(fatal).__name__ in engine.failure
@@ -132,16 +138,8 @@ def test_cpu_experts_failing_during_a_step_end_the_engine_before_its_tokens(tiny
                 handoff.failed = True
             return run(batch)
         engine.runner.run = run_then_fail
-        done = threading.Event()
-        collector = ResultCollector("", [1, 2], 1)
-
-        def sink(delta):
-            collector.add(delta)
-            if collector.is_done:
-                done.set()
-        engine.add_request([1, 2], SamplingParams(max_tokens=5, temperature=0,
-                                                  ignore_eos=True), sink)
-        assert done.wait(30), "the request was never ended"
+        collector = _run_to_end(engine, SamplingParams(max_tokens=5, temperature=0,
+                                                       ignore_eos=True))
         assert collector.choices[0].finish_reason == "error"
         assert len(collector.choices[0].token_ids) == 1  # the first step's token only
         assert engine.failure is not None and "CpuExpertsFailed" in engine.failure
