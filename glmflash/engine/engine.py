@@ -146,9 +146,6 @@ class Engine(EngineApiMixin, EngineLoopMixin, EngineStartupMixin, EngineEmitMixi
         if callable(params):
             params = params(prompt_token_ids)
         self._validate_prompt(prompt_token_ids)
-        limit = self.options.max_queued_requests
-        if limit is not None and self.num_pending >= limit:
-            raise EngineOverloaded("the engine is overloaded; try again later")
         request_id = self._claim_request_id(request_id or None, n)
         seqs = []
         for index in range(n):
@@ -165,8 +162,12 @@ class Engine(EngineApiMixin, EngineLoopMixin, EngineStartupMixin, EngineEmitMixi
 
     def _claim_request_id(self, request_id: str | None, n: int) -> str:
         """`request_id` (refused while a request of that id is unfinished: an abort would end
-        both), or a fresh one; its n choices counted as pending."""
-        with self._lock:
+        both), or a fresh one; its n choices counted as pending, refused (EngineOverloaded)
+        where they would take the choices in flight past `max_queued_requests`."""
+        limit = self.options.max_queued_requests
+        with self._lock:  # one check and count for concurrent submitters
+            if limit is not None and self.num_pending + n > limit:
+                raise EngineOverloaded("the engine is overloaded; try again later")
             if request_id is None:
                 request_id = f"req-{next(self._request_ids)}"
                 while request_id in self._live_requests:

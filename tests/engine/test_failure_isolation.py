@@ -216,6 +216,22 @@ def test_a_refused_generate_leaves_none_of_its_prompts_running():
         engine.shutdown()
 
 
+def test_the_queue_limit_counts_choices():
+    """max_queued_requests bounds choices in flight: a request of more choices than are left
+    is refused whole, one that fits is taken."""
+    engine = Engine(None, device="cpu", dtype="float32", context_length=128,
+                    background_loop=False, max_queued_requests=3)
+    try:
+        engine.add_request(GOOD_PROMPT, GREEDY, lambda d: None, n=2)
+        with pytest.raises(EngineOverloaded):
+            engine.add_request(BAD_PROMPT, GREEDY, lambda d: None, n=2)
+        assert engine.num_pending == 2
+        engine.add_request(BAD_PROMPT, GREEDY, lambda d: None)
+        assert engine.num_pending == 3
+    finally:
+        engine.shutdown()
+
+
 def test_a_request_id_in_use_is_refused(stepped):
     """An abort ends every choice of its id: a second request of an unfinished one's id would
     let either caller end the other's. Free again once the first has finished."""
