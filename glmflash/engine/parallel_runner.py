@@ -57,6 +57,9 @@ class WorkerSet:
                 process.start()
         self.closing = False
         self.on_death = None
+        self._reaping = threading.Lock()
+        """Held around every look at the processes' state: two threads reaping one child at
+        once (the watcher and `stop`) leave one of them taking it for alive."""
         threading.Thread(target=self._watch, name="glmflash-rank-watch", daemon=True).start()
 
     def wait_until_alive(self, store, timeout_s: float) -> None:
@@ -75,31 +78,34 @@ class WorkerSet:
 
     def exit_codes(self) -> dict[int, int]:
         """rank -> exit code of the ranks that have exited."""
-        return {rank: p.exitcode for rank, p in enumerate(self.processes, 1)
-                if p.exitcode is not None}
+        with self._reaping:
+            codes = {rank: p.exitcode for rank, p in enumerate(self.processes, 1)}
+        return {rank: code for rank, code in codes.items() if code is not None}
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Wait up to `timeout_s` for the ranks to exit, then end those that have not."""
         self.closing = True
         deadline = time.monotonic() + timeout_s
-        for process in self.processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-        for process in self.processes:
-            if process.is_alive():
-                if timeout_s:
-                    logger.warning("%s did not exit; terminating it", process.name)
-                process.terminate()
-                process.join(STOP_TIMEOUT_S)
-            if process.is_alive():
-                process.kill()
-                process.join()
+        with self._reaping:
+            for process in self.processes:
+                process.join(max(0.0, deadline - time.monotonic()))
+            for process in self.processes:
+                if process.is_alive():
+                    if timeout_s:
+                        logger.warning("%s did not exit; terminating it", process.name)
+                    process.terminate()
+                    process.join(STOP_TIMEOUT_S)
+                if process.is_alive():
+                    process.kill()
+                    process.join()
 
     def _watch(self) -> None:
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, 1)}
         while sentinels:
             for ready in multiprocessing.connection.wait(list(sentinels)):
                 rank = sentinels.pop(ready)
-                code = self.processes[rank - 1].exitcode
+                with self._reaping:
+                    code = self.processes[rank - 1].exitcode
                 if not self.closing and self.on_death is not None:
                     self.on_death(rank, code)
 
