@@ -13,13 +13,18 @@ from glmflash.server.errors import unauthorized
 from glmflash.server.metrics import ServerMetrics
 from glmflash.server.routing import error_response
 
-_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health",
+           "/metrics")
+# Routes with an id in the path: one label each (the ids would make the label set unbounded).
+_ID_ROUTES = (("/v1/models/", "/v1/models/{model_id}"),
+              ("/v1/responses/", "/v1/responses/{response_id}"))
 
 
 def route_label(path: str) -> str:
     """A bounded label for /metrics (unknown paths are `other`)."""
-    if path.startswith("/v1/models/"):
-        return "/v1/models/{model_id}"
+    for prefix, label in _ID_ROUTES:
+        if path.startswith(prefix):
+            return label
     return path if path in _ROUTES else "other"
 
 
@@ -49,5 +54,6 @@ class ApiMiddleware:
         headers = dict(scope["headers"])
         value = headers.get(b"authorization", b"").decode("latin-1")
         scheme, _, token = value.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                                  self.api_key.encode())
+        # The header's bytes as sent (latin-1 round-trips them) against the key's UTF-8 bytes.
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode("latin-1"), self.api_key.encode())

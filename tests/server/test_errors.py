@@ -13,6 +13,7 @@ from glmflash.server.chat import _check_json
 from glmflash.server.errors import ApiError
 from glmflash.server.fields import Fields
 from glmflash.server.messages import route_media_part
+from glmflash.server.middleware import ApiMiddleware, route_label
 from glmflash.server.protocol import _template_kwargs
 from tests.server.conftest import API_KEY, MODEL
 
@@ -246,3 +247,22 @@ def test_null_template_kwarg_leaves_the_top_level_effort():
     body = Fields(_chat(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": None,
                                                                        "x": 1}), "")
     assert _template_kwargs(body) == {"reasoning_effort": "low", "x": 1}
+
+
+@pytest.mark.parametrize("path,label", [
+    ("/v1/responses", "/v1/responses"), ("/v1/responses/resp_1", "/v1/responses/{response_id}"),
+    ("/v1/models/glm", "/v1/models/{model_id}"), ("/v1/nothing", "other")])
+def test_metrics_route_labels(path, label):
+    assert route_label(path) == label
+
+
+def test_a_non_ascii_api_key_matches_itself():
+    """The Authorization header arrives as bytes (UTF-8 from clients); the key must match
+    byte for byte, not after a latin-1 decode and a UTF-8 encode."""
+    key = "clé-秘密"
+    middleware = ApiMiddleware(None, api_key=key, metrics=None)
+
+    def scope(token: str) -> dict:
+        return {"headers": [(b"authorization", f"Bearer {token}".encode())]}
+    assert middleware._is_authorized(scope(key))
+    assert not middleware._is_authorized(scope("cle-秘密"))
