@@ -43,8 +43,8 @@ class VisionConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> VisionConfig:
-        kwargs = _known_fields(cls, raw)
-        rope = raw.get("rope_parameters") or {}
+        kwargs = _known_fields(cls, _object(raw, "vision_config"), "vision_config.")
+        rope = _object(raw.get("rope_parameters") or {}, "vision_config.rope_parameters")
         if rope.get("rope_type", "axial") != "axial":
             raise ConfigError(
                 f"vision rope_type {rope['rope_type']!r} is not supported (only 'axial')"
@@ -65,6 +65,7 @@ class QuantConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> QuantConfig:
+        raw = _object(raw, "quantization_config")
         method = raw.get("quant_method")
         if method != "fp8":
             raise ConfigError(
@@ -74,13 +75,17 @@ class QuantConfig:
             raise ConfigError(
                 f"quantization_config.fmt {raw['fmt']!r} is not supported (only 'e4m3')"
             )
-        block = tuple(raw.get("weight_block_size") or (128, 128))
-        if len(block) != 2 or min(block) < 1:
-            raise ConfigError(
-                f"quantization_config.weight_block_size {block!r} must be two positive ints"
-            )
+        block = raw.get("weight_block_size") or (128, 128)
+        # The kernels take square blocks (one size for both weight dimensions).
+        if not (isinstance(block, (list, tuple)) and len(block) == 2
+                and all(_is_int(b) and b > 0 for b in block) and block[0] == block[1]):
+            raise ConfigError(f"quantization_config.weight_block_size {block!r} must be two "
+                              f"equal positive integers (square blocks)")
         scheme = raw.get("activation_scheme", "dynamic")
-        return cls(weight_block_size=block, activation_scheme=scheme)
+        if scheme != "dynamic":
+            raise ConfigError(f"quantization_config.activation_scheme {scheme!r} is not "
+                              f"supported (only 'dynamic')")
+        return cls(weight_block_size=tuple(block), activation_scheme=scheme)
 
 
 @dataclass(frozen=True)
@@ -174,7 +179,12 @@ class ModelConfig:
             raw = json.loads(file.read_text())
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{file}: invalid JSON ({exc})") from exc
-        return cls.from_dict(raw)
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{file}: expected a JSON object, got {type(raw).__name__}")
+        try:
+            return cls.from_dict(raw)
+        except ConfigError as exc:
+            raise ConfigError(f"{file}: {exc}") from None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -185,8 +195,8 @@ class ModelConfig:
             )
         text = raw.get("text_config")
         # A config without text_config is a flat text config (reference backward compatibility).
-        text = dict(raw if text is None else text)
-        kwargs = _known_fields(cls, text)
+        text = dict(raw if text is None else _object(text, "text_config"))
+        kwargs = _known_fields(cls, text, "text_config." if "text_config" in raw else "")
         kwargs.update(_linear_attn_fields(text))
         kwargs.update(_layer_schedules(text))
         kwargs["eos_token_id"] = _as_tuple(text.get("eos_token_id", raw.get("eos_token_id")))
@@ -202,13 +212,41 @@ class ModelConfig:
         return cls(**kwargs)
 
 
-def _known_fields(cls: type, raw: dict[str, Any]) -> dict[str, Any]:
-    names = {f.name for f in fields(cls)} - {"vision", "quant", "eos_token_id",
-                                              "layer_types", "indexer_types", "mlp_layer_types"}
-    out = {k: raw[k] for k in names if k in raw}
+# What a field's annotation ("int", "float | None", ...) lets a config.json value be.
+_VALUE_CHECKS = {"int": (lambda v: _is_int(v), "an integer"),
+                 "float": (lambda v: _is_int(v) or isinstance(v, float), "a number"),
+                 "bool": (lambda v: isinstance(v, bool), "true or false"),
+                 "str": (lambda v: isinstance(v, str), "a string")}
+_PARSED_APART = {"vision", "quant", "eos_token_id", "layer_types", "indexer_types",
+                 "mlp_layer_types"}
+
+
+def _known_fields(cls: type, raw: dict[str, Any], where: str = "") -> dict[str, Any]:
+    """The dataclass's fields found in `raw`, each checked against its annotation (ConfigError
+    naming the key where a value has another type: it would fail far from the config)."""
     if "num_local_experts" in raw and "n_routed_experts" not in raw:
-        out["n_routed_experts"] = raw["num_local_experts"]
+        raw = {**raw, "n_routed_experts": raw["num_local_experts"]}
+    out = {}
+    for field in fields(cls):
+        if field.name in _PARSED_APART or field.name not in raw:
+            continue
+        value = raw[field.name]
+        kind, _, optional = str(field.type).partition(" | ")
+        check, what = _VALUE_CHECKS.get(kind, (lambda v: True, ""))
+        if not (value is None and optional == "None") and not check(value):
+            raise ConfigError(f"{where}{field.name} must be {what}, got {value!r}")
+        out[field.name] = value
     return out
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _object(value: Any, name: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name} must be an object, got {type(value).__name__}")
+    return value
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:

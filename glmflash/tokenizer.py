@@ -326,6 +326,9 @@ def _read_json(path: Path) -> dict[str, Any]:
         return {}
     try:
         with path.open(encoding="utf-8") as f:
-            return json.load(f)
+            value = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value

@@ -73,6 +73,23 @@ def test_indexer_types_derivation_matches_reference(tmp_path, kwargs, expected):
      "unsupported values"),
     ({"quantization_config": {"quant_method": "awq"}}, "not supported"),
     ({"vision_config": {"out_hidden_size": 7}}, "out_hidden_size must equal"),
+    # Values of the wrong type are named where they are, not where they would fail.
+    ({"text_config": {"num_hidden_layers": "6"}}, "text_config.num_hidden_layers must be an "
+     "integer, got '6'"),
+    ({"text_config": {"hidden_size": None}}, "hidden_size must be an integer, got None"),
+    ({"text_config": {"n_routed_experts": True}}, "n_routed_experts must be an integer"),
+    ({"text_config": {"rms_norm_eps": "1e-5"}}, "rms_norm_eps must be a number"),
+    ({"vision_config": {"depth": 2.5}}, "vision_config.depth must be an integer"),
+    ({"text_config": [1]}, "text_config must be an object, got list"),
+    ({"quantization_config": ["fp8"]}, "quantization_config must be an object"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 64]}},
+     "square blocks"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": 128}},
+     "square blocks"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128.0, 128.0]}},
+     "square blocks"),
+    ({"quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}},
+     "activation_scheme 'static' is not supported"),
 ])
 def test_bad_configs_are_rejected(tmp_path, patch, message):
     config = {"model_type": "glm5_next", "text_config": {"num_hidden_layers": 4}}
@@ -96,6 +113,9 @@ def test_missing_and_invalid_files(tmp_path):
         ModelConfig.from_hf(tmp_path)
     (tmp_path / "config.json").write_text("{")
     with pytest.raises(ConfigError, match="invalid JSON"):
+        ModelConfig.from_hf(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="expected a JSON object, got list"):
         ModelConfig.from_hf(tmp_path)
 
 

@@ -359,3 +359,10 @@ def test_detokenizer_window_stays_small(tiny_dir: Path) -> None:
     assert text == expected
     # one small decode per add() plus one for flush(), never the whole sequence
     assert len(window_lens) == len(ids) + 1 and max(window_lens) <= 8
+
+
+def test_a_tokenizer_config_that_is_not_an_object_is_named(tmp_path: Path) -> None:
+    write_tiny_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="tokenizer_config.json: expected a JSON object"):
+        Tokenizer.from_dir(tmp_path)

@@ -35,6 +35,7 @@ from glmflash.multimodal.prompt import MultimodalPrompt
 from glmflash.sampling_params import SamplingParams, wrap_seed
 from glmflash.tokenizer import Tokenizer
 from glmflash.utils.logging import setup_logging
+from glmflash.utils.preflight import UsageError, check_device
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +64,20 @@ class Engine(EngineApiMixin, EngineLoopMixin, EngineStartupMixin, EngineEmitMixi
             from glmflash.tiny.embedded import embedded_checkpoint
             model_path = embedded_checkpoint()
         self.model_path = Path(model_path)
+        try:
+            check_device(device)
+        except UsageError as exc:  # the library's callers get a ValueError
+            raise ValueError(str(exc).removeprefix("--device ")) from None
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
         self.config = ModelConfig.from_hf(self.model_path)
         self.tokenizer = Tokenizer.from_dir(self.model_path)
         self.max_seq_len = self.options.context_length or min(self.config.max_position_embeddings,
                                                               8192)
+        if self.max_seq_len > self.config.max_position_embeddings:
+            # No rotary positions (MLA without rope, KDA): longer runs, past the trained length.
+            logger.warning("context length %d is past the model's max_position_embeddings %d",
+                           self.max_seq_len, self.config.max_position_embeddings)
         warmup_ids = self.tokenizer.encode(warmup_text())[:WARMUP_TOKENS] \
             if self.options.kt_expert_placement == "frequency" else None
         self.runner, plan = self._start_runner(log_level, warmup_ids)

@@ -104,6 +104,8 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; choose one of {sorted(_DTYPES)}")
         return dtype
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")

@@ -64,8 +64,10 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:  # TypeError: not an object
             raise CheckpointError(f"{index}: not a safetensors index ({exc})") from exc
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: weight_map must be an object")
         files = {name: root / shard for name, shard in weight_map.items()}
         for shard in sorted(set(files.values())):
             if not shard.exists():
@@ -94,7 +96,18 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, num_layers: int,
     by_file: dict[Path, list[str]] = {}
     for name in names:
         by_file.setdefault(files[name], []).append(name)
-    bar = tqdm(total=len(names), desc="Loading checkpoint", unit="tensor", disable=not progress)
+    with tqdm(total=len(names), desc="Loading checkpoint", unit="tensor",
+              disable=not progress) as bar:  # closed before an error is reported
+        _load_shards(by_file, params, layout, num_layers, report, written, bar)
+    _check_complete(params, written, path)
+    for reason, count in report.skipped.items():
+        logger.info("skipped %d tensors: %s", count, reason)
+    return report
+
+
+def _load_shards(by_file: dict[Path, list[str]], params: dict, layout: CheckpointLayout,
+                 num_layers: int, report: LoadReport, written: set, bar) -> None:
+    """Each shard's tensors into their parameters (or skipped, with the reason counted)."""
     for shard, shard_names in by_file.items():
         handle = _open(shard)
         for name in shard_names:
@@ -109,11 +122,6 @@ def load_checkpoint(model: nn.Module, path: str | Path, *, num_layers: int,
             _copy(params[target], index, tensor, name, shard)
             written.add((target, index))
             report.num_loaded += 1
-    bar.close()
-    _check_complete(params, written, path)
-    for reason, count in report.skipped.items():
-        logger.info("skipped %d tensors: %s", count, reason)
-    return report
 
 
 def _open(shard: Path):

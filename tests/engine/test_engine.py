@@ -160,3 +160,28 @@ def test_a_failing_step_ends_its_requests_not_the_engine(tiny_dirs):
         assert len(ok.token_ids) >= 1
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(device="tpu"), "unknown device"),
+    (dict(dtype=torch.int8), "unsupported dtype"),
+    (dict(dtype="fp64"), "unknown dtype"),
+])
+def test_engine_refuses_a_device_or_dtype_with_a_value_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(None, **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_engine_on_cuda_without_a_gpu_is_a_value_error():
+    with pytest.raises(ValueError, match="no CUDA device is visible"):
+        Engine(None, device="cuda")
+
+
+def test_a_context_past_the_models_positions_is_warned(caplog):
+    """The model has no rotary positions, so a longer context runs; it is past what the
+    checkpoint says it was trained for, which the log says."""
+    engine = Engine(None, device="cpu", dtype="float32", context_length=2**20 + 64,
+                    background_loop=False, skip_kernel_warmup=True)
+    engine.shutdown()
+    assert "past the model's max_position_embeddings 1048576" in caplog.text

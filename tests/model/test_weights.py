@@ -135,3 +135,10 @@ def test_unquantised_save_pretrained_layout_loads(ckpt, oracles, tmp_path):
     assert ModelConfig.from_hf(saved).quant is None
     # FP8 experts run on the numba kernel, plain ones on the loop: summation order only.
     assert (fp8_logits - plain_logits).abs().max().item() < NUMBA_VS_REF_ATOL
+
+
+@pytest.mark.parametrize("index", [[1, 2], {"weight_map": ["a"]}], ids=["list", "map_list"])
+def test_an_index_that_is_not_an_object_is_named(ckpt, index):
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json"):
+        _load(ckpt)
