@@ -43,12 +43,13 @@ class EngineStartupMixin:
                 state_config, self.options, self.max_seq_len, self.device, self.dtype,
                 model=model, graph_sizes=self._graph_rows())
             return ModelRunner(model, plan, state_config), plan
-        from glmflash.distributed.parallel import ParallelConfig
+        from glmflash.distributed.parallel import ParallelConfig, check_divisible
         from glmflash.engine.parallel_runner import RankSpec, start_ranks
 
         parallel = ParallelConfig(self.options.tp_size, self.options.ep_size,
                                   experts_on_rank0=self.device.type == "cuda"
                                   and self.options.kt_num_gpu_experts is not None)
+        check_divisible(self.config, parallel)  # here, once, before any rank is started
         runner = start_ranks(RankSpec(self.model_path, self.config, self.device.type, self.dtype,
                                       self.options, self.max_seq_len, parallel,
                                       log_level=log_level), warmup_ids)

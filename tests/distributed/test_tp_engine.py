@@ -181,3 +181,16 @@ def test_ctrl_c_stops_every_rank(model_dir):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130
     _assert_no_ranks_left(proc.pid)
+
+
+def test_a_split_the_heads_do_not_allow_is_refused_before_any_rank_starts(model_dir,
+                                                                          monkeypatch):
+    """tp_size 3 over 4 heads: one clear error from rank 0 before any rank is started (each
+    rank would have logged its own refusal)."""
+    import glmflash.engine.parallel_runner as parallel_runner
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("ranks were started")
+    monkeypatch.setattr(parallel_runner, "start_ranks", no_ranks)
+    with pytest.raises(ValueError, match="is not divisible by tp_size 3"):
+        Engine(model_dir, device="cpu", tp_size=3, skip_kernel_warmup=True)
