@@ -70,9 +70,11 @@ class Tokenizer:
         config = _read_json(path / "tokenizer_config.json")
         template_path = path / "chat_template.jinja"
         if template_path.is_file():
-            template = template_path.read_text(encoding="utf-8")
+            template, source = template_path.read_text(encoding="utf-8"), template_path
         else:
-            template = config.get("chat_template")
+            template, source = config.get("chat_template"), path / "tokenizer_config.json"
+        if template is not None:
+            _check_template(template, source)
         generation_config = _read_json(path / "generation_config.json")
         logger.debug("loaded tokenizer from %s (vocab %d)", path, backend.get_vocab_size())
         return cls(backend, config, template, generation_config)
@@ -228,6 +230,18 @@ def _alias_reasoning(message: Mapping[str, Any]) -> Mapping[str, Any]:
     if reasoning is None:
         return message
     return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+def _check_template(template: Any, source: Path) -> None:
+    """Compile the chat template at load (ValueError naming its file), not at the first chat
+    request, which would fail every one."""
+    if not isinstance(template, str):
+        raise ValueError(f"{source}: the chat template must be a string")
+    try:
+        _compile_template(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"{source}: invalid chat template (line {exc.lineno}: {exc.message})") \
+            from None
 
 
 @lru_cache(maxsize=8)

@@ -366,3 +366,11 @@ def test_a_tokenizer_config_that_is_not_an_object_is_named(tmp_path: Path) -> No
     (tmp_path / "tokenizer_config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="tokenizer_config.json: expected a JSON object"):
         Tokenizer.from_dir(tmp_path)
+
+
+def test_a_broken_chat_template_is_refused_at_load(tmp_path: Path) -> None:
+    """Not at the first chat request (every one would fail): the file and line are named."""
+    write_tiny_tokenizer(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}")
+    with pytest.raises(ValueError, match=r"chat_template.jinja: invalid chat template \(line 1"):
+        Tokenizer.from_dir(tmp_path)
