@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from glmflash.utils import env
 from glmflash.utils.cli_args import (
     ArgumentParser,
     HelpFormatter,
@@ -15,9 +17,10 @@ from glmflash.utils.cli_args import (
     positive_int,
     probability,
 )
-from glmflash.utils.env import configure_openmp
 from glmflash.utils.logging import setup_logging
 from glmflash.utils.preflight import check_device, check_model_path, run_reporting_errors
+
+logger = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,18 +60,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    configure_openmp()
+    env.configure_openmp()
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         from glmflash.server.launch import run_server
 
         return run_server(args)
-    setup_logging()
     from glmflash.engine.errors import STARTUP_ERRORS
 
     command = _make_tiny if args.command == "make-tiny" else _generate
-    return run_reporting_errors(lambda: command(args), debug=args.debug,
-                               usage_errors=STARTUP_ERRORS)
+
+    def run() -> int:
+        # GLMFLASH_LOG_LEVEL is read here: a bad value is one line like any other error.
+        setup_logging()
+        return command(args)
+
+    return run_reporting_errors(run, debug=args.debug, usage_errors=STARTUP_ERRORS)
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
@@ -88,18 +95,26 @@ def _generate(args: argparse.Namespace) -> int:
     from glmflash.sampling_params import SamplingParams
 
     # Every flag is checked before the model loads (minutes for the release checkpoint).
-    from glmflash.server.args import engine_options
+    from glmflash.server.args import engine_options, inapplicable_flags
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             ignore_eos=args.ignore_eos)
+    env.check()
     check_device(args.device)
     check_model_path(args.model_path)
+    import torch
+
     from glmflash.engine.engine import Engine
 
     engine = Engine(args.model_path, device=args.device, dtype=args.dtype,
                     **engine_options(args, for_server=False))
     try:
+        # As `serve` does: one line per flag that has no effect on this device.
+        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        for line in inapplicable_flags(args, engine.device.type, num_gpus, engine.supports_media,
+                                       for_server=False):
+            logger.warning("%s", line)
         prompts = args.prompt
         if args.chat:
             prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}])

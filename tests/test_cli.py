@@ -38,6 +38,18 @@ def test_generate_on_the_embedded_checkpoint(tmp_path):
     assert again.stdout == proc.stdout  # greedy by default
 
 
+def test_generate_reports_flags_without_effect(tmp_path):
+    """As `serve` does: one warning line per flag that does nothing on the device."""
+    proc = _run(["generate", "--prompt", "x", "--max-tokens", "1", "--device", "cpu",
+                 "--mem-fraction-static", "0.5", "--kt-num-gpu-experts", "4"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    ignored = [line.split("WARNING glmflash.cli: ")[-1] for line in proc.stderr.splitlines()
+               if ": ignored: " in line]
+    assert ignored == ["--kt-num-gpu-experts 4: ignored: every expert runs on the cpu",
+                       "--mem-fraction-static 0.5: ignored: on cpu the cache size comes from "
+                       "--cache-budget-gb"], proc.stderr
+
+
 def test_make_tiny_makes_the_random_checkpoint_once(tmp_path):
     proc = _run(["make-tiny"], tmp_path)
     assert proc.returncode == 0, proc.stderr

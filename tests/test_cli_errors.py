@@ -17,8 +17,8 @@ LAUNCH = ["glmflash.launch_server"]
 GENERATE = ["glmflash.cli", "generate", "--prompt", "x"]
 
 
-def _run(args: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, GLMFLASH_LOG_LEVEL="INFO")
+def _run(args: list[str], timeout: int = 120, **variables: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "GLMFLASH_LOG_LEVEL": "INFO", **variables}
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -86,6 +86,40 @@ def test_fp8_index_queries_without_fp8_keys(command):
         port = ["--port", str(sock.getsockname()[1])] if command is SERVE else []
     _one_line_error(_run([*command, *port, "--index-query-dtype", "fp8"]),
                     "index_query_dtype 'fp8' needs index_key_dtype 'fp8'")
+
+
+@pytest.mark.parametrize("command", [SERVE, LAUNCH, GENERATE])
+def test_bad_log_level_variable(command):
+    """Checked first (a missing checkpoint folder would be the error otherwise)."""
+    _one_line_error(_run([*command, "--device", "cpu", "--model-path", "/nowhere"],
+                         GLMFLASH_LOG_LEVEL="verbose"),
+                    "GLMFLASH_LOG_LEVEL='verbose': expected one of debug, info, warning")
+
+
+@pytest.mark.parametrize("command,value", [(GENERATE, "abc"), (GENERATE, "-1"), (SERVE, "nan")])
+def test_bad_dist_timeout_variable(command, value):
+    """Checked before the model loads (and before --tp-size starts any rank)."""
+    _one_line_error(_run([*command, "--device", "cpu", "--tp-size", "2"],
+                         GLMFLASH_DIST_TIMEOUT_S=value),
+                    f"GLMFLASH_DIST_TIMEOUT_S='{value}': expected seconds > 0")
+
+
+def test_environment_values(monkeypatch):
+    from glmflash.utils import env
+
+    for value, level in (("", "INFO"), ("debug", "DEBUG"), (" Warning ", "WARNING")):
+        monkeypatch.setenv("GLMFLASH_LOG_LEVEL", value)
+        assert env.log_level() == level
+    monkeypatch.setenv("GLMFLASH_LOG_LEVEL", "10")
+    with pytest.raises(ValueError, match="GLMFLASH_LOG_LEVEL='10'"):
+        env.log_level()
+    for value, seconds in (("", 600.0), ("0.5", 0.5), ("60", 60.0)):
+        monkeypatch.setenv("GLMFLASH_DIST_TIMEOUT_S", value)
+        assert env.dist_timeout_s() == seconds
+    for value in ("abc", "0", "-1", "nan", "inf", "1e99"):
+        monkeypatch.setenv("GLMFLASH_DIST_TIMEOUT_S", value)
+        with pytest.raises(ValueError, match=f"GLMFLASH_DIST_TIMEOUT_S='{value}': expected"):
+            env.dist_timeout_s()
 
 
 def test_a_busy_port_fails_before_the_model_loads():

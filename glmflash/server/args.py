@@ -9,7 +9,14 @@ import json
 from typing import Any
 
 from glmflash.engine.options import CPU_EXPERTS, ENGINE, MEDIA, MODEL, engine_flags
-from glmflash.utils.cli_args import ArgumentParser, HelpFormatter, non_negative_float, positive_int
+from glmflash.utils.cli_args import (
+    ArgumentParser,
+    HelpFormatter,
+    non_negative_float,
+    port,
+    positive_int,
+    secret,
+)
 
 DEFAULT_PORT = 30000
 # Past this, 413 (a 24 MiB image fits as base64; larger media come by URL). JSON parsing holds
@@ -62,8 +69,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     http = parser.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1")
-    http.add_argument("--port", type=positive_int, default=DEFAULT_PORT)
-    http.add_argument("--api-key", default=None,
+    http.add_argument("--port", type=port, default=DEFAULT_PORT)
+    http.add_argument("--api-key", type=secret, default=None, metavar="KEY",
                       help="require `Authorization: Bearer KEY` on /v1 routes")
     http.add_argument("--log-level", default="info",
                       choices=("debug", "info", "warning", "error"))
@@ -144,21 +151,27 @@ def _shown(args: argparse.Namespace, dest: str) -> str:
 
 
 def inapplicable_flags(args: argparse.Namespace, device_type: str, num_gpus: int,
-                       supports_media: bool) -> list[str]:
-    """One line per flag that is accepted but has no effect here, saying why."""
+                       supports_media: bool, *, for_server: bool = True) -> list[str]:
+    """One line per flag that is accepted but has no effect here, saying why.
+
+    `for_server=False` (`glmflash generate`, whose flags reach the engine as given, see
+    `engine_options`, and which lacks the server's own flags such as --kt-weight-path)
+    leaves out what only the server drops.
+    """
     on_gpu = device_type == "cuda"
     reasons: dict[str, str] = {}
     if not on_gpu:
         reasons.update({dest: "CUDA graphs need a CUDA device" for dest in
                         ("cuda_graph_bs", "cuda_graph_max_bs") if getattr(args, dest)})
-    if (args.tp_size or 1) > 1 and args.device != "cpu" and num_gpus < args.tp_size:
+    if for_server and (args.tp_size or 1) > 1 and args.device != "cpu" \
+            and num_gpus < args.tp_size:
         reasons["tp_size"] = f"only {num_gpus} CUDA device(s) visible; serving on one device " \
             "(--device cpu splits the model over CPU processes)"
         if args.ep_size is not None:
             reasons["ep_size"] = "no expert parallelism on one device"
     elif on_gpu and args.kt_num_gpu_experts is not None and (args.ep_size or 1) > 1:
         reasons["ep_size"] = "with --kt-num-gpu-experts every routed expert lives on rank 0"
-    reasons.update(_expert_reasons(args, device_type))
+    reasons.update(_expert_reasons(args, device_type, for_server))
     if not supports_media:
         reasons.update({dest: "this build has no image or video input" for dest in _MEDIA_FLAGS
                         if getattr(args, dest) is not None})
@@ -170,10 +183,11 @@ def inapplicable_flags(args: argparse.Namespace, device_type: str, num_gpus: int
     return [f"{_shown(args, dest)}: ignored: {why}" for dest, why in reasons.items()]
 
 
-def _expert_reasons(args: argparse.Namespace, device_type: str) -> dict[str, str]:
+def _expert_reasons(args: argparse.Namespace, device_type: str,
+                    for_server: bool) -> dict[str, str]:
     on_gpu = device_type == "cuda"
     reasons: dict[str, str] = {}
-    if args.kt_weight_path is not None:
+    if getattr(args, "kt_weight_path", None) is not None:
         reasons["kt_weight_path"] = "experts are read from --model-path (FP8, as on disk)"
     if not on_gpu:
         reasons.update({dest: f"every expert runs on the {device_type}"
@@ -185,7 +199,7 @@ def _expert_reasons(args: argparse.Namespace, device_type: str) -> dict[str, str
         reasons.update({dest: "no expert runs on the CPU without --kt-num-gpu-experts"
                         for dest in ("kt_cpuinfer", "kt_threadpool_count")
                         if getattr(args, dest) is not None})
-    if _too_few_threads_for_pools(args) and "kt_threadpool_count" not in reasons:
+    if for_server and _too_few_threads_for_pools(args) and "kt_threadpool_count" not in reasons:
         reasons["kt_threadpool_count"] = f"--kt-cpuinfer {args.kt_cpuinfer} gives fewer " \
             "threads than pools (each pool needs one); using one pool"
     return reasons

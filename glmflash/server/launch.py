@@ -11,6 +11,8 @@ import logging
 import socket
 from typing import TYPE_CHECKING
 
+from glmflash.utils import env
+from glmflash.utils.cli_args import MAX_PORT
 from glmflash.utils.logging import setup_logging
 from glmflash.utils.preflight import (
     UsageError,
@@ -41,6 +43,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 def check_server_args(args: argparse.Namespace) -> None:
     """Everything that can be checked before the model loads (the port is bound separately)."""
+    env.check()
     check_device(args.device)
     check_model_path(args.model_path)
     args.kt_cpuinfer = clamp_cpu_threads(args.kt_cpuinfer, "--kt-cpuinfer")
@@ -48,6 +51,9 @@ def check_server_args(args: argparse.Namespace) -> None:
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """The listening address, taken before the model loads so a busy port fails at once."""
+    if not 1 <= port <= MAX_PORT:
+        # getaddrinfo would wrap it (70000 binds 4464) and clients would call another port.
+        raise UsageError(f"--port {port}: must be in 1..{MAX_PORT}")
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]

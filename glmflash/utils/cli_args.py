@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 EXIT_USAGE = 2
 # What `chunk_size` gives for "no limit": larger than any prompt.
 UNLIMITED = 2**31 - 1
+MAX_PORT = 65535
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -57,6 +58,27 @@ def positive_float(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
+
+
+def port(text: str) -> int:
+    """A TCP port (getaddrinfo would wrap a larger one: 70000 binds port 4464)."""
+    value = _parse(int, text, "an integer")
+    if not 1 <= value <= MAX_PORT:
+        raise argparse.ArgumentTypeError(f"must be in 1..{MAX_PORT}, got {value}")
+    return value
+
+
+def secret(text: str) -> str:
+    """A key clients send in an HTTP header: not empty (`--api-key "$KEY"` with KEY unset),
+    and without surrounding whitespace, which a header value cannot carry (no client could
+    match the key)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "must not be empty" if not text else "must not be only whitespace")
+    if text != text.strip():
+        raise argparse.ArgumentTypeError("must not start or end with whitespace (an HTTP header "
+                                         "cannot carry it, so no client could match the key)")
+    return text
 
 
 def fraction(text: str) -> float:

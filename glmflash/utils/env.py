@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 from pathlib import Path
+
+# The level names the error message lists (logging's aliases WARN, FATAL, NOTSET work too).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+DEFAULT_DIST_TIMEOUT_S = 600.0
+MAX_DIST_TIMEOUT_S = 365 * 24 * 3600.0
 
 
 def cache_dir() -> Path:
@@ -28,7 +35,14 @@ def cpu_moe_decode() -> str | None:
 
 
 def log_level() -> str:
-    return os.environ.get("GLMFLASH_LOG_LEVEL", "INFO").upper()
+    """GLMFLASH_LOG_LEVEL: a logging level name (default INFO); a ValueError names the variable
+    for any other value."""
+    raw = os.environ.get("GLMFLASH_LOG_LEVEL", "")
+    value = raw.strip().upper() or "INFO"
+    if not isinstance(logging.getLevelName(value), int):
+        raise ValueError(f"GLMFLASH_LOG_LEVEL={raw!r}: expected one of "
+                         f"{', '.join(name.lower() for name in LOG_LEVELS)}")
+    return value
 
 
 def configure_openmp() -> None:
@@ -43,8 +57,27 @@ def configure_openmp() -> None:
 
 def dist_timeout_s() -> float:
     """GLMFLASH_DIST_TIMEOUT_S: how long a rank waits in a collective (or for the others to
-    join) before it gives up; a rank that exits ends the others' wait at once on gloo."""
-    return float(os.environ.get("GLMFLASH_DIST_TIMEOUT_S", "600"))
+    join) before it gives up; a rank that exits ends the others' wait at once on gloo.
+    Seconds > 0 (default 600); a ValueError names the variable for any other value."""
+    raw = os.environ.get("GLMFLASH_DIST_TIMEOUT_S", "")
+    if not raw.strip():
+        return DEFAULT_DIST_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    # A year at most: far larger ones overflow timedelta or the store's millisecond timeout.
+    if not 0 < value <= MAX_DIST_TIMEOUT_S:
+        raise ValueError(f"GLMFLASH_DIST_TIMEOUT_S={raw!r}: expected seconds > 0"
+                         f"{' (at most a year)' if value > MAX_DIST_TIMEOUT_S else ''}")
+    return value
+
+
+def check() -> None:
+    """Read each variable that has a checked value, so that a bad one is reported (one line, by
+    the commands) before anything slow starts."""
+    log_level()
+    dist_timeout_s()
 
 
 def test_fault() -> str | None:

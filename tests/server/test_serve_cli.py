@@ -39,6 +39,13 @@ def _run(args: list[str], timeout: int = 60) -> subprocess.CompletedProcess:
     (["glmflash.launch_server", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
     (["glmflash.launch_server", "--model", "x"], "unrecognized arguments: --model"),
     (["glmflash.launch_server", "--port", "http"], "argument --port: expected an integer"),
+    # getaddrinfo wraps a port past 65535: 70000 would listen on 4464.
+    (["glmflash.launch_server", "--port", "70000"], "--port: must be in 1..65535, got 70000"),
+    (["glmflash.cli", "serve", "--port", "0"], "--port: must be in 1..65535, got 0"),
+    # `--api-key "$KEY"` with KEY unset would turn authentication off; spaces lock clients out.
+    (["glmflash.launch_server", "--api-key", ""], "argument --api-key: must not be empty"),
+    (["glmflash.cli", "serve", "--api-key", "  "], "--api-key: must not be only whitespace"),
+    (["glmflash.launch_server", "--api-key", "k "], "--api-key: must not start or end with"),
     (["glmflash.launch_server", "--mem-fraction-static", "1.5"], "must be in (0, 1]"),
     (["glmflash.launch_server", "--mm-process-config", "{x"], "not valid JSON"),
     (["glmflash.launch_server", "--tool-call-parser", "qwen25"], "invalid choice: 'qwen25'"),
@@ -59,6 +66,31 @@ def test_flags_map_to_engine_options():
     assert seed["cuda_graph_bs"] == [1, 2, 4]
     assert args.port == 30000 and args.tool_call_parser == "glm47"
     assert args.reasoning_parser == "glm45"
+
+
+def test_bind_socket_refuses_a_port_past_65535():
+    from glmflash.server.launch import bind_socket
+    from glmflash.utils.preflight import UsageError
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    with pytest.raises(UsageError, match=f"--port {free + 65536}: must be in 1..65535"):
+        bind_socket("127.0.0.1", free + 65536).close()
+
+
+def test_inapplicable_flags_of_generate():
+    """`glmflash generate` has no --kt-weight-path and passes --tp-size to the engine as given."""
+    from glmflash.cli import build_parser as build_cli_parser
+
+    args = build_cli_parser().parse_args(["generate", "--prompt", "x", "--tp-size", "4",
+                                          "--mem-fraction-static", "0.5",
+                                          "--kt-num-gpu-experts", "4"])
+    assert [line.split(":")[0] for line in inapplicable_flags(
+        args, "cuda", 1, True, for_server=False)] == []
+    assert [line.split(":")[0] for line in inapplicable_flags(
+        args, "cpu", 0, True, for_server=False)] == ["--kt-num-gpu-experts 4",
+                                                     "--mem-fraction-static 0.5"]
 
 
 def test_inapplicable_flags_one_line_each():
