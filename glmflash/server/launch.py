@@ -51,7 +51,7 @@ def check_server_args(args: argparse.Namespace) -> None:
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """The listening address, taken before the model loads so a busy port fails at once."""
-    if not 1 <= port <= MAX_PORT:
+    if not 0 <= port <= MAX_PORT:  # 0: a free port (tests, embedding programs)
         # getaddrinfo would wrap it (70000 binds 4464) and clients would call another port.
         raise UsageError(f"--port {port}: must be in 1..{MAX_PORT}")
     try:
