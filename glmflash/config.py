@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from glmflash.utils.validation import require
+from glmflash.utils.validation import is_integer, is_number, require
 
 SUPPORTED_MODEL_TYPES = ("glm5_next", "glm5_next_text")
 KDA = "linear_attention"
@@ -78,7 +78,7 @@ class QuantConfig:
         block = raw.get("weight_block_size") or (128, 128)
         # The kernels take square blocks (one size for both weight dimensions).
         if not (isinstance(block, (list, tuple)) and len(block) == 2
-                and all(_is_int(b) and b > 0 for b in block) and block[0] == block[1]):
+                and all(is_integer(b) and b > 0 for b in block) and block[0] == block[1]):
             raise ConfigError(f"quantization_config.weight_block_size {block!r} must be two "
                               f"equal positive integers (square blocks)")
         scheme = raw.get("activation_scheme", "dynamic")
@@ -213,8 +213,8 @@ class ModelConfig:
 
 
 # What a field's annotation ("int", "float | None", ...) lets a config.json value be.
-_VALUE_CHECKS = {"int": (lambda v: _is_int(v), "an integer"),
-                 "float": (lambda v: _is_int(v) or isinstance(v, float), "a number"),
+_VALUE_CHECKS = {"int": (is_integer, "an integer"),
+                 "float": (is_number, "a number"),
                  "bool": (lambda v: isinstance(v, bool), "true or false"),
                  "str": (lambda v: isinstance(v, str), "a string")}
 _PARSED_APART = {"vision", "quant", "eos_token_id", "layer_types", "indexer_types",
@@ -237,10 +237,6 @@ def _known_fields(cls: type, raw: dict[str, Any], where: str = "") -> dict[str, 
             raise ConfigError(f"{where}{field.name} must be {what}, got {value!r}")
         out[field.name] = value
     return out
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _object(value: Any, name: str) -> dict[str, Any]:

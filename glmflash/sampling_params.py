@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from glmflash.utils.validation import require
+from glmflash.utils.validation import is_integer, is_number, require
 
 # Seeds are 64-bit signed integers (what every generator takes); choice i of a request with
 # seed s samples with wrap_seed(s + i).
@@ -55,9 +54,9 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        require((_is_integer(getattr(self, name)) or name in _OPTIONAL and getattr(self, name)
+        require((is_integer(getattr(self, name)) or name in _OPTIONAL and getattr(self, name)
                  is None, f"{name} must be an integer") for name in _INT_FIELDS)
-        require((_is_real(getattr(self, name)), f"{name} must be a number")
+        require((is_number(getattr(self, name)), f"{name} must be a number")
                 for name in _FLOAT_FIELDS)
         require((math.isfinite(getattr(self, name)), f"{name} must be a finite number")
                 for name in _FLOAT_FIELDS)
@@ -77,7 +76,7 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
-            (all(_is_integer(t) for t in self.stop_token_ids), "stop_token_ids must be integers"),
+            (all(is_integer(t) for t in self.stop_token_ids), "stop_token_ids must be integers"),
             (self.seed is None or MIN_SEED <= self.seed <= MAX_SEED,
              f"seed must be in [{MIN_SEED}, {MAX_SEED}]"),
         ]
@@ -86,14 +85,6 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
-
-
-def _is_integer(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def wrap_seed(seed: int) -> int:

@@ -36,6 +36,7 @@ from glmflash.sampling_params import SamplingParams, wrap_seed
 from glmflash.tokenizer import Tokenizer
 from glmflash.utils.logging import setup_logging
 from glmflash.utils.preflight import UsageError, check_device
+from glmflash.utils.validation import is_integer
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ class Engine(EngineApiMixin, EngineLoopMixin, EngineStartupMixin, EngineEmitMixi
         first prefill. `params` may be a function of the final prompt (an output budget that
         counts the media tokens). Raises MediaError (a ValueError) for bad media.
         """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if not is_integer(n) or n < 1:
             raise ValueError(f"n must be an integer of at least 1, got {n!r}")
         mm = self.media.prepare(prompt_token_ids, media) if media else None
         if mm is not None:
